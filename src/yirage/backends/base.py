@@ -1,0 +1,177 @@
+"""The contract every backend module implements, and the records it reports.
+
+A backend is one device kind (CPU, an NVIDIA/AMD/Intel GPU, Apple silicon) seen through
+torch: torch owns tensors, allocation and streams; the backend says whether the device
+is usable, describes it (``info``), reports its memory (``memory_info``), names the
+``torch_device`` tensors live on, names the code generator it uses (``codegen``) and
+waits for queued work (``synchronize``).
+
+This module must never pick a backend, fall back from one backend to another, or touch a
+device: it only defines ``Backend``, ``BackendInfo``, ``MemoryInfo`` and ``BackendImpl``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import platform
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from yirage.errors import BackendUnavailableError
+
+
+class Backend(enum.Enum):
+    """The device kinds yirage knows; ``.value`` is the lower-case name ('cpu', 'cuda', ...)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    ROCM = "rocm"
+    XPU = "xpu"
+    MPS = "mps"
+
+
+@dataclasses.dataclass
+class BackendInfo:
+    """What a backend is running on.
+
+    For an unavailable backend only ``name``, ``available`` (False), ``reason`` and
+    ``versions`` are filled; the device fields are None and ``isa_flags`` is empty.
+    ``memory_total_bytes`` is in bytes. ``compute_units`` is usable CPU cores for the CPU
+    and streaming multiprocessors / compute units for a GPU. ``details`` holds
+    backend-specific extras (thread counts, device index, ...).
+    """
+
+    name: Backend
+    available: bool
+    reason: str | None = None
+    device_name: str | None = None
+    compute_units: int | None = None
+    memory_total_bytes: int | None = None
+    isa_flags: list[str] = dataclasses.field(default_factory=list)
+    compute_capability: str | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``name`` becomes its string value."""
+        data = dataclasses.asdict(self)
+        data["name"] = self.name.value
+        return data
+
+
+@dataclasses.dataclass
+class MemoryInfo:
+    """Device memory in bytes: ``total_bytes``, ``free_bytes`` and ``used_bytes``.
+
+    ``free_bytes`` and ``used_bytes`` are None where the platform does not report them.
+    """
+
+    total_bytes: int
+    free_bytes: int | None
+    used_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the three fields."""
+        return dataclasses.asdict(self)
+
+
+def unavailable_error(requested: str, why: str) -> BackendUnavailableError:
+    """The error for a backend that is unknown or unusable.
+
+    ``why`` completes "backend '<requested>' is ..." (e.g. "unavailable: <reason>");
+    the message ends with the list of backends that are available here.
+    """
+    from yirage.backends import get_available_backends  # the registry imports this module
+
+    available = ", ".join(b.value for b in get_available_backends())
+    return BackendUnavailableError(
+        f"backend {requested!r} is {why}. Available backends: {available}"
+    )
+
+
+def base_versions() -> dict[str, str]:
+    """Versions every backend reports: torch and python."""
+    return {"torch": torch.__version__, "python": platform.python_version()}
+
+
+class BackendImpl(ABC):
+    """One device kind behind the backend contract.
+
+    Subclasses set ``name``, ``codegen`` ('cpp', 'triton' or 'metal') and ``device_type``
+    (the torch device type), and implement ``unavailable_reason`` plus the ``_device_*``
+    methods, which are only called once the backend is known to be available.
+    """
+
+    name: ClassVar[Backend]
+    codegen: ClassVar[str]
+    device_type: ClassVar[str]
+
+    @abstractmethod
+    def unavailable_reason(self) -> str | None:
+        """Why this backend cannot be used here, or None when it can."""
+
+    @abstractmethod
+    def _device_info(self) -> BackendInfo:
+        """``info()`` of an available backend."""
+
+    @abstractmethod
+    def _device_memory_info(self) -> MemoryInfo:
+        """``memory_info()`` of an available backend."""
+
+    def _device_synchronize(self) -> None:
+        """Wait for queued device work; nothing to wait for by default."""
+
+    def versions(self) -> dict[str, str]:
+        """Runtime versions relevant to this backend (torch, python, driver stack)."""
+        return base_versions()
+
+    def is_available(self) -> bool:
+        """True when this torch build and this machine can run the backend."""
+        return self.unavailable_reason() is None
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The torch device that tensors for this backend live on."""
+        return torch.device(self.device_type)
+
+    def require_available(self) -> None:
+        """Raises BackendUnavailableError (with the reason) unless the backend is available."""
+        if not self.is_available():
+            reason = self.unavailable_reason() or "is_available() returned False"
+            raise unavailable_error(self.name.value, f"unavailable: {reason}")
+
+    def info(self) -> BackendInfo:
+        """Describe the device; never raises for an unavailable backend.
+
+        Returns a BackendInfo with ``available=False``, the reason and empty device
+        fields when the backend cannot be used here.
+        """
+        if not self.is_available():
+            reason = self.unavailable_reason() or "is_available() returned False"
+            return BackendInfo(self.name, False, reason, versions=self.versions())
+        return self._device_info()
+
+    def memory_info(self) -> MemoryInfo:
+        """Device memory in bytes. Raises BackendUnavailableError if unavailable."""
+        self.require_available()
+        return self._device_memory_info()
+
+    def synchronize(self) -> None:
+        """Wait until queued work on the device is done. Raises if unavailable."""
+        self.require_available()
+        self._device_synchronize()
+
+    def compile(self, kernels: list) -> list:
+        """Compile fused kernels (transforms.fusion.FusedKernel) for this backend.
+
+        Returns one kernel object per input, each with ``bind(tensors, R) -> thunk``.
+        The default renders torch eager ops on this backend's device
+        (codegen/eager.py); backends with a native code generator override it.
+        """
+        from ..codegen.eager import EagerKernel
+        return [EagerKernel(k) for k in kernels]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name.value!r}, codegen={self.codegen!r})"

@@ -1,0 +1,170 @@
+"""The CPU backend: always available; kernels are generated as C++ (OpenMP, SIMD).
+
+It reads the CPU model, usable cores, SIMD/matrix ISA extensions and system memory from
+the operating system (/proc on Linux, sysctl on macOS) so that code generation can pick
+vector widths. It must never guess an ISA flag the OS does not report, and never start
+threads or change torch's thread settings.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+from yirage.backends.base import Backend, BackendImpl, BackendInfo, MemoryInfo
+
+# ISA extensions that code generation cares about, spelled as in Linux /proc/cpuinfo
+# (x86 "flags", Arm "Features").
+KNOWN_ISA_FLAGS = (
+    "avx", "avx2", "fma", "f16c",
+    "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+    "amx_tile", "amx_bf16", "amx_int8",
+    "neon", "asimd", "sve",
+)
+
+# macOS sysctl keys (hw.optional.*) for the same extensions.
+_SYSCTL_ISA_KEYS = {
+    "hw.optional.avx1_0": "avx",
+    "hw.optional.avx2_0": "avx2",
+    "hw.optional.fma": "fma",
+    "hw.optional.f16c": "f16c",
+    "hw.optional.avx512f": "avx512f",
+    "hw.optional.avx512bw": "avx512bw",
+    "hw.optional.avx512vnni": "avx512_vnni",
+    "hw.optional.neon": "neon",
+    "hw.optional.AdvSIMD": "asimd",
+    "hw.optional.arm.FEAT_SVE": "sve",
+}
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of ``name`` in /proc/cpuinfo, or None."""
+    for line in (_read_text("/proc/cpuinfo") or "").splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
+def _sysctl(args: list[str]) -> str | None:
+    """Output of ``sysctl <args>`` (macOS), or None if it fails."""
+    try:
+        result = subprocess.run(["sysctl", *args], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def cpu_model_name() -> str:
+    """The CPU model name as the OS reports it (e.g. 'AMD EPYC 9654')."""
+    name = _cpuinfo_field("model name")
+    if not name and sys.platform == "darwin":
+        name = (_sysctl(["-n", "machdep.cpu.brand_string"]) or "").strip()
+    return name or platform.processor() or platform.machine() or "unknown CPU"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_isa_flags() -> tuple[str, ...]:
+    """The entries of KNOWN_ISA_FLAGS this CPU reports, in KNOWN_ISA_FLAGS order."""
+    reported: set[str] = set()
+    line = _cpuinfo_field("flags") or _cpuinfo_field("Features")
+    if line is not None:
+        reported = set(line.split())
+    elif sys.platform == "darwin":
+        reported = _sysctl_isa_flags()
+    return tuple(flag for flag in KNOWN_ISA_FLAGS if flag in reported)
+
+
+def _sysctl_isa_flags() -> set[str]:
+    flags = set()
+    for line in (_sysctl(["hw.optional"]) or "").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in _SYSCTL_ISA_KEYS and value.strip() == "1":
+            flags.add(_SYSCTL_ISA_KEYS[key.strip()])
+    return flags
+
+
+def usable_cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask), else all logical CPUs."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def system_memory() -> MemoryInfo:
+    """System RAM in bytes: /proc/meminfo (MemTotal, MemAvailable), else os.sysconf."""
+    fields = _meminfo_kib()
+    if "MemTotal" in fields and "MemAvailable" in fields:
+        total, free = fields["MemTotal"] * 1024, fields["MemAvailable"] * 1024
+        return MemoryInfo(total, free, total - free)
+    return _sysconf_memory()
+
+
+def _meminfo_kib() -> dict[str, int]:
+    fields = {}
+    for line in (_read_text("/proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if parts and parts[0].isdigit():
+            fields[key.strip()] = int(parts[0])
+    return fields
+
+
+def _sysconf_memory() -> MemoryInfo:
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES")
+    if "SC_AVPHYS_PAGES" not in os.sysconf_names:
+        return MemoryInfo(total, None, None)
+    free = page * os.sysconf("SC_AVPHYS_PAGES")
+    return MemoryInfo(total, free, total - free)
+
+
+class CPUBackend(BackendImpl):
+    """The host CPU through torch's CPU tensors."""
+
+    name = Backend.CPU
+    codegen = "cpp"
+    device_type = "cpu"
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def compile(self, kernels: list) -> list:
+        """Fused kernels as C++ (codegen/cpp.py), built with the system compiler.
+
+        Raises ToolchainError when no compiler is installed or the build fails.
+        """
+        from ..codegen.cpp_launch import compile_cpp
+        return compile_cpp(kernels)
+
+    def _device_info(self) -> BackendInfo:
+        return BackendInfo(
+            name=self.name,
+            available=True,
+            device_name=cpu_model_name(),
+            compute_units=usable_cpu_count(),
+            memory_total_bytes=system_memory().total_bytes,
+            isa_flags=list(cpu_isa_flags()),
+            versions=self.versions(),
+            details={
+                "logical_cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "openmp": torch.backends.openmp.is_available(),
+                "machine": platform.machine(),
+            },
+        )
+
+    def _device_memory_info(self) -> MemoryInfo:
+        return system_memory()

@@ -1,0 +1,1 @@
+"""Code generation: one module per target language (C++ for CPU; Triton and Metal later)."""

@@ -1,0 +1,177 @@
+"""Renders fused row kernels (transforms.fusion.FusedKernel) as C++.
+
+Each kernel becomes ``extern "C" void NAME(void** args, int64_t R)``: ``args`` holds the
+input pointers then the output pointers, in the order of ``kernel.inputs`` and
+``kernel.outputs``; ``R`` is the number of rows (a run-time value, so one build serves
+every sequence length). The row loop is OpenMP-parallel; the loop over a row is split into
+*phases* at each row reduction, each phase one ``omp simd`` loop. A vec value defined in
+one phase and read in a later one is kept in a per-thread row buffer; plain input loads
+are simply reloaded. All arithmetic is float32; float16/bfloat16 are converted on load
+and store (bfloat16 rounds to nearest even).
+
+This module must never compile or load anything: runtime/toolchain.py does that.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from ..dtypes import DType
+from ..transforms.fusion import RS, VEC, FusedKernel
+
+HEADER = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+static inline float yr_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t yr_f32_to_bf16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
+    return (uint16_t)(u >> 16);
+}
+"""
+
+_CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t"}
+
+_UNARY = {
+    "exp": "std::exp({0})", "sqrt": "std::sqrt({0})", "rsqrt": "(1.0f / std::sqrt({0}))",
+    "square": "({0} * {0})", "neg": "(-{0})", "relu": "std::max({0}, 0.0f)",
+    "silu": "({0} / (1.0f + std::exp(-{0})))",
+    "gelu": "(0.5f * {0} * (1.0f + std::erf({0} * 0.70710678118654752f)))",
+}
+_BINARY = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})"}
+
+
+def _f(x: float) -> str:
+    return f"{float(x)!r}f" if x == x and abs(x) != float("inf") else (
+        "std::numeric_limits<float>::infinity()" if x > 0 else "(-std::numeric_limits<float>::infinity())")
+
+
+def _load(kernel: FusedKernel, idx: int) -> str:
+    inp = kernel.inputs[idx]
+    at = {"full": "r * D + j", "expand": "r * D + j", "row": "j", "col": "r", "scalar": "0"}[inp.mode]
+    raw = f"in{idx}[{at}]"
+    return f"yr_bf16_to_f32({raw})" if inp.dtype == DType.bfloat16 else f"(float){raw}"
+
+
+def _store(dtype: DType, v: str) -> str:
+    return f"yr_f32_to_bf16({v})" if dtype == DType.bfloat16 else f"({_CTYPE[dtype]}){v}"
+
+
+def _expr(kernel: FusedKernel, s) -> str:
+    a = [f"v{x}" for x in s.args]
+    if s.op == "load":
+        return _load(kernel, s.args[0])
+    if s.op in _UNARY:
+        return _UNARY[s.op].format(*a)
+    if s.op in _BINARY:
+        return _BINARY[s.op].format(*a)
+    if s.op == "clamp":
+        return f"std::min(std::max({a[0]}, {_f(s.attrs['lo'])}), {_f(s.attrs['hi'])})"
+    if s.op == "affine":
+        return f"({a[0]} * {_f(s.attrs['a'])} + {_f(s.attrs['b'])})"
+    raise NotImplementedError(s.op)
+
+
+def _phases(kernel: FusedKernel) -> tuple[dict, dict]:
+    """Phase of every vec statement and row reduction (the loop it runs in), and the
+    phase from which every rs value is available."""
+    phase, avail = {}, {}
+    for s in kernel.stmts:
+        if s.kind == VEC:
+            phase[s.id] = 0 if s.op == "load" else max(
+                [avail[x] if x in avail else phase[x] for x in s.args], default=0)
+        elif s.op in ("sum", "max"):
+            phase[s.id] = phase[s.args[0]]  # accumulates in its argument's loop
+            avail[s.id] = phase[s.id] + 1
+        else:
+            avail[s.id] = max([avail[x] for x in s.args], default=0)
+    return phase, avail
+
+
+def render_kernel(kernel: FusedKernel, name: str) -> str:
+    """C++ source of one fused kernel (without the module header)."""
+    phase, avail = _phases(kernel)
+    stmts = kernel.stmts
+    reloadable = {s.id for s in stmts if s.op == "load" and s.kind == VEC}
+    vec_outs = {sid: (n, d) for n, (sid, _, d) in enumerate(kernel.outputs) if stmts[sid].kind == VEC}
+    rs_outs = {sid: (n, d) for n, (sid, _, d) in enumerate(kernel.outputs) if stmts[sid].kind == RS}
+    reductions = [s for s in stmts if s.op in ("sum", "max") and s.kind == RS]
+    n_phases = max([phase[s.id] + 1 for s in stmts if s.kind == VEC and s.op not in ("sum", "max")]
+                   + [avail[s.id] for s in reductions], default=0)
+    # vec values read in a later phase than they are computed go through a row buffer
+    buffered = sorted({x for s in stmts if s.kind == VEC or s.op in ("sum", "max")
+                       for x in s.args if x in phase and x not in reloadable
+                       and stmts[x].kind == VEC and phase[x] < phase[s.id]})
+    slot = {sid: i for i, sid in enumerate(buffered)}
+
+    lines = [f'extern "C" void {name}(void** args, int64_t R) {{', f"  const int64_t D = {kernel.D};"]
+    for i, inp in enumerate(kernel.inputs):
+        lines.append(f"  const {_CTYPE[inp.dtype]}* __restrict in{i} = (const {_CTYPE[inp.dtype]}*)args[{i}];")
+    for n, (_, _, d) in enumerate(kernel.outputs):
+        lines.append(f"  {_CTYPE[d]}* __restrict out{n} = ({_CTYPE[d]}*)args[{len(kernel.inputs) + n}];")
+    lines.append("  #pragma omp parallel for schedule(static) if (R * D >= 32768)")
+    lines.append("  for (int64_t r = 0; r < R; ++r) {")
+    if buffered:
+        lines.append(f"    static thread_local std::vector<float> scratch; scratch.resize({len(buffered)} * D);")
+    for p in range(n_phases + 1):
+        for s in stmts:
+            if s.kind == RS and s.op not in ("sum", "max") and avail[s.id] == p:
+                lines.append(f"    const float v{s.id} = {_expr(kernel, s)};")
+        if p == n_phases:
+            break
+        accs = [s for s in reductions if phase[s.id] == p]
+        clauses = ""
+        for s in accs:
+            init = "0.0f" if s.op == "sum" else "(-std::numeric_limits<float>::infinity())"
+            lines.append(f"    float v{s.id} = {init};")
+            clauses += f" reduction({'+' if s.op == 'sum' else 'max'}:v{s.id})"
+        lines.append(f"    #pragma omp simd{clauses}")
+        lines.append("    for (int64_t j = 0; j < D; ++j) {")
+        body_ids = [s.id for s in stmts if s.id in phase and phase[s.id] == p and s.op not in ("sum", "max")]
+        used = {x for s in stmts if s.id in phase and phase[s.id] == p for x in s.args}
+        for x in sorted(used):
+            if x in phase and phase[x] != p and stmts[x].kind == VEC:
+                src = _expr(kernel, stmts[x]) if x in reloadable else f"scratch[{slot[x]} * D + j]"
+                lines.append(f"      const float v{x} = {src};")
+        for sid in body_ids:
+            lines.append(f"      const float v{sid} = {_expr(kernel, stmts[sid])};")
+            if sid in slot:
+                lines.append(f"      scratch[{slot[sid]} * D + j] = v{sid};")
+            if sid in vec_outs:
+                n, d = vec_outs[sid]
+                lines.append(f"      out{n}[r * D + j] = {_store(d, f'v{sid}')};")
+        for s in accs:
+            a = f"v{s.args[0]}"
+            lines.append(f"      v{s.id} = {'v%d + %s' % (s.id, a) if s.op == 'sum' else 'std::max(v%d, %s)' % (s.id, a)};")
+        lines.append("    }")
+    for sid, (n, d) in rs_outs.items():
+        if stmts[sid].op == "load":
+            lines.append(f"    const float v{sid} = {_expr(kernel, stmts[sid])};")
+        lines.append(f"    out{n}[r] = {_store(d, f'v{sid}')};")
+    lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def kernel_name(kernel: FusedKernel) -> str:
+    return "yr_fused_" + hashlib.sha256(kernel.key().encode()).hexdigest()[:16]
+
+
+def render_module(kernels: list[FusedKernel]) -> tuple[str, list[str]]:
+    """One C++ translation unit for a set of kernels; returns (source, entry names).
+
+    Kernels with the same structure share one entry point.
+    """
+    names, bodies = [], {}
+    for k in kernels:
+        name = kernel_name(k)
+        names.append(name)
+        bodies.setdefault(name, render_kernel(k, name))
+    return HEADER + "\n\n".join(bodies[n] for n in sorted(bodies)) + "\n", names

@@ -1,0 +1,45 @@
+"""Turns a set of fused kernels into C++ launchers: render, build (cached), bind pointers.
+
+A bound launcher is a zero-argument thunk that calls the kernel through ctypes with a
+pointer array built once, so a decode step pays one foreign call per kernel and nothing
+else. It must never allocate the tensors it is bound to.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+from ..runtime.toolchain import load_library
+from ..transforms.fusion import FusedKernel
+from .cpp import render_module
+
+_ARGTYPES = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64]
+
+
+class CppKernel:
+    """A fused kernel compiled to a C++ entry point ``void f(void** args, int64_t R)``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def bind(self, tensors: list[torch.Tensor], R: int) -> Callable[[], None]:
+        """Thunk running the kernel on ``tensors`` (inputs then outputs, contiguous CPU)."""
+        ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        fn, rows = self.fn, ctypes.c_int64(R)
+        return lambda: fn(ptrs, rows)
+
+
+def compile_cpp(kernels: list[FusedKernel]) -> list[CppKernel]:
+    """Build all ``kernels`` as one shared library (cached by source hash)."""
+    if not kernels:
+        return []
+    source, names = render_module(kernels)
+    lib = load_library(source)
+    out = []
+    for name in names:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ARGTYPES, None
+        out.append(CppKernel(fn))
+    return out

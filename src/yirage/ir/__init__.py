@@ -1,0 +1,1 @@
+"""Kernel-graph IR: typed tensors and ops (the Mirage-style builder lives in graph.py)."""

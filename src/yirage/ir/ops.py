@@ -1,0 +1,325 @@
+"""The op table: one entry per IR op with its shape rule and its reference meaning.
+
+Each ``OpDef`` has
+- ``kind``: how the optimizer treats it: ``elementwise`` (fusable, same shape in and out
+  after broadcasting), ``row`` (a reduction/normalization over trailing dims, fusable),
+  or ``library`` (a kernel of its own: GEMM, attention, ...),
+- ``infer(inputs, attrs) -> (shape, dtype)``: checks the inputs and raises ``ValueError``
+  naming the op, the shapes and the rule broken,
+- ``reference(args, attrs) -> tensor``: the meaning of the op in torch eager. The reference
+  interpreter (interpret.py) is built from these and is the ground truth for every kernel.
+
+This module must never generate code or depend on a backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..dtypes import DType
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """Static type of an IR tensor: logical shape and element type."""
+
+    shape: Shape
+    dtype: DType
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    kind: str  # "elementwise" | "row" | "library"
+    arity: int
+    infer: Callable[[list[TensorType], dict], TensorType]
+    reference: Callable[[list[torch.Tensor], dict], torch.Tensor]
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def _register(name, kind, arity, infer, reference):
+    OPS[name] = OpDef(name, kind, arity, infer, reference)
+
+
+def _fail(op: str, types: list[TensorType], rule: str):
+    shapes = ", ".join(str(tuple(t.shape)) for t in types)
+    raise ValueError(f"{op}: incompatible inputs with shapes {shapes}: {rule}")
+
+
+def broadcast_shape(op: str, a: TensorType, b: TensorType) -> Shape:
+    """torch broadcasting of two shapes; ValueError naming the op and both shapes."""
+    out = []
+    for i in range(1, max(len(a.shape), len(b.shape)) + 1):
+        x = a.shape[-i] if i <= len(a.shape) else 1
+        y = b.shape[-i] if i <= len(b.shape) else 1
+        if x != y and 1 not in (x, y):
+            _fail(op, [a, b], f"dims {x} and {y} at position -{i} must be equal or 1 to broadcast")
+        out.append(max(x, y))
+    return tuple(reversed(out))
+
+
+def _float(op: str, types: list[TensorType]):
+    for t in types:
+        if not t.dtype.is_float:
+            _fail(op, types, f"needs floating-point inputs, got {t.dtype.value}")
+
+
+def _unary_infer(name):
+    def infer(ts, attrs):
+        _float(name, ts)
+        return ts[0]
+    return infer
+
+
+def _binary_infer(name):
+    def infer(ts, attrs):
+        _float(name, ts)
+        a, b = ts
+        if a.dtype != b.dtype:
+            _fail(name, ts, f"dtypes must match, got {a.dtype.value} and {b.dtype.value}")
+        return TensorType(broadcast_shape(name, a, b), a.dtype)
+    return infer
+
+
+def _gelu(x):
+    return F.gelu(x)
+
+
+UNARY: dict[str, Callable] = {
+    "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu,
+    "gelu": _gelu, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
+}
+BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+
+for _n, _f in UNARY.items():
+    _register(_n, "elementwise", 1, _unary_infer(_n),
+              (lambda f: lambda args, attrs: f(args[0]))(_f))
+for _n, _f in BINARY.items():
+    _register(_n, "elementwise", 2, _binary_infer(_n),
+              (lambda f: lambda args, attrs: f(args[0], args[1]))(_f))
+
+_register("clamp", "elementwise", 1, _unary_infer("clamp"),
+          lambda args, a: torch.clamp(args[0], a["min_val"], a["max_val"]))
+_register("scale", "elementwise", 1, _unary_infer("scale"),
+          lambda args, a: args[0] * a["factor"])
+
+
+# ---- row ops: reductions and normalizations over trailing dims ----------------------------
+
+def _norm_dim(op: str, t: TensorType, dim: int) -> int:
+    if not -len(t.shape) <= dim < len(t.shape):
+        _fail(op, [t], f"dim {dim} is out of range for a {len(t.shape)}-d tensor")
+    return dim % len(t.shape)
+
+
+def _reduction_infer(ts, attrs):
+    _float("reduction", ts)
+    d = _norm_dim("reduction", ts[0], attrs["dim"])
+    shape = list(ts[0].shape)
+    shape[d] = 1
+    return TensorType(tuple(shape), ts[0].dtype)
+
+
+def _reduction_ref(args, attrs):
+    x = args[0]
+    return x.float().sum(dim=attrs["dim"], keepdim=True).to(x.dtype)
+
+
+def _rms_norm_infer(ts, attrs):
+    _float("rms_norm", ts)
+    ns = tuple(attrs["normalized_shape"])
+    if not ns or tuple(ts[0].shape[-len(ns):]) != ns or len(ns) > len(ts[0].shape):
+        _fail("rms_norm", ts, f"normalized_shape {ns} must equal the trailing dims of the input")
+    return ts[0]
+
+
+def _rms_norm_ref(args, attrs):
+    x = args[0]
+    dims = tuple(range(-len(attrs["normalized_shape"]), 0))
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(dim=dims, keepdim=True) + attrs["eps"])
+    return y.to(x.dtype)
+
+
+def _softmax_infer(ts, attrs):
+    _float("softmax", ts)
+    _norm_dim("softmax", ts[0], attrs["dim"])
+    return ts[0]
+
+
+_register("reduction", "row", 1, _reduction_infer, _reduction_ref)
+_register("rms_norm", "row", 1, _rms_norm_infer, _rms_norm_ref)
+_register("softmax", "row", 1, _softmax_infer,
+          lambda args, a: torch.softmax(args[0].float(), dim=a["dim"]).to(args[0].dtype))
+
+
+# ---- library ops: each runs as its own kernel ---------------------------------------------
+
+def _matmul_infer(ts, attrs):
+    a, b = ts
+    _float("matmul", ts)
+    if a.dtype != b.dtype:
+        _fail("matmul", ts, f"dtypes must match, got {a.dtype.value} and {b.dtype.value}")
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        _fail("matmul", ts, "both inputs need at least 2 dims (matmul multiplies the last two)")
+    if a.shape[-1] != b.shape[-2]:
+        _fail("matmul", ts, f"inner dims must agree: {a.shape[-1]} != {b.shape[-2]}")
+    batch = broadcast_shape("matmul", TensorType(a.shape[:-2], a.dtype), TensorType(b.shape[:-2], b.dtype))
+    return TensorType((*batch, a.shape[-2], b.shape[-1]), a.dtype)
+
+
+def dequantize(w: torch.Tensor, dtype: DType, shape: Shape) -> torch.Tensor:
+    """Float32 values of a weight; block-quantized storage is decoded per the GGML formats.
+
+    Args:
+        w: storage (``uint8`` of ``dtype.storage_shape(shape)`` for q8_0/q4_1).
+        shape: logical shape; the last dim is the blocked one.
+    Returns: float32 tensor of ``shape`` (same values as ``gguf.quants.dequantize``).
+    """
+    if not dtype.is_quantized:
+        return w.float()
+    per, nbytes = dtype.block
+    blocks = w.reshape(-1, nbytes)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    if dtype == DType.q8_0:
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()
+        vals = d * q
+    else:  # q4_1: d, m, then 16 bytes: low nibbles are weights 0..15, high nibbles 16..31
+        m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        qs = blocks[:, 4:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
+        vals = d * q + m
+    return vals.reshape(shape)
+
+
+def _linear_infer(ts, attrs):
+    x, w = ts[0], ts[1]
+    if not x.dtype.is_float:
+        _fail("linear", ts, f"x must be floating point, got {x.dtype.value}")
+    if len(w.shape) != 2:
+        _fail("linear", ts, "weight must be 2-d [out_features, in_features]")
+    if x.shape[-1] != w.shape[1]:
+        _fail("linear", ts, f"x's last dim {x.shape[-1]} must equal the weight's in_features {w.shape[1]}")
+    if not w.dtype.is_quantized and w.dtype != x.dtype:
+        _fail("linear", ts, f"dtypes must match, got {x.dtype.value} and {w.dtype.value}")
+    if w.dtype.is_quantized and x.dtype != DType.float32:
+        _fail("linear", ts, f"a {w.dtype.value} weight needs float32 activations, got {x.dtype.value}")
+    if len(ts) == 3 and tuple(ts[2].shape) != (w.shape[0],):
+        _fail("linear", ts, f"bias must have shape ({w.shape[0]},)")
+    return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
+
+
+def _linear_ref(args, attrs):
+    x, w = args[0], args[1]
+    wf = w
+    if attrs.get("w_dtype"):
+        wf = dequantize(w, DType(attrs["w_dtype"]), tuple(attrs["w_shape"])).to(x.dtype)
+    return F.linear(x, wf, args[2] if len(args) == 3 else None)
+
+
+def _embedding_infer(ts, attrs):
+    ids, table = ts
+    if ids.dtype not in (DType.int32, DType.int64):
+        _fail("embedding", ts, f"ids must be int32 or int64, got {ids.dtype.value}")
+    if len(table.shape) != 2:
+        _fail("embedding", ts, "table must be 2-d [vocab, dim]")
+    out = DType.float32 if table.dtype.is_quantized else table.dtype
+    return TensorType((*ids.shape, table.shape[1]), out)
+
+
+def _embedding_ref(args, attrs):
+    ids, table = args
+    if attrs.get("w_dtype"):
+        table = dequantize(table, DType(attrs["w_dtype"]), tuple(attrs["w_shape"]))
+    return F.embedding(ids.long(), table)
+
+
+def _rope_infer(ts, attrs):
+    x, cos, sin, pos = ts
+    if len(x.shape) != 3 or x.shape[-1] % 2:
+        _fail("rope", ts, "x must be [T, heads, head_dim] with an even head_dim")
+    if len(cos.shape) != 2 or cos.shape != sin.shape or cos.shape[1] != x.shape[-1] // 2:
+        _fail("rope", ts, "cos and sin tables must both be [max_seq, head_dim // 2]")
+    if pos.shape != (1,) or pos.dtype != DType.int64:
+        _fail("rope", ts, "start_pos must be an int64 tensor of shape (1,)")
+    if x.dtype != DType.float32 or cos.dtype != DType.float32:
+        _fail("rope", ts, "rope computes in float32")
+    return x
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int) -> torch.Tensor:
+    """Rotate-half RoPE (Su et al. 2021, as in transformers' Llama): x is [T, H, Dh]."""
+    T, half = x.shape[0], x.shape[-1] // 2
+    c = cos[start:start + T].unsqueeze(1)
+    s = sin[start:start + T].unsqueeze(1)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _attention_infer(ts, attrs):
+    q, k, v, kc, vc, pos = ts
+    if len(q.shape) != 3 or len(k.shape) != 3 or k.shape != v.shape:
+        _fail("attention", ts, "q must be [T, Hq, Dh]; k and v [T, Hkv, Dh]")
+    T, hq, dh = q.shape
+    if k.shape[0] != T or k.shape[2] != dh or hq % k.shape[1]:
+        _fail("attention", ts, "k/v must have the same T and Dh as q, and Hq divisible by Hkv (GQA)")
+    if kc.shape != vc.shape or len(kc.shape) != 3 or kc.shape[1:] != k.shape[1:]:
+        _fail("attention", ts, "KV caches must both be [max_seq, Hkv, Dh]")
+    if pos.shape != (1,) or pos.dtype != DType.int64:
+        _fail("attention", ts, "start_pos must be an int64 tensor of shape (1,)")
+    return q
+
+
+def attention_reference(q, k, v, k_cache, v_cache, start: int, scale: float) -> torch.Tensor:
+    """Causal GQA attention over a KV cache; writes k, v into the caches at ``start``.
+
+    Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [max_seq, Hkv, Dh]; returns [T, Hq, Dh].
+    """
+    T, hq, _ = q.shape
+    k_cache[start:start + T] = k
+    v_cache[start:start + T] = v
+    keys = k_cache[:start + T].transpose(0, 1)  # [Hkv, S, Dh]
+    vals = v_cache[:start + T].transpose(0, 1)
+    rep = hq // keys.shape[0]
+    keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
+    scores = torch.einsum("thd,hsd->hts", q.float(), keys.float()) * scale
+    S = start + T
+    causal = torch.arange(S)[None, :] <= (start + torch.arange(T))[:, None]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    out = torch.einsum("hts,hsd->thd", torch.softmax(scores, dim=-1), vals.float())
+    return out.to(q.dtype)
+
+
+def _argmax_infer(ts, attrs):
+    d = _norm_dim("argmax", ts[0], attrs["dim"])
+    if d != len(ts[0].shape) - 1:
+        _fail("argmax", ts, "argmax is supported over the last dim only")
+    return TensorType(ts[0].shape[:-1], DType.int64)
+
+
+_register("matmul", "library", 2, _matmul_infer, lambda args, a: torch.matmul(args[0], args[1]))
+_register("linear", "library", -1, _linear_infer, _linear_ref)
+_register("embedding", "library", 2, _embedding_infer, _embedding_ref)
+_register("rope", "library", 4, _rope_infer,
+          lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])))
+_register("attention", "library", 6, _attention_infer,
+          lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"]))
+_register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))
+
+
+def _reshape_infer(ts, attrs):
+    shape = tuple(attrs["shape"])
+    if math.prod(shape) != math.prod(ts[0].shape):
+        _fail("reshape", ts, f"cannot reshape to {shape}: element counts differ")
+    return TensorType(shape, ts[0].dtype)
+
+
+_register("reshape", "library", 1, _reshape_infer, lambda args, a: args[0].reshape(a["shape"]))

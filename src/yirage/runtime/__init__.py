@@ -1,0 +1,1 @@
+"""Runtime: builds generated code with the toolchain and executes compiled graphs."""

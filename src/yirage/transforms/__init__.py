@@ -1,0 +1,1 @@
+"""Graph → schedule passes (fusion). Each pass keeps the reference interpreter's numbers."""

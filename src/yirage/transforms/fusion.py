@@ -1,0 +1,228 @@
+"""Fusion: turns a KernelGraph into a schedule of fused row kernels and library calls.
+
+A fused kernel (``FusedKernel``) is a *row program*: every value it computes is either a
+``vec`` value (one element per position of a row of width ``D``) or an ``rs`` value (one
+scalar per row, e.g. a sum). The tensors it touches are viewed as ``(R, D)`` where
+``D`` is the product of the ``k`` trailing dims of the group's shape. Elementwise ops,
+``reduction`` over the last dim, ``softmax`` over the last dim and ``rms_norm`` are
+expanded into the primitive statements below and fused greedily in topological order:
+an op joins the open kernel when its shape fits, otherwise (or after any library op) a
+new kernel starts. Composite ops are expanded as
+  rms_norm(x)  = x * rsqrt(sum(x*x) / D + eps)
+  softmax(x)   = e / sum(e)  with  e = exp(x - max(x))
+  reduction(x) = sum(x)
+
+Statements: ``load`` (an input in one of the modes ``full`` [R, D], ``row`` [D] broadcast
+over rows, ``col`` [R] one per row, ``scalar``), unary/binary ops from ir.ops,
+``affine`` (a*x + b), and the row reductions ``sum``/``max``.
+
+This pass must never emit code: codegen renders FusedKernel for a target language.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..dtypes import DType
+from ..ir.ops import OPS, UNARY, BINARY
+
+VEC, RS = "vec", "rs"
+
+
+@dataclass
+class KInput:
+    tid: int
+    mode: str  # full | row | col | scalar | expand (materialized to full by the executor)
+    dtype: DType
+
+
+@dataclass
+class Stmt:
+    id: int
+    kind: str  # vec | rs
+    op: str
+    args: tuple[int, ...] = ()
+    attrs: dict = field(default_factory=dict)
+
+
+@dataclass
+class FusedKernel:
+    """A row program over an (R, D) iteration space; R is a run-time argument."""
+
+    shape: tuple[int, ...]
+    k: int
+    inputs: list[KInput] = field(default_factory=list)
+    stmts: list[Stmt] = field(default_factory=list)
+    outputs: list[tuple[int, int, DType]] = field(default_factory=list)  # (stmt id, tid, dtype)
+    values: dict[int, int] = field(default_factory=dict)  # graph tid -> stmt id
+    ops: list = field(default_factory=list)  # the IR OpNodes it covers
+
+    @property
+    def D(self) -> int:
+        return math.prod(self.shape[-self.k:])
+
+    @property
+    def R(self) -> int:
+        return math.prod(self.shape[:-self.k])
+
+    @property
+    def rs_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-self.k], *([1] * self.k))
+
+    def key(self) -> str:
+        """Structural signature: equal keys render to equal code (R excluded)."""
+        ins = ",".join(f"{i.mode}:{i.dtype.value}" for i in self.inputs)
+        st = ";".join(f"{s.kind}{s.id}={s.op}{s.args}{sorted(s.attrs.items())}" for s in self.stmts)
+        outs = ",".join(f"{s}:{d.value}" for s, _, d in self.outputs)
+        return f"D={self.D}|{ins}|{st}|{outs}"
+
+    # ---- building ---------------------------------------------------------------------
+    def stmt(self, kind: str, op: str, args=(), **attrs) -> int:
+        self.stmts.append(Stmt(len(self.stmts), kind, op, tuple(args), attrs))
+        return len(self.stmts) - 1
+
+    def kind_of(self, sid: int) -> str:
+        return self.stmts[sid].kind
+
+    def load(self, graph, tid: int) -> int:
+        """Statement id of graph tensor ``tid`` inside this kernel (loading it if external)."""
+        if tid in self.values:
+            return self.values[tid]
+        t = graph.tensors[tid]
+        mode = input_mode(t.shape, self.shape, self.k)
+        self.inputs.append(KInput(tid, mode, t.dtype))
+        sid = self.stmt(RS if mode in ("col", "scalar") else VEC, "load", (len(self.inputs) - 1,))
+        self.values[tid] = sid
+        return sid
+
+
+@dataclass
+class LibraryStep:
+    """An op that runs as its own kernel (GEMM, attention, ...)."""
+
+    node: object
+
+
+def input_mode(shape, S, k) -> str:
+    """How a tensor of ``shape`` (broadcastable to S) is indexed in an (R, D) view of S."""
+    shape = (1,) * (len(S) - len(shape)) + tuple(shape)
+    lead, trail = shape[:-k], shape[-k:]
+    if math.prod(shape) == 1:
+        return "scalar"
+    if tuple(shape) == tuple(S):
+        return "full"
+    if tuple(trail) == tuple(S[-k:]) and all(d == 1 for d in lead):
+        return "row"
+    if all(d == 1 for d in trail) and tuple(lead) == tuple(S[:-k]):
+        return "col"
+    return "expand"
+
+
+def _row_k(node, graph) -> int | None:
+    """Trailing dims a row op works on, or None if it cannot be fused (non-last dim)."""
+    x = graph.tensors[node.inputs[0]]
+    if node.op == "rms_norm":
+        return len(node.attrs["normalized_shape"])
+    if node.attrs["dim"] % len(x.shape) == len(x.shape) - 1:
+        return 1
+    return None
+
+
+def _fits(kern: FusedKernel | None, node, graph) -> str | None:
+    """VEC/RS if ``node`` can join ``kern``, else None."""
+    if kern is None:
+        return None
+    out = graph.tensors[node.output].shape
+    kind = OPS[node.op].kind
+    if kind == "row":
+        x = graph.tensors[node.inputs[0]].shape
+        return VEC if x == kern.shape and _row_k(node, graph) == kern.k else None
+    if out == kern.shape:
+        return VEC
+    if out == kern.rs_shape and all(
+            (i in kern.values and kern.kind_of(kern.values[i]) == RS)
+            or (i not in kern.values and input_mode(graph.tensors[i].shape, kern.shape, kern.k) in ("col", "scalar"))
+            for i in node.inputs):
+        return RS
+    return None
+
+
+def _new_kernel(node, graph) -> FusedKernel | None:
+    out = graph.tensors[node.output]
+    if OPS[node.op].kind == "row":
+        k = _row_k(node, graph)
+        if k is None:
+            return None
+        return FusedKernel(graph.tensors[node.inputs[0]].shape, k)
+    if not out.shape:
+        return None
+    return FusedKernel(out.shape, 1)
+
+
+def _emit(kern: FusedKernel, node, graph, kind: str) -> None:
+    """Append the statements of ``node`` to ``kern``."""
+    args = [kern.load(graph, i) for i in node.inputs]
+    op, a = node.op, node.attrs
+    if op in UNARY or op in BINARY:
+        kind = RS if all(kern.kind_of(s) == RS for s in args) else VEC
+        sid = kern.stmt(kind, op, args)
+    elif op == "clamp":
+        sid = kern.stmt(kind, "clamp", args, lo=a["min_val"], hi=a["max_val"])
+    elif op == "scale":
+        sid = kern.stmt(kind, "affine", args, a=a["factor"], b=0.0)
+    elif op == "reduction":
+        sid = kern.stmt(RS, "sum", args)
+    elif op == "rms_norm":
+        x = args[0]
+        ss = kern.stmt(RS, "sum", [kern.stmt(VEC, "square", [x])])
+        inv = kern.stmt(RS, "rsqrt", [kern.stmt(RS, "affine", [ss], a=1.0 / kern.D, b=a["eps"])])
+        sid = kern.stmt(VEC, "mul", [x, inv])
+    elif op == "softmax":
+        x = args[0]
+        m = kern.stmt(RS, "max", [x])
+        e = kern.stmt(VEC, "exp", [kern.stmt(VEC, "sub", [x, m])])
+        sid = kern.stmt(VEC, "div", [e, kern.stmt(RS, "sum", [e])])
+    else:  # pragma: no cover - the op table and this pass are kept in sync
+        raise NotImplementedError(op)
+    kern.values[node.output] = sid
+    kern.ops.append(node)
+
+
+def schedule(graph) -> list:
+    """Partition ``graph`` into an ordered list of FusedKernel and LibraryStep.
+
+    Every kernel output that is read by a later step or is a graph output is recorded in
+    ``FusedKernel.outputs``; everything else stays in registers/row buffers.
+    """
+    steps: list = []
+    kern: FusedKernel | None = None
+    for node in graph.ops:
+        if OPS[node.op].kind == "library":
+            kern = None
+            steps.append(LibraryStep(node))
+            continue
+        kind = _fits(kern, node, graph)
+        if kind is None:
+            kern = _new_kernel(node, graph)
+            if kern is None:
+                steps.append(LibraryStep(node))
+                continue
+            steps.append(kern)
+            kind = VEC if graph.tensors[node.output].shape == kern.shape else RS
+        _emit(kern, node, graph, kind)
+    _mark_outputs(steps, graph)
+    return steps
+
+
+def _mark_outputs(steps: list, graph) -> None:
+    needed: set[int] = set(graph.outputs)
+    for step in steps:
+        if isinstance(step, LibraryStep):
+            needed.update(step.node.inputs)
+        else:
+            needed.update(i.tid for i in step.inputs)
+    for step in steps:
+        if isinstance(step, FusedKernel):
+            for node in step.ops:
+                if node.output in needed:
+                    step.outputs.append((step.values[node.output], node.output, graph.tensors[node.output].dtype))
