@@ -192,6 +192,10 @@ class KernelGraph:
         """Same elements, new shape (a view of contiguous data)."""
         return self._add("reshape", [x], shape=tuple(int(d) for d in shape))
 
+    def slice_rows(self, x, start: int, end: int):
+        """Rows ``start:end`` of the first dim (a view; no copy)."""
+        return self._add("slice_rows", [x], start=int(start), end=int(end))
+
     # ---- running --------------------------------------------------------------------------
     def interpret(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the reference interpreter (torch eager); see ir/interpret.py."""

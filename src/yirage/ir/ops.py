@@ -322,4 +322,12 @@ def _reshape_infer(ts, attrs):
     return TensorType(shape, ts[0].dtype)
 
 
+def _slice_infer(ts, attrs):
+    n = ts[0].shape[0] if ts[0].shape else 0
+    if not 0 <= attrs["start"] < attrs["end"] <= n:
+        _fail("slice_rows", ts, f"need 0 <= start < end <= {n}, got [{attrs['start']}, {attrs['end']})")
+    return TensorType((attrs["end"] - attrs["start"], *ts[0].shape[1:]), ts[0].dtype)
+
+
+_register("slice_rows", "library", 1, _slice_infer, lambda args, a: args[0][a["start"]:a["end"]])
 _register("reshape", "library", 1, _reshape_infer, lambda args, a: args[0].reshape(a["shape"]))

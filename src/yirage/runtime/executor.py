@@ -25,6 +25,9 @@ from ..ir.ops import OPS
 from ..transforms.fusion import FusedKernel, LibraryStep, schedule
 
 
+VIEW_OPS = ("reshape", "slice_rows")  # alias their input's buffer; no launch
+
+
 class CompiledGraph:
     """A KernelGraph fused and compiled for one backend.
 
@@ -42,7 +45,7 @@ class CompiledGraph:
     @property
     def num_kernels(self) -> int:
         """Number of launches per run: fused kernels plus library calls (reshapes excluded)."""
-        return sum(1 for s in self.steps if not (isinstance(s, LibraryStep) and s.node.op == "reshape"))
+        return sum(1 for s in self.steps if not (isinstance(s, LibraryStep) and s.node.op in VIEW_OPS))
 
     def check(self, inputs: Sequence[torch.Tensor]) -> None:
         """ValueError if inputs do not match the graph or are not on the backend's device."""
@@ -105,7 +108,7 @@ class Plan:
     def _last_uses(self) -> dict[int, int]:
         last, root = {}, {}
         for i, step in enumerate(self.cg.steps):
-            if isinstance(step, LibraryStep) and step.node.op == "reshape":
+            if isinstance(step, LibraryStep) and step.node.op in VIEW_OPS:
                 root[step.node.output] = root.get(step.node.inputs[0], step.node.inputs[0])
             for tid in self._reads(step):
                 last[root.get(tid, tid)] = i
@@ -140,9 +143,9 @@ class Plan:
         self.thunks.append(self.cg.kernels[id(k)].bind(ins + outs, k.R))
 
     def _bind_library(self, node) -> None:
-        if node.op == "reshape":
+        if node.op in VIEW_OPS:
             src = self.env[node.inputs[0]]
-            self.env[node.output] = src.view(node.attrs["shape"])
+            self.env[node.output] = OPS[node.op].reference([src], node.attrs)
             self._root[node.output] = self._root.get(node.inputs[0], node.inputs[0])
             return
         args = [self.env[i] for i in node.inputs]

@@ -1,0 +1,1 @@
+"""Engines: what users call (``yr.LLM``); they drive models through the runtime."""

@@ -1,0 +1,231 @@
+"""Text generation: ``yr.LLM(model).generate(prompt)``.
+
+Tokenization and chat templates come from the model's own tokenizer (transformers);
+sampling follows the usual order (temperature, then top-k, then top-p / nucleus,
+Holtzman et al. 2019) like transformers' ``generate``. Decoding stops at the model's EOS
+token(s), at a ``stop`` string, or after ``max_new_tokens`` / when the KV cache is full.
+
+This module must never build graphs or touch kernels: models/llama.py and the runtime do.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from ..backends import resolve_backend
+from ..config import logger
+from ..errors import GenerationError
+from ..models.llama import LlamaModel, StepRunner
+from ..models.loading import load_model
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class GenerationResult:
+    """What ``LLM.generate`` returns.
+
+    Attributes:
+        text: the generated text (special tokens and the stop string removed).
+        token_ids: generated token ids (EOS excluded).
+        finish_reason: 'stop' (EOS or a stop string) or 'length' (max_new_tokens or
+            the KV cache is full).
+        prefill_s: seconds from the call to the first new token (time to first token).
+        decode_tokens_per_s: tokens/s over the decode steps after the first token
+            (0.0 when fewer than two tokens were generated).
+        prompt_tokens: number of prompt tokens.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prefill_s: float
+    decode_tokens_per_s: float
+    prompt_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "prefill_s": self.prefill_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+                "prompt_tokens": self.prompt_tokens}
+
+
+@dataclass
+class _Sampling:
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator | None = field(default=None)
+
+    def pick(self, logits: torch.Tensor, argmax: torch.Tensor) -> int:
+        if self.temperature == 0.0:
+            return int(argmax[0])
+        scores = logits[0].float() / self.temperature
+        if self.top_k is not None and self.top_k < scores.numel():
+            kth = torch.topk(scores, self.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_scores, dim=-1) > self.top_p  # keep the first token always
+            scores[order[drop]] = float("-inf")
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+
+
+class LLM:
+    """A decoder-only language model compiled for one backend.
+
+    Args:
+        model: a short name (``yirage.models.registry.list_models()``), a GGUF file, a
+            Hugging Face directory or a hub id.
+        backend: backend name, 'auto', or None for the current default (``yr.get_backend()``).
+        max_seq_length: KV-cache capacity in tokens (prompt + generated); must be positive.
+        progress: show loading progress on stderr.
+
+    Raises:
+        ModelLoadError: the model cannot be found or parsed.
+        BackendUnavailableError: the backend is unknown or unavailable.
+        GenerationError: max_seq_length is not a positive integer.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = "auto",
+                 max_seq_length: int = 2048, progress: bool = False):
+        if not isinstance(max_seq_length, int) or max_seq_length <= 0:
+            raise GenerationError(f"max_seq_length must be a positive integer, got {max_seq_length!r}")
+        self.backend = resolve_backend(backend)
+        loaded = load_model(model, progress=progress)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.name or str(loaded.path)
+        limit = self.config.max_position_embeddings or max_seq_length
+        self.max_seq_length = min(max_seq_length, limit)
+        self.model = LlamaModel(loaded, self.backend, self.max_seq_length)
+        self.steps = StepRunner(self.model)
+        self.eos_token_ids = set(self.config.eos_token_ids)
+        logger.info("loaded %s on %s (max_seq_length=%d)", self.name, self.backend.value, self.max_seq_length)
+
+    # ---- prompts ------------------------------------------------------------------------
+    def encode_prompt(self, prompt: "str | Sequence[dict]", chat: bool = True) -> list[int]:
+        """Token ids of ``prompt``: a string (wrapped as one user message when ``chat`` and
+        the tokenizer has a chat template) or a list of {'role', 'content'} messages."""
+        tok = self.tokenizer
+        if isinstance(prompt, str) and not (chat and getattr(tok, "chat_template", None)):
+            return list(tok.encode(prompt, add_special_tokens=True))
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if not getattr(tok, "chat_template", None):
+            raise GenerationError("this model's tokenizer has no chat template: pass a plain string prompt")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop: "str | Sequence[str] | None" = None, stream: bool = False, chat: bool = True):
+        """Generate a continuation of ``prompt``.
+
+        Args:
+            prompt: a string or a list of chat messages ({'role', 'content'}).
+            max_new_tokens: positive upper bound on generated tokens.
+            temperature: 0 for greedy decoding, > 0 to sample.
+            top_k, top_p: optional sampling filters (top_k > 0, 0 < top_p <= 1).
+            seed: seeds the sampler (results repeat for the same seed).
+            stop: string(s) that end generation; they are not included in the text.
+            stream: if True, return an iterator of text pieces; its ``result`` attribute
+                holds the GenerationResult once it is exhausted.
+            chat: apply the chat template to a string prompt.
+
+        Returns: GenerationResult, or a GenerationStream when ``stream`` is True.
+        Raises: GenerationError for bad arguments or a prompt that does not fit.
+        """
+        self._check_args(max_new_tokens, temperature, top_k, top_p)
+        ids = self.encode_prompt(prompt, chat)
+        if len(ids) >= self.max_seq_length:
+            raise GenerationError(f"the prompt is {len(ids)} tokens but max_seq_length is "
+                                  f"{self.max_seq_length}: shorten the prompt or raise max_seq_length")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        sampling = _Sampling(float(temperature), top_k, top_p, gen)
+        stream_obj = GenerationStream(self, ids, max_new_tokens, sampling, stops)
+        if stream:
+            return stream_obj
+        for _ in stream_obj:
+            pass
+        return stream_obj.result
+
+    @staticmethod
+    def _check_args(max_new_tokens, temperature, top_k, top_p):
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if temperature is None or temperature < 0:
+            raise GenerationError(f"temperature must be >= 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+            raise GenerationError(f"top_k must be a positive integer or None, got {top_k!r}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise GenerationError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+class GenerationStream:
+    """Iterator of decoded text pieces; ``result`` is set when generation ends."""
+
+    def __init__(self, llm: LLM, prompt_ids: list[int], max_new_tokens: int, sampling: _Sampling,
+                 stops: list[str]):
+        self.llm, self.prompt_ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
+        self.sampling, self.stops = sampling, stops
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        llm, t0 = self.llm, time.perf_counter()
+        budget = min(self.max_new_tokens, llm.max_seq_length - len(self.prompt_ids))
+        out: list[int] = []
+        text, emitted, finish = "", 0, "length"
+        pos, feed = 0, self.prompt_ids
+        prefill_s, t_first = 0.0, t0
+        while len(out) < budget:
+            logits, argmax = llm.steps.run(feed, pos)
+            tok = self.sampling.pick(logits, argmax)
+            if not out:
+                t_first = time.perf_counter()
+                prefill_s = t_first - t0
+            pos += len(feed)
+            feed = [tok]
+            if tok in llm.eos_token_ids:
+                finish = "stop"
+                break
+            out.append(tok)
+            text = llm.tokenizer.decode(out, skip_special_tokens=True)
+            cut = _first_stop(text, self.stops)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+            safe = len(text) if finish == "stop" else _stable_len(text, self.stops)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if finish == "stop":
+                break
+        if emitted < len(text):
+            yield text[emitted:]
+        decode_s = time.perf_counter() - t_first
+        tps = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0
+        self.result = GenerationResult(text, out, finish, prefill_s, tps, len(self.prompt_ids))
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _stable_len(text: str, stops: list[str]) -> int:
+    """Length of the prefix safe to print: hold back an incomplete UTF-8 character and
+    any tail that could be the start of a stop string."""
+    n = len(text) - 1 if text.endswith("\ufffd") else len(text)
+    for s in stops:
+        for k in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:k]):
+                n -= k
+                break
+    return n

@@ -1,0 +1,1 @@
+"""Models: short-name registry, weight/tokenizer loading, and decoders as kernel graphs."""

@@ -1,0 +1,142 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) expressed as kernel graphs.
+
+One graph covers one forward step over ``T`` new tokens at positions
+``start_pos .. start_pos+T-1`` (prefill: T = prompt length; decode: T = 1) and returns the
+logits of the last token [1, vocab] (float32) and their argmax [1] (int64):
+
+    h = embedding(ids)
+    per layer:  n = RMSNorm(h) * w_attn_norm                      (fused kernel)
+                q, k, v = linear(n, Wq/Wk/Wv [+ bias, Qwen2])     (GEMV/GEMM)
+                q, k = RoPE(q), RoPE(k)                            (rotate-half, HF layout)
+                a = attention(q, k, v, KV cache, start_pos)        (causal, GQA)
+                h = h + linear(a, Wo);  n = RMSNorm(h) * w_mlp_norm    (fused kernel)
+                h = h + linear(silu(linear(n, Wg)) * linear(n, Wu), Wd)   (SwiGLU)
+    logits = linear(RMSNorm(h[-1]) * w_norm, W_lm_head or W_embed (tied))
+
+References: Touvron et al. 2023 (Llama), Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021
+(RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020 (SwiGLU); transformers' modeling_llama.py
+is the numerical reference the tests compare against.
+
+This module builds graphs and owns the KV cache tensors; it must never launch kernels
+itself (the executor does) or parse model files (models/loading.py does).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend, get_backend_impl
+from ..dtypes import DType, as_dtype
+from ..ir.graph import KernelGraph
+
+
+class LlamaModel:
+    """Weights, RoPE tables and KV cache of a loaded decoder, on one backend's device.
+
+    Args:
+        loaded: a ``models.loading.LoadedModel``.
+        backend: the backend the graphs run on.
+        max_seq_length: KV-cache length in tokens (prompt + generated).
+
+    Float weights are converted to float32 (activations are float32); block-quantized
+    weights (q4_1, q8_0) stay in their blocks and are decoded inside the GEMV kernels.
+    """
+
+    def __init__(self, loaded, backend: Backend, max_seq_length: int):
+        cfg = loaded.config
+        self.cfg = cfg
+        self.backend = backend
+        self.max_seq_length = max_seq_length
+        self.device = get_backend_impl(backend).torch_device
+        self.weights: dict[str, tuple[torch.Tensor, DType, tuple]] = {}
+        for name, w in loaded.weights.items():
+            data, dtype = w.data, w.dtype
+            if not dtype.is_quantized:
+                data, dtype = data.float(), DType.float32
+            self.weights[name] = (data.contiguous().to(self.device), dtype, tuple(w.shape))
+        pos = torch.arange(max_seq_length, dtype=torch.float32)[:, None]
+        freqs = pos * cfg.inv_freq.float()[None, :]
+        self.cos = (freqs.cos() * cfg.attention_scaling).to(self.device)
+        self.sin = (freqs.sin() * cfg.attention_scaling).to(self.device)
+        shape = (max_seq_length, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
+        self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
+
+    def build_graph(self, T: int) -> tuple[KernelGraph, list[torch.Tensor]]:
+        """The forward graph for T new tokens, and the tensors for every input except
+        the first two (``ids`` [T] int64 and ``start_pos`` [1] int64)."""
+        cfg = self.cfg
+        g = KernelGraph(self.backend.value)
+        tensors: list[torch.Tensor] = []
+
+        def inp(t: torch.Tensor, dtype=None, shape=None, name=None):
+            tensors.append(t)
+            return g.new_input(shape or tuple(t.shape), dtype or as_dtype(t.dtype), name)
+
+        def weight(name: str):
+            data, dtype, shape = self.weights[name]
+            return inp(data, dtype, shape, name)
+
+        ids = g.new_input((T,), DType.int64, "ids")
+        start = g.new_input((1,), DType.int64, "start_pos")
+        cos, sin = inp(self.cos, name="rope_cos"), inp(self.sin, name="rope_sin")
+        H, Dh, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        eps = cfg.rms_norm_eps
+
+        def norm(x, w):
+            return g.mul(g.rms_norm(x, (H,), eps), weight(w))
+
+        def proj(x, prefix):
+            bias = weight(prefix + ".bias") if prefix + ".bias" in self.weights else None
+            return g.linear(x, weight(prefix + ".weight"), bias)
+
+        embed = weight("model.embed_tokens.weight")
+        h = g.embedding(ids, embed)
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            n = norm(h, f"{p}.input_layernorm.weight")
+            q = g.reshape(proj(n, f"{p}.self_attn.q_proj"), (T, hq, Dh))
+            k = g.reshape(proj(n, f"{p}.self_attn.k_proj"), (T, hkv, Dh))
+            v = g.reshape(proj(n, f"{p}.self_attn.v_proj"), (T, hkv, Dh))
+            q, k = g.rope(q, cos, sin, start), g.rope(k, cos, sin, start)
+            kc, vc = inp(self.k_cache[i], name=f"k_cache.{i}"), inp(self.v_cache[i], name=f"v_cache.{i}")
+            a = g.attention(q, k, v, kc, vc, start)
+            h = g.add(h, proj(g.reshape(a, (T, hq * Dh)), f"{p}.self_attn.o_proj"))
+            n = norm(h, f"{p}.post_attention_layernorm.weight")
+            gate, up = proj(n, f"{p}.mlp.gate_proj"), proj(n, f"{p}.mlp.up_proj")
+            h = g.add(h, proj(g.mul(g.silu(gate), up), f"{p}.mlp.down_proj"))
+        last = norm(g.slice_rows(h, T - 1, T), "model.norm.weight")
+        head = embed if "lm_head.weight" not in self.weights else weight("lm_head.weight")
+        logits = g.linear(last, head)
+        g.mark_output(logits)
+        g.mark_output(g.argmax(logits, -1))
+        return g, tensors
+
+
+class StepRunner:
+    """Compiled forward steps of a LlamaModel: one plan per token count T, reused.
+
+    ``run(token_ids, start_pos)`` writes the KV cache rows start_pos.. and returns
+    (logits [1, vocab] float32, argmax [1] int64), both owned by the plan (copy to keep).
+    """
+
+    def __init__(self, model: LlamaModel, max_plans: int = 4):
+        self.model = model
+        self.plans: dict[int, tuple] = {}
+        self.max_plans = max_plans
+
+    def _plan(self, T: int):
+        if T not in self.plans:
+            if len(self.plans) >= self.max_plans:  # keep decode (T=1), drop an old prefill plan
+                self.plans.pop(next(t for t in self.plans if t != 1))
+            g, tensors = self.model.build_graph(T)
+            ids = torch.zeros(T, dtype=torch.int64, device=self.model.device)
+            start = torch.zeros(1, dtype=torch.int64, device=self.model.device)
+            plan = g.compile(self.model.backend.value).plan([ids, start, *tensors])
+            self.plans[T] = (plan, ids, start)
+        return self.plans[T]
+
+    def run(self, token_ids: list[int], start_pos: int):
+        plan, ids, start = self._plan(len(token_ids))
+        ids.copy_(torch.tensor(token_ids, dtype=torch.int64))
+        start.fill_(start_pos)
+        return plan.run()
