@@ -104,8 +104,13 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, temperature
 
 
 def main() -> None:
-    """Console-script entry point."""
-    cli()
+    """Console-script entry point: usage errors are one line too."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        _fail("aborted")
+    except click.ClickException as e:
+        _fail(e.format_message())
 
 
 if __name__ == "__main__":

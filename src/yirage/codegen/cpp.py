@@ -87,6 +87,8 @@ def _phases(kernel: FusedKernel) -> tuple[dict, dict]:
         if s.kind == VEC:
             phase[s.id] = 0 if s.op == "load" else max(
                 [avail[x] if x in avail else phase[x] for x in s.args], default=0)
+        elif s.op == "load":
+            avail[s.id] = 0
         elif s.op in ("sum", "max"):
             phase[s.id] = phase[s.args[0]]  # accumulates in its argument's loop
             avail[s.id] = phase[s.id] + 1
@@ -152,8 +154,6 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
             lines.append(f"      v{s.id} = {'v%d + %s' % (s.id, a) if s.op == 'sum' else 'std::max(v%d, %s)' % (s.id, a)};")
         lines.append("    }")
     for sid, (n, d) in rs_outs.items():
-        if stmts[sid].op == "load":
-            lines.append(f"    const float v{sid} = {_expr(kernel, stmts[sid])};")
         lines.append(f"    out{n}[r] = {_store(d, f'v{sid}')};")
     lines.append("  }")
     lines.append("}")

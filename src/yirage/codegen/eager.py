@@ -41,10 +41,11 @@ class EagerKernel:
         k = self.kernel
         v: dict[int, torch.Tensor] = {}
         for s in k.stmts:
-            a = [v[i] for i in s.args]
             if s.op == "load":
                 v[s.id] = self._view(ins[s.args[0]], k.inputs[s.args[0]].mode, R)
-            elif s.op in UNARY:
+                continue
+            a = [v[i] for i in s.args]
+            if s.op in UNARY:
                 v[s.id] = UNARY[s.op](a[0])
             elif s.op in BINARY:
                 v[s.id] = BINARY[s.op](a[0], a[1])

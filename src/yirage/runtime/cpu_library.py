@@ -55,7 +55,7 @@ def _embedding(node, args, out, graph):
     tt = graph.tensors[node.inputs[1]].dtype
     if ids.dtype != torch.int64 or tt not in (DType.q8_0, DType.q4_1, DType.float32):
         return None
-    fn = getattr(_lib(), f"yr_embedding_{tt.value}")
+    fn = getattr(_lib(), "yr_embedding_" + ("f32" if tt == DType.float32 else tt.value))
     p = (_ptr(ids), _ptr(table), _ptr(out), ids.numel(), graph.tensors[node.inputs[1]].shape[1])
     return lambda: fn(*p)
 

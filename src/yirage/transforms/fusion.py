@@ -107,10 +107,10 @@ def input_mode(shape, S, k) -> str:
     """How a tensor of ``shape`` (broadcastable to S) is indexed in an (R, D) view of S."""
     shape = (1,) * (len(S) - len(shape)) + tuple(shape)
     lead, trail = shape[:-k], shape[-k:]
-    if math.prod(shape) == 1:
-        return "scalar"
     if tuple(shape) == tuple(S):
         return "full"
+    if math.prod(shape) == 1:
+        return "scalar"
     if tuple(trail) == tuple(S[-k:]) and all(d == 1 for d in lead):
         return "row"
     if all(d == 1 for d in trail) and tuple(lead) == tuple(S[:-k]):
@@ -188,8 +188,19 @@ def _emit(kern: FusedKernel, node, graph, kind: str) -> None:
     kern.ops.append(node)
 
 
+def _can_sink(steps: list, kern: FusedKernel) -> bool:
+    """True if no step after ``kern`` reads one of its values, so it may move to the end."""
+    pos = next(i for i in range(len(steps) - 1, -1, -1) if steps[i] is kern)
+    return not any(tid in kern.values for st in steps[pos + 1:]
+                   for tid in (st.node.inputs if isinstance(st, LibraryStep) else [i.tid for i in st.inputs]))
+
+
 def schedule(graph) -> list:
     """Partition ``graph`` into an ordered list of FusedKernel and LibraryStep.
+
+    The open kernel stays open across library steps that do not read it: an op that
+    joins it moves (sinks) the kernel after those steps, so ``silu(x @ Wg) * (x @ Wu)``
+    is one kernel after both GEMMs.
 
     Every kernel output that is read by a later step or is a graph output is recorded in
     ``FusedKernel.outputs``; everything else stays in registers/row buffers.
@@ -198,10 +209,15 @@ def schedule(graph) -> list:
     kern: FusedKernel | None = None
     for node in graph.ops:
         if OPS[node.op].kind == "library":
-            kern = None
             steps.append(LibraryStep(node))
             continue
         kind = _fits(kern, node, graph)
+        if kind is not None and steps[-1] is not kern:
+            if _can_sink(steps, kern):
+                steps.remove(kern)
+                steps.append(kern)
+            else:
+                kind = None
         if kind is None:
             kern = _new_kernel(node, graph)
             if kern is None:

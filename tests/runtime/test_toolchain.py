@@ -1,0 +1,68 @@
+"""The C++ toolchain: on-disk cache by source hash, concurrent builds, missing compiler."""
+import os
+import multiprocessing as mp
+import subprocess
+import sys
+
+import pytest
+
+from yirage.errors import ToolchainError
+from yirage.runtime import toolchain
+
+SOURCE = 'extern "C" int yr_answer(int x) { return x + %d; }\n'
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
+    toolchain.load_library.cache_clear()
+    yield tmp_path
+    toolchain.load_library.cache_clear()
+
+
+def test_build_load_and_cache(fresh_cache):
+    lib = toolchain.load_library(SOURCE % 1)
+    assert lib.yr_answer(41) == 42
+    built = list((fresh_cache / "cpp").glob("*.so"))
+    assert len(built) == 1 and built[0] == toolchain.library_path(SOURCE % 1)
+    toolchain.load_library.cache_clear()
+    mtime = built[0].stat().st_mtime_ns
+    toolchain.load_library(SOURCE % 1)  # cached on disk: not rebuilt
+    assert built[0].stat().st_mtime_ns == mtime
+
+
+def _build_in_child(cache, n, q):
+    import os
+    os.environ["YIRAGE_CACHE_DIR"] = cache
+    from yirage.runtime import toolchain as tc
+    q.put(tc.load_library(SOURCE % n).yr_answer(0))
+
+
+def test_concurrent_processes_share_the_cache(fresh_cache):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(str(fresh_cache), 7, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert sorted(q.get() for _ in procs) == [7] * 4
+    assert len(list((fresh_cache / "cpp").glob("*.so"))) == 1
+    assert not list((fresh_cache / "cpp").glob(".build-*"))
+
+
+def test_compile_error_keeps_source(fresh_cache):
+    with pytest.raises(ToolchainError, match=r"C\+\+ compiler failed"):
+        toolchain.load_library("this is not C++")
+    assert list((fresh_cache / "cpp").glob("*.failed.cpp"))
+
+
+def test_missing_compiler_says_how_to_install(fresh_cache):
+    code = ("import yirage as yr\n"
+            "g = yr.new_kernel_graph(); x = g.new_input((2, 3)); g.mark_output(g.exp(x))\n"
+            "import torch\n"
+            "try:\n    g(inputs=[torch.randn(2, 3)])\n"
+            "except yr.ToolchainError as e:\n    print('ERR', e)\n")
+    env = {"CXX": "/nonexistent/g++", "YIRAGE_CACHE_DIR": str(fresh_cache), "PATH": "/usr/bin:/bin", **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "ERR no C++ compiler found" in out.stdout and "apt-get install g++" in out.stdout
