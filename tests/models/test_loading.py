@@ -31,14 +31,13 @@ def default_model():
 
 
 @pytest.fixture(scope="session")
-def hf_reference(default_model):
-    """transformers' float32 model and tokenizer, read from the same GGUF file independently."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_reference(default_model, hf_smollm):
+    """transformers' float32 model (conftest) and tokenizer, read from the same GGUF file independently."""
+    from transformers import AutoTokenizer
 
     path = default_model.path
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tokenizer
+    return hf_smollm, tokenizer
 
 
 # ------------------------------------------------------------------ registry

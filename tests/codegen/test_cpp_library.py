@@ -1,0 +1,392 @@
+"""Tests of the hand-written C++ kernels (yirage.codegen.cpp_library) against torch.
+
+Every kernel runs in three builds of the same source: the native one (``library()``,
+AVX-512 on a machine that has it), one with AVX-512 switched off (AVX2/FMA/F16C path)
+and a baseline x86-64 one (portable scalar path), so that every ``#if`` branch is tested
+on an x86 machine with AVX-512. Quantized weights come from ``gguf.quants.quantize`` and
+reference weights from ``gguf.quants.dequantize``.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import platform
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from yirage.codegen.cpp_library import SIGNATURES, SOURCE, bind, library
+from yirage.runtime.toolchain import CXXFLAGS, find_compiler
+
+QUANT = {"q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+
+
+# ---------------------------------------------------------------------------------------
+# Builds of the library
+# ---------------------------------------------------------------------------------------
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_VARIANT_FLAGS = {
+    "avx2": ["-march=native", "-mno-avx512f"],
+    "scalar": ["-march=x86-64"],
+}
+
+
+def _variant_skip(name: str) -> str | None:
+    if name == "native":
+        return None
+    if not _X86:
+        return "ISA variants are only built on x86-64"
+    if name == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        return "CPU lacks AVX2/FMA/F16C"
+    return None
+
+
+@pytest.fixture(scope="session")
+def _variant_cache(tmp_path_factory):
+    return {}
+
+
+@pytest.fixture(params=["native", "avx2", "scalar"])
+def lib(request, _variant_cache, tmp_path_factory):
+    name = request.param
+    reason = _variant_skip(name)
+    if reason:
+        pytest.skip(reason)
+    if name not in _variant_cache:
+        if name == "native":
+            _variant_cache[name] = library()
+        else:
+            cxx, _ = find_compiler()
+            tmp = tmp_path_factory.mktemp(f"cpp_{name}")
+            src = tmp / "kernels.cpp"
+            src.write_text(SOURCE)
+            out = tmp / "kernels.so"
+            flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _VARIANT_FLAGS[name]
+            subprocess.run([cxx, *flags, str(src), "-o", str(out)], check=True, capture_output=True)
+            _variant_cache[name] = bind(ctypes.CDLL(str(out)))
+    return _variant_cache[name]
+
+
+def test_signatures_are_bound():
+    lib_ = library()
+    assert library() is lib_
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib_, name)
+        assert list(fn.argtypes) == list(argtypes)
+        assert fn.restype is None
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+
+def _quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw block bytes as uint8 [N, K/32*bytes], reference dequantized fp32 [N, K])."""
+    raw = quants.quantize(w.numpy(), QUANT[fmt])
+    ref = quants.dequantize(raw, QUANT[fmt])
+    assert raw.shape == (w.shape[0], w.shape[1] // 32 * BLOCK_BYTES[fmt])
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(np.ascontiguousarray(ref))
+
+
+def _ptr(t: torch.Tensor | None):
+    if t is None:
+        return None
+    assert t.is_contiguous()
+    return t.data_ptr()
+
+
+def _assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    # error bound scales with sum_k |x_k w_k| (fp32 accumulation in any order)
+    mag = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
+    tol = 1e-4 * mag.max().item() + 1e-6
+    err = (y.double() - ref).abs().max().item() if y.numel() else 0.0
+    assert err <= tol, f"max abs error {err} > {tol}"
+    # and against torch's own fp32 result
+    torch.testing.assert_close(y, F.linear(x, w, bias), atol=tol, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# Linear layers
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("K", [32, 96, 4096])
+@pytest.mark.parametrize("N", [1, 7, 33])
+@pytest.mark.parametrize("M", [1, 3, 33])
+def test_linear_quant(lib, fmt, M, N, K):
+    g = torch.Generator().manual_seed(M * 10007 + N * 101 + K)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g) * 0.1 + 0.02
+    bias = torch.randn(N, generator=g) if (M + N) % 2 == 0 else None
+    raw, ref_w = _quantize(w, fmt)
+    y = torch.full((M, N), float("nan"))
+    getattr(lib, f"yr_linear_{fmt}")(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K)
+    _assert_linear_close(y, x, ref_w, bias)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("M,N,K", [(1, 1536, 576), (1, 576, 1536), (1, 4099, 64), (64, 1536, 576),
+                                   (130, 37, 320)])
+def test_linear_quant_model_shapes(lib, fmt, M, N, K):
+    """Shapes of a small LLM, large enough for the parallel paths."""
+    g = torch.Generator().manual_seed(N + K + M)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g) * 0.05
+    bias = torch.randn(N, generator=g)
+    raw, ref_w = _quantize(w, fmt)
+    for b in (None, bias):
+        y = torch.full((M, N), float("nan"))
+        getattr(lib, f"yr_linear_{fmt}")(_ptr(x), _ptr(raw), _ptr(b), _ptr(y), M, N, K)
+        _assert_linear_close(y, x, ref_w, b)
+
+
+@pytest.mark.parametrize("K", [1, 17, 96, 100, 4096])
+@pytest.mark.parametrize("N", [1, 7, 33])
+@pytest.mark.parametrize("M", [1, 3, 33])
+def test_linear_f32(lib, M, N, K):
+    g = torch.Generator().manual_seed(M * 7 + N * 13 + K)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    bias = torch.randn(N, generator=g) if (M + K) % 2 == 1 else None
+    y = torch.full((M, N), float("nan"))
+    lib.yr_linear_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(y), M, N, K)
+    _assert_linear_close(y, x, w, bias)
+
+
+def test_linear_f32_large(lib):
+    g = torch.Generator().manual_seed(3)
+    for M, N, K in [(1, 1536, 576), (1, 3000, 1001), (70, 515, 333)]:
+        x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+        y = torch.empty(M, N)
+        lib.yr_linear_f32(_ptr(x), _ptr(w), _ptr(b), _ptr(y), M, N, K)
+        _assert_linear_close(y, x, w, b)
+
+
+def test_linear_quant_special_blocks(lib):
+    """Constant blocks (d == 0), zero rows and large magnitudes."""
+    K, N = 64, 6
+    w = torch.randn(N, K) * 0.1
+    w[0] = 0.0
+    w[1, :32] = 0.75          # constant block: q4_1 gives d = 0, m = 0.75
+    w[2] = -3.0
+    w[3] *= 1000.0
+    x = torch.randn(2, K)
+    for fmt in ("q4_1", "q8_0"):
+        raw, ref_w = _quantize(w, fmt)
+        for M in (1, 2):
+            y = torch.empty(M, N)
+            getattr(lib, f"yr_linear_{fmt}")(_ptr(x[:M].contiguous()), _ptr(raw), None, _ptr(y), M, N, K)
+            _assert_linear_close(y, x[:M], ref_w, None)
+
+
+# ---------------------------------------------------------------------------------------
+# Embedding
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("D", [32, 96, 576])
+def test_embedding_quant_bitwise(lib, fmt, D):
+    V = 50
+    g = torch.Generator().manual_seed(D)
+    table = torch.randn(V, D, generator=g) * torch.logspace(-6, 3, V).unsqueeze(1)
+    raw, ref = _quantize(table, fmt)
+    for ids_list in ([0], [V - 1, 0, 3, 3, 17], list(range(V)) * 3):
+        ids = torch.tensor(ids_list, dtype=torch.int64)
+        out = torch.full((len(ids_list), D), float("nan"))
+        getattr(lib, f"yr_embedding_{fmt}")(_ptr(ids), _ptr(raw), _ptr(out), len(ids_list), D)
+        assert torch.equal(out.view(torch.int32), ref[ids].view(torch.int32))
+
+
+def test_embedding_q8_0_every_fp16_scale(lib):
+    """d = every fp16 bit pattern (subnormals, inf, nan): the conversion must be exact."""
+    d = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    q = np.tile(np.array([1, -1, 127, -128, 0, 3, -7, 64] * 4, dtype=np.int8), (65536, 1))
+    raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), q.view(np.uint8)], axis=1)  # [65536, 34]
+    with np.errstate(invalid="ignore"):          # inf * 0 in the reference
+        ref = torch.from_numpy(quants.dequantize(raw, QT.Q8_0).reshape(65536, 32))
+    ids = torch.arange(65536, dtype=torch.int64)
+    out = torch.empty(65536, 32)
+    lib.yr_embedding_q8_0(_ptr(ids), _ptr(torch.from_numpy(raw)), _ptr(out), 65536, 32)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+
+
+def test_embedding_q4_1_random_bits(lib):
+    """Random finite fp16 d and m (subnormal included) and random nibbles: bitwise exact."""
+    rng = np.random.default_rng(0)
+    n = 20000
+    dm = rng.integers(0, 65536, size=(n, 2), dtype=np.uint16)
+    dm[(dm & 0x7C00) == 0x7C00] &= 0x3FFF        # no inf/nan
+    dm[:100] &= 0x83FF                           # subnormal d and m
+    qs = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
+    raw = np.concatenate([dm.view(np.uint8).reshape(n, 4), qs], axis=1)
+    ref = torch.from_numpy(quants.dequantize(raw, QT.Q4_1).reshape(n, 32))
+    out = torch.empty(n, 32)
+    ids = torch.arange(n, dtype=torch.int64)
+    lib.yr_embedding_q4_1(_ptr(ids), _ptr(torch.from_numpy(raw)), _ptr(out), n, 32)
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+def test_embedding_f32(lib):
+    table = torch.randn(40, 33)
+    ids = torch.tensor([5, 0, 39, 5], dtype=torch.int64)
+    out = torch.empty(4, 33)
+    lib.yr_embedding_f32(_ptr(ids), _ptr(table), _ptr(out), 4, 33)
+    assert torch.equal(out, table[ids])
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------
+
+def _rope_tables(max_seq: int, dh: int, base: float = 10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh)
+    ang = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
+    return ang.cos().contiguous(), ang.sin().contiguous()
+
+
+def _rope_ref(x, cos_t, sin_t, p0):
+    """Hugging Face apply_rotary_pos_emb with rotate_half; x: [T, H, Dh]."""
+    T = x.shape[0]
+    cos = torch.cat([cos_t[p0:p0 + T]] * 2, dim=-1).unsqueeze(1)   # [T, 1, Dh]
+    sin = torch.cat([sin_t[p0:p0 + T]] * 2, dim=-1).unsqueeze(1)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    rotate_half = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotate_half * sin
+
+
+@pytest.mark.parametrize("T,H,Dh,p0", [(1, 1, 2, 0), (5, 3, 64, 0), (1, 9, 64, 17), (7, 2, 6, 3),
+                                       (300, 9, 64, 0), (4, 2, 40, 9)])
+def test_rope(lib, T, H, Dh, p0):
+    max_seq = 512
+    cos_t, sin_t = _rope_tables(max_seq, Dh)
+    x = torch.randn(T, H, Dh)
+    ref = _rope_ref(x, cos_t, sin_t, p0)
+    sp = torch.tensor([p0], dtype=torch.int64)
+    out = torch.full_like(x, float("nan"))
+    lib.yr_rope(_ptr(x), _ptr(cos_t), _ptr(sin_t), _ptr(sp), _ptr(out), T, H, Dh)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # in place (out aliases x)
+    y = x.clone()
+    lib.yr_rope(_ptr(y), _ptr(cos_t), _ptr(sin_t), _ptr(sp), _ptr(y), T, H, Dh)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------
+
+def _attention_ref(q, k_all, v_all, p0, scale):
+    """q: [T, Hq, Dh] at positions p0..p0+T-1; k_all, v_all: [p0+T, Hkv, Dh]."""
+    T, L = q.shape[0], k_all.shape[0]
+    mask = torch.arange(L).unsqueeze(0) <= (p0 + torch.arange(T)).unsqueeze(1)   # [T, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).double(), k_all.transpose(0, 1).double(), v_all.transpose(0, 1).double(),
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("Hq,Hkv,Dh", [(6, 2, 16), (9, 3, 64), (4, 4, 8), (2, 1, 7)])
+def test_attention_prefill_then_decode(lib, Hq, Hkv, Dh):
+    max_seq = 16
+    scale = 1.0 / math.sqrt(Dh) if Dh != 7 else 0.3
+    g = torch.Generator().manual_seed(Hq * 100 + Dh)
+    k_cache = torch.full((max_seq, Hkv, Dh), float("nan"))
+    v_cache = torch.full((max_seq, Hkv, Dh), float("nan"))
+    ks, vs = [], []
+    p0 = 0
+    for T in (7, 1, 1, 3):       # prefill, two decode steps, a chunk of 3
+        q = torch.randn(T, Hq, Dh, generator=g) * 2
+        k = torch.randn(T, Hkv, Dh, generator=g) * 2
+        v = torch.randn(T, Hkv, Dh, generator=g)
+        ks.append(k)
+        vs.append(v)
+        out = torch.full((T, Hq, Dh), float("nan"))
+        sp = torch.tensor([p0], dtype=torch.int64)
+        lib.yr_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(k_cache), _ptr(v_cache), _ptr(sp), _ptr(out),
+                         T, Hq, Hkv, Dh, max_seq, scale)
+        k_all, v_all = torch.cat(ks), torch.cat(vs)
+        L = p0 + T
+        assert torch.equal(k_cache[:L], k_all) and torch.equal(v_cache[:L], v_all)
+        assert torch.isnan(k_cache[L:]).all() and torch.isnan(v_cache[L:]).all()
+        ref = _attention_ref(q, k_all, v_all, p0, scale)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        if p0 == 0:   # prefill equals plain causal SDPA with repeat_interleave of kv heads
+            rep = Hq // Hkv
+            sdpa = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.repeat_interleave(rep, dim=1).transpose(0, 1),
+                v.repeat_interleave(rep, dim=1).transpose(0, 1), is_causal=True, scale=scale)
+            torch.testing.assert_close(out, sdpa.transpose(0, 1), atol=2e-5, rtol=1e-4)
+        p0 += T
+
+
+def test_attention_long_context(lib):
+    """Parallel path and large scores (stable softmax)."""
+    Hq, Hkv, Dh, max_seq = 9, 3, 64, 600
+    k_cache = torch.zeros(max_seq, Hkv, Dh)
+    v_cache = torch.zeros(max_seq, Hkv, Dh)
+    q = torch.randn(520, Hq, Dh) * 4
+    k = torch.randn(520, Hkv, Dh) * 4
+    v = torch.randn(520, Hkv, Dh)
+    out = torch.empty(520, Hq, Dh)
+    sp = torch.tensor([0], dtype=torch.int64)
+    lib.yr_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(k_cache), _ptr(v_cache), _ptr(sp), _ptr(out),
+                     520, Hq, Hkv, Dh, max_seq, 0.125)
+    torch.testing.assert_close(out, _attention_ref(q, k, v, 0, 0.125), atol=2e-5, rtol=1e-4)
+    q1, k1, v1 = torch.randn(1, Hq, Dh), torch.randn(1, Hkv, Dh), torch.randn(1, Hkv, Dh)
+    out1 = torch.empty(1, Hq, Dh)
+    sp = torch.tensor([520], dtype=torch.int64)
+    lib.yr_attention(_ptr(q1), _ptr(k1), _ptr(v1), _ptr(k_cache), _ptr(v_cache), _ptr(sp), _ptr(out1),
+                     1, Hq, Hkv, Dh, max_seq, 0.125)
+    ref = _attention_ref(q1, torch.cat([k, k1]), torch.cat([v, v1]), 520, 0.125)
+    torch.testing.assert_close(out1, ref, atol=2e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# argmax
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("R,D", [(1, 1), (1, 4097), (3, 4097), (64, 2000), (2, 49152)])
+def test_argmax(lib, R, D):
+    x = torch.randn(R, D)
+    # ties: the maximum repeated, the first occurrence wins
+    x[0, D // 3] = 100.0
+    x[0, D // 2] = 100.0
+    x[0, D - 1] = 100.0
+    if R > 1:
+        x[1] = -5.0                        # all equal -> index 0
+        x[R - 1, D - 1] = 1e30             # max at the end
+    out = torch.full((R,), -1, dtype=torch.int64)
+    lib.yr_argmax(_ptr(x), _ptr(out), R, D)
+    assert torch.equal(out, torch.argmax(x, dim=-1))
+
+
+def test_argmax_special_values(lib):
+    x = torch.tensor([[-math.inf, -math.inf, -1e38],
+                      [-math.inf, -math.inf, -math.inf],
+                      [0.0, -0.0, 0.0],
+                      [1.0, math.nan, 2.0],
+                      [math.inf, 3.0, math.inf]])
+    out = torch.empty(5, dtype=torch.int64)
+    lib.yr_argmax(_ptr(x), _ptr(out), 5, 3)
+    assert out.tolist() == torch.argmax(x, dim=-1).tolist()

@@ -1,0 +1,21 @@
+"""Shared fixtures: the default model loaded once, and transformers' copy of it."""
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """yr.LLM on the default model (CPU), loaded once per test session."""
+    import yirage as yr
+    return yr.LLM("smollm2-135m-instruct", backend="cpu", max_seq_length=512)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """transformers' reference: the same GGUF loaded by transformers, dequantized to float32."""
+    from transformers import AutoModelForCausalLM
+    from yirage.models.registry import resolve_model
+
+    path = resolve_model("smollm2-135m-instruct").path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

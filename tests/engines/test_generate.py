@@ -1,0 +1,115 @@
+"""yr.LLM end to end against Hugging Face transformers (the independent reference)."""
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config)
+
+import yirage as yr
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the ocean.",
+    "Explain photosynthesis in one sentence.",
+    "List three primary colors.",
+    "What is 12 times 7?",
+    "Give me a tip for learning Python.",
+]
+N_TOKENS = 16
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_chat_prompts(smollm, hf_smollm):
+    """Greedy tokens equal transformers' (same GGUF dequantized to fp32) on >= 5 of 6 prompts."""
+    matches = []
+    for prompt in PROMPTS:
+        ids = smollm.encode_prompt(prompt)
+        with torch.inference_mode():
+            ref = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=N_TOKENS, do_sample=False,
+                                     pad_token_id=2)[0, len(ids):].tolist()
+        out = smollm.generate(prompt, max_new_tokens=N_TOKENS)
+        eos = set(smollm.eos_token_ids)
+        ref = ref[:next((i for i, t in enumerate(ref) if t in eos), len(ref))]
+        matches.append(out.token_ids == ref)
+    assert sum(matches) >= 5, matches
+
+
+@pytest.mark.slow
+def test_first_step_logits_match_transformers(smollm, hf_smollm):
+    ids = smollm.encode_prompt(PROMPTS[0])
+    logits, _ = smollm.steps.run(ids, 0)
+    with torch.inference_mode():
+        ref = hf_smollm(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(logits[0], ref, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_result_fields_stream_stop_and_sampling(smollm):
+    r = smollm.generate(PROMPTS[0], max_new_tokens=4)
+    assert r.finish_reason == "length" and len(r.token_ids) == 4
+    assert r.prefill_s > 0 and r.decode_tokens_per_s > 0
+    full = smollm.generate(PROMPTS[0], max_new_tokens=64)
+    assert full.finish_reason == "stop" and "Paris" in full.text  # stopped at EOS
+    pieces = list(smollm.generate(PROMPTS[0], max_new_tokens=64, stream=True))
+    assert "".join(pieces) == full.text and len(pieces) > 1
+    cut = smollm.generate(PROMPTS[0], max_new_tokens=64, stop=["Paris"])
+    assert cut.finish_reason == "stop" and "Paris" not in cut.text and full.text.startswith(cut.text)
+    a = smollm.generate(PROMPTS[1], max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    b = smollm.generate(PROMPTS[1], max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    assert a.token_ids == b.token_ids
+    msgs = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
+    assert smollm.generate(msgs, max_new_tokens=3).token_ids
+
+
+@pytest.mark.slow
+def test_bad_generation_arguments(smollm):
+    with pytest.raises(yr.GenerationError, match="max_new_tokens"):
+        smollm.generate("hi", max_new_tokens=0)
+    with pytest.raises(yr.GenerationError, match="max_seq_length"):
+        smollm.generate("word " * 600)
+    with pytest.raises(yr.GenerationError, match="top_p"):
+        smollm.generate("hi", top_p=1.5)
+
+
+def tiny_tokenizer(vocab_size):
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1", bos_token="w2")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_random_models_match_transformers_logits(kind, tmp_path):
+    """safetensors path: prefill and 3 decode steps vs transformers' full-sequence logits."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=2)
+    if kind == "llama":
+        cfg = LlamaConfig(**common, tie_word_embeddings=False,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                          rope_theta=500000.0)
+    else:
+        cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    tiny_tokenizer(300).save_pretrained(tmp_path)
+    llm = yr.LLM(str(tmp_path), backend="cpu", max_seq_length=64)
+    if kind == "qwen2":
+        assert llm.config.attention_bias
+    ids = [5, 17, 299, 42, 8, 100, 3]
+    seq = list(ids)
+    logits, _ = llm.steps.run(ids, 0)
+    got = [logits[0].clone()]
+    for _ in range(3):
+        nxt = int(got[-1].argmax())
+        seq.append(nxt)
+        logits, argmax = llm.steps.run([nxt], len(seq) - 1)
+        assert int(argmax[0]) == int(logits[0].argmax())
+        got.append(logits[0].clone())
+    with torch.inference_mode():
+        ref = hf(torch.tensor([seq])).logits[0]
+    for i, g in enumerate(got):
+        torch.testing.assert_close(g, ref[len(ids) - 1 + i], atol=1e-4, rtol=1e-4)
