@@ -1,0 +1,119 @@
+"""Benchmark of the C++ library linear kernels against torch on CPU; prints JSON.
+
+For each weight shape (N, K) it times, in one process with ``torch.set_num_threads(2)``:
+``yr_linear_q4_1`` and ``yr_linear_q8_0`` (x of M rows, weights in GGML blocks) and
+``torch.nn.functional.linear`` on the dequantized fp32 weight. Times are medians over
+many batches (rounds of the three contenders are interleaved, so that load from other
+processes hits them alike); GB/s counts the weight bytes each one reads.
+
+- ``hot``: the same weight on every call, so it stays in the caches (L2/L3).
+- ``cold``: every call uses the next of several copies of the weight, more than the L3
+  holds in total, so weights come from DRAM as in a real decode step, where each
+  layer's weights were evicted since their last use.
+
+Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from yirage.codegen.cpp_library import library
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
+PREFILL = [(64, 1536, 576), (64, 576, 1536)]     # (M, N, K)
+COLD_BYTES = 128 << 20                           # fp32 weight bytes cycled through when cold
+
+
+def _batch_time(fn, batch: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        fn()
+    return (time.perf_counter() - t0) / batch
+
+
+def _bench(contenders: dict, min_time: float, rounds: int = 15) -> dict[str, float]:
+    """Median seconds per call of each contender; rounds interleave the contenders."""
+    batch = {}
+    for name, fn in contenders.items():
+        for _ in range(3):
+            fn()                                    # warm up (caches, thread pools)
+        per = _batch_time(fn, 5)
+        batch[name] = max(1, int(min_time / rounds / max(per, 1e-7) / 5))
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            for _ in range(5):
+                samples[name].append(_batch_time(fn, batch[name]))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _case(lib, M: int, N: int, K: int, min_time: float, cold: bool = False) -> dict:
+    rng = np.random.default_rng(N * K)
+    w = (rng.standard_normal((N, K), dtype=np.float32) * 0.05).astype(np.float32)
+    x = torch.randn(M, K)
+    raw = {fmt: torch.from_numpy(np.ascontiguousarray(quants.quantize(w, q)))
+           for fmt, q in (("q4_1", QT.Q4_1), ("q8_0", QT.Q8_0))}
+    w_f32 = torch.from_numpy(quants.dequantize(raw["q4_1"].numpy(), QT.Q4_1)).contiguous()
+    copies = max(1, -(-COLD_BYTES // (w_f32.numel() * 4))) if cold else 1
+    ws = [w_f32] + [w_f32.clone() for _ in range(copies - 1)]
+    raws = {fmt: [r] + [r.clone() for _ in range(copies - 1)] for fmt, r in raw.items()}
+    y = {fmt: torch.empty(M, N) for fmt in raw}
+    px = x.data_ptr()
+    f_q4 = lib.yr_linear_q4_1
+    f_q8 = lib.yr_linear_q8_0
+    a_q4 = itertools.cycle([(px, r.data_ptr(), None, y["q4_1"].data_ptr(), M, N, K) for r in raws["q4_1"]])
+    a_q8 = itertools.cycle([(px, r.data_ptr(), None, y["q8_0"].data_ptr(), M, N, K) for r in raws["q8_0"]])
+    w_it = itertools.cycle(ws)
+    times = _bench({
+        "torch_f32": lambda: F.linear(x, next(w_it)),
+        "yr_q4_1": lambda: f_q4(*next(a_q4)),
+        "yr_q8_0": lambda: f_q8(*next(a_q8)),
+    }, min_time)
+    f_q4(px, raw["q4_1"].data_ptr(), None, y["q4_1"].data_ptr(), M, N, K)
+    ref = F.linear(x, w_f32)
+    nbytes = {"torch_f32": w_f32.numel() * 4, "yr_q4_1": raw["q4_1"].numel(), "yr_q8_0": raw["q8_0"].numel()}
+    out = {"M": M, "N": N, "K": K, "weight_copies": copies}
+    for name, t in times.items():
+        out[name] = {"us": round(t * 1e6, 2), "weight_MB": round(nbytes[name] / 1e6, 3),
+                     "GB_per_s": round(nbytes[name] / t / 1e9, 2)}
+    out["speedup_q4_1_vs_torch"] = round(times["torch_f32"] / times["yr_q4_1"], 2)
+    out["speedup_q8_0_vs_torch"] = round(times["torch_f32"] / times["yr_q8_0"], 2)
+    # sanity: the q4_1 kernel computes the same product as torch on the dequantized weight
+    out["max_abs_diff_q4_1"] = float((y["q4_1"] - ref).abs().max())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-time", type=float, default=0.4, help="seconds per contender and shape")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lib = library()
+    noop = lib.yr_argmax   # R = 0: returns at once, measures the ctypes call itself
+    overhead = _bench({"call": lambda: noop(0, 0, 0, 1)}, 0.2)["call"]
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "ctypes_call_overhead_us": round(overhead * 1e6, 2),
+        "decode_M1_hot": [_case(lib, 1, N, K, args.min_time) for N, K in SHAPES],
+        "decode_M1_cold": [_case(lib, 1, N, K, args.min_time, cold=True) for N, K in SHAPES],
+        "prefill_hot": [_case(lib, M, N, K, args.min_time) for M, N, K in PREFILL],
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

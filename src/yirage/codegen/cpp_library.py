@@ -1,0 +1,876 @@
+"""Hand-written C++ library kernels for LLM inference on CPU.
+
+The CPU backend calls these kernels for the operations that a per-graph code generator
+does badly or that need a special memory layout: linear layers on GGML-quantized weights
+(q4_1, q8_0) and on fp32 weights, embedding lookups, rotary position embedding, causal
+grouped-query attention with a KV cache, and argmax.
+
+``SOURCE`` is one C++17 translation unit; every entry point is ``extern "C"`` and is
+listed in ``SIGNATURES`` (name -> ctypes argtypes; every restype is None).
+``library()`` builds it once through :func:`yirage.runtime.toolchain.load_library`
+(``-O3 -march=native -fopenmp``) and returns the loaded ``ctypes.CDLL`` with argtypes
+and restypes set. Pointers are passed as plain integers (``tensor.data_ptr()``), sizes
+as ``int64``, floats as ``float``.
+
+Rules for the kernels:
+
+- They never allocate, resize or free memory the caller owns: every input and output
+  buffer (the KV cache included) is allocated by the caller, contiguous and row-major.
+  The only memory a kernel allocates is its own per-thread scratch (thread_local
+  vectors, grown to the largest size seen and kept for the thread's lifetime).
+- They never call torch or Python, and never check arguments: shapes and index bounds
+  (token ids < vocabulary size, ``start_pos + T <= max_seq``) are the caller's job.
+- SIMD code (AVX-512, AVX2/FMA/F16C) sits under ``#if defined(__AVX512F__)`` etc.; a
+  portable scalar version is always compiled when those macros are missing (ARM, old
+  x86), so the source builds for any target.
+- Quantized formats are GGML's (``ggml-common.h``), blocks of 32 weights:
+  q8_0 = 34 bytes {fp16 d; int8 q[32]}, w = d*q;
+  q4_1 = 20 bytes {fp16 d; fp16 m; uint8 qs[16]}, weight j is the low nibble of qs[j]
+  and weight j+16 its high nibble, w = d*q + m.
+  Dequantized weights equal ``gguf.quants.dequantize`` bitwise: d*q is exact in float32
+  (11-bit d times a <= 8-bit integer), so d*q + m rounds once whether fused or not.
+  Dot products accumulate in float32, in any order.
+
+Threads: OpenMP, with the ``omp_get_max_threads()`` of the process (torch's
+``set_num_threads`` sets it too: torch and this library share libgomp). Small problems
+run on the calling thread, because a parallel region costs microseconds.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from ..runtime.toolchain import load_library
+
+SOURCE = r"""
+// yirage CPU library kernels. See yirage/codegen/cpp_library.py for the rules.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#define YR_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define YR_AVX2 1
+#endif
+
+namespace {
+
+// =================================================================================
+// Helpers
+// =================================================================================
+
+constexpr int64_t QK = 32;            // weights per block (both formats)
+constexpr int64_t Q8_0_BYTES = 34;    // {fp16 d; int8 q[32]}
+constexpr int64_t Q4_1_BYTES = 20;    // {fp16 d; fp16 m; uint8 qs[16]}
+
+// Work (multiply-adds or elements) below which a kernel runs on the calling thread.
+constexpr int64_t PAR_MIN_MACS = 1 << 17;
+constexpr int64_t PAR_MIN_ELEMS = 1 << 16;
+// Linear layers with at least this many x rows dequantize and pack the weights once
+// (GEMM); fewer rows read the quantized weights directly (GEMV per row).
+constexpr int64_t GEMM_MIN_M = 6;
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// IEEE half -> float, exact (F16C, or bit manipulation covering subnormals/inf/nan).
+inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);                 // inf / nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);        // normal: rebias 15 -> 127
+    } else {
+        const float f = (float)mant * 5.9604644775390625e-08f;    // subnormal: mant * 2^-24
+        std::memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#if defined(YR_AVX512) || defined(YR_AVX2)
+// fp16 -> fp32 of all 65536 bit patterns (256 KiB, filled when the library loads). The
+// SIMD kernels read block scales from it: a scalar load that feeds a memory-broadcast
+// operand is cheaper than converting and broadcasting in vector registers.
+struct Fp16Table {
+    float v[65536];
+    Fp16Table() { for (uint32_t i = 0; i < 65536; ++i) v[i] = fp16_to_fp32((uint16_t)i); }
+};
+const Fp16Table F16;
+#endif
+
+// Keeps a vector in a register (GCC otherwise folds the reload of x from L1 into every
+// FMA of every weight row).
+#if defined(__GNUC__) && defined(__x86_64__)
+#define YR_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define YR_IN_REGISTER(v) (void)0
+#endif
+
+// Per-thread scratch owned by the library (never the caller's memory).
+float* scratch(std::vector<float>& buf, size_t n) {
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+}
+
+// =================================================================================
+// Float vectors: vf holds VL floats (AVX-512: 16, AVX2: 8, scalar: 1)
+// =================================================================================
+
+#if defined(YR_AVX512)
+typedef __m512 vf;
+constexpr int VL = 16;
+#define YR_PM 8                 // packed GEMM tile: 8 x rows x 2 vectors = 16 accumulators
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+#elif defined(YR_AVX2)
+typedef __m256 vf;
+constexpr int VL = 8;
+#define YR_PM 6                 // 6 x rows x 2 vectors = 12 accumulators of 16 registers
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+typedef float vf;
+constexpr int VL = 1;
+#define YR_PM 4
+inline vf vzero() { return 0.0f; }
+inline vf vload(const float* p) { return *p; }
+inline void vstore(float* p, vf a) { *p = a; }
+inline vf vbroadcast(const float* p) { return *p; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline float vsum(vf a) { return a; }
+#endif
+
+// exp(x) of VL floats: Cephes expf (range reduction by ln 2, degree-6 polynomial),
+// about 1 ulp. x is clamped to [-87.3, 88] (below: ~1e-38 instead of a subnormal or 0;
+// softmax only passes x <= 0); NaN stays NaN.
+inline vf vexp(vf x) {
+#if defined(YR_AVX512) || defined(YR_AVX2)
+#if defined(YR_AVX512)
+    const auto set = [](float c) { return _mm512_set1_ps(c); };
+    x = _mm512_min_ps(set(88.0f), _mm512_max_ps(set(-87.3365447504f), x));
+    const vf n = _mm512_roundscale_ps(vmul(x, set(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const auto set = [](float c) { return _mm256_set1_ps(c); };
+    x = _mm256_min_ps(set(88.0f), _mm256_max_ps(set(-87.3365447504f), x));
+    const vf n = _mm256_round_ps(vmul(x, set(1.44269504088896341f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    vf r = vfma(n, set(-0.693359375f), x);                 // x - n ln2, ln2 split in two
+    r = vfma(n, set(2.12194440e-4f), r);
+    vf p = set(1.9875691500e-4f);
+    p = vfma(p, r, set(1.3981999507e-3f));
+    p = vfma(p, r, set(8.3334519073e-3f));
+    p = vfma(p, r, set(4.1665795894e-2f));
+    p = vfma(p, r, set(1.6666665459e-1f));
+    p = vfma(p, r, set(5.0000001201e-1f));
+    p = vfma(p, vmul(r, r), vadd(r, set(1.0f)));           // e^r
+#if defined(YR_AVX512)
+    return _mm512_scalef_ps(p, n);                          // p * 2^n
+#else
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return vmul(p, _mm256_castsi256_ps(e));
+#endif
+#else
+    return std::exp(x);
+#endif
+}
+
+// sum_k a[k] * b[k]
+inline float dot(const float* a, const float* b, int64_t n) {
+    vf acc0 = vzero(), acc1 = vzero();
+    int64_t k = 0;
+    for (; k + 2 * VL <= n; k += 2 * VL) {
+        acc0 = vfma(vload(a + k), vload(b + k), acc0);
+        acc1 = vfma(vload(a + k + VL), vload(b + k + VL), acc1);
+    }
+    float s = vsum(vadd(acc0, acc1));
+    for (; k < n; ++k) s += a[k] * b[k];
+    return s;
+}
+
+// y[k] += alpha * x[k]
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+    const vf a = vbroadcast(&alpha);
+    int64_t k = 0;
+    for (; k + VL <= n; k += VL) vstore(y + k, vfma(a, vload(x + k), vload(y + k)));
+    for (; k < n; ++k) y[k] += alpha * x[k];
+}
+
+// =================================================================================
+// Block dequantization (bitwise equal to gguf.quants.dequantize)
+// =================================================================================
+
+// q8_0: fp16 d, then 32 int8 q; w[j] = d * q[j].
+inline void dequant_block_q8_0(const uint8_t* blk, float* out) {
+#if defined(YR_AVX512)
+    const __m512 d = _mm512_set1_ps(F16.v[load_u16(blk)]);
+    for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2 + 16 * h)));
+        _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)));
+    }
+#elif defined(YR_AVX2)
+    const __m256 d = _mm256_set1_ps(F16.v[load_u16(blk)]);
+    for (int h = 0; h < 4; ++h) {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * h)));
+        _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+    }
+#else
+    const float d = fp16_to_fp32(load_u16(blk));
+    const int8_t* q = (const int8_t*)(blk + 2);
+    for (int j = 0; j < 32; ++j) out[j] = d * (float)q[j];
+#endif
+}
+
+// q4_1: fp16 d, fp16 m, 16 bytes qs; w[j] = d*(qs[j] & 15) + m, w[j+16] = d*(qs[j] >> 4) + m.
+inline void dequant_block_q4_1(const uint8_t* blk, float* out) {
+#if defined(YR_AVX512)
+    // lut[q] = d*q + m for q = 0..15; vpermps indexes it with the low 4 bits of each lane.
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), iota,
+                                       _mm512_set1_ps(F16.v[load_u16(blk + 2)]));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 4)));
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(q, lut));                          // low nibbles
+    _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut));  // high
+#elif defined(YR_AVX2)
+    const __m256 d = _mm256_set1_ps(F16.v[load_u16(blk)]);
+    const __m256 m = _mm256_set1_ps(F16.v[load_u16(blk + 2)]);
+    const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + 4));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int h = 0; h < 4; ++h)
+        _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[h])), m));
+#else
+    const float d = fp16_to_fp32(load_u16(blk));
+    const float m = fp16_to_fp32(load_u16(blk + 2));
+    const uint8_t* qs = blk + 4;
+    for (int j = 0; j < 16; ++j) {
+        out[j] = d * (float)(qs[j] & 15) + m;
+        out[j + 16] = d * (float)(qs[j] >> 4) + m;
+    }
+#endif
+}
+
+template <void (*deq)(const uint8_t*, float*), int64_t block_bytes>
+void dequant_row(const uint8_t* row, float* out, int64_t K) {
+    for (int64_t b = 0; b < K / QK; ++b) deq(row + b * block_bytes, out + b * QK);
+}
+
+// =================================================================================
+// GEMV (few x rows, decode): R weight rows at a time, read straight from the blocks
+// =================================================================================
+
+// q4_1: y[r] = sum_b d * (sum_j x[32b+j] q_j) + m * sx[b], sx[b] = sum of x over block b.
+template <int R>
+inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, int64_t rb,
+                           int64_t nb, const float* bias, float* y) {
+#if defined(YR_AVX512)
+    // Nibbles -> floats: the low half by vpermps from {0..15} (it reads the low 4 bits
+    // of each index), the high half by shift + convert, which spreads the work over
+    // the shuffle and FP units.
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[R];
+    float macc[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); macc[r] = 0.0f; }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 xlo = _mm512_loadu_ps(x + b * QK);          // pairs with the low nibbles
+        __m512 xhi = _mm512_loadu_ps(x + b * QK + 16);     // pairs with the high nibbles
+        YR_IN_REGISTER(xlo);
+        YR_IN_REGISTER(xhi);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 4)));
+            __m512 t = _mm512_mul_ps(xlo, _mm512_permutexvar_ps(q, iota));
+            t = _mm512_fmadd_ps(xhi, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), t);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), t, acc[r]);
+            macc[r] += F16.v[load_u16(blk + 2)] * sx[b];
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vsum(acc[r]) + macc[r];
+        y[r] = bias ? s + bias[r] : s;
+    }
+#elif defined(YR_AVX2)
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m256 acc[R];
+    float macc[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + b * QK;
+        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+        const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
+            const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + 4));
+            const __m128i lo = _mm_and_si128(raw, low4);                        // weights 0..15
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);     // weights 16..31
+            __m256 t = _mm256_mul_ps(x0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+            t = _mm256_fmadd_ps(x1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), t);
+            t = _mm256_fmadd_ps(x2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), t);
+            t = _mm256_fmadd_ps(x3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), t);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(F16.v[load_u16(blk)]), t, acc[r]);
+            macc[r] += F16.v[load_u16(blk + 2)] * sx[b];
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vsum(acc[r]) + macc[r];
+        y[r] = bias ? s + bias[r] : s;
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
+            const uint8_t* qs = blk + 4;
+            float t = 0.0f;
+            for (int j = 0; j < 16; ++j)
+                t += x[b * QK + j] * (float)(qs[j] & 15) + x[b * QK + j + 16] * (float)(qs[j] >> 4);
+            s += fp16_to_fp32(load_u16(blk)) * t + fp16_to_fp32(load_u16(blk + 2)) * sx[b];
+        }
+        y[r] = bias ? s + bias[r] : s;
+    }
+#endif
+}
+
+// q8_0: y[r] = sum_b d * sum_j x[32b+j] q_j.
+template <int R>
+inline void gemv_q8_0_rows(const float* x, const uint8_t* w, int64_t rb, int64_t nb,
+                           const float* bias, float* y) {
+#if defined(YR_AVX512)
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 xlo = _mm512_loadu_ps(x + b * QK);
+        __m512 xhi = _mm512_loadu_ps(x + b * QK + 16);
+        YR_IN_REGISTER(xlo);
+        YR_IN_REGISTER(xhi);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q8_0_BYTES;
+            const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
+            const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18)));
+            __m512 t = _mm512_mul_ps(xlo, _mm512_cvtepi32_ps(q0));
+            t = _mm512_fmadd_ps(xhi, _mm512_cvtepi32_ps(q1), t);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), t, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vsum(acc[r]);
+        y[r] = bias ? s + bias[r] : s;
+    }
+#elif defined(YR_AVX2)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + b * QK;
+        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+        const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q8_0_BYTES;
+            const uint8_t* q = blk + 2;
+            const auto qf = [q](int o) {
+                return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + o))));
+            };
+            __m256 t = _mm256_mul_ps(x0, qf(0));
+            t = _mm256_fmadd_ps(x1, qf(8), t);
+            t = _mm256_fmadd_ps(x2, qf(16), t);
+            t = _mm256_fmadd_ps(x3, qf(24), t);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(F16.v[load_u16(blk)]), t, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vsum(acc[r]);
+        y[r] = bias ? s + bias[r] : s;
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = w + r * rb + b * Q8_0_BYTES;
+            const int8_t* q = (const int8_t*)(blk + 2);
+            float t = 0.0f;
+            for (int j = 0; j < 32; ++j) t += x[b * QK + j] * (float)q[j];
+            s += fp16_to_fp32(load_u16(blk)) * t;
+        }
+        y[r] = bias ? s + bias[r] : s;
+    }
+#endif
+}
+
+// fp32: y[r] = x . w[r, :] (K floats per row).
+template <int R>
+inline void gemv_f32_rows(const float* x, const float* w, int64_t K, const float* bias, float* y) {
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vzero();
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf xv = vload(x + k);
+        YR_IN_REGISTER(xv);
+        for (int r = 0; r < R; ++r) acc[r] = vfma(xv, vload(w + r * K + k), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+        float s = vsum(acc[r]);
+        for (int64_t kk = k; kk < K; ++kk) s += x[kk] * w[r * K + kk];
+        y[r] = bias ? s + bias[r] : s;
+    }
+}
+
+constexpr int GEMV_ROWS = 4;   // weight rows per step: each x vector is loaded once for them
+
+// Runs rows(n0, r) over groups of GEMV_ROWS weight rows. The static schedule gives each
+// thread one contiguous, equal slice of N (the same on every call: warm in its cache).
+template <typename RowsFn>
+void gemv_groups(int64_t N, int64_t macs, RowsFn rows) {
+    const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static) if (macs >= PAR_MIN_MACS)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t n0 = g * GEMV_ROWS;
+        rows(n0, (int)std::min<int64_t>(GEMV_ROWS, N - n0));
+    }
+}
+
+// Calls fn<R>() with R = r (1..4): turns the row count of a group into a template argument.
+#define YR_DISPATCH_ROWS(r, CALL) \
+    switch (r) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
+
+// =================================================================================
+// Packed GEMM (prefill). PR weight rows are packed into a panel P[k][PR] (row n0+j of W
+// is column j), and every x row broadcasts x[m,k] against it: outer-product form, no
+// horizontal sums, whole-vector stores. Quantized weights are dequantized while packing,
+// once per call, and reused for all M rows.
+// =================================================================================
+
+constexpr int PR = 2 * VL;     // weight rows per panel (two vectors)
+constexpr int PM = YR_PM;      // x rows per micro-tile
+
+// y[i, 0:nr] = x[i, :] . P[:, 0:nr] (+ bias) for i < mr.
+template <int mr>
+void panel_kernel(const float* x, int64_t K, const float* P, const float* bias, float* y,
+                  int64_t ldy, int nr) {
+    vf acc0[mr], acc1[mr];
+    for (int i = 0; i < mr; ++i) acc0[i] = acc1[i] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+        const vf w0 = vload(P + k * PR), w1 = vload(P + k * PR + VL);
+        for (int i = 0; i < mr; ++i) {
+            const vf xb = vbroadcast(x + i * K + k);
+            acc0[i] = vfma(xb, w0, acc0[i]);
+            acc1[i] = vfma(xb, w1, acc1[i]);
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        float* yi = y + i * ldy;
+        if (nr == PR) {
+            if (bias) { acc0[i] = vadd(acc0[i], vload(bias)); acc1[i] = vadd(acc1[i], vload(bias + VL)); }
+            vstore(yi, acc0[i]);
+            vstore(yi + VL, acc1[i]);
+        } else {                                  // last panel: only nr columns exist
+            float tmp[PR];
+            vstore(tmp, acc0[i]);
+            vstore(tmp + VL, acc1[i]);
+            for (int j = 0; j < nr; ++j) yi[j] = bias ? tmp[j] + bias[j] : tmp[j];
+        }
+    }
+}
+
+#define YR_PANEL_CASE(a) case a: panel_kernel<a>(x, K, P, bias, y, ldy, nr); return;
+void panel_any(int mr, const float* x, int64_t K, const float* P, const float* bias, float* y,
+               int64_t ldy, int nr) {
+    switch (mr) {
+        YR_PANEL_CASE(1) YR_PANEL_CASE(2) YR_PANEL_CASE(3) YR_PANEL_CASE(4)
+#if YR_PM >= 6
+        YR_PANEL_CASE(5) YR_PANEL_CASE(6)
+#endif
+#if YR_PM >= 8
+        YR_PANEL_CASE(7) YR_PANEL_CASE(8)
+#endif
+        default: return;
+    }
+}
+#undef YR_PANEL_CASE
+
+// dst[t * ldd + l] = src[l][t] for l, t < VL: transposes VL rows of VL floats.
+inline void transpose_block(const float* const* src, float* dst, int64_t ldd) {
+#if defined(YR_AVX512)
+    // unpack_ps + unpack_pd turn each group g of 4 rows into v[4g+c] (c < 4), whose
+    // 128-bit lane L holds column 4L+c of those rows; two rounds of shuffle_f32x4 then
+    // collect lane L of the 4 groups into column 4L+c.
+    __m512 r[16], v[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i]);
+    for (int g = 0; g < 4; ++g) {
+        const __m512d ab_lo = _mm512_castps_pd(_mm512_unpacklo_ps(r[4 * g], r[4 * g + 1]));
+        const __m512d ab_hi = _mm512_castps_pd(_mm512_unpackhi_ps(r[4 * g], r[4 * g + 1]));
+        const __m512d cd_lo = _mm512_castps_pd(_mm512_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]));
+        const __m512d cd_hi = _mm512_castps_pd(_mm512_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]));
+        v[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(ab_lo, cd_lo));
+        v[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(ab_lo, cd_lo));
+        v[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(ab_hi, cd_hi));
+        v[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(ab_hi, cd_hi));
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512 p0 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0x44);       // g0.L0 g0.L1 g1.L0 g1.L1
+        const __m512 p1 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0xEE);       // g0.L2 g0.L3 g1.L2 g1.L3
+        const __m512 p2 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0x44);  // g2, g3 likewise
+        const __m512 p3 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0xEE);
+        _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(p0, p2, 0x88));
+        _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(p0, p2, 0xDD));
+        _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(p1, p3, 0x88));
+        _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(p1, p3, 0xDD));
+    }
+#elif defined(YR_AVX2)
+    // Same scheme with two 128-bit lanes: column 4L+c = lane L of v[c] and of v[4+c].
+    __m256 r[8], v[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i]);
+    for (int g = 0; g < 2; ++g) {
+        const __m256d ab_lo = _mm256_castps_pd(_mm256_unpacklo_ps(r[4 * g], r[4 * g + 1]));
+        const __m256d ab_hi = _mm256_castps_pd(_mm256_unpackhi_ps(r[4 * g], r[4 * g + 1]));
+        const __m256d cd_lo = _mm256_castps_pd(_mm256_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]));
+        const __m256d cd_hi = _mm256_castps_pd(_mm256_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]));
+        v[4 * g + 0] = _mm256_castpd_ps(_mm256_unpacklo_pd(ab_lo, cd_lo));
+        v[4 * g + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(ab_lo, cd_lo));
+        v[4 * g + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(ab_hi, cd_hi));
+        v[4 * g + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(ab_hi, cd_hi));
+    }
+    for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(v[c], v[4 + c], 0x20));
+        _mm256_storeu_ps(dst + (4 + c) * ldd, _mm256_permute2f128_ps(v[c], v[4 + c], 0x31));
+    }
+#else
+    for (int l = 0; l < VL; ++l)
+        for (int t = 0; t < VL; ++t) dst[t * ldd + l] = src[l][t];
+#endif
+}
+
+// Panel packers: P[k * PR + j] = W[j, k] for j < nr, 0 for nr <= j < PR.
+void pack_f32(const float* w, int64_t K, int nr, float* P) {
+    static const float zeros[VL] = {};
+    const int64_t kv = K / VL * VL;
+    for (int64_t k0 = 0; k0 < kv; k0 += VL)
+        for (int h = 0; h < 2; ++h) {                 // the two vectors of a panel row
+            const float* src[VL];
+            for (int l = 0; l < VL; ++l) {
+                const int j = h * VL + l;
+                src[l] = j < nr ? w + j * K + k0 : zeros;
+            }
+            transpose_block(src, P + k0 * PR + h * VL, PR);
+        }
+    for (int64_t k = kv; k < K; ++k)
+        for (int j = 0; j < PR; ++j) P[k * PR + j] = j < nr ? w[j * K + k] : 0.0f;
+}
+
+// Quantized rows: block b of the nr rows is dequantized into tmp[PR][32], then transposed.
+template <void (*deq)(const uint8_t*, float*), int64_t block_bytes>
+void pack_quant(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* P) {
+    alignas(64) float tmp[PR][QK];
+    for (int j = nr; j < PR; ++j)
+        for (int t = 0; t < QK; ++t) tmp[j][t] = 0.0f;
+    for (int64_t b = 0; b < K / QK; ++b) {
+        for (int j = 0; j < nr; ++j) deq(w + j * row_bytes + b * block_bytes, tmp[j]);
+        for (int h = 0; h < 2; ++h)
+            for (int t0 = 0; t0 < QK; t0 += VL) {
+                const float* src[VL];
+                for (int l = 0; l < VL; ++l) src[l] = tmp[h * VL + l] + t0;
+                transpose_block(src, P + (b * QK + t0) * PR + h * VL, PR);
+            }
+    }
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias), one panel of PR weight rows per task;
+// pack(n0, nr, P) fills the panel of rows n0 .. n0+nr-1.
+template <typename Pack>
+void linear_packed(const float* x, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                   Pack pack) {
+    const int64_t npanels = (N + PR - 1) / PR;
+#pragma omp parallel for schedule(dynamic, 1) if (M * N * K >= PAR_MIN_MACS)
+    for (int64_t p = 0; p < npanels; ++p) {
+        static thread_local std::vector<float> buf;
+        float* P = scratch(buf, (size_t)(K * PR));
+        const int64_t n0 = p * PR;
+        const int nr = (int)std::min<int64_t>(PR, N - n0);
+        pack(n0, nr, P);
+        for (int64_t m0 = 0; m0 < M; m0 += PM)
+            panel_any((int)std::min<int64_t>(PM, M - m0), x + m0 * K, K, P,
+                      bias ? bias + n0 : nullptr, y + m0 * N + n0, N, nr);
+    }
+}
+
+// argmax of one row: first index of the maximum; NaN counts as the maximum (torch.argmax).
+int64_t argmax_row(const float* x, int64_t D) {
+    int64_t best = 0;
+    float bv = x[0];
+    if (bv != bv) return 0;
+    for (int64_t i = 1; i < D; ++i) {
+        const float v = x[i];
+        if (v > bv) { bv = v; best = i; }
+        else if (v != v) return i;
+    }
+    return best;
+}
+
+}  // namespace
+
+extern "C" {
+
+// =================================================================================
+// Linear layers: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); bias may be null.
+// Quantized W: N rows of K/32 blocks (K % 32 == 0).
+// =================================================================================
+
+void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* y,
+                    int64_t M, int64_t N, int64_t K) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
+    if (M >= GEMM_MIN_M) {
+        linear_packed(x, bias, y, M, N, K, [&](int64_t n0, int nr, float* P) {
+            pack_quant<dequant_block_q4_1, Q4_1_BYTES>(w + n0 * rb, rb, K, nr, P);
+        });
+        return;
+    }
+    // sx[m][b] = sum of x row m over block b, for the m * sum(x) term.
+    static thread_local std::vector<float> sx_buf;
+    float* sx = scratch(sx_buf, (size_t)(M * nb + 1));
+    for (int64_t i = 0; i < M * nb; ++i) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; ++j) s += x[i * QK + j];
+        sx[i] = s;
+    }
+    gemv_groups(N, M * N * K, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {   // the group's weights stay in L1 across the x rows
+#define YR_CALL(R) gemv_q4_1_rows<R>(x + m * K, sx + m * nb, w + n0 * rb, rb, nb, \
+                                     bias ? bias + n0 : nullptr, y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* y,
+                    int64_t M, int64_t N, int64_t K) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t nb = K / QK, rb = nb * Q8_0_BYTES;
+    if (M >= GEMM_MIN_M) {
+        linear_packed(x, bias, y, M, N, K, [&](int64_t n0, int nr, float* P) {
+            pack_quant<dequant_block_q8_0, Q8_0_BYTES>(w + n0 * rb, rb, K, nr, P);
+        });
+        return;
+    }
+    gemv_groups(N, M * N * K, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) gemv_q8_0_rows<R>(x + m * K, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, \
+                                     y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+void yr_linear_f32(const float* x, const float* w, const float* bias, float* y,
+                   int64_t M, int64_t N, int64_t K) {
+    if (M <= 0 || N <= 0) return;
+    if (M >= GEMM_MIN_M) {
+        linear_packed(x, bias, y, M, N, K, [&](int64_t n0, int nr, float* P) {
+            pack_f32(w + n0 * K, K, nr, P);
+        });
+        return;
+    }
+    gemv_groups(N, M * N * K, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) gemv_f32_rows<R>(x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+// =================================================================================
+// Embedding: out[t, :] = dequantized row ids[t] of table [V, D]
+// =================================================================================
+
+void yr_embedding_q8_0(const int64_t* ids, const uint8_t* table, float* out, int64_t T, int64_t D) {
+    const int64_t rb = D / QK * Q8_0_BYTES;
+#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; ++t)
+        dequant_row<dequant_block_q8_0, Q8_0_BYTES>(table + ids[t] * rb, out + t * D, D);
+}
+
+void yr_embedding_q4_1(const int64_t* ids, const uint8_t* table, float* out, int64_t T, int64_t D) {
+    const int64_t rb = D / QK * Q4_1_BYTES;
+#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; ++t)
+        dequant_row<dequant_block_q4_1, Q4_1_BYTES>(table + ids[t] * rb, out + t * D, D);
+}
+
+void yr_embedding_f32(const int64_t* ids, const float* table, float* out, int64_t T, int64_t D) {
+#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; ++t)
+        std::memcpy(out + t * D, table + ids[t] * D, (size_t)D * sizeof(float));
+}
+
+// =================================================================================
+// RoPE, Hugging Face rotate_half convention. x, out: [T, H, Dh] (out may alias x);
+// tables [max_seq, Dh/2]; token t sits at position start_pos[0] + t.
+// out[i] = x[i] c_i - x[i+Dh/2] s_i,  out[i+Dh/2] = x[i+Dh/2] c_i + x[i] s_i  (i < Dh/2)
+// =================================================================================
+
+void yr_rope(const float* x, const float* cos_table, const float* sin_table, const int64_t* start_pos,
+             float* out, int64_t T, int64_t H, int64_t Dh) {
+    const int64_t half = Dh / 2, p0 = start_pos[0];
+#pragma omp parallel for schedule(static) if (T * H * Dh >= PAR_MIN_ELEMS)
+    for (int64_t th = 0; th < T * H; ++th) {
+        const int64_t t = th / H;
+        const float* c = cos_table + (p0 + t) * half;
+        const float* s = sin_table + (p0 + t) * half;
+        const float* xi = x + th * Dh;
+        float* oi = out + th * Dh;
+        // Chunks through local copies, so that out == x is safe and the loops vectorize.
+        constexpr int CH = 16;
+        for (int64_t i0 = 0; i0 < half; i0 += CH) {
+            const int n = (int)std::min<int64_t>(CH, half - i0);
+            float a[CH], b[CH], ra[CH], rb[CH];
+            for (int i = 0; i < n; ++i) { a[i] = xi[i0 + i]; b[i] = xi[half + i0 + i]; }
+            for (int i = 0; i < n; ++i) {
+                ra[i] = a[i] * c[i0 + i] - b[i] * s[i0 + i];
+                rb[i] = b[i] * c[i0 + i] + a[i] * s[i0 + i];
+            }
+            for (int i = 0; i < n; ++i) { oi[i0 + i] = ra[i]; oi[half + i0 + i] = rb[i]; }
+        }
+    }
+}
+
+// =================================================================================
+// Causal grouped-query attention with a KV cache.
+// q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; caches: [max_seq, Hkv, Dh]; out: [T, Hq, Dh].
+// Appends k, v at positions p0 .. p0+T-1 (p0 = start_pos[0]; the caller ensures
+// p0 + T <= max_seq), then query t (position p0+t) of head h attends keys 0 .. p0+t of
+// kv head h / (Hq / Hkv): out = softmax(scale * q.k) @ v, max subtracted first.
+// =================================================================================
+
+void yr_attention(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
+                  const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
+                  int64_t max_seq, float scale) {
+    const int64_t p0 = start_pos[0];
+    const int64_t kv_row = Hkv * Dh;   // floats per cache position
+    std::memcpy(k_cache + p0 * kv_row, k, (size_t)(T * kv_row) * sizeof(float));
+    std::memcpy(v_cache + p0 * kv_row, v, (size_t)(T * kv_row) * sizeof(float));
+    const int64_t group = Hq / Hkv;
+    const int64_t work = T * Hq * (p0 + T) * Dh;
+    (void)work;  // read by the OpenMP if clause only
+#pragma omp parallel for schedule(dynamic, 1) if (work >= PAR_MIN_MACS / 4)
+    for (int64_t th = 0; th < T * Hq; ++th) {
+        static thread_local std::vector<float> score_buf;
+        const int64_t t = th / Hq, h = th % Hq, kvh = h / group;
+        const int64_t L = p0 + t + 1;                // keys 0 .. p0+t
+        float* s = scratch(score_buf, (size_t)(std::max<int64_t>(max_seq, L) + VL));
+        const float* qv = q + th * Dh;
+        const float* kc = k_cache + kvh * Dh;
+        const float* vc = v_cache + kvh * Dh;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) {
+            s[j] = scale * dot(qv, kc + j * kv_row, Dh);
+            mx = std::max(mx, s[j]);
+        }
+        // s[j] = exp(s[j] - max), vectorized; sum in float.
+        const float neg_mx = -mx;
+        const vf vneg_mx = vbroadcast(&neg_mx);
+        vf vsum_acc = vzero();
+        int64_t j = 0;
+        for (; j + VL <= L; j += VL) {
+            const vf e = vexp(vadd(vload(s + j), vneg_mx));
+            vstore(s + j, e);
+            vsum_acc = vadd(vsum_acc, e);
+        }
+        float sum = vsum(vsum_acc);
+        for (; j < L; ++j) {
+            s[j] = std::exp(s[j] - mx);
+            sum += s[j];
+        }
+        float* o = out + th * Dh;
+        std::fill(o, o + Dh, 0.0f);
+        for (int64_t jj = 0; jj < L; ++jj) axpy(s[jj], vc + jj * kv_row, o, Dh);
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
+    }
+}
+
+// =================================================================================
+// argmax over the last axis of x [R, D] (first occurrence of the maximum).
+// =================================================================================
+
+void yr_argmax(const float* x, int64_t* out, int64_t R, int64_t D) {
+    if (D <= 0) return;
+#pragma omp parallel for schedule(static) if (R * D >= PAR_MIN_ELEMS && R > 1)
+    for (int64_t r = 0; r < R; ++r) out[r] = argmax_row(x + r * D, D);
+}
+
+}  // extern "C"
+"""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+
+#: name -> ctypes argtypes of every entry point (restype is always None).
+SIGNATURES: dict[str, tuple] = {
+    "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
+    "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
+    "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
+    "yr_embedding_q8_0": (_P, _P, _P, _I, _I),         # ids, table, out, T, D
+    "yr_embedding_q4_1": (_P, _P, _P, _I, _I),
+    "yr_embedding_f32": (_P, _P, _P, _I, _I),
+    "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I),        # x, cos, sin, start_pos, out, T, H, Dh
+    # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale
+    "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
+    "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
+}
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set argtypes/restype of every function of ``SIGNATURES`` on ``lib``; return ``lib``."""
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = list(argtypes)
+        fn.restype = None
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The kernel library, built on first use (cached on disk), with signatures set.
+
+    Raises:
+        ToolchainError: no C++ compiler, or it rejected the source.
+    """
+    return bind(load_library(SOURCE))
