@@ -50,6 +50,8 @@ def info() -> None:
         table.add_row(b.value, "yes", i.device_name or "-", str(i.compute_units or "-"),
                       _gib(i.memory_total_bytes), feats)
     console = Console()
+    if not console.is_terminal:  # piped: do not squeeze the reasons into 80 columns
+        console = Console(width=160)
     console.print(table)
     try:
         default, source = get_backend().value, get_backend_source()

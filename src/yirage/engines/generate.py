@@ -104,6 +104,7 @@ class LLM:
         self.max_seq_length = min(max_seq_length, limit)
         self.model = LlamaModel(loaded, self.backend, self.max_seq_length)
         self.steps = StepRunner(self.model)
+        self.steps.prepare(1)  # build and compile the decode step now, not inside the first timing
         self.eos_token_ids = set(self.config.eos_token_ids)
         logger.info("loaded %s on %s (max_seq_length=%d)", self.name, self.backend.value, self.max_seq_length)
 

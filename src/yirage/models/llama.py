@@ -124,6 +124,10 @@ class StepRunner:
         self.plans: dict[int, tuple] = {}
         self.max_plans = max_plans
 
+    def prepare(self, T: int) -> None:
+        """Build, compile and bind the step for T tokens ahead of time."""
+        self._plan(T)
+
     def _plan(self, T: int):
         if T not in self.plans:
             if len(self.plans) >= self.max_plans:  # keep decode (T=1), drop an old prefill plan
