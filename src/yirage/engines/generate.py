@@ -100,8 +100,12 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name or str(loaded.path)
-        limit = self.config.max_position_embeddings or max_seq_length
-        self.max_seq_length = min(max_seq_length, limit)
+        # attention here is full causal: a sliding-window model is exact only within its window
+        limits = [n for n in (self.config.max_position_embeddings, self.config.sliding_window) if n]
+        self.max_seq_length = min([max_seq_length, *limits])
+        if self.max_seq_length < max_seq_length:
+            logger.warning("max_seq_length capped at %d by the model's context (position limit / "
+                           "sliding window)", self.max_seq_length)
         self.model = LlamaModel(loaded, self.backend, self.max_seq_length)
         self.steps = StepRunner(self.model)
         self.steps.prepare(1)  # build and compile the decode step now, not inside the first timing
