@@ -19,3 +19,17 @@ def hf_smollm():
     path = resolve_model("smollm2-135m-instruct").path
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """Factory: a word-level tokenizer 'w0'..'w{n-1}' (no network) to save beside tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def make(vocab_size: int):
+        vocab = {f"w{i}": i for i in range(vocab_size)}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1", bos_token="w2")
+    return make

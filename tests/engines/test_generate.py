@@ -3,8 +3,7 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config)
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import yirage as yr
 
@@ -72,15 +71,8 @@ def test_bad_generation_arguments(smollm):
         smollm.generate("hi", top_p=1.5)
 
 
-def tiny_tokenizer(vocab_size):
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1", bos_token="w2")
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiny_random_models_match_transformers_logits(kind, tmp_path):
+def test_tiny_random_models_match_transformers_logits(kind, tmp_path, tiny_tokenizer):
     """safetensors path: prefill and 3 decode steps vs transformers' full-sequence logits."""
     torch.manual_seed(0)
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

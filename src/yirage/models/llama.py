@@ -104,7 +104,7 @@ class LlamaModel:
             n = norm(h, f"{p}.post_attention_layernorm.weight")
             gate, up = proj(n, f"{p}.mlp.gate_proj"), proj(n, f"{p}.mlp.up_proj")
             h = g.add(h, proj(g.mul(g.silu(gate), up), f"{p}.mlp.down_proj"))
-        last = norm(g.slice_rows(h, T - 1, T), "model.norm.weight")
+        last = norm(h if T == 1 else g.slice_rows(h, T - 1, T), "model.norm.weight")
         head = embed if "lm_head.weight" not in self.weights else weight("lm_head.weight")
         logits = g.linear(last, head)
         g.mark_output(logits)
