@@ -104,6 +104,8 @@ class KernelGraph:
         for x in inputs:
             if not isinstance(x, DTensor) or x.graph is not self:
                 raise ValueError(f"{op}: inputs must be tensors of this graph, got {x!r}")
+        if OPS[op].arity >= 0 and len(inputs) != OPS[op].arity:
+            raise ValueError(f"{op}: takes {OPS[op].arity} inputs, got {len(inputs)}")
         ttype = OPS[op].infer([x.type for x in inputs], attrs)
         out = self._new_tensor(ttype)
         self.ops.append(OpNode(op, [x.id for x in inputs], attrs, out.id))

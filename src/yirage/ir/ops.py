@@ -37,7 +37,7 @@ class TensorType:
 class OpDef:
     name: str
     kind: str  # "elementwise" | "row" | "library"
-    arity: int
+    arity: int  # number of inputs; -1 when it varies (linear's optional bias)
     infer: Callable[[list[TensorType], dict], TensorType]
     reference: Callable[[list[torch.Tensor], dict], torch.Tensor]
 
@@ -89,13 +89,9 @@ def _binary_infer(name):
     return infer
 
 
-def _gelu(x):
-    return F.gelu(x)
-
-
 UNARY: dict[str, Callable] = {
     "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu,
-    "gelu": _gelu, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
+    "gelu": F.gelu, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
 }
 BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
