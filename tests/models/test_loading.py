@@ -175,6 +175,21 @@ def test_tokenizer_is_cached(default_model, monkeypatch, tmp_path):
     assert second(TEXTS[1])["input_ids"] == first(TEXTS[1])["input_ids"]
 
 
+def test_gguf_config_is_cached(default_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
+    reader = loading._open_gguf(default_model.path)
+    first = loading._gguf_hf_config(reader, default_model.path)
+    assert len(list((tmp_path / "gguf-config").glob("*.json"))) == 1
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    def no_reparse(*args, **kwargs):
+        raise AssertionError("the cached config should have been used")
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_reparse)
+    second = loading._gguf_hf_config(reader, default_model.path)
+    assert second.to_dict() == first.to_dict()
+
+
 def test_reverse_permute_undoes_llama_cpp_permute():
     def llama_cpp_permute(w, n_head):  # convert_hf_to_gguf.py LlamaModel.permute
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
