@@ -76,10 +76,10 @@ def info() -> None:
 def generate(prompt, model, backend, max_new_tokens, max_seq_length, temperature, top_k, top_p,
              seed, system, as_json) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
-    from .engines.generate import LLM
+    from .engines.generate import LLM, check_generation_args
 
     try:
-        LLM._check_args(max_new_tokens, temperature, top_k, top_p)
+        check_generation_args(max_new_tokens, temperature, top_k, top_p)
         llm = LLM(model, backend=backend, max_seq_length=max_seq_length, progress=True)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]

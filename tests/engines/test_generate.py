@@ -105,3 +105,20 @@ def test_tiny_random_models_match_transformers_logits(kind, tmp_path, tiny_token
         ref = hf(torch.tensor([seq])).logits[0]
     for i, g in enumerate(got):
         torch.testing.assert_close(g, ref[len(ids) - 1 + i], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, 0.9), (40, None), (40, 0.5), (None, 0.05)])
+def test_sampling_filters_match_transformers_warpers(top_k, top_p):
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    from yirage.engines.generate import _Sampling
+
+    logits = torch.randn(1, 1000) * 3
+    ours = _Sampling(0.7, top_k, top_p).filtered(logits)
+    ref = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    if top_k is not None:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p is not None:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref[0]))
+    torch.testing.assert_close(ours[~torch.isinf(ours)], ref[0][~torch.isinf(ref[0])])

@@ -59,20 +59,38 @@ class _Sampling:
     top_p: float | None
     generator: torch.Generator | None = field(default=None)
 
-    def pick(self, logits: torch.Tensor, argmax: torch.Tensor) -> int:
-        if self.temperature == 0.0:
-            return int(argmax[0])
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scores [vocab] after temperature, top-k and top-p (-inf where filtered out);
+        the same rules as transformers' TopKLogitsWarper and TopPLogitsWarper."""
         scores = logits[0].float() / self.temperature
         if self.top_k is not None and self.top_k < scores.numel():
             kth = torch.topk(scores, self.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
-            cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_scores, dim=-1) > self.top_p  # keep the first token always
+            probs = torch.softmax(sorted_scores, dim=-1)
+            drop = probs.cumsum(-1) - probs >= self.top_p  # mass before a token; keeps the first always
             scores[order[drop]] = float("-inf")
-        probs = torch.softmax(scores, dim=-1)
+        return scores
+
+    def pick(self, logits: torch.Tensor, argmax: torch.Tensor) -> int:
+        if self.temperature == 0.0:
+            return int(argmax[0])
+        probs = torch.softmax(self.filtered(logits), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+
+
+def check_generation_args(max_new_tokens, temperature, top_k, top_p) -> None:
+    """Raise GenerationError unless max_new_tokens > 0 (int), temperature >= 0,
+    top_k is None or a positive int, and top_p is None or in (0, 1]."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if temperature is None or temperature < 0:
+        raise GenerationError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+        raise GenerationError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise GenerationError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
 class LLM:
@@ -147,7 +165,7 @@ class LLM:
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True.
         Raises: GenerationError for bad arguments or a prompt that does not fit.
         """
-        self._check_args(max_new_tokens, temperature, top_k, top_p)
+        check_generation_args(max_new_tokens, temperature, top_k, top_p)
         ids = self.encode_prompt(prompt, chat)
         if len(ids) >= self.max_seq_length:
             raise GenerationError(f"the prompt is {len(ids)} tokens but max_seq_length is "
@@ -161,17 +179,6 @@ class LLM:
         for _ in stream_obj:
             pass
         return stream_obj.result
-
-    @staticmethod
-    def _check_args(max_new_tokens, temperature, top_k, top_p):
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if temperature is None or temperature < 0:
-            raise GenerationError(f"temperature must be >= 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
-            raise GenerationError(f"top_k must be a positive integer or None, got {top_k!r}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise GenerationError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
 class GenerationStream:
