@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from yirage.codegen.cpp_library import library
+from yirage.backends.cpu_library import library
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
 PREFILL = [(64, 1536, 576), (64, 576, 1536)]     # (M, N, K)

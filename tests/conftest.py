@@ -1,6 +1,16 @@
-"""Shared fixtures: the default model loaded once, and transformers' copy of it."""
-import pytest
+"""Shared fixtures: the default model loaded once, and transformers' copy of it.
+
+Without a GPU, Triton kernels run under Triton's CPU interpreter: TRITON_INTERPRET=1 is set
+here, before any test module imports triton (the flag is read when a kernel is decorated).
+"""
+import os
+
 import torch
+
+if not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

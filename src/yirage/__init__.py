@@ -13,7 +13,12 @@ from .errors import (BackendUnavailableError, GenerationError, ModelLoadError, T
                      YirageError)
 from .backends import (Backend, BackendInfo, MemoryInfo, get_available_backends, get_backend,
                        get_backend_info, get_memory_info, is_backend_available, set_backend)
-from .ir.graph import DTensor, KernelGraph, new_kernel_graph
+from .ir.graph import DTensor
+from .kernel import KNGraph, new_kernel_graph
+
+#: The runnable kernel graph (``yr.new_kernel_graph()`` returns one); the IR class it extends
+#: is ``yirage.ir.graph.KernelGraph``.
+KernelGraph = KNGraph
 
 __version__ = "0.1.0"
 
@@ -30,7 +35,7 @@ def __getattr__(name):
 
 __all__ = [
     "Backend", "BackendInfo", "MemoryInfo", "BackendUnavailableError", "GenerationError",
-    "ModelLoadError", "ToolchainError", "YirageError", "DType", "DTensor", "KernelGraph",
+    "ModelLoadError", "ToolchainError", "YirageError", "DType", "DTensor", "KernelGraph", "KNGraph",
     "LLM", "GenerationResult", "new_kernel_graph", "get_available_backends", "get_backend",
     "get_backend_info", "get_memory_info", "is_backend_available", "set_backend",
     "float32", "float16", "bfloat16", "int32", "int64", "q4_1", "q8_0",

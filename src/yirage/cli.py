@@ -32,22 +32,23 @@ def _gib(n) -> str:
 
 @cli.command()
 def info() -> None:
-    """Show every known backend: available or why not, device, memory, ISA/compute capability."""
+    """Show every known backend: available or why not, device, memory, ISA/compute capability,
+    and whether fused kernels are compiled (C++, Triton) or run as torch ops."""
     from rich.console import Console
     from rich.table import Table
 
     from .backends import Backend, get_backend, get_backend_info, get_backend_source
 
     table = Table(title="yirage backends")
-    for col in ("backend", "available", "device", "units", "memory", "ISA / compute capability"):
+    for col in ("backend", "available", "kernels", "device", "units", "memory", "ISA / compute capability"):
         table.add_column(col)
     for b in Backend:
         i = get_backend_info(b)
         if not i.available:
-            table.add_row(b.value, f"no: {i.reason}", "-", "-", "-", "-")
+            table.add_row(b.value, f"no: {i.reason}", i.kernels, "-", "-", "-", "-")
             continue
         feats = i.compute_capability or " ".join(i.isa_flags) or "-"
-        table.add_row(b.value, "yes", i.device_name or "-", str(i.compute_units or "-"),
+        table.add_row(b.value, "yes", i.kernels, i.device_name or "-", str(i.compute_units or "-"),
                       _gib(i.memory_total_bytes), feats)
     console = Console()
     if not console.is_terminal:  # piped: do not squeeze the reasons into 80 columns

@@ -177,15 +177,16 @@ def test_unavailable_gpu_info_does_not_raise(backend):
 def test_codegen_and_torch_device():
     expected = {
         Backend.CPU: ("cpp", "cpu"),
-        Backend.CUDA: ("triton", "cuda"),
-        Backend.ROCM: ("triton", "cuda"),
-        Backend.XPU: ("triton", "xpu"),
-        Backend.MPS: ("metal", "mps"),
+        Backend.CUDA: (None, "cuda"),
+        Backend.ROCM: (None, "cuda"),
+        Backend.XPU: (None, "xpu"),
+        Backend.MPS: (None, "mps"),
     }
     for backend, (codegen, device_type) in expected.items():
         impl = backends._IMPLS[backend]
         assert impl.name == backend
         assert impl.codegen == codegen
+        assert impl.kernel_mode == (f"compiled ({codegen})" if codegen else "torch ops")
         assert impl.torch_device == torch.device(device_type)
 
 

@@ -1,4 +1,4 @@
-"""Tests of the hand-written C++ kernels (yirage.codegen.cpp_library) against torch.
+"""Tests of the hand-written C++ kernels (src/yirage/kernels/cpu/library.cpp) against torch.
 
 Every kernel runs in three builds of the same source: the native one (``library()``,
 AVX-512 on a machine that has it), one with AVX-512 switched off (AVX2/FMA/F16C path)
@@ -8,10 +8,8 @@ reference weights from ``gguf.quants.dequantize``.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import platform
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +19,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from yirage.codegen.cpp_library import SIGNATURES, SOURCE, bind, library
-from yirage.runtime.toolchain import CXXFLAGS, find_compiler
+from yirage.backends.cpu_library import SIGNATURES, bind_signatures, library
+from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
 
 QUANT = {"q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
@@ -65,7 +63,7 @@ def _variant_cache():
 
 
 @pytest.fixture(params=["native", "avx2", "scalar"])
-def lib(request, _variant_cache, tmp_path_factory):
+def lib(request, _variant_cache):
     name = request.param
     reason = _variant_skip(name)
     if reason:
@@ -74,14 +72,8 @@ def lib(request, _variant_cache, tmp_path_factory):
         if name == "native":
             _variant_cache[name] = library()
         else:
-            cxx, _ = find_compiler()
-            tmp = tmp_path_factory.mktemp(f"cpp_{name}")
-            src = tmp / "kernels.cpp"
-            src.write_text(SOURCE)
-            out = tmp / "kernels.so"
             flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _VARIANT_FLAGS[name]
-            subprocess.run([cxx, *flags, str(src), "-o", str(out)], check=True, capture_output=True)
-            _variant_cache[name] = bind(ctypes.CDLL(str(out)))
+            _variant_cache[name] = bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
     return _variant_cache[name]
 
 

@@ -71,9 +71,9 @@ def test_bad_generation_arguments(smollm):
         smollm.generate("hi", top_p=1.5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiny_random_models_match_transformers_logits(kind, tmp_path, tiny_tokenizer):
-    """safetensors path: prefill and 3 decode steps vs transformers' full-sequence logits."""
+def save_tiny_model(kind: str, directory, tiny_tokenizer):
+    """A tiny random Llama (untied, llama3 RoPE scaling) or Qwen2 (biases, tied) saved as
+    safetensors with a word-level tokenizer; returns transformers' model (the reference)."""
     torch.manual_seed(0)
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -86,8 +86,15 @@ def test_tiny_random_models_match_transformers_logits(kind, tmp_path, tiny_token
     else:
         cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
     hf = AutoModelForCausalLM.from_config(cfg).eval()
-    hf.save_pretrained(tmp_path)
-    tiny_tokenizer(300).save_pretrained(tmp_path)
+    hf.save_pretrained(directory)
+    tiny_tokenizer(300).save_pretrained(directory)
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_random_models_match_transformers_logits(kind, tmp_path, tiny_tokenizer):
+    """safetensors path: prefill and 3 decode steps vs transformers' full-sequence logits."""
+    hf = save_tiny_model(kind, tmp_path, tiny_tokenizer)
     llm = yr.LLM(str(tmp_path), backend="cpu", max_seq_length=64)
     if kind == "qwen2":
         assert llm.config.attention_bias
@@ -122,3 +129,15 @@ def test_sampling_filters_match_transformers_warpers(top_k, top_p):
         ref = TopPLogitsWarper(top_p)(None, ref)
     assert torch.equal(torch.isinf(ours), torch.isinf(ref[0]))
     torch.testing.assert_close(ours[~torch.isinf(ours)], ref[0][~torch.isinf(ref[0])])
+
+
+@pytest.mark.skipif(yr.is_backend_available("cuda"), reason="needs 'cuda' to be unavailable")
+def test_llm_without_backend_follows_set_backend_and_env(monkeypatch, tmp_path, tiny_tokenizer):
+    import yirage.backends as backends
+    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+    monkeypatch.setattr(backends, "_explicit_backend", None)
+    monkeypatch.setenv("YIRAGE_BACKEND", "cuda")
+    with pytest.raises(yr.BackendUnavailableError, match="YIRAGE_BACKEND='cuda'"):
+        yr.LLM(str(tmp_path), max_seq_length=16)  # the env's choice, not 'auto'
+    yr.set_backend("cpu")  # overrides the environment
+    assert yr.LLM(str(tmp_path), max_seq_length=16).backend == yr.Backend.CPU

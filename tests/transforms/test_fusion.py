@@ -76,3 +76,36 @@ def test_library_op_splits_kernels_and_shape_change_starts_new_one():
     xs, ws, cs = torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 1)
     torch.testing.assert_close(g(inputs=[xs, ws, cs])[0], torch.exp(xs.relu() @ ws).sum(1, keepdim=True) + cs,
                                atol=1e-4, rtol=1e-4)
+
+
+def test_op_table_declares_in_place_writes():
+    from yirage.ir.ops import OPS
+    assert OPS["attention"].mutates == (3, 4)  # the KV caches
+    assert all(not d.mutates for name, d in OPS.items() if name != "attention")
+
+
+def test_kernel_reading_the_kv_cache_does_not_sink_past_attention():
+    """exp(k_cache) joins a later add; attention writes k_cache in between. Sinking the
+    kernel after attention would read the updated cache; the schedule must keep it first."""
+    S, Hkv, Dh = 8, 1, 4
+    g = yr.new_kernel_graph()
+    q, k, v = g.new_input((1, Hkv, Dh)), g.new_input((1, Hkv, Dh)), g.new_input((1, Hkv, Dh))
+    kc, vc, pos = g.new_input((S, Hkv, Dh)), g.new_input((S, Hkv, Dh)), g.new_input((1,), yr.int64)
+    other = g.new_input((S, Hkv * Dh))
+    before = g.exp(g.reshape(kc, (S, Hkv * Dh)))
+    a = g.attention(q, k, v, kc, vc, pos)
+    g.mark_output(g.add(before, other))
+    g.mark_output(a)
+    kinds = [type(s).__name__ if isinstance(s, FusedKernel) else s.node.op for s in schedule(g)]
+    assert kinds.index("attention") > kinds.index("FusedKernel")
+    inputs = [torch.randn(1, Hkv, Dh), torch.randn(1, Hkv, Dh), torch.randn(1, Hkv, Dh),
+              torch.zeros(S, Hkv, Dh), torch.zeros(S, Hkv, Dh), torch.tensor([3]), torch.randn(S, Hkv * Dh)]
+    ref = g.interpret([x.clone() for x in inputs])
+    out = g(inputs=inputs)
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(out[0], 1 + inputs[6])  # exp of the cache before the write (zeros)
+
+
+def test_kernel_still_sinks_past_gemms_that_write_nothing():
+    g = llama_block_graph()
+    assert sum(isinstance(s, FusedKernel) for s in schedule(g)) == 2

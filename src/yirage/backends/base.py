@@ -1,13 +1,14 @@
 """The contract every backend module implements, and the records it reports.
 
 A backend is one device kind (CPU, an NVIDIA/AMD/Intel GPU, Apple silicon) seen through
-torch: torch owns tensors, allocation and streams; the backend says whether the device
-is usable, describes it (``info``), reports its memory (``memory_info``), names the
-``torch_device`` tensors live on, names the code generator it uses (``codegen``) and
-waits for queued work (``synchronize``).
+torch: torch owns tensors, allocation and streams. ``BackendImpl`` is the contract the
+compiler and executor talk to: availability, description and memory, which library ops the
+backend has kernels for (``supports``), compiling fused kernels (``compile`` -> ``Kernel``),
+binding library ops (``bind_library_op``) and ``synchronize``.
 
 This module must never pick a backend, fall back from one backend to another, or touch a
-device: it only defines ``Backend``, ``BackendInfo``, ``MemoryInfo`` and ``BackendImpl``.
+device: it only defines ``Backend``, ``BackendInfo``, ``MemoryInfo``, ``Kernel`` and
+``BackendImpl``.
 """
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ import dataclasses
 import enum
 import platform
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
+from yirage.codegen.eager import EagerKernel
 from yirage.errors import BackendUnavailableError
+
+#: A launch with everything bound: calling it runs one kernel (or library call).
+Thunk = Callable[[], None]
 
 
 class Backend(enum.Enum):
@@ -40,7 +45,8 @@ class BackendInfo:
     ``versions`` are filled; the device fields are None and ``isa_flags`` is empty.
     ``memory_total_bytes`` is in bytes. ``compute_units`` is usable CPU cores for the CPU
     and streaming multiprocessors / compute units for a GPU. ``details`` holds
-    backend-specific extras (thread counts, device index, ...).
+    backend-specific extras (thread counts, device index, ...). ``kernels`` says how fused
+    kernels run there: 'compiled (cpp)', 'compiled (triton)' or 'torch ops'.
     """
 
     name: Backend
@@ -53,6 +59,7 @@ class BackendInfo:
     compute_capability: str | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kernels: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``name`` becomes its string value."""
@@ -96,18 +103,45 @@ def base_versions() -> dict[str, str]:
     return {"torch": torch.__version__, "python": platform.python_version()}
 
 
-class BackendImpl(ABC):
-    """One device kind behind the backend contract.
+class Kernel(Protocol):
+    """A fused kernel compiled for one backend (what ``BackendImpl.compile`` returns)."""
 
-    Subclasses set ``name``, ``codegen`` ('cpp', 'triton' or 'metal') and ``device_type``
-    (the torch device type), and implement ``unavailable_reason`` plus the ``_device_*``
-    methods, which are only called once the backend is known to be available.
+    def bind(self, tensors: list[torch.Tensor], rows: int) -> Thunk:
+        """A thunk that runs the kernel over ``rows`` rows of ``tensors``.
+
+        ``tensors`` are the kernel's inputs then its outputs (``FusedKernel.inputs`` and
+        ``.outputs`` order), contiguous, on the backend's device. The thunk does no work
+        beyond the launch (no allocation, no host synchronization).
+        """
+        ...
+
+
+class BackendImpl(ABC):
+    """One device kind behind the backend contract (ggml-backend's device table, in Python).
+
+    What the compiler and the executor may ask of a backend:
+
+    - ``availability()`` -> (usable?, why not); ``info()``; ``memory_info()``;
+    - ``torch_device``: where tensors for this backend live (torch allocates them);
+    - ``supports(node, graph)``: does the backend have a kernel of its own for a library op
+      (GEMM/GEMV, embedding, RoPE, attention, argmax, ...)? The executor runs an op that is
+      not supported as its torch reference on ``torch_device`` (logged once per op);
+    - ``compile(kernels)``: fused row kernels (transforms.fusion.FusedKernel) -> ``Kernel``s;
+    - ``bind_library_op(node, graph, args, out)``: a thunk computing a supported op into
+      ``out``;
+    - ``synchronize()``: wait for queued device work.
+
+    Subclasses set ``name``, ``device_type`` (the torch device type) and ``codegen`` (the
+    language fused kernels are compiled to: 'cpp', 'triton', or None when they run as torch
+    ops), and implement ``unavailable_reason`` plus the ``_device_*`` methods, which are only
+    called once the backend is known to be available.
     """
 
     name: ClassVar[Backend]
-    codegen: ClassVar[str]
+    codegen: ClassVar[str | None] = None
     device_type: ClassVar[str]
 
+    # ---- availability and description -----------------------------------------------
     @abstractmethod
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot be used here, or None when it can."""
@@ -127,9 +161,19 @@ class BackendImpl(ABC):
         """Runtime versions relevant to this backend (torch, python, driver stack)."""
         return base_versions()
 
+    def availability(self) -> tuple[bool, str | None]:
+        """(True, None) when usable here, else (False, the reason)."""
+        reason = self.unavailable_reason()
+        return reason is None, reason
+
     def is_available(self) -> bool:
         """True when this torch build and this machine can run the backend."""
         return self.unavailable_reason() is None
+
+    @property
+    def kernel_mode(self) -> str:
+        """How fused kernels run: 'compiled (cpp)', 'compiled (triton)' or 'torch ops'."""
+        return f"compiled ({self.codegen})" if self.codegen else "torch ops"
 
     @property
     def torch_device(self) -> torch.device:
@@ -150,8 +194,11 @@ class BackendImpl(ABC):
         """
         if not self.is_available():
             reason = self.unavailable_reason() or "is_available() returned False"
-            return BackendInfo(self.name, False, reason, versions=self.versions())
-        return self._device_info()
+            info = BackendInfo(self.name, False, reason, versions=self.versions())
+        else:
+            info = self._device_info()
+        info.kernels = self.kernel_mode
+        return info
 
     def memory_info(self) -> MemoryInfo:
         """Device memory in bytes. Raises BackendUnavailableError if unavailable."""
@@ -163,15 +210,30 @@ class BackendImpl(ABC):
         self.require_available()
         self._device_synchronize()
 
-    def compile(self, kernels: list) -> list:
-        """Compile fused kernels (transforms.fusion.FusedKernel) for this backend.
+    # ---- compiling and binding --------------------------------------------------------
+    def supports(self, node, graph) -> bool:
+        """True if this backend has its own kernel for library op ``node`` (an
+        ``ir.graph.OpNode`` of ``graph``, whose tensor types it may inspect).
 
-        Returns one kernel object per input, each with ``bind(tensors, R) -> thunk``.
-        The default renders torch eager ops on this backend's device
-        (codegen/eager.py); backends with a native code generator override it.
+        The default supports nothing: every library op runs as its torch reference.
         """
-        from ..codegen.eager import EagerKernel
+        return False
+
+    def compile(self, kernels: list) -> list[Kernel]:
+        """Compile fused kernels (transforms.fusion.FusedKernel), one ``Kernel`` each.
+
+        The default renders them as torch ops on this backend's device
+        (codegen/eager.py); backends with a code generator override it.
+        """
         return [EagerKernel(k) for k in kernels]
+
+    def bind_library_op(self, node, graph, args: list[torch.Tensor], out: torch.Tensor) -> Thunk:
+        """A thunk computing ``node`` from ``args`` into ``out`` (both on ``torch_device``).
+
+        Only called for ops where ``supports(node, graph)`` is True. It must not allocate
+        per call; whatever it needs (workspaces, pointer arrays) is made here, once.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support {node.op}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name.value!r}, codegen={self.codegen!r})"

@@ -1,4 +1,5 @@
-"""The CPU backend: always available; kernels are generated as C++ (OpenMP, SIMD).
+"""The CPU backend: always available; fused kernels are generated as C++ (OpenMP, SIMD) and
+library ops run the hand-written C++ of kernels/cpu (see cpu_library.py).
 
 It reads the CPU model, usable cores, SIMD/matrix ISA extensions and system memory from
 the operating system (/proc on Linux, sysctl on macOS) so that code generation can pick
@@ -15,7 +16,9 @@ import sys
 
 import torch
 
-from yirage.backends.base import Backend, BackendImpl, BackendInfo, MemoryInfo
+from yirage.backends import cpu_library
+from yirage.backends.base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
+from yirage.runtime.cpp_kernels import compile_cpp
 
 # ISA extensions that code generation cares about, spelled as in Linux /proc/cpuinfo
 # (x86 "flags", Arm "Features").
@@ -141,13 +144,21 @@ class CPUBackend(BackendImpl):
     def unavailable_reason(self) -> str | None:
         return None
 
-    def compile(self, kernels: list) -> list:
+    def supports(self, node, graph) -> bool:
+        """Library ops with a kernel here: see ``cpu_library.OPS``."""
+        entry = cpu_library.OPS.get(node.op)
+        return entry is not None and entry[0](node, graph)
+
+    def compile(self, kernels: list) -> list[Kernel]:
         """Fused kernels as C++ (codegen/cpp.py), built with the system compiler.
 
         Raises ToolchainError when no compiler is installed or the build fails.
         """
-        from ..codegen.cpp_launch import compile_cpp
         return compile_cpp(kernels)
+
+    def bind_library_op(self, node, graph, args, out) -> Thunk:
+        """The C++ library kernel (or torch BLAS for float matmuls) for ``node``."""
+        return cpu_library.OPS[node.op][1](node, graph, args, out)
 
     def _device_info(self) -> BackendInfo:
         return BackendInfo(

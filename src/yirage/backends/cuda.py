@@ -16,7 +16,7 @@ class CUDABackend(BackendImpl):
     """NVIDIA GPUs; also the base of ROCmBackend, which shares the torch.cuda API."""
 
     name = Backend.CUDA
-    codegen = "triton"
+    codegen = None  # Triton code generation: see backends/triton.py (issue 5)
     device_type = "cuda"
 
     def unavailable_reason(self) -> str | None:

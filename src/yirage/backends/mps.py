@@ -1,4 +1,5 @@
-"""The MPS backend: Apple-silicon GPUs through torch.mps; kernels are generated as Metal.
+"""The MPS backend: Apple-silicon GPUs through torch.mps; kernels run as torch ops on the device
+(no Metal code generator yet).
 
 Available when ``torch.backends.mps.is_available()``. Apple GPUs share system memory, so
 the memory figures are torch's recommended working-set limit and its own allocations.
@@ -18,7 +19,7 @@ class MPSBackend(BackendImpl):
     """Apple-silicon GPUs (torch device type 'mps')."""
 
     name = Backend.MPS
-    codegen = "metal"
+    codegen = None  # fused kernels run as torch ops until a Metal generator lands
     device_type = "mps"
 
     def unavailable_reason(self) -> str | None:

@@ -17,7 +17,7 @@ class ROCmBackend(CUDABackend):
     """AMD GPUs (torch device type 'cuda' on a HIP build)."""
 
     name = Backend.ROCM
-    codegen = "triton"
+    codegen = None  # Triton code generation: see backends/triton.py (issue 5)
     device_type = "cuda"
 
     def unavailable_reason(self) -> str | None:

@@ -15,7 +15,7 @@ class XPUBackend(BackendImpl):
     """Intel GPUs (torch device type 'xpu')."""
 
     name = Backend.XPU
-    codegen = "triton"
+    codegen = None  # Triton code generation: see backends/triton.py (issue 5)
     device_type = "xpu"
 
     def unavailable_reason(self) -> str | None:

@@ -9,7 +9,8 @@ one phase and read in a later one is kept in a per-thread row buffer; plain inpu
 are simply reloaded. All arithmetic is float32; float16/bfloat16 are converted on load
 and store (bfloat16 rounds to nearest even).
 
-This module must never compile or load anything: runtime/toolchain.py does that.
+This module must never compile or load anything: runtime/cpp_kernels.py and
+runtime/toolchain.py do that.
 """
 from __future__ import annotations
 
@@ -18,24 +19,10 @@ import hashlib
 from ..dtypes import DType
 from ..transforms.fusion import RS, VEC, FusedKernel
 
-HEADER = r"""
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <algorithm>
-#include <limits>
-#include <vector>
+# Generated kernels include the prelude (kernels/cpu/yirage_prelude.h: bf16 conversions);
+# runtime/toolchain.py puts its directory on the include path and hashes its contents.
+HEADER = '#include "yirage_prelude.h"\n'
 
-static inline float yr_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t yr_f32_to_bf16(float f) {
-    uint32_t u; std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
-    return (uint16_t)(u >> 16);
-}
-"""
 
 _CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t"}
 

@@ -99,7 +99,8 @@ class LLM:
     Args:
         model: a short name (``yirage.models.registry.list_models()``), a GGUF file, a
             Hugging Face directory or a hub id.
-        backend: backend name, 'auto', or None for the current default (``yr.get_backend()``).
+        backend: backend name, 'auto', or None (the default) for ``yr.get_backend()``:
+            the ``yr.set_backend`` choice, else ``YIRAGE_BACKEND``, else 'auto'.
         max_seq_length: KV-cache capacity in tokens (prompt + generated); must be positive.
         progress: show loading progress on stderr.
 
@@ -109,7 +110,7 @@ class LLM:
         GenerationError: max_seq_length is not a positive integer.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = "auto",
+    def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
                  max_seq_length: int = 2048, progress: bool = False):
         if not isinstance(max_seq_length, int) or max_seq_length <= 0:
             raise GenerationError(f"max_seq_length must be a positive integer, got {max_seq_length!r}")

@@ -5,15 +5,15 @@
     W = g.new_input(dims=(4096, 4096), dtype=yr.float32)
     O = g.silu(g.matmul(g.rms_norm(X, normalized_shape=(4096,)), W))
     g.mark_output(O)
-    out = g(inputs=[x, w])          # list of torch tensors, compiled for the backend
 
 Shapes and dtypes are inferred and checked when an op is added (``ValueError`` naming the
 op, the shapes and the rule). Semantics follow Mirage (python/mirage/kernel.py): ``matmul``
 multiplies the last two dims and batches over the leading ones, ``reduction(x, dim)`` sums
 over ``dim`` keeping it with size 1, binary ops broadcast like torch.
 
-This module must never generate code or run kernels itself: calling a graph hands it to
-the executor (runtime/executor.py), and ``interpret`` to the reference interpreter.
+This module is the IR: it must never generate code, run kernels or know a backend.
+``interpret`` runs the reference interpreter; compiling and calling a graph is the front
+end's (yirage/kernel.py ``KNGraph``), JSON is ir/serialize.py's.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from ..dtypes import DType, as_dtype
+from .interpret import interpret
 from .ops import OPS, TensorType
 
 
@@ -74,7 +75,7 @@ class KernelGraph:
         self.ops: list[OpNode] = []
         self.inputs: list[int] = []
         self.outputs: list[int] = []
-        self._compiled = {}
+        self._compiled = {}  # derived state of front ends (compiled plans); cleared on any edit
 
     # ---- building -------------------------------------------------------------------------
     def _new_tensor(self, ttype: TensorType, name: str | None = None) -> DTensor:
@@ -198,41 +199,7 @@ class KernelGraph:
         """Rows ``start:end`` of the first dim (a view; no copy)."""
         return self._add("slice_rows", [x], start=int(start), end=int(end))
 
-    # ---- running --------------------------------------------------------------------------
+    # ---- the reference ----------------------------------------------------------------------
     def interpret(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the reference interpreter (torch eager); see ir/interpret.py."""
-        from .interpret import interpret
         return interpret(self, inputs)
-
-    def compile(self, backend: str | None = None):
-        """Fuse and compile for ``backend`` (default: the graph's, else ``yr.get_backend()``).
-
-        Returns a ``runtime.executor.CompiledGraph``; compiled kernels are cached.
-        Raises BackendUnavailableError for an unknown/unavailable backend.
-        """
-        from ..backends import resolve_backend
-        from ..runtime.executor import CompiledGraph
-        name = resolve_backend(backend or self.backend)
-        if name not in self._compiled:
-            self._compiled[name] = CompiledGraph(self, name)
-        return self._compiled[name]
-
-    def __call__(self, inputs: Sequence[torch.Tensor], backend: str | None = None) -> list[torch.Tensor]:
-        """Run the graph on ``inputs`` (torch tensors, one per ``new_input``, in order) and
-        return the marked outputs as new tensors on the backend's device."""
-        return self.compile(backend)(inputs)
-
-    # ---- serialization --------------------------------------------------------------------
-    def to_json(self) -> str:
-        from .serialize import to_json
-        return to_json(self)
-
-    @staticmethod
-    def from_json(text: str) -> "KernelGraph":
-        from .serialize import from_json
-        return from_json(text)
-
-
-def new_kernel_graph(backend: str | None = None) -> KernelGraph:
-    """Create an empty kernel graph (Mirage's ``mi.new_kernel_graph()``)."""
-    return KernelGraph(backend)

@@ -7,7 +7,10 @@ Each ``OpDef`` has
 - ``infer(inputs, attrs) -> (shape, dtype)``: checks the inputs and raises ``ValueError``
   naming the op, the shapes and the rule broken,
 - ``reference(args, attrs) -> tensor``: the meaning of the op in torch eager. The reference
-  interpreter (interpret.py) is built from these and is the ground truth for every kernel.
+  interpreter (interpret.py) is built from these and is the ground truth for every kernel,
+- ``mutates``: the positions of the inputs the op writes in place (attention appends k and
+  v to the KV cache inputs 3 and 4); schedulers must not reorder a reader of such an input
+  across the op.
 
 This module must never generate code or depend on a backend.
 """
@@ -40,13 +43,14 @@ class OpDef:
     arity: int  # number of inputs; -1 when it varies (linear's optional bias)
     infer: Callable[[list[TensorType], dict], TensorType]
     reference: Callable[[list[torch.Tensor], dict], torch.Tensor]
+    mutates: tuple[int, ...] = ()  # positions of the inputs written in place
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def _register(name, kind, arity, infer, reference):
-    OPS[name] = OpDef(name, kind, arity, infer, reference)
+def _register(name, kind, arity, infer, reference, mutates=()):
+    OPS[name] = OpDef(name, kind, arity, infer, reference, tuple(mutates))
 
 
 def _fail(op: str, types: list[TensorType], rule: str):
@@ -307,7 +311,7 @@ _register("embedding", "library", 2, _embedding_infer, _embedding_ref)
 _register("rope", "library", 4, _rope_infer,
           lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])))
 _register("attention", "library", 6, _attention_infer,
-          lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"]))
+          lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"]), mutates=(3, 4))
 _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))
 
 

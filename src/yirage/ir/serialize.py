@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 
 from ..dtypes import DType
+from .graph import KernelGraph, OpNode
 from .ops import OPS, TensorType
 
 VERSION = 1
 
 
-def to_json(graph) -> str:
+def to_json(graph: KernelGraph) -> str:
+    """The graph as a JSON document (schema above)."""
     tensors = []
     for tid, t in enumerate(graph.tensors):
         entry = {"shape": list(t.shape), "dtype": t.dtype.value}
@@ -31,14 +33,13 @@ def _jsonable(attrs: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
 
 
-def from_json(text: str):
-    """Rebuild a graph; ValueError if the document is malformed or breaks a shape rule."""
-    from .graph import KernelGraph, OpNode
-
+def from_json(text: str, cls: type[KernelGraph] = KernelGraph) -> KernelGraph:
+    """Rebuild a graph as an instance of ``cls`` (a KernelGraph subclass, e.g. the front
+    end's KNGraph); ValueError if the document is malformed or breaks a shape rule."""
     doc = json.loads(text)
     if doc.get("version") != VERSION:
         raise ValueError(f"unsupported kernel-graph JSON version {doc.get('version')!r}, expected {VERSION}")
-    g = KernelGraph(doc.get("backend"))
+    g = cls(doc.get("backend"))
     types = [TensorType(tuple(t["shape"]), DType(t["dtype"])) for t in doc["tensors"]]
     g.tensors = list(types)
     g.names = {i: t["name"] for i, t in enumerate(doc["tensors"]) if "name" in t}

@@ -26,7 +26,7 @@ import torch
 
 from ..backends import Backend, get_backend_impl
 from ..dtypes import DType, as_dtype
-from ..ir.graph import KernelGraph
+from ..kernel import KNGraph
 
 
 class LlamaModel:
@@ -61,11 +61,11 @@ class LlamaModel:
         self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
 
-    def build_graph(self, T: int) -> tuple[KernelGraph, list[torch.Tensor]]:
+    def build_graph(self, T: int) -> tuple[KNGraph, list[torch.Tensor]]:
         """The forward graph for T new tokens, and the tensors for every input except
         the first two (``ids`` [T] int64 and ``start_pos`` [1] int64)."""
         cfg = self.cfg
-        g = KernelGraph(self.backend.value)
+        g = KNGraph(self.backend.value)
         tensors: list[torch.Tensor] = []
 
         def inp(t: torch.Tensor, dtype=None, shape=None, name=None):

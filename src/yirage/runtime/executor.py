@@ -6,11 +6,13 @@ intermediate once (buffers are reused by liveness), producing a ``Plan`` whose `
 is a flat list of thunks: a decode step re-runs the same plan after updating its input
 tensors in place (token ids, start position), with no allocation and no Python graph walk.
 
-Library ops (GEMM/GEMV, embedding, RoPE, attention, argmax) run the CPU backend's
-hand-written C++ kernels (codegen/cpp_library.py) where one exists, else torch (BLAS for
-float matmuls). On other backends they run as torch ops on the backend's device.
+The executor talks to its backend only through the backend contract
+(backends/base.py ``BackendImpl``): ``compile`` for fused kernels, ``supports`` and
+``bind_library_op`` for library ops (GEMM/GEMV, embedding, RoPE, attention, argmax). A
+library op the backend does not support runs as the op's torch reference on the backend's
+device: explicit, and logged once per (backend, op) at DEBUG.
 
-This module must never change a graph or pick a different backend than it was given.
+This module must never change a graph, import a backend, or ask which backend it runs on.
 """
 from __future__ import annotations
 
@@ -19,25 +21,28 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..backends import Backend, get_backend_impl
+from ..config import logger
 from ..ir.interpret import check_inputs
 from ..ir.ops import OPS
-from ..transforms.fusion import FusedKernel, LibraryStep, schedule
+from ..transforms.fusion import VIEW_OPS, FusedKernel, LibraryStep, alias_roots, schedule
 
 
-VIEW_OPS = ("reshape", "slice_rows")  # alias their input's buffer; no launch
+_logged_fallbacks: set[tuple[str, str]] = set()
 
 
 class CompiledGraph:
     """A KernelGraph fused and compiled for one backend.
 
-    Raises ToolchainError (CPU) when the generated C++ cannot be built.
+    Args:
+        graph: an ``ir.graph.KernelGraph``.
+        impl: the backend (a ``backends.base.BackendImpl``), already known to be available.
+
+    Raises ToolchainError when the backend's generated code cannot be built.
     """
 
-    def __init__(self, graph, backend: Backend):
+    def __init__(self, graph, impl):
         self.graph = graph
-        self.backend = backend
-        self.impl = get_backend_impl(backend)
+        self.impl = impl
         self.steps = schedule(graph)
         fused = [s for s in self.steps if isinstance(s, FusedKernel)]
         self.kernels = dict(zip(map(id, fused), self.impl.compile(fused)))
@@ -53,7 +58,7 @@ class CompiledGraph:
         dev = self.impl.torch_device
         for i, x in enumerate(inputs):
             if x.device.type != dev.type:
-                raise ValueError(f"input {i} is on {x.device}, but backend '{self.backend.value}' "
+                raise ValueError(f"input {i} is on {x.device}, but backend '{self.impl.name.value}' "
                                  f"runs on {dev.type}: move it with .to('{dev.type}')")
 
     def plan(self, inputs: Sequence[torch.Tensor]) -> "Plan":
@@ -81,7 +86,7 @@ class Plan:
         self.env: dict[int, torch.Tensor] = dict(zip(g.inputs, inputs))
         self.thunks: list[Callable[[], None]] = []
         self._pool: dict[tuple, list[torch.Tensor]] = {}
-        self._root: dict[int, int] = {}
+        self._root = alias_roots(g)  # view outputs -> the buffer they share
         last_use = self._last_uses()
         keep = set(g.outputs) | set(g.inputs)
         for i, step in enumerate(cg.steps):
@@ -106,10 +111,9 @@ class Plan:
         return [i.tid for i in step.inputs] if isinstance(step, FusedKernel) else step.node.inputs
 
     def _last_uses(self) -> dict[int, int]:
-        last, root = {}, {}
+        """Index of the last step that reads each buffer (graph outputs: past the end)."""
+        last, root = {}, self._root
         for i, step in enumerate(self.cg.steps):
-            if isinstance(step, LibraryStep) and step.node.op in VIEW_OPS:
-                root[step.node.output] = root.get(step.node.inputs[0], step.node.inputs[0])
             for tid in self._reads(step):
                 last[root.get(tid, tid)] = i
         for o in self.cg.graph.outputs:
@@ -146,15 +150,16 @@ class Plan:
         if node.op in VIEW_OPS:
             src = self.env[node.inputs[0]]
             self.env[node.output] = OPS[node.op].reference([src], node.attrs)
-            self._root[node.output] = self._root.get(node.inputs[0], node.inputs[0])
             return
         args = [self.env[i] for i in node.inputs]
         out = self._alloc(node.output)
-        thunk = None
-        if self.cg.backend == Backend.CPU:
-            from .cpu_library import bind_cpu_library
-            thunk = bind_cpu_library(node, args, out, self.cg.graph)
-        if thunk is None:
-            ref = OPS[node.op].reference
-            thunk = lambda ref=ref, args=args, out=out, attrs=node.attrs: out.copy_(ref(args, attrs))
-        self.thunks.append(thunk)
+        impl = self.cg.impl
+        if impl.supports(node, self.cg.graph):
+            self.thunks.append(impl.bind_library_op(node, self.cg.graph, args, out))
+            return
+        if (impl.name.value, node.op) not in _logged_fallbacks:
+            _logged_fallbacks.add((impl.name.value, node.op))
+            logger.debug("backend %s has no kernel for this %s: running its torch reference on %s",
+                         impl.name.value, node.op, self.device)
+        ref = OPS[node.op].reference
+        self.thunks.append(lambda: out.copy_(ref(args, node.attrs)))

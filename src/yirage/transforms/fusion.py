@@ -27,6 +27,7 @@ from ..dtypes import DType
 from ..ir.ops import OPS, UNARY, BINARY
 
 VEC, RS = "vec", "rs"
+VIEW_OPS = ("reshape", "slice_rows")  # library ops that alias their input's buffer
 
 
 @dataclass
@@ -188,11 +189,27 @@ def _emit(kern: FusedKernel, node, graph, kind: str) -> None:
     kern.ops.append(node)
 
 
-def _can_sink(steps: list, kern: FusedKernel) -> bool:
-    """True if no step after ``kern`` reads one of its values, so it may move to the end."""
+def alias_roots(graph) -> dict[int, int]:
+    """For every output of a view op (reshape, slice_rows), the tensor whose buffer it shares."""
+    root: dict[int, int] = {}
+    for node in graph.ops:
+        if node.op in VIEW_OPS:
+            root[node.output] = root.get(node.inputs[0], node.inputs[0])
+    return root
+
+
+def _can_sink(steps: list, kern: FusedKernel, roots: dict[int, int]) -> bool:
+    """True if ``kern`` may move after every step that follows it: none of them reads one
+    of its values, and none writes in place (``OpDef.mutates``) a buffer it reads."""
     pos = next(i for i in range(len(steps) - 1, -1, -1) if steps[i] is kern)
-    return not any(tid in kern.values for st in steps[pos + 1:]
-                   for tid in (st.node.inputs if isinstance(st, LibraryStep) else [i.tid for i in st.inputs]))
+    later = steps[pos + 1:]
+    if any(tid in kern.values for st in later
+           for tid in (st.node.inputs if isinstance(st, LibraryStep) else [i.tid for i in st.inputs])):
+        return False
+    reads = {roots.get(i.tid, i.tid) for i in kern.inputs}
+    written = {roots.get(st.node.inputs[m], st.node.inputs[m]) for st in later
+               if isinstance(st, LibraryStep) for m in OPS[st.node.op].mutates}
+    return not reads & written
 
 
 def schedule(graph) -> list:
@@ -200,20 +217,22 @@ def schedule(graph) -> list:
 
     The open kernel stays open across library steps that do not read it: an op that
     joins it moves (sinks) the kernel after those steps, so ``silu(x @ Wg) * (x @ Wu)``
-    is one kernel after both GEMMs.
+    is one kernel after both GEMMs. It never sinks past a step that writes in place a
+    buffer the kernel reads (attention's KV cache), which would change what it reads.
 
     Every kernel output that is read by a later step or is a graph output is recorded in
     ``FusedKernel.outputs``; everything else stays in registers/row buffers.
     """
     steps: list = []
     kern: FusedKernel | None = None
+    roots = alias_roots(graph)
     for node in graph.ops:
         if OPS[node.op].kind == "library":
             steps.append(LibraryStep(node))
             continue
         kind = _fits(kern, node, graph)
         if kind is not None and steps[-1] is not kern:
-            if _can_sink(steps, kern):
+            if _can_sink(steps, kern, roots):
                 steps.remove(kern)
                 steps.append(kern)
             else:

@@ -1,49 +1,34 @@
-"""Hand-written C++ library kernels for LLM inference on CPU.
+// yirage CPU library kernels for LLM inference: linear layers on GGML-quantized weights
+// (q4_1, q8_0) and on fp32 weights, embedding lookups, rotary position embedding (RoPE),
+// causal grouped-query attention (GQA) with a KV cache, and argmax.
+//
+// Built by yirage/runtime/toolchain.py (-O3 -march=native -fopenmp) and bound through
+// ctypes by yirage/backends/cpu_library.py, whose SIGNATURES table lists every
+// extern "C" entry point below. Pointers arrive as plain integers (tensor.data_ptr()),
+// sizes as int64, floats as float.
+//
+// Rules for the kernels:
+// - They never allocate, resize or free memory the caller owns: every input and output
+//   buffer (the KV cache included) is allocated by the caller, contiguous and row-major.
+//   The only memory a kernel allocates is its own per-thread scratch (thread_local
+//   vectors, grown to the largest size seen and kept for the thread's lifetime).
+// - They never call torch or Python, and never check arguments: shapes and index bounds
+//   (token ids < vocabulary size, start_pos + T <= max_seq) are the caller's job.
+// - SIMD code (AVX-512, AVX2/FMA/F16C) sits under #if defined(__AVX512F__) etc.; a
+//   portable scalar version is always compiled when those macros are missing (ARM, old
+//   x86), so the source builds for any target.
+// - Quantized formats are GGML's (llama.cpp ggml-common.h), blocks of 32 weights:
+//   q8_0 = 34 bytes {fp16 d; int8 q[32]}, w = d*q;
+//   q4_1 = 20 bytes {fp16 d; fp16 m; uint8 qs[16]}, weight j is the low nibble of qs[j]
+//   and weight j+16 its high nibble, w = d*q + m.
+//   Dequantized weights equal gguf.quants.dequantize bitwise: d*q is exact in float32
+//   (11-bit d times a <= 8-bit integer), so d*q + m rounds once whether fused or not.
+//   Dot products accumulate in float32, in any order.
+//
+// Threads: OpenMP, with the omp_get_max_threads() of the process (torch's set_num_threads
+// sets it too: torch and this library share libgomp). Small problems run on the calling
+// thread, because a parallel region costs microseconds.
 
-The CPU backend calls these kernels for the operations that a per-graph code generator
-does badly or that need a special memory layout: linear layers on GGML-quantized weights
-(q4_1, q8_0) and on fp32 weights, embedding lookups, rotary position embedding, causal
-grouped-query attention with a KV cache, and argmax.
-
-``SOURCE`` is one C++17 translation unit; every entry point is ``extern "C"`` and is
-listed in ``SIGNATURES`` (name -> ctypes argtypes; every restype is None).
-``library()`` builds it once through :func:`yirage.runtime.toolchain.load_library`
-(``-O3 -march=native -fopenmp``) and returns the loaded ``ctypes.CDLL`` with argtypes
-and restypes set. Pointers are passed as plain integers (``tensor.data_ptr()``), sizes
-as ``int64``, floats as ``float``.
-
-Rules for the kernels:
-
-- They never allocate, resize or free memory the caller owns: every input and output
-  buffer (the KV cache included) is allocated by the caller, contiguous and row-major.
-  The only memory a kernel allocates is its own per-thread scratch (thread_local
-  vectors, grown to the largest size seen and kept for the thread's lifetime).
-- They never call torch or Python, and never check arguments: shapes and index bounds
-  (token ids < vocabulary size, ``start_pos + T <= max_seq``) are the caller's job.
-- SIMD code (AVX-512, AVX2/FMA/F16C) sits under ``#if defined(__AVX512F__)`` etc.; a
-  portable scalar version is always compiled when those macros are missing (ARM, old
-  x86), so the source builds for any target.
-- Quantized formats are GGML's (``ggml-common.h``), blocks of 32 weights:
-  q8_0 = 34 bytes {fp16 d; int8 q[32]}, w = d*q;
-  q4_1 = 20 bytes {fp16 d; fp16 m; uint8 qs[16]}, weight j is the low nibble of qs[j]
-  and weight j+16 its high nibble, w = d*q + m.
-  Dequantized weights equal ``gguf.quants.dequantize`` bitwise: d*q is exact in float32
-  (11-bit d times a <= 8-bit integer), so d*q + m rounds once whether fused or not.
-  Dot products accumulate in float32, in any order.
-
-Threads: OpenMP, with the ``omp_get_max_threads()`` of the process (torch's
-``set_num_threads`` sets it too: torch and this library share libgomp). Small problems
-run on the calling thread, because a parallel region costs microseconds.
-"""
-from __future__ import annotations
-
-import ctypes
-import functools
-
-from ..runtime.toolchain import load_library
-
-SOURCE = r"""
-// yirage CPU library kernels. See yirage/codegen/cpp_library.py for the rules.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -836,41 +821,3 @@ void yr_argmax(const float* x, int64_t* out, int64_t R, int64_t D) {
 }
 
 }  // extern "C"
-"""
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_F = ctypes.c_float
-
-#: name -> ctypes argtypes of every entry point (restype is always None).
-SIGNATURES: dict[str, tuple] = {
-    "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
-    "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
-    "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
-    "yr_embedding_q8_0": (_P, _P, _P, _I, _I),         # ids, table, out, T, D
-    "yr_embedding_q4_1": (_P, _P, _P, _I, _I),
-    "yr_embedding_f32": (_P, _P, _P, _I, _I),
-    "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I),        # x, cos, sin, start_pos, out, T, H, Dh
-    # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale
-    "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
-    "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
-}
-
-
-def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set argtypes/restype of every function of ``SIGNATURES`` on ``lib``; return ``lib``."""
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = list(argtypes)
-        fn.restype = None
-    return lib
-
-
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL:
-    """The kernel library, built on first use (cached on disk), with signatures set.
-
-    Raises:
-        ToolchainError: no C++ compiler, or it rejected the source.
-    """
-    return bind(load_library(SOURCE))

@@ -1,4 +1,4 @@
-"""Turns a set of fused kernels into C++ launchers: render, build (cached), bind pointers.
+"""Fused row kernels for the CPU: render as C++ (codegen/cpp.py), build (cached), bind pointers.
 
 A bound launcher is a zero-argument thunk that calls the kernel through ctypes with a
 pointer array built once, so a decode step pays one foreign call per kernel and nothing
@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from ..runtime.toolchain import load_library
+from ..codegen.cpp import render_module
 from ..transforms.fusion import FusedKernel
-from .cpp import render_module
+from .toolchain import load_library
 
 _ARGTYPES = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64]
 
@@ -24,15 +24,18 @@ class CppKernel:
     def __init__(self, fn):
         self.fn = fn
 
-    def bind(self, tensors: list[torch.Tensor], R: int) -> Callable[[], None]:
+    def bind(self, tensors: list[torch.Tensor], rows: int) -> Callable[[], None]:
         """Thunk running the kernel on ``tensors`` (inputs then outputs, contiguous CPU)."""
         ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-        fn, rows = self.fn, ctypes.c_int64(R)
-        return lambda: fn(ptrs, rows)
+        fn, r = self.fn, ctypes.c_int64(rows)
+        return lambda: fn(ptrs, r)
 
 
 def compile_cpp(kernels: list[FusedKernel]) -> list[CppKernel]:
-    """Build all ``kernels`` as one shared library (cached by source hash)."""
+    """Build all ``kernels`` as one shared library (cached by source hash).
+
+    Raises ToolchainError when no compiler is installed or the build fails.
+    """
     if not kernels:
         return []
     source, names = render_module(kernels)

@@ -1,0 +1,151 @@
+"""The CPU backend's library ops: GEMM/GEMV, embedding, RoPE, attention and argmax.
+
+Quantized linear layers, embeddings, RoPE, attention and argmax call the hand-written C++
+of ``yirage/kernels/cpu/library.cpp`` (built once by runtime/toolchain.py, bound through
+ctypes with the ``SIGNATURES`` below); float matmuls use torch (BLAS). ``supports`` says
+which (op, dtype) cases have a kernel here; the executor runs every other case as the op's
+torch reference. Binders run once per plan and return a thunk; they never allocate per
+call (outputs are given).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Callable
+
+import torch
+
+from ..dtypes import DType
+from ..runtime.toolchain import kernel_source, load_library
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+
+#: name -> ctypes argtypes of every entry point of library.cpp (restype is always None).
+SIGNATURES: dict[str, tuple] = {
+    "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
+    "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
+    "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
+    "yr_embedding_q8_0": (_P, _P, _P, _I, _I),         # ids, table, out, T, D
+    "yr_embedding_q4_1": (_P, _P, _P, _I, _I),
+    "yr_embedding_f32": (_P, _P, _P, _I, _I),
+    "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I),        # x, cos, sin, start_pos, out, T, H, Dh
+    # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale
+    "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
+    "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
+}
+
+
+def bind_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set argtypes/restype of every function of ``SIGNATURES`` on ``lib``; return ``lib``."""
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = list(argtypes)
+        fn.restype = None
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The C++ kernel library, built on first use (cached on disk), with signatures set.
+
+    Raises:
+        ToolchainError: no C++ compiler, or it rejected the source.
+    """
+    return bind_signatures(load_library(kernel_source("library.cpp")))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _types(node, graph):
+    return [graph.tensors[i] for i in node.inputs]
+
+
+# ---- which cases have a kernel here -------------------------------------------------------
+_QUANT = (DType.q4_1, DType.q8_0)
+
+
+def _linear_ok(node, graph) -> bool:
+    x, w = _types(node, graph)[:2]
+    return (w.dtype in _QUANT and x.dtype == DType.float32) or not w.dtype.is_quantized
+
+
+def _embedding_ok(node, graph) -> bool:
+    ids, table = _types(node, graph)
+    return ids.dtype == DType.int64 and table.dtype in (*_QUANT, DType.float32)
+
+
+def _float32_first(node, graph) -> bool:
+    return _types(node, graph)[0].dtype == DType.float32
+
+
+# ---- binders: (node, graph, args, out) -> thunk -------------------------------------------
+def _linear(node, graph, args, out):
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) == 3 else None
+    wt = graph.tensors[node.inputs[1]]
+    N, K = wt.shape
+    M = x.numel() // K
+    if wt.dtype.is_quantized:
+        fn = getattr(library(), f"yr_linear_{wt.dtype.value}")
+        p = (_ptr(x), _ptr(w), _ptr(bias), _ptr(out), M, N, K)
+        return lambda: fn(*p)
+    x2, o2, w_t = x.view(M, K), out.view(M, N), w.t()
+    if bias is None:
+        return lambda: torch.mm(x2, w_t, out=o2)
+    return lambda: torch.addmm(bias, x2, w_t, out=o2)
+
+
+def _matmul(node, graph, args, out):
+    a, b = args
+    return lambda: torch.matmul(a, b, out=out)
+
+
+def _embedding(node, graph, args, out):
+    ids, table = args
+    tt = graph.tensors[node.inputs[1]]
+    fn = getattr(library(), "yr_embedding_" + ("f32" if tt.dtype == DType.float32 else tt.dtype.value))
+    p = (_ptr(ids), _ptr(table), _ptr(out), ids.numel(), tt.shape[1])
+    return lambda: fn(*p)
+
+
+def _rope(node, graph, args, out):
+    x, cos, sin, pos = args
+    T, H, Dh = x.shape
+    fn = library().yr_rope
+    p = (_ptr(x), _ptr(cos), _ptr(sin), _ptr(pos), _ptr(out), T, H, Dh)
+    return lambda: fn(*p)
+
+
+def _attention(node, graph, args, out):
+    q, k, v, kc, vc, pos = args
+    T, Hq, Dh = q.shape
+    fn = library().yr_attention
+    p = (*map(_ptr, (q, k, v, kc, vc, pos, out)), T, Hq, k.shape[1], Dh, kc.shape[0], node.attrs["scale"])
+    return lambda: fn(*p)
+
+
+def _argmax(node, graph, args, out):
+    x = args[0]
+    D = x.shape[-1]
+    fn = library().yr_argmax
+    p = (_ptr(x), _ptr(out), x.numel() // D, D)
+    return lambda: fn(*p)
+
+
+def _always(node, graph) -> bool:
+    return True
+
+
+#: op -> (supported?(node, graph), binder)
+OPS: dict[str, tuple[Callable, Callable]] = {
+    "linear": (_linear_ok, _linear),
+    "matmul": (_always, _matmul),
+    "embedding": (_embedding_ok, _embedding),
+    "rope": (_always, _rope),
+    "attention": (_float32_first, _attention),
+    "argmax": (_float32_first, _argmax),
+}

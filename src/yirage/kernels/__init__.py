@@ -1,0 +1,9 @@
+"""Hand-written kernels as real source files, shipped as package data.
+
+- ``cpu/``: C++ (``*.cpp``, ``*.h``) built by runtime/toolchain.py: the library kernels
+  (quantized GEMV/GEMM, embedding, RoPE, attention, argmax) and the prelude that generated
+  row kernels include.
+- ``triton/``: Triton library kernels for CUDA, ROCm and XPU (one source for all three).
+
+Nothing here builds, loads or picks a backend; the backends do.
+"""

@@ -1,0 +1,85 @@
+"""The executor talks to a backend only through the contract (backends/base.py)."""
+import logging
+
+import torch
+
+import yirage as yr
+from yirage.backends import Backend, get_backend_impl
+from yirage.backends.base import BackendImpl, BackendInfo, MemoryInfo
+from yirage.runtime import executor
+from yirage.runtime.executor import CompiledGraph
+
+
+class TorchOpsBackend(BackendImpl):
+    """The smallest contract implementation: no code generator, no library kernels."""
+
+    name = Backend.CPU
+    device_type = "cpu"
+
+    def __init__(self):
+        self.compiled, self.asked = [], []
+
+    def unavailable_reason(self):
+        return None
+
+    def _device_info(self):
+        return BackendInfo(self.name, True, device_name="test")
+
+    def _device_memory_info(self):
+        return MemoryInfo(1, None, None)
+
+    def supports(self, node, graph):
+        self.asked.append(node.op)
+        return False
+
+    def compile(self, kernels):
+        self.compiled.extend(kernels)
+        return super().compile(kernels)
+
+
+def _graph():
+    g = yr.new_kernel_graph()
+    x, w, ids, table = g.new_input((5, 16)), g.new_input((8, 16)), g.new_input((5,), yr.int32), g.new_input((9, 8))
+    h = g.mul(g.silu(g.linear(g.rms_norm(x, (16,)), w)), g.embedding(ids, table))
+    g.mark_output(g.softmax(h, -1))
+    g.mark_output(g.argmax(h, -1))
+    return g
+
+
+def _inputs():
+    return [torch.randn(5, 16), torch.randn(8, 16), torch.tensor([0, 8, 3, 3, 1], dtype=torch.int32),
+            torch.randn(9, 8)]
+
+
+def test_any_contract_implementation_runs_a_graph():
+    g, impl = _graph(), TorchOpsBackend()
+    inputs = _inputs()
+    out = CompiledGraph(g, impl)(inputs)
+    ref = g.interpret(inputs)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1], ref[1])
+    assert impl.compiled and set(impl.asked) == {"linear", "embedding", "argmax"}
+
+
+def test_unsupported_op_runs_its_reference_logged_once(caplog, monkeypatch):
+    """int32 ids have no CPU embedding kernel: the torch reference runs, logged once."""
+    monkeypatch.setattr(executor, "_logged_fallbacks", set())
+    g, inputs = _graph(), _inputs()
+    cpu = get_backend_impl("cpu")
+    assert not cpu.supports(next(n for n in g.ops if n.op == "embedding"), g)
+    with caplog.at_level(logging.DEBUG, logger="yirage"):
+        out = g(inputs=inputs, backend="cpu")
+        g2 = _graph()
+        g2(inputs=inputs, backend="cpu")
+    msgs = [r.getMessage() for r in caplog.records if "torch reference" in r.getMessage()]
+    assert msgs == ["backend cpu has no kernel for this embedding: running its torch reference on cpu"]
+    torch.testing.assert_close(out[0], g.interpret(inputs)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_supports_its_library_kernels():
+    g = yr.new_kernel_graph()
+    x, wq, ids = g.new_input((1, 64)), g.new_input((4, 64), yr.q4_1), g.new_input((1,), yr.int64)
+    g.mark_output(g.linear(x, wq))
+    g.mark_output(g.embedding(ids, wq))
+    cpu = get_backend_impl("cpu")
+    assert all(cpu.supports(n, g) for n in g.ops)
