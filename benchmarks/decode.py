@@ -32,29 +32,30 @@ from yirage.models.loading import load_model  # noqa: E402
 PROMPT = "Write a detailed story about a robot who learns to paint."
 
 
-def bench_yirage(model: str, tokens: int, runs: int) -> dict:
-    llm = yr.LLM(model, backend="cpu", max_seq_length=1024)
+def bench_yirage(model: str, tokens: int, runs: int, backend: str = "cpu", dtype=None) -> dict:
+    llm = yr.LLM(model, backend=backend, max_seq_length=1024, dtype=dtype)
     llm.generate(PROMPT, max_new_tokens=4)  # warm-up: builds and loads kernels
     results = [llm.generate(PROMPT, max_new_tokens=tokens) for _ in range(runs)]
     return {"decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in results),
             "ttft_s": statistics.median(r.prefill_s for r in results),
             "new_tokens": [len(r.token_ids) for r in results],
-            "prompt_tokens": results[0].prompt_tokens, "text": results[0].text[:80]}
+            "prompt_tokens": results[0].prompt_tokens, "dtype": llm.dtype.value, "text": results[0].text[:80]}
 
 
-def bench_transformers(model: str, tokens: int, runs: int) -> dict:
+def bench_transformers(model: str, tokens: int, runs: int, device: str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> dict:
     from transformers import AutoModelForCausalLM
 
     loaded = load_model(model, progress=False)
     tok = loaded.tokenizer
     if loaded.format == "gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name,
-                                                  dtype=torch.float32)
+                                                  dtype=dtype)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.float32)
-    hf.eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=dtype)
+    hf = hf.to(device).eval()
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+                                  return_tensors="pt", return_dict=True)["input_ids"].to(device)
     kw = dict(do_sample=False, pad_token_id=tok.eos_token_id)
     with torch.inference_mode():
         hf.generate(ids, max_new_tokens=4, **kw)
@@ -71,7 +72,7 @@ def bench_transformers(model: str, tokens: int, runs: int) -> dict:
             tps.append((n - 1) / (total - ttft))
             counts.append(n)
     return {"decode_tokens_per_s": statistics.median(tps), "ttft_s": statistics.median(ttfts),
-            "new_tokens": counts, "prompt_tokens": ids.shape[1],
+            "new_tokens": counts, "prompt_tokens": ids.shape[1], "dtype": str(dtype).removeprefix("torch."),
             "text": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)[:80]}
 
 

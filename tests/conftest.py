@@ -12,6 +12,22 @@ if not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_ava
 
 import pytest  # noqa: E402
 
+import yirage as yr  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same torch seed, so random inputs repeat run to run."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=[b.value for b in yr.get_available_backends()])
+def backend(request):
+    """Every backend this machine can run: the CPU, the GPU backends present, and
+    'triton-interpret' (the GPU kernels under Triton's CPU interpreter; enabled above when
+    no GPU is present). The shared backend suite (tests/backends/test_ops.py) uses it."""
+    return request.param
+
 
 @pytest.fixture(scope="session")
 def smollm():

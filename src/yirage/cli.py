@@ -68,20 +68,22 @@ def info() -> None:
 @click.option("--backend", default=None, help="cpu, cuda, rocm, xpu, mps or auto (default: YIRAGE_BACKEND or auto).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--max-seq-length", type=int, default=2048, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Activation dtype (default: float32 on the CPU, bfloat16/float16 on GPUs).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=None)
 @click.option("--top-p", type=float, default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(prompt, model, backend, max_new_tokens, max_seq_length, temperature, top_k, top_p,
+def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, temperature, top_k, top_p,
              seed, system, as_json) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from .engines.generate import LLM, check_generation_args
 
     try:
         check_generation_args(max_new_tokens, temperature, top_k, top_p)
-        llm = LLM(model, backend=backend, max_seq_length=max_seq_length, progress=True)
+        llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
         chat = messages if getattr(llm.tokenizer, "chat_template", None) else prompt

@@ -38,14 +38,14 @@ def _proc_field(path: str, name: str) -> str:
 
 
 def test_backend_values():
-    assert [b.value for b in Backend] == ["cpu", "cuda", "rocm", "xpu", "mps"]
+    assert [b.value for b in Backend] == ["cpu", "cuda", "rocm", "xpu", "mps", "triton-interpret"]
 
 
 def test_cpu_is_available_and_listed():
     assert backends.is_backend_available("cpu")
     assert backends.is_backend_available(Backend.CPU)
     assert Backend.CPU in AVAILABLE
-    assert AVAILABLE[-1] == Backend.CPU
+    assert [b for b in AVAILABLE if b != Backend.TRITON_INTERPRET][-1] == Backend.CPU
 
 
 def test_unknown_name_is_not_available():
@@ -177,10 +177,11 @@ def test_unavailable_gpu_info_does_not_raise(backend):
 def test_codegen_and_torch_device():
     expected = {
         Backend.CPU: ("cpp", "cpu"),
-        Backend.CUDA: (None, "cuda"),
-        Backend.ROCM: (None, "cuda"),
-        Backend.XPU: (None, "xpu"),
+        Backend.CUDA: ("triton", "cuda"),
+        Backend.ROCM: ("triton", "cuda"),
+        Backend.XPU: ("triton", "xpu"),
         Backend.MPS: (None, "mps"),
+        Backend.TRITON_INTERPRET: ("triton", "cpu"),
     }
     for backend, (codegen, device_type) in expected.items():
         impl = backends._IMPLS[backend]
@@ -249,3 +250,28 @@ def test_available_backend_contract(backend):
     y = (x * 2).sum()
     impl.synchronize()
     assert y.item() == 8.0
+
+
+# --- Triton's interpreter as a backend -------------------------------------------------
+
+
+def _available_in_child(env_value):
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if env_value is not None:
+        env["TRITON_INTERPRET"] = env_value
+    code = ("import yirage as yr\n"
+            "print([b.value for b in yr.get_available_backends()], yr.get_backend().value)\n"
+            "print(yr.get_backend_info('triton-interpret').reason)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.mark.skipif(len(AVAILABLE) > 2, reason="a GPU backend is available here")
+def test_triton_interpreter_needs_the_env_and_is_never_auto():
+    listed, reason = _available_in_child(None)
+    assert listed == "['cpu'] cpu" and "TRITON_INTERPRET=1" in reason
+    listed, reason = _available_in_child("1")
+    assert listed == "['cpu', 'triton-interpret'] cpu" and reason == "None"

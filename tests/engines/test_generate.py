@@ -92,22 +92,23 @@ def save_tiny_model(kind: str, directory, tiny_tokenizer):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiny_random_models_match_transformers_logits(kind, tmp_path, tiny_tokenizer):
-    """safetensors path: prefill and 3 decode steps vs transformers' full-sequence logits."""
+def test_tiny_random_models_match_transformers_logits(kind, backend, tmp_path, tiny_tokenizer):
+    """safetensors path, on every backend here (the Triton kernels included): prefill and
+    3 decode steps vs transformers' full-sequence logits."""
     hf = save_tiny_model(kind, tmp_path, tiny_tokenizer)
-    llm = yr.LLM(str(tmp_path), backend="cpu", max_seq_length=64)
+    llm = yr.LLM(str(tmp_path), backend=backend, max_seq_length=64)
     if kind == "qwen2":
         assert llm.config.attention_bias
     ids = [5, 17, 299, 42, 8, 100, 3]
     seq = list(ids)
     logits, _ = llm.steps.run(ids, 0)
-    got = [logits[0].clone()]
+    got = [logits[0].to("cpu", copy=True)]
     for _ in range(3):
         nxt = int(got[-1].argmax())
         seq.append(nxt)
         logits, argmax = llm.steps.run([nxt], len(seq) - 1)
         assert int(argmax[0]) == int(logits[0].argmax())
-        got.append(logits[0].clone())
+        got.append(logits[0].to("cpu", copy=True))
     with torch.inference_mode():
         ref = hf(torch.tensor([seq])).logits[0]
     for i, g in enumerate(got):
@@ -141,3 +142,30 @@ def test_llm_without_backend_follows_set_backend_and_env(monkeypatch, tmp_path, 
         yr.LLM(str(tmp_path), max_seq_length=16)  # the env's choice, not 'auto'
     yr.set_backend("cpu")  # overrides the environment
     assert yr.LLM(str(tmp_path), max_seq_length=16).backend == yr.Backend.CPU
+
+
+# logits here have std ~0.18 and max ~1.1; half precision measured 3e-4 (fp16), 3e-3 (bf16)
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 1.5e-2), ("float16", 2e-3)])
+def test_tiny_model_in_half_precision(dtype, tol, backend, tmp_path, tiny_tokenizer):
+    """dtype='float16'/'bfloat16' (the GPU default): logits close to transformers' float32
+    ones, within what half-precision activations allow."""
+    hf = save_tiny_model("qwen2", tmp_path, tiny_tokenizer)
+    llm = yr.LLM(str(tmp_path), backend=backend, max_seq_length=32, dtype=dtype)
+    assert llm.dtype.value == dtype and llm.model.k_cache[0].dtype == getattr(torch, dtype)
+    ids = [5, 17, 299, 42, 8]
+    logits, argmax = llm.steps.run(ids, 0)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    assert logits.dtype == getattr(torch, dtype)
+    torch.testing.assert_close(logits[0].float().cpu(), ref, atol=tol, rtol=0)
+
+
+def test_bad_dtype_is_one_clear_error(tmp_path, tiny_tokenizer):
+    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+    with pytest.raises(yr.GenerationError, match="dtype must be float32, float16 or bfloat16"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, dtype="int8")
+
+
+def test_cpu_defaults_to_float32(tmp_path, tiny_tokenizer):
+    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+    assert yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16).dtype == yr.float32

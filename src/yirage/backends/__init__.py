@@ -3,7 +3,8 @@
 The default backend is, in this order: the one given to ``set_backend``, else the
 ``YIRAGE_BACKEND`` environment variable (a name or 'auto'), else 'auto', which picks the
 first available backend by priority CUDA > ROCm > XPU > MPS > CPU. Names are accepted
-case-insensitively, as are ``Backend`` members.
+case-insensitively, as are ``Backend`` members. 'triton-interpret' (Triton's CPU
+interpreter, for testing kernels) is listed after CPU, so 'auto' never picks it.
 
 This module must never substitute one backend for another: an unknown or unavailable
 backend raises BackendUnavailableError naming it, saying why, and listing the available ones.
@@ -24,6 +25,7 @@ from yirage.backends.cpu import CPUBackend
 from yirage.backends.cuda import CUDABackend
 from yirage.backends.mps import MPSBackend
 from yirage.backends.rocm import ROCmBackend
+from yirage.backends.triton import TritonInterpreterBackend
 from yirage.backends.xpu import XPUBackend
 from yirage.errors import BackendUnavailableError
 
@@ -48,7 +50,8 @@ ENV_VAR = "YIRAGE_BACKEND"
 # One instance per backend, in 'auto' priority order.
 _IMPLS: dict[Backend, BackendImpl] = {
     impl.name: impl
-    for impl in (CUDABackend(), ROCmBackend(), XPUBackend(), MPSBackend(), CPUBackend())
+    for impl in (CUDABackend(), ROCmBackend(), XPUBackend(), MPSBackend(), CPUBackend(),
+                 TritonInterpreterBackend())
 }
 
 # The backend chosen with set_backend(), or None to follow the environment / auto.
@@ -76,7 +79,8 @@ def _auto_backend() -> Backend:
 
 
 def get_available_backends() -> list[Backend]:
-    """Backends usable on this machine, in priority order CUDA, ROCm, XPU, MPS, CPU."""
+    """Backends usable on this machine, in priority order CUDA, ROCm, XPU, MPS, CPU
+    (then 'triton-interpret' when TRITON_INTERPRET=1)."""
     return [b for b, impl in _IMPLS.items() if impl.is_available()]
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Protocol
 import torch
 
 from yirage.codegen.eager import EagerKernel
+from yirage.dtypes import DType
 from yirage.errors import BackendUnavailableError
 
 #: A launch with everything bound: calling it runs one kernel (or library call).
@@ -28,13 +29,18 @@ Thunk = Callable[[], None]
 
 
 class Backend(enum.Enum):
-    """The device kinds yirage knows; ``.value`` is the lower-case name ('cpu', 'cuda', ...)."""
+    """The device kinds yirage knows; ``.value`` is the lower-case name ('cpu', 'cuda', ...).
+
+    ``TRITON_INTERPRET`` is Triton's CPU interpreter running the GPU kernels on CPU tensors:
+    a testing backend, available only with ``TRITON_INTERPRET=1``, never chosen by 'auto'.
+    """
 
     CPU = "cpu"
     CUDA = "cuda"
     ROCM = "rocm"
     XPU = "xpu"
     MPS = "mps"
+    TRITON_INTERPRET = "triton-interpret"
 
 
 @dataclasses.dataclass
@@ -129,6 +135,7 @@ class BackendImpl(ABC):
     - ``compile(kernels)``: fused row kernels (transforms.fusion.FusedKernel) -> ``Kernel``s;
     - ``bind_library_op(node, graph, args, out)``: a thunk computing a supported op into
       ``out``;
+    - ``capture(run)``: record a plan's launches once and return a replay (CUDA graphs);
     - ``synchronize()``: wait for queued device work.
 
     Subclasses set ``name``, ``device_type`` (the torch device type) and ``codegen`` (the
@@ -234,6 +241,19 @@ class BackendImpl(ABC):
         per call; whatever it needs (workspaces, pointer arrays) is made here, once.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support {node.op}")
+
+    def capture(self, run: Thunk) -> Thunk:
+        """A thunk that replays the device work of ``run`` (a plan's launches) with less
+        launch overhead; the default returns ``run`` itself.
+
+        ``run`` must read every changing value (token ids, positions) from device tensors that
+        the caller updates in place between calls.
+        """
+        return run
+
+    def default_dtype(self) -> DType:
+        """The activation dtype LLMs use here when the user names none: float32 by default."""
+        return DType.float32
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name.value!r}, codegen={self.codegen!r})"

@@ -145,7 +145,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
     "matmul": (_always, _matmul),
     "embedding": (_embedding_ok, _embedding),
-    "rope": (_always, _rope),
+    "rope": (_float32_first, _rope),
     "attention": (_float32_first, _attention),
     "argmax": (_float32_first, _argmax),
 }

@@ -1,22 +1,23 @@
-"""The CUDA backend: NVIDIA GPUs through torch.cuda; kernels are generated as Triton.
+"""The CUDA backend: NVIDIA GPUs through torch.cuda; kernels are Triton (backends/triton.py).
 
-Available when ``torch.cuda.is_available()`` and the torch build is CUDA
-(``torch.version.cuda`` set, ``torch.version.hip`` None). It describes the current
-device (name, SM count, compute capability, memory). It must never claim a ROCm build
+Available when ``torch.cuda.is_available()``, the torch build is CUDA
+(``torch.version.cuda`` set, ``torch.version.hip`` None) and triton imports. It describes
+the current device (name, SM count, compute capability, memory). It must never claim a ROCm build
 as CUDA, never initialise a device when unavailable, and never change the current device.
 """
 from __future__ import annotations
 
 import torch
 
-from yirage.backends.base import Backend, BackendImpl, BackendInfo, MemoryInfo
+from yirage.backends.base import Backend, BackendInfo, MemoryInfo, Thunk
+from yirage.dtypes import DType
+from yirage.backends.triton import TritonBackend, triton_missing_reason
 
 
-class CUDABackend(BackendImpl):
+class CUDABackend(TritonBackend):
     """NVIDIA GPUs; also the base of ROCmBackend, which shares the torch.cuda API."""
 
     name = Backend.CUDA
-    codegen = None  # Triton code generation: see backends/triton.py (issue 5)
     device_type = "cuda"
 
     def unavailable_reason(self) -> str | None:
@@ -24,7 +25,7 @@ class CUDABackend(BackendImpl):
             return f"this torch build is ROCm/HIP {torch.version.hip}, not CUDA (use 'rocm')"
         if torch.version.cuda is None:
             return "torch was built without CUDA (torch.version.cuda is None)"
-        return _no_device_reason("CUDA")
+        return _no_device_reason("CUDA") or triton_missing_reason()
 
     def versions(self) -> dict[str, str]:
         versions = super().versions()
@@ -59,6 +60,26 @@ class CUDABackend(BackendImpl):
 
     def _device_synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def default_dtype(self) -> DType:
+        """bfloat16 where the GPU has it (NVIDIA Ampere and later, AMD CDNA), else float16."""
+        return DType.bfloat16 if torch.cuda.is_bf16_supported() else DType.float16
+
+    def capture(self, run: Thunk) -> Thunk:
+        """A CUDA graph (HIP graph on ROCm) of ``run``'s launches; returns its ``replay``.
+
+        ``run`` is executed once on a side stream first, so that Triton compiles and
+        autotunes outside the capture (as torch.cuda.graphs' documentation prescribes).
+        """
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return graph.replay
 
 
 def _no_device_reason(kind: str) -> str | None:

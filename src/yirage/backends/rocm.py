@@ -1,4 +1,4 @@
-"""The ROCm backend: AMD GPUs through torch's HIP build; kernels are generated as Triton.
+"""The ROCm backend: AMD GPUs through torch's HIP build; kernels are Triton (backends/triton.py).
 
 A ROCm build of torch exposes AMD GPUs through the ``torch.cuda`` API and the 'cuda'
 device type, so this backend reuses the CUDA one and differs in detection
@@ -11,19 +11,19 @@ import torch
 
 from yirage.backends.base import Backend, base_versions
 from yirage.backends.cuda import CUDABackend, _no_device_reason
+from yirage.backends.triton import triton_missing_reason
 
 
 class ROCmBackend(CUDABackend):
     """AMD GPUs (torch device type 'cuda' on a HIP build)."""
 
     name = Backend.ROCM
-    codegen = None  # Triton code generation: see backends/triton.py (issue 5)
     device_type = "cuda"
 
     def unavailable_reason(self) -> str | None:
         if torch.version.hip is None:
             return "torch was built without ROCm/HIP (torch.version.hip is None)"
-        return _no_device_reason("ROCm")
+        return _no_device_reason("ROCm") or triton_missing_reason()
 
     def versions(self) -> dict[str, str]:
         versions = base_versions()

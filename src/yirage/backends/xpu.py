@@ -1,6 +1,7 @@
-"""The XPU backend: Intel GPUs through torch.xpu; kernels are generated as Triton.
+"""The XPU backend: Intel GPUs through torch.xpu; kernels are Triton (backends/triton.py).
 
-Available when this torch has a ``torch.xpu`` module and ``torch.xpu.is_available()``.
+Available when this torch has a ``torch.xpu`` module, ``torch.xpu.is_available()`` and
+triton (Intel's XPU build of it) imports.
 It must never touch ``torch.xpu`` before checking that the module exists, and never
 initialise a device when unavailable.
 """
@@ -8,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from yirage.backends.base import Backend, BackendImpl, BackendInfo, MemoryInfo
+from yirage.backends.base import Backend, BackendInfo, MemoryInfo
+from yirage.backends.triton import TritonBackend, triton_missing_reason
 
 
-class XPUBackend(BackendImpl):
+class XPUBackend(TritonBackend):
     """Intel GPUs (torch device type 'xpu')."""
 
     name = Backend.XPU
-    codegen = None  # Triton code generation: see backends/triton.py (issue 5)
     device_type = "xpu"
 
     def unavailable_reason(self) -> str | None:
@@ -23,7 +24,7 @@ class XPUBackend(BackendImpl):
             return f"torch {torch.__version__} has no torch.xpu module"
         if not torch.xpu.is_available():
             return "torch.xpu.is_available() is False (torch built without XPU or no Intel GPU)"
-        return None
+        return triton_missing_reason()
 
     def versions(self) -> dict[str, str]:
         versions = super().versions()

@@ -15,7 +15,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..backends import resolve_backend
+from ..backends import get_backend_impl, resolve_backend
+from ..dtypes import DType, as_dtype
 from ..config import logger
 from ..errors import GenerationError
 from ..models.llama import LlamaModel, StepRunner
@@ -62,7 +63,7 @@ class _Sampling:
     def filtered(self, logits: torch.Tensor) -> torch.Tensor:
         """Scores [vocab] after temperature, top-k and top-p (-inf where filtered out);
         the same rules as transformers' TopKLogitsWarper and TopPLogitsWarper."""
-        scores = logits[0].float() / self.temperature
+        scores = logits[0].float().cpu() / self.temperature  # the CPU generator samples on the CPU
         if self.top_k is not None and self.top_k < scores.numel():
             kth = torch.topk(scores, self.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -78,6 +79,19 @@ class _Sampling:
             return int(argmax[0])
         probs = torch.softmax(self.filtered(logits), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+
+
+def _activation_dtype(dtype, backend) -> DType:
+    """The LLM's activation DType: ``dtype`` checked, or the backend's default when None."""
+    if dtype is None:
+        return get_backend_impl(backend).default_dtype()
+    try:
+        d = as_dtype(dtype)
+    except ValueError:
+        d = None
+    if d is None or not d.is_float:
+        raise GenerationError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return d
 
 
 def check_generation_args(max_new_tokens, temperature, top_k, top_p) -> None:
@@ -102,19 +116,26 @@ class LLM:
         backend: backend name, 'auto', or None (the default) for ``yr.get_backend()``:
             the ``yr.set_backend`` choice, else ``YIRAGE_BACKEND``, else 'auto'.
         max_seq_length: KV-cache capacity in tokens (prompt + generated); must be positive.
+        dtype: activation dtype, 'float32', 'float16' or 'bfloat16' (a name, ``yr.float16``
+            or a torch dtype); None picks the backend's default: float32 on the CPU,
+            bfloat16 on GPUs that have it, else float16 (the autocast practice). Float
+            weights and the KV cache are stored in it; norms, softmax and GEMM accumulation
+            compute in float32; quantized weights stay in their blocks.
         progress: show loading progress on stderr.
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
         BackendUnavailableError: the backend is unknown or unavailable.
-        GenerationError: max_seq_length is not a positive integer.
+        GenerationError: max_seq_length is not a positive integer, or dtype is not one of
+            float32, float16, bfloat16.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
-                 max_seq_length: int = 2048, progress: bool = False):
+                 max_seq_length: int = 2048, dtype=None, progress: bool = False):
         if not isinstance(max_seq_length, int) or max_seq_length <= 0:
             raise GenerationError(f"max_seq_length must be a positive integer, got {max_seq_length!r}")
         self.backend = resolve_backend(backend)
+        self.dtype = _activation_dtype(dtype, self.backend)
         loaded = load_model(model, progress=progress)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -125,11 +146,12 @@ class LLM:
         if self.max_seq_length < max_seq_length:
             logger.warning("max_seq_length capped at %d by the model's context (position limit / "
                            "sliding window)", self.max_seq_length)
-        self.model = LlamaModel(loaded, self.backend, self.max_seq_length)
+        self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype)
         self.steps = StepRunner(self.model)
         self.steps.prepare(1)  # build and compile the decode step now, not inside the first timing
         self.eos_token_ids = set(self.config.eos_token_ids)
-        logger.info("loaded %s on %s (max_seq_length=%d)", self.name, self.backend.value, self.max_seq_length)
+        logger.info("loaded %s on %s (max_seq_length=%d, dtype=%s)", self.name, self.backend.value,
+                    self.max_seq_length, self.dtype.value)
 
     # ---- prompts ------------------------------------------------------------------------
     def encode_prompt(self, prompt: "str | Sequence[dict]", chat: bool = True) -> list[int]:

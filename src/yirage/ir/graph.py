@@ -139,6 +139,14 @@ class KernelGraph:
             raise ValueError(f"clamp: min_val {min_val} is greater than max_val {max_val}")
         return self._add("clamp", [x], min_val=float(min_val), max_val=float(max_val))
 
+    def cast(self, x, dtype):
+        """Elementwise conversion to another floating-point ``dtype`` (yr.float32/float16/
+        bfloat16; to half types rounding to nearest even, like torch's ``Tensor.to``)."""
+        dtype = as_dtype(dtype)
+        if not dtype.is_float:
+            raise ValueError(f"cast: target dtype must be floating point, got {dtype.value}")
+        return self._add("cast", [x], dtype=dtype.value)
+
     def scale(self, x, factor: float):
         """Elementwise ``x * factor`` for a Python number ``factor``."""
         return self._add("scale", [x], factor=float(factor))

@@ -106,6 +106,13 @@ for _n, _f in BINARY.items():
     _register(_n, "elementwise", 2, _binary_infer(_n),
               (lambda f: lambda args, attrs: f(args[0], args[1]))(_f))
 
+def _cast_infer(ts, attrs):
+    _float("cast", ts)
+    return TensorType(ts[0].shape, DType(attrs["dtype"]))
+
+
+_register("cast", "elementwise", 1, _cast_infer,
+          lambda args, a: args[0].to(DType(a["dtype"]).torch_dtype))
 _register("clamp", "elementwise", 1, _unary_infer("clamp"),
           lambda args, a: torch.clamp(args[0], a["min_val"], a["max_val"]))
 _register("scale", "elementwise", 1, _unary_infer("scale"),
@@ -210,19 +217,21 @@ def _linear_infer(ts, attrs):
         _fail("linear", ts, f"x's last dim {x.shape[-1]} must equal the weight's in_features {w.shape[1]}")
     if not w.dtype.is_quantized and w.dtype != x.dtype:
         _fail("linear", ts, f"dtypes must match, got {x.dtype.value} and {w.dtype.value}")
-    if w.dtype.is_quantized and x.dtype != DType.float32:
-        _fail("linear", ts, f"a {w.dtype.value} weight needs float32 activations, got {x.dtype.value}")
-    if len(ts) == 3 and tuple(ts[2].shape) != (w.shape[0],):
-        _fail("linear", ts, f"bias must have shape ({w.shape[0]},)")
+    if len(ts) == 3 and (tuple(ts[2].shape) != (w.shape[0],) or ts[2].dtype != x.dtype):
+        _fail("linear", ts, f"bias must have shape ({w.shape[0]},) and x's dtype {x.dtype.value}")
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
 def _linear_ref(args, attrs):
+    """x @ W^T (+ bias) computed in float32 (block-quantized W decoded first), then cast to
+    x's dtype: what every linear kernel computes (float32 accumulation)."""
     x, w = args[0], args[1]
-    wf = w
     if attrs.get("w_dtype"):
-        wf = dequantize(w, DType(attrs["w_dtype"]), tuple(attrs["w_shape"])).to(x.dtype)
-    return F.linear(x, wf, args[2] if len(args) == 3 else None)
+        w = dequantize(w, DType(attrs["w_dtype"]), tuple(attrs["w_shape"]))
+    if x.dtype == torch.float32:
+        return F.linear(x, w, args[2] if len(args) == 3 else None)
+    bias = args[2].float() if len(args) == 3 else None
+    return F.linear(x.float(), w.float(), bias).to(x.dtype)
 
 
 def _embedding_infer(ts, attrs):
@@ -250,18 +259,20 @@ def _rope_infer(ts, attrs):
         _fail("rope", ts, "cos and sin tables must both be [max_seq, head_dim // 2]")
     if pos.shape != (1,) or pos.dtype != DType.int64:
         _fail("rope", ts, "start_pos must be an int64 tensor of shape (1,)")
-    if x.dtype != DType.float32 or cos.dtype != DType.float32:
-        _fail("rope", ts, "rope computes in float32")
+    if not x.dtype.is_float or cos.dtype != DType.float32 or sin.dtype != DType.float32:
+        _fail("rope", ts, "x must be floating point and the cos/sin tables float32")
     return x
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int) -> torch.Tensor:
-    """Rotate-half RoPE (Su et al. 2021, as in transformers' Llama): x is [T, H, Dh]."""
+    """Rotate-half RoPE (Su et al. 2021, as in transformers' Llama): x is [T, H, Dh] (any float
+    dtype, computed in float32 and cast back), cos/sin [max_seq, Dh/2] float32."""
     T, half = x.shape[0], x.shape[-1] // 2
     c = cos[start:start + T].unsqueeze(1)
     s = sin[start:start + T].unsqueeze(1)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
 def _attention_infer(ts, attrs):
@@ -275,6 +286,8 @@ def _attention_infer(ts, attrs):
         _fail("attention", ts, "KV caches must both be [max_seq, Hkv, Dh]")
     if pos.shape != (1,) or pos.dtype != DType.int64:
         _fail("attention", ts, "start_pos must be an int64 tensor of shape (1,)")
+    if not q.dtype.is_float or len({t.dtype for t in ts[:5]}) != 1:
+        _fail("attention", ts, "q, k, v and the KV caches must share one floating-point dtype")
     return q
 
 

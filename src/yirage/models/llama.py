@@ -36,30 +36,35 @@ class LlamaModel:
         loaded: a ``models.loading.LoadedModel``.
         backend: the backend the graphs run on.
         max_seq_length: KV-cache length in tokens (prompt + generated).
+        dtype: activation dtype (float32, float16 or bfloat16): float weights and the KV
+            cache are stored in it; norms, softmax and GEMM accumulation compute in float32.
 
-    Float weights are converted to float32 (activations are float32); block-quantized
-    weights (q4_1, q8_0) stay in their blocks and are decoded inside the GEMV kernels.
+    Block-quantized weights (q4_1, q8_0) stay in their blocks and are decoded inside the
+    GEMV/GEMM kernels; RoPE tables stay float32.
     """
 
-    def __init__(self, loaded, backend: Backend, max_seq_length: int):
+    def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32):
         cfg = loaded.config
         self.cfg = cfg
         self.backend = backend
         self.max_seq_length = max_seq_length
+        self.dtype = dtype
         self.device = get_backend_impl(backend).torch_device
         self.weights: dict[str, tuple[torch.Tensor, DType, tuple]] = {}
         for name, w in loaded.weights.items():
-            data, dtype = w.data, w.dtype
-            if not dtype.is_quantized:
-                data, dtype = data.float(), DType.float32
-            self.weights[name] = (data.contiguous().to(self.device), dtype, tuple(w.shape))
+            data, wtype = w.data, w.dtype
+            if not wtype.is_quantized:
+                data, wtype = data.to(dtype.torch_dtype), dtype
+            self.weights[name] = (data.contiguous().to(self.device), wtype, tuple(w.shape))
         pos = torch.arange(max_seq_length, dtype=torch.float32)[:, None]
         freqs = pos * cfg.inv_freq.float()[None, :]
         self.cos = (freqs.cos() * cfg.attention_scaling).to(self.device)
         self.sin = (freqs.sin() * cfg.attention_scaling).to(self.device)
         shape = (max_seq_length, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
-        self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(cfg.num_layers)]
+        self.k_cache = [torch.zeros(shape, dtype=dtype.torch_dtype, device=self.device)
+                        for _ in range(cfg.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype.torch_dtype, device=self.device)
+                        for _ in range(cfg.num_layers)]
 
     def build_graph(self, T: int) -> tuple[KNGraph, list[torch.Tensor]]:
         """The forward graph for T new tokens, and the tensors for every input except
@@ -91,6 +96,8 @@ class LlamaModel:
 
         embed = weight("model.embed_tokens.weight")
         h = g.embedding(ids, embed)
+        if h.dtype != self.dtype:  # a quantized table decodes to float32
+            h = g.cast(h, self.dtype)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
             n = norm(h, f"{p}.input_layernorm.weight")
@@ -116,7 +123,9 @@ class StepRunner:
     """Compiled forward steps of a LlamaModel: one plan per token count T, reused.
 
     ``run(token_ids, start_pos)`` writes the KV cache rows start_pos.. and returns
-    (logits [1, vocab] float32, argmax [1] int64), both owned by the plan (copy to keep).
+    (logits [1, vocab] in the model's dtype, argmax [1] int64), both on the model's device and
+    owned by the plan (copy to keep). The decode plan (T = 1) is captured by the backend
+    (CUDA graphs on CUDA/ROCm), so a decode step is one replay.
     """
 
     def __init__(self, model: LlamaModel, max_plans: int = 4):
@@ -136,6 +145,8 @@ class StepRunner:
             ids = torch.zeros(T, dtype=torch.int64, device=self.model.device)
             start = torch.zeros(1, dtype=torch.int64, device=self.model.device)
             plan = g.compile(self.model.backend.value).plan([ids, start, *tensors])
+            if T == 1:
+                plan.capture()
             self.plans[T] = (plan, ids, start)
         return self.plans[T]
 

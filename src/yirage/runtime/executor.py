@@ -99,12 +99,24 @@ class Plan:
                 if last_use.get(root) == i and root not in keep:
                     self._release(root)
         self.outputs = [self.env[o] for o in g.outputs]
+        self._run: Callable[[], None] = self._launch_all
 
     def run(self) -> list[torch.Tensor]:
-        """Launch every kernel in order; returns the output tensors (owned by the plan)."""
+        """Launch every kernel in order (or replay the captured launches, see ``capture``);
+        returns the output tensors (owned by the plan)."""
+        self._run()
+        return self.outputs
+
+    def _launch_all(self) -> None:
         for thunk in self.thunks:
             thunk()
-        return self.outputs
+
+    def capture(self) -> None:
+        """Let the backend record this plan's launches once and replay them from now on
+        (CUDA graphs on CUDA/ROCm; no change on backends without capture). Runs the plan
+        twice while capturing, so inputs updated in place (the KV cache) see two extra steps
+        at the current positions."""
+        self._run = self.cg.impl.capture(self._launch_all)
 
     # ---- buffers --------------------------------------------------------------------------
     def _reads(self, step) -> list[int]:

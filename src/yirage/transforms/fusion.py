@@ -164,9 +164,15 @@ def _emit(kern: FusedKernel, node, graph, kind: str) -> None:
     """Append the statements of ``node`` to ``kern``."""
     args = [kern.load(graph, i) for i in node.inputs]
     op, a = node.op, node.attrs
+    if OPS[op].kind == "row" and kern.kind_of(args[0]) == RS:
+        # a row op over a per-row value (rows of one element, D == 1): reductions read vec
+        # values, so spread it over the (one-element) row first
+        args = [kern.stmt(VEC, "affine", [args[0]], a=1.0, b=0.0)]
     if op in UNARY or op in BINARY:
         kind = RS if all(kern.kind_of(s) == RS for s in args) else VEC
         sid = kern.stmt(kind, op, args)
+    elif op == "cast":  # the value itself; the output's dtype decides the store
+        sid = args[0]
     elif op == "clamp":
         sid = kern.stmt(kind, "clamp", args, lo=a["min_val"], hi=a["max_val"])
     elif op == "scale":

@@ -1,0 +1,173 @@
+"""The Triton half of the backend contract, shared by CUDA, ROCm, XPU and Triton's interpreter.
+
+Fused row kernels are rendered by codegen/triton.py and loaded by runtime/triton_kernels.py
+(Triton's JIT compiles and caches them); library ops run the hand-written Triton kernels
+of ``yirage/kernels/triton``: linear (float or q4_1/q8_0 blocks), batched matmul,
+embedding, RoPE, attention (flash-decoding for T == 1, FlashAttention for prefill) and
+argmax. One source serves every Triton target; a subclass only says how to find its device.
+
+``TritonInterpreterBackend`` ('triton-interpret') runs the same kernels on CPU tensors
+with Triton's interpreter (numpy, one program instance at a time). It exists to test
+kernels on machines without a GPU: it is available only when ``TRITON_INTERPRET=1`` was
+set before Python started, it is slow, and 'auto' never picks it.
+
+This module must never run a kernel on a device it did not check, and never fall back to
+another backend: an op without a Triton kernel is reported by ``supports`` and the
+executor runs its torch reference on the same device.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..dtypes import DType
+from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
+
+
+@functools.lru_cache(maxsize=1)
+def triton_missing_reason() -> str | None:
+    """Why Triton cannot be imported here, or None when it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"the 'triton' package is not importable ({error}); install it with 'pip install triton'"
+    return None
+
+
+def _lib():
+    """The Triton library kernels (imported on first bind: importing decorates the kernels,
+    which reads TRITON_INTERPRET)."""
+    from ..kernels import triton as lib
+    return lib
+
+
+_QUANT = (DType.q4_1, DType.q8_0)
+
+
+def _types(node, graph):
+    return [graph.tensors[i] for i in node.inputs]
+
+
+def _linear_ok(node, graph) -> bool:
+    x, w = _types(node, graph)[:2]
+    return x.dtype.is_float and (w.dtype in _QUANT or w.dtype == x.dtype)
+
+
+def _embedding_ok(node, graph) -> bool:
+    table = _types(node, graph)[1]
+    return table.dtype in _QUANT or table.dtype.is_float
+
+
+def _float_first(node, graph) -> bool:
+    return _types(node, graph)[0].dtype.is_float
+
+
+def _linear(node, graph, args, out):
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) == 3 else None
+    w_type = graph.tensors[node.inputs[1]].dtype
+    kind = w_type.value if w_type.is_quantized else "float"
+    fn = _lib().linear
+    return lambda: fn(x, w, bias, out, kind)
+
+
+def _matmul(node, graph, args, out):
+    a, b = args
+    fn = _lib().matmul
+    return lambda: fn(a, b, out)
+
+
+def _embedding(node, graph, args, out):
+    ids, table = args
+    t = graph.tensors[node.inputs[1]].dtype
+    kind = t.value if t.is_quantized else "float"
+    fn = _lib().embedding
+    return lambda: fn(ids, table, out, kind)
+
+
+def _rope(node, graph, args, out):
+    x, cos, sin, pos = args
+    fn = _lib().rope
+    return lambda: fn(x, cos, sin, pos, out)
+
+
+def _attention(node, graph, args, out):
+    q, k, v, kc, vc, pos = args
+    lib = _lib()
+    workspace = lib.attention_workspace(q, kc) if q.shape[0] == 1 else None  # made once, here
+    fn, scale = lib.attention, node.attrs["scale"]
+    return lambda: fn(q, k, v, kc, vc, pos, out, scale, workspace)
+
+
+def _argmax(node, graph, args, out):
+    x = args[0]
+    x2, o1 = x.reshape(-1, x.shape[-1]), out.reshape(-1)
+    fn = _lib().argmax
+    return lambda: fn(x2, o1)
+
+
+#: op -> (supported?(node, graph), binder(node, graph, args, out) -> thunk)
+OPS: dict[str, tuple[Callable, Callable]] = {
+    "linear": (_linear_ok, _linear),
+    "matmul": (_float_first, _matmul),
+    "embedding": (_embedding_ok, _embedding),
+    "rope": (_float_first, _rope),
+    "attention": (_float_first, _attention),
+    "argmax": (_float_first, _argmax),
+}
+
+
+class TritonBackend(BackendImpl):
+    """Shared implementation for every backend whose kernels are Triton programs."""
+
+    codegen = "triton"
+
+    def supports(self, node, graph) -> bool:
+        """Library ops with a Triton kernel: see ``OPS``."""
+        entry = OPS.get(node.op)
+        return entry is not None and entry[0](node, graph)
+
+    def compile(self, kernels: list) -> list[Kernel]:
+        """Fused kernels as Triton (codegen/triton.py), compiled by Triton's JIT on first launch."""
+        from ..runtime.triton_kernels import compile_triton
+        return compile_triton(kernels)
+
+    def bind_library_op(self, node, graph, args, out) -> Thunk:
+        """The Triton library kernel for ``node`` (yirage/kernels/triton)."""
+        return OPS[node.op][1](node, graph, args, out)
+
+
+class TritonInterpreterBackend(TritonBackend):
+    """Triton kernels on CPU tensors under Triton's interpreter ('triton-interpret').
+
+    For testing kernels without a GPU; slow. Available when ``TRITON_INTERPRET=1`` is set
+    (before Python starts, since Triton reads it when kernels are decorated).
+    """
+
+    name = Backend.TRITON_INTERPRET
+    device_type = "cpu"
+
+    def unavailable_reason(self) -> str | None:
+        missing = triton_missing_reason()
+        if missing:
+            return missing
+        import triton
+        if not triton.knobs.runtime.interpret:
+            return ("TRITON_INTERPRET=1 is not set (set it before starting Python to run Triton "
+                    "kernels on the CPU with Triton's interpreter; for testing, slow)")
+        return None
+
+    def _device_info(self) -> BackendInfo:
+        from .cpu import cpu_model_name, usable_cpu_count, system_memory
+        import triton
+        return BackendInfo(
+            name=self.name, available=True, device_name=f"Triton interpreter on {cpu_model_name()}",
+            compute_units=usable_cpu_count(), memory_total_bytes=system_memory().total_bytes,
+            versions={**self.versions(), "triton": triton.__version__},
+        )
+
+    def _device_memory_info(self) -> MemoryInfo:
+        from .cpu import system_memory
+        return system_memory()

@@ -1,0 +1,31 @@
+"""Triton library kernels: one source for CUDA, ROCm and XPU (and Triton's CPU interpreter).
+
+The launch functions below are what the Triton backend calls. Each takes its output tensors,
+writes them and returns None; sizes come from tensor shapes; none reads a device value on the
+host or allocates on the per-call path (``attention_workspace`` is the one allocation helper,
+called once at bind time), so a decode step can be captured in a CUDA graph. Inputs are
+validated on the host (shapes and dtypes only) and ValueError names what is wrong.
+
+- :func:`linear` (linear.py): ``x @ W^T (+ bias)``, W float or GGUF q8_0/q4_1 blocks
+  (llama.cpp ggml-common.h layouts); a GEMV for M <= 8 rows, a ``tl.dot`` GEMM above.
+- :func:`matmul` (matmul.py): ``torch.matmul`` with broadcast batch dims.
+- :func:`embedding` (embedding.py): row gather from a float or q8_0/q4_1 table.
+- :func:`rope` (rope.py): rotate-half RoPE at positions ``start_pos[0] + t``.
+- :func:`attention`, :func:`attention_workspace` (attention.py): causal GQA over a KV cache;
+  flash-decoding for T == 1, FlashAttention for T > 1.
+- :func:`argmax` (argmax.py): first index of the row maximum, NaN wins.
+
+The main kernels are autotuned (keys: the shape arguments) on a GPU; under
+``TRITON_INTERPRET=1`` only each list's first config runs (see ``_common.autotune``).
+Modules here import only torch, triton and each other.
+"""
+from ._common import interpreting
+from .argmax import argmax
+from .attention import AttentionWorkspace, attention, attention_workspace
+from .embedding import embedding
+from .linear import linear
+from .matmul import matmul
+from .rope import rope
+
+__all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "embedding", "linear", "matmul",
+           "rope"]

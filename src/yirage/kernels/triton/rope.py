@@ -1,0 +1,78 @@
+"""Rotary position embedding (RoPE), rotate-half form.
+
+Su et al. 2021 (RoFormer), in the rotate-half layout of transformers' Llama: for each head the
+first and second halves of the head dim form the (x, y) pairs. Positions come from a device
+tensor, so a decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_tensors, to_out
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, HALF, max_seq,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Grid (T, cdiv(H, BLOCK_H)): heads h0..h0+BLOCK_H of token t; both halves in registers."""
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    pos = tl.load(pos_ptr).to(tl.int64) + t
+    pos_i = tl.full([BLOCK_HALF], 0, tl.int64) + pos
+    i_mask = (offs_i < HALF) & (pos_i < max_seq)     # positions past the table read as angle 0
+    c = tl.load(cos_ptr + pos_i * HALF + offs_i, mask=i_mask, other=1.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos_i * HALF + offs_i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_h < H)[:, None] & (offs_i < HALF)[None, :]
+    off = (t.to(tl.int64) * H + offs_h[:, None]) * (2 * HALF) + offs_i[None, :]
+    x1 = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + off + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + off, to_out(x1 * c - x2 * s, out_ptr), mask=mask)
+    tl.store(out_ptr + off + HALF, to_out(x2 * c + x1 * s, out_ptr), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch.Tensor, out: torch.Tensor) -> None:
+    """Rotate-half RoPE: token t sits at position ``start_pos[0] + t``.
+
+    ``out[..., i] = x[i]*c_i - x[i+Dh/2]*s_i`` and ``out[..., i+Dh/2] = x[i+Dh/2]*c_i + x[i]*s_i``
+    with ``c = cos[pos]``, ``s = sin[pos]`` (same as ``yirage.ir.ops.rope_reference``).
+
+    Args:
+        x: ``[T, H, Dh]`` float32/float16/bfloat16, contiguous, Dh even. Computed in float32.
+        cos, sin: ``[max_seq, Dh//2]`` float32 tables. A position >= max_seq (not checked on the
+            host: the position lives on the device) reads angle 0 instead of out-of-bounds memory.
+        start_pos: int64 tensor of shape (1,) on x's device, read inside the kernel.
+        out: like x; may be x itself (each program reads its elements before writing them).
+
+    Memory traffic: reads x, T rows of cos and sin; writes out. No allocation, no host sync.
+
+    Raises:
+        ValueError: wrong ranks/dtypes, odd Dh, or shapes that don't agree.
+    """
+    check_tensors("rope", x=x, cos=cos, sin=sin, start_pos=start_pos, out=out)
+    if x.dim() != 3 or x.dtype not in _FLOATS:
+        raise ValueError(f"rope: x must be [T, H, Dh] float32/float16/bfloat16, got {tuple(x.shape)} {x.dtype}")
+    T, H, Dh = x.shape
+    if Dh % 2:
+        raise ValueError(f"rope: head dim must be even, got {Dh}")
+    half = Dh // 2
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.dim() != 2 or tab.shape[1] != half or tab.dtype != torch.float32:
+            raise ValueError(f"rope: {name} must be float32 [max_seq, {half}], got {tuple(tab.shape)} {tab.dtype}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if start_pos.shape != (1,) or start_pos.dtype != torch.int64:
+        raise ValueError(f"rope: start_pos must be an int64 tensor of shape (1,), got {start_pos.dtype} "
+                         f"{tuple(start_pos.shape)}")
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"rope: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if x.numel() == 0:
+        return
+    BLOCK_HALF = triton.next_power_of_2(half)
+    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_HALF))
+    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, start_pos, out, H, half, cos.shape[0],
+                                               BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, num_warps=4)

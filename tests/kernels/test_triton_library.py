@@ -1,0 +1,330 @@
+"""The Triton library kernels against independent torch references.
+
+"cpu" runs the kernels in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+when there is no GPU); "cuda" runs them compiled on a GPU. References are always computed on
+the CPU in float32 (GGUF weights decoded by the gguf package).
+"""
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from yirage.ir.ops import attention_reference, rope_reference
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU runs need Triton's interpreter (TRITON_INTERPRET=1)")
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def K():
+    """The kernels module, imported after conftest has set TRITON_INTERPRET."""
+    import yirage.kernels.triton as kernels
+    return kernels
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def quantize(w: torch.Tensor, qtype: str):
+    """(uint8 blocks [N, K//32*bytes], float32 dequantized [N, K]) via the gguf package."""
+    blocks = gguf.quants.quantize(w.numpy(), QTYPES[qtype])
+    deq = gguf.quants.dequantize(blocks, QTYPES[qtype])
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(np.ascontiguousarray(deq)).float()
+
+
+def close(got, ref, dtype):
+    torch.testing.assert_close(got.cpu().float(), ref.float(), **TOL[dtype])
+
+
+# ---------------------------------------------------------------- linear
+
+@pytest.mark.parametrize("M", [1, 7, 33])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_float(K, device, M, dtype, bias):
+    g = gen(M)
+    N, Kd = 33, 96
+    x = torch.randn(M, Kd, generator=g).to(dtype)
+    w = torch.randn(N, Kd, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    out = torch.empty(M, N, dtype=dtype, device=device)
+    K.linear(x.to(device), w.to(device), b.to(device) if bias else None, out, "float")
+    ref = x.float() @ w.float().T + (b.float() if bias else 0)
+    close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("M", [1, 7, 33])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_linear_quantized(K, device, M, qtype):
+    g = gen(10 + M)
+    N, Kd = 33, 1024 if M == 33 else 4096
+    x = torch.randn(2, M, Kd, generator=g)[1]         # a [M, K] slice, contiguous
+    blocks, w = quantize(torch.randn(N, Kd, generator=g), qtype)
+    b = torch.randn(N, generator=g) if M != 7 else None
+    out = torch.empty(M, N, device=device)
+    K.linear(x.to(device), blocks.to(device), b.to(device) if b is not None else None, out, qtype)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_linear_quantized_half_activations(K, device, dtype):
+    """A quantized weight with fp16/bf16 x: decoded weights rounded to x's dtype (as the IR ref)."""
+    g = gen(3)
+    blocks, w = quantize(torch.randn(17, 64, generator=g), "q4_1")
+    for M in (2, 20):
+        x = torch.randn(3, M, 64, generator=g).to(dtype)  # [..., K] input
+        out = torch.empty(3, M, 17, dtype=dtype, device=device)
+        K.linear(x.to(device), blocks.to(device), None, out, "q4_1")
+        close(out, x.float() @ w.to(dtype).float().T, dtype)
+
+
+@pytest.mark.parametrize("wtype", ["float", "q8_0", "q4_1"])
+@pytest.mark.parametrize("M", [3, 130])
+def test_linear_many_tiles(K, device, wtype, M):
+    """Several programs along N (GEMV) and along M and N (GEMM, grouped tile order)."""
+    g = gen(20 + M)
+    N, Kd = 200, 96
+    x = torch.randn(M, Kd, generator=g)
+    w = torch.randn(N, Kd, generator=g)
+    blocks = w
+    if wtype != "float":
+        blocks, w = quantize(w, wtype)
+    out = torch.empty(M, N, device=device)
+    K.linear(x.to(device), blocks.to(device), None, out, wtype)
+    torch.testing.assert_close(out.cpu().double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_large_k(K, device):
+    g = gen(4)
+    x = torch.randn(9, 4096, generator=g)
+    w = torch.randn(33, 4096, generator=g)
+    out = torch.empty(9, 33, device=device)
+    K.linear(x.to(device), w.to(device), None, out, "float")
+    torch.testing.assert_close(out.cpu().double(), x.double() @ w.double().T, atol=2e-4, rtol=1e-4)
+
+
+def test_linear_errors(K):
+    x, w, out = torch.zeros(2, 64), torch.zeros(3, 64), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="unsupported"):
+        K.linear(x, w, None, out, "q5_k")
+    with pytest.raises(ValueError, match="dtype"):
+        K.linear(x, w.half(), None, out, "float")
+    with pytest.raises(ValueError, match="uint8"):
+        K.linear(x, w, None, out, "q8_0")
+    with pytest.raises(ValueError, match=r"\[N, 68\]"):
+        K.linear(x, torch.zeros(3, 40, dtype=torch.uint8), None, out, "q8_0")
+    with pytest.raises(ValueError, match="divisible"):
+        K.linear(torch.zeros(2, 40), torch.zeros(3, 40, dtype=torch.uint8), None, out, "q4_1")
+    with pytest.raises(ValueError, match="bias"):
+        K.linear(x, w, torch.zeros(4), out, "float")
+    with pytest.raises(ValueError, match="out"):
+        K.linear(x, w, None, torch.zeros(2, 4), "float")
+
+
+# ---------------------------------------------------------------- matmul
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shapes", [((7, 33), (33, 5)), ((2, 1, 4, 8), (3, 8, 1)), ((1, 1), (1, 4097)),
+                                    ((3, 2, 5, 4, 6), (2, 1, 6, 3)), ((70, 40), (2, 40, 19)),
+                                    ((2, 130, 50), (50, 150))])
+def test_matmul(K, device, dtype, shapes):
+    g = gen(sum(shapes[0]))
+    a = torch.randn(*shapes[0], generator=g).to(dtype)
+    b = torch.randn(*shapes[1], generator=g).to(dtype)
+    ref = torch.matmul(a.float(), b.float())
+    out = torch.empty(ref.shape, dtype=dtype, device=device)
+    K.matmul(a.to(device), b.to(device), out)
+    close(out, ref, dtype)
+
+
+def test_matmul_errors(K):
+    with pytest.raises(ValueError, match="inner"):
+        K.matmul(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="broadcast"):
+        K.matmul(torch.zeros(2, 2, 3), torch.zeros(3, 3, 5), torch.zeros(2, 2, 5))
+    with pytest.raises(ValueError, match="dtype"):
+        K.matmul(torch.zeros(2, 3), torch.zeros(3, 5).half(), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="out"):
+        K.matmul(torch.zeros(2, 3), torch.zeros(3, 5), torch.zeros(5, 2))
+
+
+# ---------------------------------------------------------------- embedding
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("table_type", ["float", "bf16", "q8_0", "q4_1"])
+def test_embedding(K, device, ids_dtype, table_type):
+    g = gen(5)
+    V, D = 37, 96
+    rows = torch.randn(V, D, generator=g)
+    if table_type in QTYPES:
+        table, ref_table = quantize(rows, table_type)
+        kind = table_type
+    else:
+        table = rows.to(torch.bfloat16) if table_type == "bf16" else rows
+        ref_table, kind = table, "float"
+    ids = torch.tensor([[0, 36, 5], [5, 17, 2]], dtype=ids_dtype)
+    out = torch.empty(2, 3, D, dtype=ref_table.dtype, device=device)
+    K.embedding(ids.to(device), table.to(device), out, kind)
+    assert torch.equal(out.cpu(), ref_table[ids.long()])
+
+
+@pytest.mark.parametrize("table_type", ["float", "q4_1"])
+def test_embedding_wide_rows(K, device, table_type):
+    """Rows wider than one program's 1024 columns (a second, partly masked program per token)."""
+    g = gen(9)
+    rows = torch.randn(6, 1056, generator=g)
+    table, ref_table = quantize(rows, table_type) if table_type in QTYPES else (rows, rows)
+    ids = torch.tensor([5, 0, 5], dtype=torch.int64)
+    out = torch.empty(3, 1056, device=device)
+    K.embedding(ids.to(device), table.to(device), out, table_type)
+    assert torch.equal(out.cpu(), ref_table[ids])
+
+
+def test_embedding_errors(K):
+    with pytest.raises(ValueError, match="int32 or int64"):
+        K.embedding(torch.zeros(3), torch.zeros(4, 8), torch.zeros(3, 8), "float")
+    with pytest.raises(ValueError, match="out"):
+        K.embedding(torch.zeros(3, dtype=torch.long), torch.zeros(4, 68, dtype=torch.uint8), torch.zeros(3, 68),
+                    "q8_0")
+
+
+# ---------------------------------------------------------------- rope
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("start", [0, 11])
+def test_rope(K, device, dtype, start):
+    g = gen(6 + start)
+    T, H, Dh, S = 5, 3, 24, 20
+    ang = torch.rand(S, Dh // 2, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    x = torch.randn(T, H, Dh, generator=g).to(dtype)
+    ref = rope_reference(x.float(), cos, sin, start)
+    pos = torch.tensor([start], device=device)
+    xd, cd, sd = x.to(device), cos.to(device), sin.to(device)
+    out = torch.empty_like(xd)
+    K.rope(xd, cd, sd, pos, out)
+    close(out, ref, dtype)
+    K.rope(xd, cd, sd, pos, xd)                        # out aliasing x
+    assert torch.equal(xd, out)
+
+
+def test_rope_errors(K):
+    x, tab, pos = torch.zeros(2, 3, 8), torch.zeros(4, 4), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="even"):
+        K.rope(torch.zeros(2, 3, 7), tab, tab, pos, torch.zeros(2, 3, 7))
+    with pytest.raises(ValueError, match="start_pos"):
+        K.rope(x, tab, tab, torch.zeros(1, dtype=torch.int32), x)
+    with pytest.raises(ValueError, match="cos"):
+        K.rope(x, torch.zeros(4, 3), tab, pos, x)
+
+
+# ---------------------------------------------------------------- attention
+
+def _attention_steps(K, device, dtype, hq, hkv, dh, max_seq, steps, workspace_chunk=None, prefill_cache=0):
+    """Run ``steps`` (token counts) through the kernel and the reference on cloned caches."""
+    g = gen(7 + dh + max_seq)
+    kc = torch.zeros(max_seq, hkv, dh).to(dtype)
+    vc = torch.zeros(max_seq, hkv, dh).to(dtype)
+    if prefill_cache:  # cache rows written by earlier steps, filled directly
+        kc[:prefill_cache] = torch.randn(prefill_cache, hkv, dh, generator=g).to(dtype)
+        vc[:prefill_cache] = torch.randn(prefill_cache, hkv, dh, generator=g).to(dtype)
+    ref_kc, ref_vc = kc.float(), vc.float()
+    kc_d, vc_d = kc.to(device), vc.to(device)
+    ws = None
+    pos = prefill_cache
+    for T in steps:
+        q = torch.randn(T, hq, dh, generator=g).to(dtype)
+        k = torch.randn(T, hkv, dh, generator=g).to(dtype)
+        v = torch.randn(T, hkv, dh, generator=g).to(dtype)
+        scale = dh ** -0.5
+        ref = attention_reference(q.float(), k.float(), v.float(), ref_kc, ref_vc, pos, scale)
+        if T == 1 and ws is None and workspace_chunk is not None:
+            ws = K.attention_workspace(q.to(device), kc_d, chunk=workspace_chunk)
+        out = torch.empty(T, hq, dh, dtype=dtype, device=device)
+        K.attention(q.to(device), k.to(device), v.to(device), kc_d, vc_d,
+                    torch.tensor([pos], device=device), out, scale, ws)
+        close(out, ref, dtype)
+        assert torch.equal(kc_d.cpu().float(), ref_kc) and torch.equal(vc_d.cpu().float(), ref_vc)
+        pos += T
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_attention_prefill_then_decode(K, device, dtype):
+    _attention_steps(K, device, dtype, hq=4, hkv=2, dh=16, max_seq=32, steps=[7, 1, 1], workspace_chunk=16)
+
+
+def test_attention_long_cache_decode(K, device):
+    """Dh=24 (not a power of two), 300 cached keys: several flash-decoding chunks."""
+    ws_default = K.attention_workspace(torch.zeros(1, 6, 24), torch.zeros(320, 2, 24))
+    assert ws_default.num_chunks >= 5
+    _attention_steps(K, device, torch.float32, hq=6, hkv=2, dh=24, max_seq=320, steps=[1, 1], prefill_cache=299)
+    _attention_steps(K, device, torch.float16, hq=6, hkv=2, dh=24, max_seq=320, steps=[1], prefill_cache=299,
+                     workspace_chunk=32)
+
+
+def test_attention_chunked_prefill(K, device):
+    """T > 1 at start_pos > 0, more queries than one tile, MHA and GQA group 3."""
+    _attention_steps(K, device, torch.float32, hq=3, hkv=1, dh=24, max_seq=160, steps=[70, 67, 2])
+    _attention_steps(K, device, torch.bfloat16, hq=2, hkv=2, dh=32, max_seq=40, steps=[3, 5])
+
+
+def test_attention_from_empty_cache(K, device):
+    """Decode of the very first token (one key), then T=2 and T=1 steps; Dh=8 < the 16-wide tiles."""
+    _attention_steps(K, device, torch.float32, hq=2, hkv=1, dh=8, max_seq=8, steps=[1, 1, 2, 1])
+
+
+def test_attention_errors(K):
+    q, kv, cache = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(16, 2, 8)
+    pos = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="divisible"):
+        K.attention(torch.zeros(1, 3, 8), kv, kv, cache, cache, pos, torch.zeros(1, 3, 8), 1.0)
+    with pytest.raises(ValueError, match="caches"):
+        K.attention(q, kv, kv, torch.zeros(16, 1, 8), cache, pos, torch.zeros_like(q), 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        K.attention(q.half(), kv, kv, cache, cache, pos, torch.zeros_like(q), 1.0)
+    with pytest.raises(ValueError, match="workspace"):
+        ws = K.attention_workspace(torch.zeros(1, 2, 8), cache)
+        K.attention(q, kv, kv, cache, cache, pos, torch.zeros_like(q), 1.0, ws)
+
+
+# ---------------------------------------------------------------- argmax
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_argmax(K, device, dtype):
+    g = gen(8)
+    x = torch.randn(6, 4097, generator=g).to(dtype)
+    x[1] = 0                                          # all tied: index 0
+    x[2, 7] = x[2, 100] = float("nan")                # first NaN wins
+    x[2, 3] = float("inf")
+    x[3, 4000] = x[3, 4096] = 100                     # tie across tiles: the first
+    x[4] = float("-inf")
+    x[5, 4096] = float("nan")
+    out = torch.empty(6, dtype=torch.int64, device=device)
+    K.argmax(x.to(device), out)
+    expected = torch.argmax(x.float(), dim=1).tolist()
+    assert expected[1:] == [0, 7, 4000, 0, 4096]
+    assert out.cpu().tolist() == expected
+
+
+def test_argmax_small_rows(K, device):
+    x = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), float("nan"), 2.0], [-1.0, -2.0, -1.0]])
+    out = torch.empty(3, dtype=torch.int64, device=device)
+    K.argmax(x.to(device), out)
+    assert out.cpu().tolist() == [1, 0, 0]
+    with pytest.raises(ValueError, match="int64"):
+        K.argmax(x, torch.empty(3, dtype=torch.int32))
