@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 
 from ..dtypes import DType
-from ..transforms.fusion import RS, VEC, FusedKernel
+from ..transforms.fusion import RS, VEC, FusedKernel, phases
 
 # Generated kernels include the prelude (kernels/cpu/yirage_prelude.h: bf16 conversions);
 # runtime/toolchain.py puts its directory on the include path and hashes its contents.
@@ -66,27 +66,9 @@ def _expr(kernel: FusedKernel, s) -> str:
     raise NotImplementedError(s.op)
 
 
-def _phases(kernel: FusedKernel) -> tuple[dict, dict]:
-    """Phase of every vec statement and row reduction (the loop it runs in), and the
-    phase from which every rs value is available."""
-    phase, avail = {}, {}
-    for s in kernel.stmts:
-        if s.kind == VEC:
-            phase[s.id] = 0 if s.op == "load" else max(
-                [avail[x] if x in avail else phase[x] for x in s.args], default=0)
-        elif s.op == "load":
-            avail[s.id] = 0
-        elif s.op in ("sum", "max"):
-            phase[s.id] = phase[s.args[0]]  # accumulates in its argument's loop
-            avail[s.id] = phase[s.id] + 1
-        else:
-            avail[s.id] = max([avail[x] for x in s.args], default=0)
-    return phase, avail
-
-
 def render_kernel(kernel: FusedKernel, name: str) -> str:
     """C++ source of one fused kernel (without the module header)."""
-    phase, avail = _phases(kernel)
+    phase, avail = phases(kernel)
     stmts = kernel.stmts
     reloadable = {s.id for s in stmts if s.op == "load" and s.kind == VEC}
     vec_outs = {sid: (n, d) for n, (sid, _, d) in enumerate(kernel.outputs) if stmts[sid].kind == VEC}

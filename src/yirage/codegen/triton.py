@@ -27,8 +27,8 @@ Two code shapes (``code_shape``):
   row reduction use the same code with the columns split over a second grid axis
   (``cols = program_id(1) * BLOCK_D + arange``) so narrow-R launches still fill the GPU.
 - ``looped``: for rows wider than ``MAX_PERSISTENT_D`` (or when forced), the row is walked
-  in chunks of ``BLOCK_D``, one loop per *phase* (the phases of codegen/cpp.py: split at
-  each row reduction). A vec value needed in a later phase is recomputed there from the
+  in chunks of ``BLOCK_D``, one loop per *phase* (``transforms.fusion.phases``: split at
+  each row reduction, as in codegen/cpp.py). A vec value needed in a later phase is recomputed there from the
   inputs and the rs values already available (no scratch buffers); reductions accumulate
   a ``[BLOCK_R, BLOCK_D]`` tile across chunks and reduce it after the loop; a vec output
   is stored in the phase of its statement, rs outputs after the last phase.
@@ -49,7 +49,7 @@ import math
 from typing import NamedTuple
 
 from ..dtypes import DType
-from ..transforms.fusion import RS, VEC, FusedKernel
+from ..transforms.fusion import RS, VEC, FusedKernel, phases
 
 #: Widest row (next power of two of D) a kernel with a row reduction keeps in one block.
 #: 16384 float32 values over 16 warps is 32 registers per live tile per thread; wider
@@ -107,32 +107,13 @@ def _cdiv(a: int, b: int) -> int:
 # ---- analysis ------------------------------------------------------------------------------
 
 def _is_reduction(kernel: FusedKernel, s) -> bool:
-    """A real row reduction: sum/max of a vec value (of an rs value it is the value itself,
-    which only happens when D == 1)."""
-    return s.op in ("sum", "max") and kernel.stmts[s.args[0]].kind == VEC
+    """A row reduction (sum/max over the row of a vec value)."""
+    return s.op in ("sum", "max")
 
 
 def has_reduction(kernel: FusedKernel) -> bool:
     """True if the kernel reduces over the row (so a row cannot be split across programs)."""
     return any(_is_reduction(kernel, s) for s in kernel.stmts)
-
-
-def _phases(kernel: FusedKernel) -> tuple[dict, dict]:
-    """Phase of every vec statement and row reduction (the chunk loop it runs in), and the
-    phase from which every rs value is available (as codegen/cpp.py's ``_phases``)."""
-    phase, avail = {}, {}
-    for s in kernel.stmts:
-        if s.kind == VEC:
-            phase[s.id] = 0 if s.op == "load" else max(
-                [avail[x] if x in avail else phase[x] for x in s.args], default=0)
-        elif s.op == "load":
-            avail[s.id] = 0
-        elif _is_reduction(kernel, s):
-            phase[s.id] = phase[s.args[0]]
-            avail[s.id] = phase[s.id] + 1
-        else:
-            avail[s.id] = max([avail[x] for x in s.args], default=0)
-    return phase, avail
 
 
 def _extents(kernel: FusedKernel) -> dict[int, tuple[bool, bool]]:
@@ -224,8 +205,6 @@ class _Renderer:
             if float(s.attrs["b"]) == 0.0:
                 return f"({a[0]} * {_lit(s.attrs['a'])})"
             return f"({a[0]} * {_lit(s.attrs['a'])} + {_lit(s.attrs['b'])})"
-        if s.op in ("sum", "max"):  # of an rs value (D == 1): the value itself
-            return a[0]
         raise NotImplementedError(f"triton codegen: op {s.op}")
 
     def masked(self, s) -> str:
@@ -295,7 +274,7 @@ class _Renderer:
 
     def looped(self) -> None:
         k, stmts = self.k, self.k.stmts
-        phase, avail = _phases(k)
+        phase, avail = phases(k)
         reductions = [s for s in stmts if _is_reduction(k, s)]
         n_phases = max([phase[s.id] + 1 for s in stmts if s.kind == VEC]
                        + [avail[s.id] for s in reductions], default=0)

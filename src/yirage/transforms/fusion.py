@@ -97,6 +97,30 @@ class FusedKernel:
         return sid
 
 
+def phases(kernel: FusedKernel) -> tuple[dict[int, int], dict[int, int]]:
+    """How a row splits into loops: (phase of every vec statement and row reduction, i.e.
+    the loop over the row it runs in; phase from which every rs value is available).
+
+    A row reduction accumulates in its argument's loop and its value is available from the
+    next one. Every code generator that walks a row in loops (codegen/cpp.py,
+    codegen/triton.py's looped shape) uses this one analysis.
+    """
+    phase: dict[int, int] = {}
+    avail: dict[int, int] = {}
+    for s in kernel.stmts:
+        if s.kind == VEC:
+            phase[s.id] = 0 if s.op == "load" else max(
+                [avail[x] if x in avail else phase[x] for x in s.args], default=0)
+        elif s.op == "load":
+            avail[s.id] = 0
+        elif s.op in ("sum", "max"):
+            phase[s.id] = phase[s.args[0]]
+            avail[s.id] = phase[s.id] + 1
+        else:
+            avail[s.id] = max([avail[x] for x in s.args], default=0)
+    return phase, avail
+
+
 @dataclass
 class LibraryStep:
     """An op that runs as its own kernel (GEMM, attention, ...)."""
