@@ -27,3 +27,15 @@ class ModelLoadError(YirageError):
 
 class GenerationError(YirageError):
     """Bad generation arguments: prompt too long, non-positive token counts, ..."""
+
+
+class GraphError(YirageError, ValueError):
+    """A kernel graph is built or called wrongly: a bad dim, shape, dtype or attribute, or
+    input tensors that do not match the declared inputs. The message names the op (or the
+    input) and the rule broken. Also a ValueError, for code that catches that."""
+
+
+class IndexOutOfRangeError(YirageError, IndexError):
+    """A run-time index (token id, RoPE/attention position, KV-cache row) lies outside the
+    buffer it indexes. Kernels check before any read or write; the message names the op,
+    the value and the valid range. Also an IndexError."""

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import DType
+from ..errors import GraphError
 
 Shape = tuple[int, ...]
 
@@ -55,7 +56,7 @@ def _register(name, kind, arity, infer, reference, mutates=()):
 
 def _fail(op: str, types: list[TensorType], rule: str):
     shapes = ", ".join(str(tuple(t.shape)) for t in types)
-    raise ValueError(f"{op}: incompatible inputs with shapes {shapes}: {rule}")
+    raise GraphError(f"{op}: incompatible inputs with shapes {shapes}: {rule}")
 
 
 def broadcast_shape(op: str, a: TensorType, b: TensorType) -> Shape:
@@ -330,6 +331,8 @@ _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(ar
 
 def _reshape_infer(ts, attrs):
     shape = tuple(attrs["shape"])
+    if any(d <= 0 for d in shape):
+        _fail("reshape", ts, f"every dim of the new shape {shape} must be positive")
     if math.prod(shape) != math.prod(ts[0].shape):
         _fail("reshape", ts, f"cannot reshape to {shape}: element counts differ")
     return TensorType(shape, ts[0].dtype)
