@@ -265,3 +265,60 @@ def test_row_ops_over_rows_of_one_element(backend):
     g.mark_output(g.softmax(g.add(t, c), -1))
     g.mark_output(g.rms_norm(s, (1,)))
     run_both(g, [torch.randn(7, 1), torch.randn(7, 1)], backend)
+
+
+# ---- run-time indices are checked before any access ----------------------------------------
+
+def _embedding_graph(dtype):
+    g = yr.new_kernel_graph()
+    ids, t = g.new_input((3,), yr.int64), g.new_input((5, 32), dtype)
+    g.mark_output(g.embedding(ids, t))
+    return g
+
+
+def _table(dtype):
+    if dtype.is_quantized:
+        return quantized((5, 32), {yr.q4_1: gguf.GGMLQuantizationType.Q4_1,
+                                   yr.q8_0: gguf.GGMLQuantizationType.Q8_0}[dtype])[0]
+    return torch.randn(5, 32)
+
+
+@pytest.mark.parametrize("dtype", [yr.float32, yr.q8_0, yr.q4_1])
+@pytest.mark.parametrize("bad", [5, -1, 10**9, -10**9, 2**62])
+def test_embedding_id_out_of_range_raises(bad, dtype, backend):
+    g, dev = _embedding_graph(dtype), get_backend_impl(backend).torch_device
+    table = _table(dtype).to(dev)
+    with pytest.raises(yr.IndexOutOfRangeError, match=rf"embedding: token id {bad} is out of range \[0, 5\)"):
+        g(inputs=[torch.tensor([0, bad, 1], device=dev), table], backend=backend)
+    with pytest.raises(yr.IndexOutOfRangeError, match=rf"token id {bad} "):  # the reference says the same
+        g.interpret([torch.tensor([0, bad, 1]), table.cpu()])
+    ok = g(inputs=[torch.tensor([4, 0, 1], device=dev), table], backend=backend)  # the plan recovers
+    torch.testing.assert_close(ok[0].cpu(), g.interpret([torch.tensor([4, 0, 1]), table.cpu()])[0])
+
+
+def _rope_attention_graph(T, S):
+    g = yr.new_kernel_graph()
+    q, k = g.new_input((T, 2, 8)), g.new_input((T, 1, 8))
+    c, s = g.new_input((S, 4)), g.new_input((S, 4))
+    kc, vc, pos = g.new_input((S, 1, 8)), g.new_input((S, 1, 8)), g.new_input((1,), yr.int64)
+    g.mark_output(g.attention(g.rope(q, c, s, pos), k, k, kc, vc, pos))
+    return g
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("start", [-1, "limit", 10**7, 10**9, 2**62])
+def test_position_out_of_range_raises_and_leaves_the_cache(T, start, backend):
+    S = 8
+    start = S - T + 1 if start == "limit" else start
+    g, dev = _rope_attention_graph(T, S), get_backend_impl(backend).torch_device
+    kc = torch.zeros(S, 1, 8, device=dev)
+    inputs = [torch.randn(T, 2, 8), torch.randn(T, 1, 8), torch.randn(S, 4), torch.randn(S, 4)]
+    with pytest.raises(yr.IndexOutOfRangeError, match=rf"(rope|attention): start_pos {start} is out of "
+                                                      rf"range \[0, {S - T + 1}\)"):
+        g(inputs=[x.to(dev) for x in inputs] + [kc, kc.clone(), torch.tensor([start], device=dev)],
+          backend=backend)
+    assert not kc.any()  # nothing written
+    ok = g(inputs=[x.to(dev) for x in inputs] + [kc, kc.clone(), torch.tensor([S - T], device=dev)],
+           backend=backend)
+    ref = g.interpret(inputs + [torch.zeros(S, 1, 8), torch.zeros(S, 1, 8), torch.tensor([S - T])])
+    torch.testing.assert_close(ok[0].cpu(), ref[0], atol=1e-5, rtol=1e-5)

@@ -50,6 +50,17 @@ def close(got, ref, dtype):
     torch.testing.assert_close(got.cpu().float(), ref.float(), **TOL[dtype])
 
 
+def new_status(device):
+    """The bounds-check status the executor passes: int64 (4,), zero on entry."""
+    return torch.zeros(4, dtype=torch.int64, device=device)
+
+
+#: start_pos values outside [0, hi) for a valid range [0, hi): negative, exactly the limit,
+#: limit + 1, huge (int32 overflow in offsets), 2**62 and int64's minimum.
+def bad_starts(hi):
+    return [-1, hi, hi + 1, 10**9, 2**62, -2**63]
+
+
 # ---------------------------------------------------------------- linear
 
 @pytest.mark.parametrize("M", [1, 7, 33])
@@ -179,8 +190,10 @@ def test_embedding(K, device, ids_dtype, table_type):
         ref_table, kind = table, "float"
     ids = torch.tensor([[0, 36, 5], [5, 17, 2]], dtype=ids_dtype)
     out = torch.empty(2, 3, D, dtype=ref_table.dtype, device=device)
-    K.embedding(ids.to(device), table.to(device), out, kind)
+    status = new_status(device)
+    K.embedding(ids.to(device), table.to(device), out, kind, status=status)
     assert torch.equal(out.cpu(), ref_table[ids.long()])
+    assert status.tolist() == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("table_type", ["float", "q4_1"])
@@ -195,12 +208,52 @@ def test_embedding_wide_rows(K, device, table_type):
     assert torch.equal(out.cpu(), ref_table[ids])
 
 
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("table_type", ["float", "q8_0"])
+def test_embedding_out_of_range(K, device, ids_dtype, table_type):
+    """A bad id gives a zero row (no table read), reports [1, id, 0, V]; good rows are exact."""
+    g = gen(11)
+    V, D = 9, 64
+    rows = torch.randn(V, D, generator=g)
+    table, ref_table = quantize(rows, table_type) if table_type in QTYPES else (rows, rows)
+    table = table.to(device)
+    huge = 2**62 if ids_dtype == torch.int64 else -2**31
+    for bad in [-1, V, V + 1, 10**9, huge]:
+        ids = torch.tensor([4, bad, 0, V - 1], dtype=ids_dtype)
+        expect = torch.zeros(4, D)
+        expect[[0, 2, 3]] = ref_table[[4, 0, V - 1]]
+        for status in (new_status(device), None):
+            out = torch.full((4, D), 7.0, device=device)
+            K.embedding(ids.to(device), table, out, table_type, status=status)
+            assert torch.equal(out.cpu(), expect)
+            if status is not None:
+                assert status.tolist() == [1, bad, 0, V]
+    # several bad ids among good ones: one of them is reported
+    bads = [-5, V, 10**9, -2**31]
+    ids = torch.tensor([1, bads[0], 2, bads[1], bads[2], 3, bads[3]], dtype=ids_dtype)
+    status = new_status(device)
+    out = torch.full((7, D), 7.0, device=device)
+    K.embedding(ids.to(device), table, out, table_type, status=status)
+    expect = torch.zeros(7, D)
+    expect[[0, 2, 5]] = ref_table[[1, 2, 3]]
+    assert torch.equal(out.cpu(), expect)
+    st = status.tolist()
+    assert st[0] == 1 and st[1] in bads and st[2:] == [0, V]
+    # a status already flagged (an earlier op's violation) is kept as it is
+    K.embedding(torch.tensor([V + 3], dtype=ids_dtype, device=device), table, out[:1], table_type, status=status)
+    assert status.tolist() == st
+
+
 def test_embedding_errors(K):
     with pytest.raises(ValueError, match="int32 or int64"):
         K.embedding(torch.zeros(3), torch.zeros(4, 8), torch.zeros(3, 8), "float")
     with pytest.raises(ValueError, match="out"):
         K.embedding(torch.zeros(3, dtype=torch.long), torch.zeros(4, 68, dtype=torch.uint8), torch.zeros(3, 68),
                     "q8_0")
+    ids, tab, out = torch.zeros(3, dtype=torch.long), torch.zeros(4, 8), torch.zeros(3, 8)
+    for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.long), torch.zeros(4, 2).long()[:, 0]):
+        with pytest.raises(ValueError, match="status"):
+            K.embedding(ids, tab, out, "float", status=bad)
 
 
 # ---------------------------------------------------------------- rope
@@ -217,10 +270,44 @@ def test_rope(K, device, dtype, start):
     pos = torch.tensor([start], device=device)
     xd, cd, sd = x.to(device), cos.to(device), sin.to(device)
     out = torch.empty_like(xd)
-    K.rope(xd, cd, sd, pos, out)
+    status = new_status(device)
+    K.rope(xd, cd, sd, pos, out, status=status)
     close(out, ref, dtype)
+    assert status.tolist() == [0, 0, 0, 0]
     K.rope(xd, cd, sd, pos, xd)                        # out aliasing x
     assert torch.equal(xd, out)
+
+
+def test_rope_out_of_range(K, device):
+    """start_pos outside [0, S - T]: nothing read or written (out keeps its contents, an
+    in-place x is unchanged), status [1, start_pos, 0, S - T + 1]; S - T itself is fine."""
+    g = gen(12)
+    T, H, Dh, S = 5, 3, 8, 12
+    ang = torch.rand(S, Dh // 2, generator=g) * 6
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    x = torch.randn(T, H, Dh, generator=g)
+    xd = x.to(device)
+    for start in bad_starts(S - T + 1):
+        for status in (new_status(device), None):
+            out = torch.full_like(xd, 7.0)
+            K.rope(xd, cos, sin, torch.tensor([start], device=device), out, status=status)
+            assert torch.equal(out.cpu(), torch.full_like(x, 7.0))
+            if status is not None:
+                assert status.tolist() == [1, start, 0, S - T + 1]
+    xi = xd.clone()
+    status = new_status(device)
+    K.rope(xi, cos, sin, torch.tensor([S - T + 1], device=device), xi, status=status)  # in place
+    assert torch.equal(xi.cpu(), x) and status.tolist() == [1, S - T + 1, 0, S - T + 1]
+    # more tokens than table rows: no start is valid (the range [0, S - T + 1) is empty)
+    status = new_status(device)
+    K.rope(xd, cos[:3], sin[:3], torch.tensor([0], device=device), xi, status=status)
+    assert torch.equal(xi.cpu(), x) and status.tolist() == [1, 0, 0, 3 - T + 1]
+    # the last valid start
+    status = new_status(device)
+    out = torch.empty_like(xd)
+    K.rope(xd, cos, sin, torch.tensor([S - T], device=device), out, status=status)
+    close(out, rope_reference(x, cos.cpu(), sin.cpu(), S - T), torch.float32)
+    assert status.tolist() == [0, 0, 0, 0]
 
 
 def test_rope_errors(K):
@@ -231,12 +318,16 @@ def test_rope_errors(K):
         K.rope(x, tab, tab, torch.zeros(1, dtype=torch.int32), x)
     with pytest.raises(ValueError, match="cos"):
         K.rope(x, torch.zeros(4, 3), tab, pos, x)
+    with pytest.raises(ValueError, match="status"):
+        K.rope(x, tab, tab, pos, x, status=torch.zeros(4, 1, dtype=torch.long))
 
 
 # ---------------------------------------------------------------- attention
 
-def _attention_steps(K, device, dtype, hq, hkv, dh, max_seq, steps, workspace_chunk=None, prefill_cache=0):
-    """Run ``steps`` (token counts) through the kernel and the reference on cloned caches."""
+def _attention_steps(K, device, dtype, hq, hkv, dh, max_seq, steps, workspace_chunk=None, prefill_cache=0,
+                     status=False):
+    """Run ``steps`` (token counts) through the kernel and the reference on cloned caches
+    (with ``status``: passing a bounds-check status, which must stay zero)."""
     g = gen(7 + dh + max_seq)
     kc = torch.zeros(max_seq, hkv, dh).to(dtype)
     vc = torch.zeros(max_seq, hkv, dh).to(dtype)
@@ -256,16 +347,19 @@ def _attention_steps(K, device, dtype, hq, hkv, dh, max_seq, steps, workspace_ch
         if T == 1 and ws is None and workspace_chunk is not None:
             ws = K.attention_workspace(q.to(device), kc_d, chunk=workspace_chunk)
         out = torch.empty(T, hq, dh, dtype=dtype, device=device)
+        st = new_status(device) if status else None
         K.attention(q.to(device), k.to(device), v.to(device), kc_d, vc_d,
-                    torch.tensor([pos], device=device), out, scale, ws)
+                    torch.tensor([pos], device=device), out, scale, ws, status=st)
         close(out, ref, dtype)
+        assert st is None or st.tolist() == [0, 0, 0, 0]
         assert torch.equal(kc_d.cpu().float(), ref_kc) and torch.equal(vc_d.cpu().float(), ref_vc)
         pos += T
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_attention_prefill_then_decode(K, device, dtype):
-    _attention_steps(K, device, dtype, hq=4, hkv=2, dh=16, max_seq=32, steps=[7, 1, 1], workspace_chunk=16)
+    _attention_steps(K, device, dtype, hq=4, hkv=2, dh=16, max_seq=32, steps=[7, 1, 1], workspace_chunk=16,
+                     status=True)
 
 
 def test_attention_long_cache_decode(K, device):
@@ -284,8 +378,43 @@ def test_attention_chunked_prefill(K, device):
 
 
 def test_attention_from_empty_cache(K, device):
-    """Decode of the very first token (one key), then T=2 and T=1 steps; Dh=8 < the 16-wide tiles."""
-    _attention_steps(K, device, torch.float32, hq=2, hkv=1, dh=8, max_seq=8, steps=[1, 1, 2, 1])
+    """Decode of the very first token (one key), then T=2 and T=1 steps up to a full cache (the
+    last ones at the largest valid start_pos, max_seq - T); Dh=8 < the 16-wide tiles."""
+    _attention_steps(K, device, torch.float32, hq=2, hkv=1, dh=8, max_seq=8, steps=[1, 1, 2, 1, 2, 1],
+                     status=True)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_attention_out_of_range(K, device, T):
+    """start_pos outside [0, max_seq - T]: caches, workspace and out untouched, status
+    [1, start_pos, 0, max_seq - T + 1]; the same checks, unreported, without a status."""
+    g = gen(13 + T)
+    hq, hkv, dh, max_seq = 4, 2, 16, 24
+    kc = torch.randn(max_seq, hkv, dh, generator=g).to(device)
+    vc = torch.randn(max_seq, hkv, dh, generator=g).to(device)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q, k, v = (torch.randn(T, h, dh, generator=g).to(device) for h in (hq, hkv, hkv))
+    ws = K.attention_workspace(q, kc, chunk=16) if T == 1 else None
+    if ws is not None:
+        for buf in (ws.m, ws.l, ws.acc):
+            buf.fill_(3.0)
+    hi = max_seq - T + 1
+    for start in bad_starts(hi):
+        for status in (new_status(device), None):
+            out = torch.full((T, hq, dh), 7.0, device=device)
+            K.attention(q, k, v, kc, vc, torch.tensor([start], device=device), out, dh ** -0.5, ws, status=status)
+            assert torch.equal(out.cpu(), torch.full((T, hq, dh), 7.0))
+            assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+            if status is not None:
+                assert status.tolist() == [1, start, 0, hi]
+    if ws is not None:
+        assert all(bool((buf == 3.0).all()) for buf in (ws.m, ws.l, ws.acc))
+    # more tokens than cache rows: no start is valid
+    if T > 1:
+        status = new_status(device)
+        K.attention(q, k, v, kc[:2], vc[:2], torch.tensor([0], device=device), out, 1.0, status=status)
+        assert status.tolist() == [1, 0, 0, 2 - T + 1] and torch.equal(kc, kc0)
+        assert torch.equal(out.cpu(), torch.full((T, hq, dh), 7.0))
 
 
 def test_attention_errors(K):
@@ -300,6 +429,8 @@ def test_attention_errors(K):
     with pytest.raises(ValueError, match="workspace"):
         ws = K.attention_workspace(torch.zeros(1, 2, 8), cache)
         K.attention(q, kv, kv, cache, cache, pos, torch.zeros_like(q), 1.0, ws)
+    with pytest.raises(ValueError, match="status"):
+        K.attention(q, kv, kv, cache, cache, pos, torch.zeros_like(q), 1.0, status=torch.zeros(4))
 
 
 # ---------------------------------------------------------------- argmax

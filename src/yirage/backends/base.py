@@ -133,8 +133,10 @@ class BackendImpl(ABC):
       (GEMM/GEMV, embedding, RoPE, attention, argmax, ...)? The executor runs an op that is
       not supported as its torch reference on ``torch_device`` (logged once per op);
     - ``compile(kernels)``: fused row kernels (transforms.fusion.FusedKernel) -> ``Kernel``s;
-    - ``bind_library_op(node, graph, args, out)``: a thunk computing a supported op into
-      ``out``;
+    - ``bind_library_op(node, graph, args, out, status)``: a thunk computing a supported op
+      into ``out``; ops that index with run-time values (``OpDef.index_input``) get an int64
+      ``status[4]`` on the device, where the kernel records an out-of-range index as
+      ``[1, value, lo, hi]`` instead of accessing it (the executor raises after the run);
     - ``capture(run)``: record a plan's launches once and return a replay (CUDA graphs);
     - ``synchronize()``: wait for queued device work.
 
@@ -234,11 +236,15 @@ class BackendImpl(ABC):
         """
         return [EagerKernel(k) for k in kernels]
 
-    def bind_library_op(self, node, graph, args: list[torch.Tensor], out: torch.Tensor) -> Thunk:
+    def bind_library_op(self, node, graph, args: list[torch.Tensor], out: torch.Tensor,
+                        status: torch.Tensor | None = None) -> Thunk:
         """A thunk computing ``node`` from ``args`` into ``out`` (both on ``torch_device``).
 
         Only called for ops where ``supports(node, graph)`` is True. It must not allocate
         per call; whatever it needs (workspaces, pointer arrays) is made here, once.
+        ``status`` (int64 [4], zero, on the device) is given to ops with run-time indices:
+        the kernel must check every index before any read or write and record the first
+        violation as ``[1, value, lo, hi]`` (valid range ``[lo, hi)``).
         """
         raise NotImplementedError(f"{type(self).__name__} does not support {node.op}")
 

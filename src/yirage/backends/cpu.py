@@ -156,9 +156,9 @@ class CPUBackend(BackendImpl):
         """
         return compile_cpp(kernels)
 
-    def bind_library_op(self, node, graph, args, out) -> Thunk:
+    def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
         """The C++ library kernel (or torch BLAS for float matmuls) for ``node``."""
-        return cpu_library.OPS[node.op][1](node, graph, args, out)
+        return cpu_library.OPS[node.op][1](node, graph, args, out, status)
 
     def _device_info(self) -> BackendInfo:
         return BackendInfo(

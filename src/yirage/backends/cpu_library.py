@@ -27,12 +27,13 @@ SIGNATURES: dict[str, tuple] = {
     "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
     "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
     "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
-    "yr_embedding_q8_0": (_P, _P, _P, _I, _I),         # ids, table, out, T, D
-    "yr_embedding_q4_1": (_P, _P, _P, _I, _I),
-    "yr_embedding_f32": (_P, _P, _P, _I, _I),
-    "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I),        # x, cos, sin, start_pos, out, T, H, Dh
-    # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale
-    "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F),
+    "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
+    "yr_embedding_q4_1": (_P, _P, _P, _I, _I, _I, _P),
+    "yr_embedding_f32": (_P, _P, _P, _I, _I, _I, _P),
+    # x, cos, sin, start_pos, out, T, H, Dh, S (table rows), status
+    "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
+    # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, status
+    "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
 }
 
@@ -82,8 +83,10 @@ def _float32_first(node, graph) -> bool:
     return _types(node, graph)[0].dtype == DType.float32
 
 
-# ---- binders: (node, graph, args, out) -> thunk -------------------------------------------
-def _linear(node, graph, args, out):
+# ---- binders: (node, graph, args, out, status) -> thunk -----------------------------------
+# ``status`` is the int64 [4] slot the executor gives ops that index with run-time values
+# (OpDef.index_input); the C++ kernel records a violation there.
+def _linear(node, graph, args, out, status):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
     wt = graph.tensors[node.inputs[1]]
@@ -99,36 +102,37 @@ def _linear(node, graph, args, out):
     return lambda: torch.addmm(bias, x2, w_t, out=o2)
 
 
-def _matmul(node, graph, args, out):
+def _matmul(node, graph, args, out, status):
     a, b = args
     return lambda: torch.matmul(a, b, out=out)
 
 
-def _embedding(node, graph, args, out):
+def _embedding(node, graph, args, out, status):
     ids, table = args
     tt = graph.tensors[node.inputs[1]]
     fn = getattr(library(), "yr_embedding_" + ("f32" if tt.dtype == DType.float32 else tt.dtype.value))
-    p = (_ptr(ids), _ptr(table), _ptr(out), ids.numel(), tt.shape[1])
+    p = (_ptr(ids), _ptr(table), _ptr(out), ids.numel(), tt.shape[1], tt.shape[0], _ptr(status))
     return lambda: fn(*p)
 
 
-def _rope(node, graph, args, out):
+def _rope(node, graph, args, out, status):
     x, cos, sin, pos = args
     T, H, Dh = x.shape
     fn = library().yr_rope
-    p = (_ptr(x), _ptr(cos), _ptr(sin), _ptr(pos), _ptr(out), T, H, Dh)
+    p = (_ptr(x), _ptr(cos), _ptr(sin), _ptr(pos), _ptr(out), T, H, Dh, cos.shape[0], _ptr(status))
     return lambda: fn(*p)
 
 
-def _attention(node, graph, args, out):
+def _attention(node, graph, args, out, status):
     q, k, v, kc, vc, pos = args
     T, Hq, Dh = q.shape
     fn = library().yr_attention
-    p = (*map(_ptr, (q, k, v, kc, vc, pos, out)), T, Hq, k.shape[1], Dh, kc.shape[0], node.attrs["scale"])
+    p = (*map(_ptr, (q, k, v, kc, vc, pos, out)), T, Hq, k.shape[1], Dh, kc.shape[0], node.attrs["scale"],
+         _ptr(status))
     return lambda: fn(*p)
 
 
-def _argmax(node, graph, args, out):
+def _argmax(node, graph, args, out, status):
     x = args[0]
     D = x.shape[-1]
     fn = library().yr_argmax
@@ -140,7 +144,7 @@ def _always(node, graph) -> bool:
     return True
 
 
-#: op -> (supported?(node, graph), binder)
+#: op -> (supported?(node, graph), binder(node, graph, args, out, status))
 OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
     "matmul": (_always, _matmul),

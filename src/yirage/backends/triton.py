@@ -64,7 +64,7 @@ def _float_first(node, graph) -> bool:
     return _types(node, graph)[0].dtype.is_float
 
 
-def _linear(node, graph, args, out):
+def _linear(node, graph, args, out, status):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
     w_type = graph.tensors[node.inputs[1]].dtype
@@ -73,42 +73,42 @@ def _linear(node, graph, args, out):
     return lambda: fn(x, w, bias, out, kind)
 
 
-def _matmul(node, graph, args, out):
+def _matmul(node, graph, args, out, status):
     a, b = args
     fn = _lib().matmul
     return lambda: fn(a, b, out)
 
 
-def _embedding(node, graph, args, out):
+def _embedding(node, graph, args, out, status):
     ids, table = args
     t = graph.tensors[node.inputs[1]].dtype
     kind = t.value if t.is_quantized else "float"
     fn = _lib().embedding
-    return lambda: fn(ids, table, out, kind)
+    return lambda: fn(ids, table, out, kind, status=status)
 
 
-def _rope(node, graph, args, out):
+def _rope(node, graph, args, out, status):
     x, cos, sin, pos = args
     fn = _lib().rope
-    return lambda: fn(x, cos, sin, pos, out)
+    return lambda: fn(x, cos, sin, pos, out, status=status)
 
 
-def _attention(node, graph, args, out):
+def _attention(node, graph, args, out, status):
     q, k, v, kc, vc, pos = args
     lib = _lib()
     workspace = lib.attention_workspace(q, kc) if q.shape[0] == 1 else None  # made once, here
     fn, scale = lib.attention, node.attrs["scale"]
-    return lambda: fn(q, k, v, kc, vc, pos, out, scale, workspace)
+    return lambda: fn(q, k, v, kc, vc, pos, out, scale, workspace, status=status)
 
 
-def _argmax(node, graph, args, out):
+def _argmax(node, graph, args, out, status):
     x = args[0]
     x2, o1 = x.reshape(-1, x.shape[-1]), out.reshape(-1)
     fn = _lib().argmax
     return lambda: fn(x2, o1)
 
 
-#: op -> (supported?(node, graph), binder(node, graph, args, out) -> thunk)
+#: op -> (supported?(node, graph), binder(node, graph, args, out, status) -> thunk)
 OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
     "matmul": (_float_first, _matmul),
@@ -134,9 +134,9 @@ class TritonBackend(BackendImpl):
         from ..runtime.triton_kernels import compile_triton
         return compile_triton(kernels)
 
-    def bind_library_op(self, node, graph, args, out) -> Thunk:
+    def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
         """The Triton library kernel for ``node`` (yirage/kernels/triton)."""
-        return OPS[node.op][1](node, graph, args, out)
+        return OPS[node.op][1](node, graph, args, out, status)
 
 
 class TritonInterpreterBackend(TritonBackend):

@@ -10,7 +10,11 @@ Each ``OpDef`` has
   interpreter (interpret.py) is built from these and is the ground truth for every kernel,
 - ``mutates``: the positions of the inputs the op writes in place (attention appends k and
   v to the KV cache inputs 3 and 4); schedulers must not reorder a reader of such an input
-  across the op.
+  across the op,
+- ``index_input``: the position of the input holding run-time indices (embedding's ids,
+  RoPE's and attention's start_pos), or None. Kernels check those values against the
+  buffer they index before any read or write and report a violation, which the executor
+  (and every reference here) raises as ``IndexOutOfRangeError`` (``index_error``).
 
 This module must never generate code or depend on a backend.
 """
@@ -24,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import DType
-from ..errors import GraphError
+from ..errors import GraphError, IndexOutOfRangeError
 
 Shape = tuple[int, ...]
 
@@ -45,13 +49,33 @@ class OpDef:
     infer: Callable[[list[TensorType], dict], TensorType]
     reference: Callable[[list[torch.Tensor], dict], torch.Tensor]
     mutates: tuple[int, ...] = ()  # positions of the inputs written in place
+    index_input: int | None = None  # position of the input holding run-time indices
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def _register(name, kind, arity, infer, reference, mutates=()):
-    OPS[name] = OpDef(name, kind, arity, infer, reference, tuple(mutates))
+def _register(name, kind, arity, infer, reference, mutates=(), index_input=None):
+    OPS[name] = OpDef(name, kind, arity, infer, reference, tuple(mutates), index_input)
+
+
+#: What the run-time index of each checked op is called in error messages.
+INDEX_NAMES = {"embedding": "token id", "rope": "start_pos", "attention": "start_pos"}
+
+
+def index_error(op: str, value: int, lo: int, hi: int) -> IndexOutOfRangeError:
+    """The error for a run-time index ``value`` of ``op`` outside ``[lo, hi)``."""
+    hint = {"embedding": "token ids must be below the embedding table's row count (the vocabulary)",
+            "rope": "start_pos + T must not exceed the rows of the cos/sin tables",
+            "attention": "start_pos + T must not exceed the rows of the KV cache (max_seq_length)",
+            }.get(op, "")
+    return IndexOutOfRangeError(f"{op}: {INDEX_NAMES.get(op, 'index')} {value} is out of range "
+                                f"[{lo}, {hi}): {hint}")
+
+
+def _check_start(op: str, start: int, T: int, rows: int) -> None:
+    if not 0 <= start <= rows - T:
+        raise index_error(op, start, 0, rows - T + 1)
 
 
 def _fail(op: str, types: list[TensorType], rule: str):
@@ -247,6 +271,10 @@ def _embedding_infer(ts, attrs):
 
 def _embedding_ref(args, attrs):
     ids, table = args
+    V = table.shape[0]
+    bad = (ids < 0) | (ids >= V)
+    if bool(bad.any()):
+        raise index_error("embedding", int(ids[bad][0]), 0, V)
     if attrs.get("w_dtype"):
         table = dequantize(table, DType(attrs["w_dtype"]), tuple(attrs["w_shape"]))
     return F.embedding(ids.long(), table)
@@ -269,6 +297,7 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start:
     """Rotate-half RoPE (Su et al. 2021, as in transformers' Llama): x is [T, H, Dh] (any float
     dtype, computed in float32 and cast back), cos/sin [max_seq, Dh/2] float32."""
     T, half = x.shape[0], x.shape[-1] // 2
+    _check_start("rope", start, T, cos.shape[0])
     c = cos[start:start + T].unsqueeze(1)
     s = sin[start:start + T].unsqueeze(1)
     xf = x.float()
@@ -298,6 +327,7 @@ def attention_reference(q, k, v, k_cache, v_cache, start: int, scale: float) -> 
     Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [max_seq, Hkv, Dh]; returns [T, Hq, Dh].
     """
     T, hq, _ = q.shape
+    _check_start("attention", start, T, k_cache.shape[0])
     k_cache[start:start + T] = k
     v_cache[start:start + T] = v
     keys = k_cache[:start + T].transpose(0, 1)  # [Hkv, S, Dh]
@@ -321,11 +351,12 @@ def _argmax_infer(ts, attrs):
 
 _register("matmul", "library", 2, _matmul_infer, lambda args, a: torch.matmul(args[0], args[1]))
 _register("linear", "library", -1, _linear_infer, _linear_ref)
-_register("embedding", "library", 2, _embedding_infer, _embedding_ref)
+_register("embedding", "library", 2, _embedding_infer, _embedding_ref, index_input=0)
 _register("rope", "library", 4, _rope_infer,
-          lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])))
+          lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])), index_input=3)
 _register("attention", "library", 6, _attention_infer,
-          lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"]), mutates=(3, 4))
+          lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"]), mutates=(3, 4),
+          index_input=5)
 _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))
 
 

@@ -12,6 +12,11 @@ The executor talks to its backend only through the backend contract
 library op the backend does not support runs as the op's torch reference on the backend's
 device: explicit, and logged once per (backend, op) at DEBUG.
 
+Ops that index with run-time values (embedding ids, RoPE/attention positions) get a slot
+of the plan's int64 status buffer [n, 4]: their kernels check every index before using it
+and record a violation there; ``Plan.run`` reads the buffer after the launches and raises
+``IndexOutOfRangeError`` naming the op, the value and the valid range.
+
 This module must never change a graph, import a backend, or ask which backend it runs on.
 """
 from __future__ import annotations
@@ -22,8 +27,9 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import logger
+from ..errors import GraphError
 from ..ir.interpret import check_inputs
-from ..ir.ops import OPS
+from ..ir.ops import OPS, index_error
 from ..transforms.fusion import VIEW_OPS, FusedKernel, LibraryStep, alias_roots, schedule
 
 
@@ -53,12 +59,13 @@ class CompiledGraph:
         return sum(1 for s in self.steps if not (isinstance(s, LibraryStep) and s.node.op in VIEW_OPS))
 
     def check(self, inputs: Sequence[torch.Tensor]) -> None:
-        """ValueError if inputs do not match the graph or are not on the backend's device."""
+        """GraphError if inputs do not match the graph (see ``ir.interpret.check_inputs``) or are
+        not on the backend's device."""
         check_inputs(self.graph, inputs)
         dev = self.impl.torch_device
         for i, x in enumerate(inputs):
             if x.device.type != dev.type:
-                raise ValueError(f"input {i} is on {x.device}, but backend '{self.impl.name.value}' "
+                raise GraphError(f"input {i} is on {x.device}, but backend '{self.impl.name.value}' "
                                  f"runs on {dev.type}: move it with .to('{dev.type}')")
 
     def plan(self, inputs: Sequence[torch.Tensor]) -> "Plan":
@@ -66,7 +73,7 @@ class CompiledGraph:
         self.check(inputs)
         for i, x in enumerate(inputs):
             if not x.is_contiguous():
-                raise ValueError(f"plan: input {i} must be contiguous (call .contiguous() first)")
+                raise GraphError(f"plan: input {i} must be contiguous (call .contiguous() first)")
         return Plan(self, list(inputs))
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,6 +94,11 @@ class Plan:
         self.thunks: list[Callable[[], None]] = []
         self._pool: dict[tuple, list[torch.Tensor]] = {}
         self._root = alias_roots(g)  # view outputs -> the buffer they share
+        checked = [s.node for s in cg.steps
+                   if isinstance(s, LibraryStep) and OPS[s.node.op].index_input is not None]
+        self._status = (torch.zeros((len(checked), 4), dtype=torch.int64, device=self.device)
+                        if checked else None)
+        self._status_nodes: list = []  # status slot -> the op it belongs to
         last_use = self._last_uses()
         keep = set(g.outputs) | set(g.inputs)
         for i, step in enumerate(cg.steps):
@@ -103,9 +115,21 @@ class Plan:
 
     def run(self) -> list[torch.Tensor]:
         """Launch every kernel in order (or replay the captured launches, see ``capture``);
-        returns the output tensors (owned by the plan)."""
+        returns the output tensors (owned by the plan).
+
+        Raises IndexOutOfRangeError when a kernel met a run-time index outside its buffer
+        (that access was skipped; the outputs of this run are then meaningless).
+        """
         self._run()
+        if self._status is not None and bool(self._status[:, 0].any()):
+            self._raise_index_error()
         return self.outputs
+
+    def _raise_index_error(self):
+        slot = int(torch.nonzero(self._status[:, 0])[0, 0])
+        value, lo, hi = self._status[slot, 1:].tolist()
+        self._status.zero_()
+        raise index_error(self._status_nodes[slot].op, value, lo, hi)
 
     def _launch_all(self) -> None:
         for thunk in self.thunks:
@@ -167,7 +191,11 @@ class Plan:
         out = self._alloc(node.output)
         impl = self.cg.impl
         if impl.supports(node, self.cg.graph):
-            self.thunks.append(impl.bind_library_op(node, self.cg.graph, args, out))
+            status = None
+            if OPS[node.op].index_input is not None:
+                status = self._status[len(self._status_nodes)]
+                self._status_nodes.append(node)
+            self.thunks.append(impl.bind_library_op(node, self.cg.graph, args, out, status))
             return
         if (impl.name.value, node.op) not in _logged_fallbacks:
             _logged_fallbacks.add((impl.name.value, node.op))

@@ -12,8 +12,11 @@
 //   buffer (the KV cache included) is allocated by the caller, contiguous and row-major.
 //   The only memory a kernel allocates is its own per-thread scratch (thread_local
 //   vectors, grown to the largest size seen and kept for the thread's lifetime).
-// - They never call torch or Python, and never check arguments: shapes and index bounds
-//   (token ids < vocabulary size, start_pos + T <= max_seq) are the caller's job.
+// - They never call torch or Python. Shapes are the caller's job (checked when the graph is
+//   built), but every run-time index (token ids, start_pos) is checked against the extent
+//   of the buffer it indexes before any read or write: a bad one is recorded in the
+//   caller's int64 status[4] = {1, value, lo, hi} (valid range [lo, hi)), the access is
+//   skipped, and the executor raises IndexOutOfRangeError after the run.
 // - SIMD code (AVX-512, AVX2/FMA/F16C) sits under #if defined(__AVX512F__) etc.; a
 //   portable scalar version is always compiled when those macros are missing (ARM, old
 //   x86), so the source builds for any target.
@@ -612,6 +615,41 @@ void linear_packed(const float* x, const float* bias, float* y, int64_t M, int64
     }
 }
 
+// Records an out-of-range run-time index: status = {1, value, lo, hi} (the first one wins).
+// The caller (yirage's executor) reads status after the run and raises IndexOutOfRangeError.
+inline void report(int64_t* status, int64_t value, int64_t lo, int64_t hi) {
+    if (status && status[0] == 0) {
+        status[1] = value;
+        status[2] = lo;
+        status[3] = hi;
+        status[0] = 1;
+    }
+}
+
+// True if every id is in [0, V); else reports the first bad one.
+inline bool ids_in_range(const int64_t* ids, int64_t T, int64_t V, int64_t* status) {
+    for (int64_t t = 0; t < T; ++t)
+        if (ids[t] < 0 || ids[t] >= V) {
+            report(status, ids[t], 0, V);
+            return false;
+        }
+    return true;
+}
+
+// Embedding rows: row ids[t] of the table, decoded by row_fn(src_row, dst, D); an id outside
+// [0, V) reads nothing and gives a row of zeros (the call also reports it).
+template <typename RowFn>
+void embedding_rows(const int64_t* ids, float* out, int64_t T, int64_t D, int64_t V, int64_t* status,
+                    RowFn row_fn) {
+    const bool all_ok = ids_in_range(ids, T, V, status);
+#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t id = ids[t];
+        if (!all_ok && (id < 0 || id >= V)) std::fill(out + t * D, out + (t + 1) * D, 0.0f);
+        else row_fn(id, out + t * D);
+    }
+}
+
 // argmax of one row: first index of the maximum; NaN counts as the maximum (torch.argmax).
 int64_t argmax_row(const float* x, int64_t D) {
     int64_t best = 0;
@@ -701,38 +739,47 @@ void yr_linear_f32(const float* x, const float* w, const float* bias, float* y,
 }
 
 // =================================================================================
-// Embedding: out[t, :] = dequantized row ids[t] of table [V, D]
+// Embedding: out[t, :] = dequantized row ids[t] of table [V, D]. Every id is checked
+// against [0, V) first (see embedding_rows).
 // =================================================================================
 
-void yr_embedding_q8_0(const int64_t* ids, const uint8_t* table, float* out, int64_t T, int64_t D) {
+void yr_embedding_q8_0(const int64_t* ids, const uint8_t* table, float* out, int64_t T, int64_t D,
+                       int64_t V, int64_t* status) {
     const int64_t rb = D / QK * Q8_0_BYTES;
-#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; ++t)
-        dequant_row<dequant_block_q8_0, Q8_0_BYTES>(table + ids[t] * rb, out + t * D, D);
+    embedding_rows(ids, out, T, D, V, status, [&](int64_t id, float* dst) {
+        dequant_row<dequant_block_q8_0, Q8_0_BYTES>(table + id * rb, dst, D);
+    });
 }
 
-void yr_embedding_q4_1(const int64_t* ids, const uint8_t* table, float* out, int64_t T, int64_t D) {
+void yr_embedding_q4_1(const int64_t* ids, const uint8_t* table, float* out, int64_t T, int64_t D,
+                       int64_t V, int64_t* status) {
     const int64_t rb = D / QK * Q4_1_BYTES;
-#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; ++t)
-        dequant_row<dequant_block_q4_1, Q4_1_BYTES>(table + ids[t] * rb, out + t * D, D);
+    embedding_rows(ids, out, T, D, V, status, [&](int64_t id, float* dst) {
+        dequant_row<dequant_block_q4_1, Q4_1_BYTES>(table + id * rb, dst, D);
+    });
 }
 
-void yr_embedding_f32(const int64_t* ids, const float* table, float* out, int64_t T, int64_t D) {
-#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; ++t)
-        std::memcpy(out + t * D, table + ids[t] * D, (size_t)D * sizeof(float));
+void yr_embedding_f32(const int64_t* ids, const float* table, float* out, int64_t T, int64_t D,
+                      int64_t V, int64_t* status) {
+    embedding_rows(ids, out, T, D, V, status, [&](int64_t id, float* dst) {
+        std::memcpy(dst, table + id * D, (size_t)D * sizeof(float));
+    });
 }
 
 // =================================================================================
 // RoPE, Hugging Face rotate_half convention. x, out: [T, H, Dh] (out may alias x);
-// tables [max_seq, Dh/2]; token t sits at position start_pos[0] + t.
+// tables [S, Dh/2]; token t sits at position start_pos[0] + t, which must satisfy
+// 0 <= start_pos[0] <= S - T (else nothing is read or written and the call reports it).
 // out[i] = x[i] c_i - x[i+Dh/2] s_i,  out[i+Dh/2] = x[i+Dh/2] c_i + x[i] s_i  (i < Dh/2)
 // =================================================================================
 
 void yr_rope(const float* x, const float* cos_table, const float* sin_table, const int64_t* start_pos,
-             float* out, int64_t T, int64_t H, int64_t Dh) {
+             float* out, int64_t T, int64_t H, int64_t Dh, int64_t S, int64_t* status) {
     const int64_t half = Dh / 2, p0 = start_pos[0];
+    if (p0 < 0 || p0 > S - T) {
+        report(status, p0, 0, S - T + 1);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (T * H * Dh >= PAR_MIN_ELEMS)
     for (int64_t th = 0; th < T * H; ++th) {
         const int64_t t = th / H;
@@ -758,15 +805,20 @@ void yr_rope(const float* x, const float* cos_table, const float* sin_table, con
 // =================================================================================
 // Causal grouped-query attention with a KV cache.
 // q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; caches: [max_seq, Hkv, Dh]; out: [T, Hq, Dh].
-// Appends k, v at positions p0 .. p0+T-1 (p0 = start_pos[0]; the caller ensures
-// p0 + T <= max_seq), then query t (position p0+t) of head h attends keys 0 .. p0+t of
-// kv head h / (Hq / Hkv): out = softmax(scale * q.k) @ v, max subtracted first.
+// Appends k, v at positions p0 .. p0+T-1 (p0 = start_pos[0], which must satisfy
+// 0 <= p0 <= max_seq - T: else nothing is read or written and the call reports it), then
+// query t (position p0+t) of head h attends keys 0 .. p0+t of kv head h / (Hq / Hkv):
+// out = softmax(scale * q.k) @ v, max subtracted first.
 // =================================================================================
 
 void yr_attention(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
                   const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
-                  int64_t max_seq, float scale) {
+                  int64_t max_seq, float scale, int64_t* status) {
     const int64_t p0 = start_pos[0];
+    if (p0 < 0 || p0 > max_seq - T) {
+        report(status, p0, 0, max_seq - T + 1);
+        return;
+    }
     const int64_t kv_row = Hkv * Dh;   // floats per cache position
     std::memcpy(k_cache + p0 * kv_row, k, (size_t)(T * kv_row) * sizeof(float));
     std::memcpy(v_cache + p0 * kv_row, v, (size_t)(T * kv_row) * sizeof(float));

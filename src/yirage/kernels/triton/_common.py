@@ -8,6 +8,12 @@ GGUF block layouts (llama.cpp ``ggml-common.h``, little-endian):
 - ``q8_0``: 34 bytes per 32 weights: ``fp16 d`` then ``int8 q[32]``; ``w[j] = d * q[j]``.
 - ``q4_1``: 20 bytes per 32 weights: ``fp16 d``, ``fp16 m``, ``uint8 qs[16]``; weight ``j < 16``
   is the low nibble of ``qs[j]``, weight ``j + 16`` its high nibble; ``w = d * q + m``.
+
+Run-time bounds checks (embedding ids, rope/attention ``start_pos``) happen on the device, so
+no launch syncs with the host. A launch function given ``status`` (int64 ``(4,)``, zero on
+entry) has the kernel that detects a violation record ``[1, value, lo, hi]`` there (value: the
+offending id/position, ``[lo, hi)`` the valid range) via :func:`report_violation`; without
+``status`` the checks still guard every access, just unreported (see :func:`status_arg`).
 """
 from __future__ import annotations
 
@@ -68,6 +74,43 @@ def check_tensors(op: str, **tensors) -> None:
         devices.add(t.device)
     if len(devices) > 1:
         raise ValueError(f"{op}: tensors are on different devices: {sorted(map(str, devices))}")
+
+
+def status_arg(op: str, status, dummy: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(pointer argument, ``HAS_STATUS``) for a kernel taking an optional bounds-check status.
+
+    ``status`` must be None or an int64 tensor of shape (4,) on ``dummy``'s device (ValueError
+    otherwise). Without one, ``dummy`` (any tensor the launch already has) is passed in its place
+    and never touched: the kernel's ``HAS_STATUS`` constexpr removes the reporting code, so no
+    allocation is needed per call.
+    """
+    if status is None:
+        return dummy, False
+    if not isinstance(status, torch.Tensor) or status.dtype != torch.int64 or tuple(status.shape) != (4,):
+        got = f"{status.dtype} {tuple(status.shape)}" if isinstance(status, torch.Tensor) else type(status).__name__
+        raise ValueError(f"{op}: status must be an int64 tensor of shape (4,), got {got}")
+    if status.device != dummy.device:
+        raise ValueError(f"{op}: status is on {status.device}, the other tensors on {dummy.device}")
+    if not status.is_contiguous():
+        raise ValueError(f"{op}: status must be contiguous")
+    return status, True
+
+
+@triton.jit
+def report_violation(status_ptr, value, lo, hi):
+    """Record ``status = [1, value, lo, hi]`` unless an earlier violation already did.
+
+    Call from a scalar branch taken only on a violation (zero cost on the in-range path). One
+    writer is elected by ``atomic_cas(status[0], 0, 1)`` (on a GPU one thread of the program
+    issues a scalar atomic): the winner, and only it, stores value, lo and hi, so the four words
+    always describe one violation even when several programs or kernels sharing ``status``
+    detect one. The host reads ``status`` after the launch (stream order makes it visible).
+    """
+    won = tl.atomic_cas(status_ptr, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0
+    if won:
+        tl.store(status_ptr + 1, value.to(tl.int64))
+        tl.store(status_ptr + 2, tl.full([], 0, tl.int64) + lo)
+        tl.store(status_ptr + 3, tl.full([], 0, tl.int64) + hi)
 
 
 def weight_type(name: str) -> tuple[int, int]:

@@ -19,6 +19,11 @@ Every call first copies this step's k, v into the caches at rows ``start_pos .. 
 Scores and softmax are fp32 (max subtracted; exp2 with log2(e) folded into the scale);
 ``q @ k^T`` and ``p @ v`` use ``tl.dot`` with fp32 accumulation (IEEE products for fp32, p
 rounded to the cache dtype for fp16/bf16 as in FlashAttention).
+
+``start_pos`` is checked on the device: every kernel computes ``ok = 0 <= start_pos <=
+max_seq - T`` (int64) from the same value and masks all its cache and output accesses with it,
+so a bad position touches neither cache nor ``out``; the cache-write kernel, which runs first,
+reports it (no extra launch).
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import acc_per_thread, autotune, cast_rtne, check_tensors, dot_upcast, mma, pow2_bucket, to_out
+from ._common import (acc_per_thread, autotune, cast_rtne, check_tensors, dot_upcast, mma, pow2_bucket,
+                      report_violation, status_arg, to_out)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -83,12 +89,28 @@ def attention_workspace(q: torch.Tensor, k_cache: torch.Tensor, chunk: int | Non
 
 
 @triton.jit
-def _cache_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, ROW, max_seq, BLOCK: tl.constexpr):
-    """Grid (T, cdiv(ROW, BLOCK)): caches[start_pos + t] = k[t], v[t] (ROW = Hkv * Dh)."""
+def _start_ok(pos_ptr, LAST):
+    """(start_pos as int64, whether ``0 <= start_pos <= LAST``), LAST = max_seq - T."""
+    p0 = tl.load(pos_ptr).to(tl.int64)
+    return p0, (p0 >= 0) & (p0 <= LAST)
+
+
+@triton.jit
+def _cache_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, status_ptr, ROW, LAST, BLOCK: tl.constexpr,
+                        HAS_STATUS: tl.constexpr):
+    """Grid (T, cdiv(ROW, BLOCK)): caches[start_pos + t] = k[t], v[t] (ROW = Hkv * Dh).
+
+    Writes nothing unless ``0 <= start_pos <= LAST`` (= max_seq - T); program (0, 0) reports a
+    bad start_pos when ``HAS_STATUS``.
+    """
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row = tl.full([BLOCK], 0, tl.int64) + tl.load(pos_ptr).to(tl.int64) + t
-    mask = (offs < ROW) & (row < max_seq)
+    p0, ok = _start_ok(pos_ptr, LAST)
+    if HAS_STATUS:
+        if ((p0 < 0) | (p0 > LAST)) & (t == 0) & (tl.program_id(1) == 0):
+            report_violation(status_ptr, p0, 0, LAST + 1)
+    row = tl.full([BLOCK], 0, tl.int64) + tl.where(ok, p0, 0) + t
+    mask = offs < tl.where(ok, ROW, 0)                # nothing when out of range
     src = t.to(tl.int64) * ROW + offs
     dst = row * ROW + offs
     k = tl.load(k_ptr + src, mask=mask).to(tl.float32)
@@ -127,8 +149,8 @@ def _decode_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr
     """Grid (Hkv, NCH): partial softmax stats of the G query heads of one kv head over one chunk."""
     kvh = tl.program_id(0)
     c = tl.program_id(1)
-    L = tl.load(pos_ptr).to(tl.int64) + 1            # keys 0 .. start_pos
-    L = tl.minimum(L, max_seq)
+    p0, ok = _start_ok(pos_ptr, max_seq - 1)
+    L = tl.where(ok, p0 + 1, 0)                      # keys 0 .. start_pos; none if out of range
     lo = c.to(tl.int64) * CHUNK
     hi = tl.minimum(lo + CHUNK, L)
     offs_g = tl.arange(0, BLOCK_G)
@@ -168,9 +190,13 @@ def _decode_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr
 @triton.jit
 def _decode_reduce_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, Dh, max_seq, CHUNK, NCH,
                           BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (Hq,): out[0, h] = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over live chunks."""
+    """Grid (Hq,): out[0, h] = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over live chunks.
+
+    A start_pos outside [0, max_seq) reads no chunk and leaves out as it was.
+    """
     h = tl.program_id(0).to(tl.int64)
-    L = tl.minimum(tl.load(pos_ptr).to(tl.int64) + 1, max_seq)
+    p0, ok = _start_ok(pos_ptr, max_seq - 1)
+    L = tl.where(ok, p0 + 1, 0)
     n = tl.minimum((L + CHUNK - 1) // CHUNK, NCH)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
@@ -193,7 +219,7 @@ def _decode_reduce_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, Dh, max_seq, 
     total = tl.sum(l_sum, axis=0)
     total = tl.where(total > 0, total, 1.0)
     o = tl.sum(acc, axis=0) / total
-    tl.store(out_ptr + h * Dh + offs_d, to_out(o, out_ptr), mask=d_mask)
+    tl.store(out_ptr + h * Dh + offs_d, to_out(o, out_ptr), mask=offs_d < tl.where(ok, Dh, 0))
 
 
 _PREFILL_CONFIGS = [
@@ -220,20 +246,24 @@ def _prune_prefill(configs, args):
 @triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY, Hq, Hkv, G, Dh, max_seq,
                     UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_M), Hq): FlashAttention forward for one query tile of one head."""
+    """Grid (cdiv(T, BLOCK_M), Hq): FlashAttention forward for one query tile of one head.
+
+    A start_pos outside [0, max_seq - T] reads no cache row and leaves out as it was.
+    """
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // G
-    p0 = tl.load(pos_ptr).to(tl.int64)
+    p0, ok = _start_ok(pos_ptr, max_seq - T)
+    p0 = tl.where(ok, p0, 0)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < T
+    m_mask = offs_m < tl.where(ok, T, 0)                  # no query (no load/store) when out of range
     d_mask = offs_d < Dh
     q_off = (offs_m.to(tl.int64)[:, None] * Hq + h) * Dh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = p0 + offs_m                                   # absolute position of each query
-    # keys this tile can see: 0 .. p0 + last query of the tile (and inside the cache)
-    hi = tl.minimum(tl.minimum(p0 + (pid_m + 1) * BLOCK_M, p0 + T), max_seq)
+    # keys this tile can see: 0 .. p0 + last query of the tile (inside the cache when ok)
+    hi = tl.where(ok, tl.minimum(p0 + (pid_m + 1) * BLOCK_M, p0 + T), 0)
     row = Hkv * Dh
     kc_base = kc_ptr + kvh * Dh
     vc_base = vc_ptr + kvh * Dh
@@ -264,7 +294,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               start_pos: torch.Tensor, out: torch.Tensor, scale: float,
-              workspace: AttentionWorkspace | None = None) -> None:
+              workspace: AttentionWorkspace | None = None, status: torch.Tensor | None = None) -> None:
     """Causal GQA attention over a KV cache, as ``yirage.ir.ops.attention_reference``.
 
     Writes ``k_cache[p0:p0+T] = k``, ``v_cache[p0:p0+T] = v`` (p0 = ``start_pos[0]``), then
@@ -273,11 +303,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     Args:
         q: ``[T, Hq, Dh]``; k, v: ``[T, Hkv, Dh]``; k_cache, v_cache: ``[max_seq, Hkv, Dh]``;
             all contiguous, one dtype (float32/float16/bfloat16), Hq divisible by Hkv, any Dh.
-        start_pos: int64 ``(1,)`` on the device, read inside the kernels. Rows at or past
-            max_seq are neither written nor read (not checked on the host).
+        start_pos: int64 ``(1,)`` on the device, read inside the kernels; must satisfy
+            ``0 <= start_pos <= max_seq - T``. Checked on the device (the host can't see it
+            without a sync): out of range, the caches are neither written nor read, the decode
+            workspace is not touched, and ``out`` is left as it was.
         out: ``[T, Hq, Dh]`` of q's dtype; written only. Must not alias q.
         scale: softmax scale (usually ``Dh ** -0.5``).
         workspace: from :func:`attention_workspace` (used when T == 1); allocated here if None.
+        status: None, or an int64 ``(4,)`` tensor on the device, zero on entry. An out-of-range
+            start_pos sets it to ``[1, start_pos, 0, max_seq - T + 1]`` unless already flagged
+            (one writer, elected by ``atomic_cas`` on ``status[0]``, in the cache-write kernel).
+            Without it the check still guards every access, unreported.
 
     Memory traffic: writes T rows of each cache; decode reads the first p0+1 cache rows once
     per kv head, writes/reads ``Hq * chunks * (Dh + 2)`` fp32 partials; prefill reads the
@@ -285,10 +321,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     when a workspace is given.
 
     Raises:
-        ValueError: shape/dtype mismatches, or a workspace made for other shapes.
+        ValueError: shape/dtype mismatches, a workspace made for other shapes, or a bad ``status``.
     """
     check_tensors("attention", q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, start_pos=start_pos, out=out,
                   workspace=workspace.acc if workspace is not None else None)
+    status_ptr, has_status = status_arg("attention", status, start_pos)
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"attention: q must be [T, Hq, Dh] and k, v [T, Hkv, Dh], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -318,8 +355,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 
     row = hkv * dh
     wblock = min(triton.next_power_of_2(row), 4096)
-    _cache_write_kernel[(T, triton.cdiv(row, wblock))](k, v, k_cache, v_cache, start_pos, row, max_seq,
-                                                       BLOCK=wblock, num_warps=4)
+    _cache_write_kernel[(T, triton.cdiv(row, wblock))](k, v, k_cache, v_cache, start_pos, status_ptr, row,
+                                                       max_seq - T, BLOCK=wblock, HAS_STATUS=has_status,
+                                                       num_warps=4)
     if T == 1:
         ws = workspace if workspace is not None else attention_workspace(q, k_cache)
         n = triton.cdiv(max_seq, ws.chunk)

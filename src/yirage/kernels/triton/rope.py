@@ -10,24 +10,33 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensors, to_out
+from ._common import check_tensors, report_violation, status_arg, to_out
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, HALF, max_seq,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Grid (T, cdiv(H, BLOCK_H)): heads h0..h0+BLOCK_H of token t; both halves in registers."""
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, status_ptr, H, HALF, LAST,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_STATUS: tl.constexpr):
+    """Grid (T, cdiv(H, BLOCK_H)): heads h0..h0+BLOCK_H of token t; both halves in registers.
+
+    ``LAST`` = S - T is the largest valid start position. Outside ``[0, LAST]`` (compared in
+    int64) no program reads or writes anything (out is left as it was); program (0, 0) reports
+    it when ``HAS_STATUS``.
+    """
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_HALF)
-    pos = tl.load(pos_ptr).to(tl.int64) + t
-    pos_i = tl.full([BLOCK_HALF], 0, tl.int64) + pos
-    i_mask = (offs_i < HALF) & (pos_i < max_seq)     # positions past the table read as angle 0
+    p0 = tl.load(pos_ptr).to(tl.int64)
+    ok = (p0 >= 0) & (p0 <= LAST)
+    if HAS_STATUS:
+        if ((p0 < 0) | (p0 > LAST)) & (t == 0) & (tl.program_id(1) == 0):
+            report_violation(status_ptr, p0, 0, LAST + 1)
+    pos_i = tl.full([BLOCK_HALF], 0, tl.int64) + tl.where(ok, p0, 0) + t
+    i_mask = offs_i < tl.where(ok, HALF, 0)           # all False when out of range
     c = tl.load(cos_ptr + pos_i * HALF + offs_i, mask=i_mask, other=1.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos_i * HALF + offs_i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-    mask = (offs_h < H)[:, None] & (offs_i < HALF)[None, :]
+    mask = (offs_h < H)[:, None] & i_mask[None, :]
     off = (t.to(tl.int64) * H + offs_h[:, None]) * (2 * HALF) + offs_i[None, :]
     x1 = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + off + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -35,7 +44,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, H, HALF, max_seq,
     tl.store(out_ptr + off + HALF, to_out(x2 * c + x1 * s, out_ptr), mask=mask)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch.Tensor, out: torch.Tensor) -> None:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch.Tensor, out: torch.Tensor,
+         status: torch.Tensor | None = None) -> None:
     """Rotate-half RoPE: token t sits at position ``start_pos[0] + t``.
 
     ``out[..., i] = x[i]*c_i - x[i+Dh/2]*s_i`` and ``out[..., i+Dh/2] = x[i+Dh/2]*c_i + x[i]*s_i``
@@ -43,17 +53,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch
 
     Args:
         x: ``[T, H, Dh]`` float32/float16/bfloat16, contiguous, Dh even. Computed in float32.
-        cos, sin: ``[max_seq, Dh//2]`` float32 tables. A position >= max_seq (not checked on the
-            host: the position lives on the device) reads angle 0 instead of out-of-bounds memory.
-        start_pos: int64 tensor of shape (1,) on x's device, read inside the kernel.
+        cos, sin: ``[S, Dh//2]`` float32 tables.
+        start_pos: int64 tensor of shape (1,) on x's device, read inside the kernel; must satisfy
+            ``0 <= start_pos <= S - T``. Checked on the device (the host can't see it without a
+            sync): out of range, the kernel reads and writes nothing (no table row, no token):
+            ``out`` is left as it was (so an in-place call leaves x unchanged).
         out: like x; may be x itself (each program reads its elements before writing them).
+        status: None, or an int64 ``(4,)`` tensor on x's device, zero on entry. An out-of-range
+            start_pos sets it to ``[1, start_pos, 0, S - T + 1]`` unless already flagged (one
+            writer, elected by ``atomic_cas`` on ``status[0]``). Without it the check still
+            guards the tables, unreported.
 
     Memory traffic: reads x, T rows of cos and sin; writes out. No allocation, no host sync.
 
     Raises:
-        ValueError: wrong ranks/dtypes, odd Dh, or shapes that don't agree.
+        ValueError: wrong ranks/dtypes, odd Dh, shapes that don't agree, or a bad ``status``.
     """
     check_tensors("rope", x=x, cos=cos, sin=sin, start_pos=start_pos, out=out)
+    status_ptr, has_status = status_arg("rope", status, start_pos)
     if x.dim() != 3 or x.dtype not in _FLOATS:
         raise ValueError(f"rope: x must be [T, H, Dh] float32/float16/bfloat16, got {tuple(x.shape)} {x.dtype}")
     T, H, Dh = x.shape
@@ -74,5 +91,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch
         return
     BLOCK_HALF = triton.next_power_of_2(half)
     BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_HALF))
-    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, start_pos, out, H, half, cos.shape[0],
-                                               BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, num_warps=4)
+    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, start_pos, out, status_ptr, H, half, cos.shape[0] - T,
+                                               BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_STATUS=has_status,
+                                               num_warps=4)
