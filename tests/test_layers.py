@@ -1,7 +1,7 @@
 """The import layers of ARCHITECTURE.md, enforced with import-linter (config in pyproject.toml).
 
 cli > engines > models > kernel (front end) > backends > runtime > kernels > codegen >
-transforms > ir > {dtypes, errors, config}: a module may import only from layers below its
+transforms > ir > {dtypes, config} > errors: a module may import only from layers below its
 own, lazy imports inside functions included, so no package-level cycle can form.
 """
 import shutil

@@ -9,8 +9,8 @@ This module only re-exports the public API; nothing else lives here.
 """
 from .config import configure_logging as _configure_logging
 from .dtypes import DType, bfloat16, float16, float32, int32, int64, q4_1, q8_0
-from .errors import (BackendUnavailableError, GenerationError, GraphError, IndexOutOfRangeError,
-                     ModelLoadError, ToolchainError, YirageError)
+from .errors import (BackendUnavailableError, CacheError, GenerationError, GraphError,
+                     IndexOutOfRangeError, ModelLoadError, ToolchainError, YirageError)
 from .backends import (Backend, BackendInfo, MemoryInfo, get_available_backends, get_backend,
                        get_backend_info, get_memory_info, is_backend_available, set_backend)
 from .ir.graph import DTensor
@@ -35,7 +35,7 @@ def __getattr__(name):
 
 __all__ = [
     "Backend", "BackendInfo", "MemoryInfo", "BackendUnavailableError", "GenerationError",
-    "ModelLoadError", "ToolchainError", "YirageError", "GraphError", "IndexOutOfRangeError",
+    "ModelLoadError", "ToolchainError", "YirageError", "GraphError", "IndexOutOfRangeError", "CacheError",
     "DType", "DTensor", "KernelGraph", "KNGraph",
     "LLM", "GenerationResult", "new_kernel_graph", "get_available_backends", "get_backend",
     "get_backend_info", "get_memory_info", "is_backend_available", "set_backend",

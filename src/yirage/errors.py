@@ -39,3 +39,10 @@ class IndexOutOfRangeError(YirageError, IndexError):
     """A run-time index (token id, RoPE/attention position, KV-cache row) lies outside the
     buffer it indexes. Kernels check before any read or write; the message names the op,
     the value and the valid range. Also an IndexError."""
+
+
+class CacheError(YirageError):
+    """No usable on-disk cache: neither the configured cache directory (``YIRAGE_CACHE_DIR``,
+    else ``~/.cache/yirage``) nor the per-user fallback in the temporary directory can be
+    created and written, or a cache entry cannot be written or repaired. The message names
+    the directory and says to point ``YIRAGE_CACHE_DIR`` at a writable directory."""

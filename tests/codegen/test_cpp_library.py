@@ -98,6 +98,11 @@ def _quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(np.ascontiguousarray(ref))
 
 
+def _status() -> torch.Tensor:
+    """A fresh int64 status[4] slot (the kernels record an out-of-range index there)."""
+    return torch.zeros(4, dtype=torch.int64)
+
+
 def _ptr(t: torch.Tensor | None):
     if t is None:
         return None
@@ -204,7 +209,7 @@ def test_embedding_quant_bitwise(lib, fmt, D):
     for ids_list in ([0], [V - 1, 0, 3, 3, 17], list(range(V)) * 3):
         ids = torch.tensor(ids_list, dtype=torch.int64)
         out = torch.full((len(ids_list), D), float("nan"))
-        getattr(lib, f"yr_embedding_{fmt}")(_ptr(ids), _ptr(raw), _ptr(out), len(ids_list), D)
+        getattr(lib, f"yr_embedding_{fmt}")(_ptr(ids), _ptr(raw), _ptr(out), len(ids_list), D, V, _ptr(_status()))
         assert torch.equal(out.view(torch.int32), ref[ids].view(torch.int32))
 
 
@@ -217,7 +222,7 @@ def test_embedding_q8_0_every_fp16_scale(lib):
         ref = torch.from_numpy(quants.dequantize(raw, QT.Q8_0).reshape(65536, 32))
     ids = torch.arange(65536, dtype=torch.int64)
     out = torch.empty(65536, 32)
-    lib.yr_embedding_q8_0(_ptr(ids), _ptr(torch.from_numpy(raw)), _ptr(out), 65536, 32)
+    lib.yr_embedding_q8_0(_ptr(ids), _ptr(torch.from_numpy(raw)), _ptr(out), 65536, 32, 65536, _ptr(_status()))
     nan = torch.isnan(ref)
     assert torch.equal(torch.isnan(out), nan)
     assert torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
@@ -235,15 +240,34 @@ def test_embedding_q4_1_random_bits(lib):
     ref = torch.from_numpy(quants.dequantize(raw, QT.Q4_1).reshape(n, 32))
     out = torch.empty(n, 32)
     ids = torch.arange(n, dtype=torch.int64)
-    lib.yr_embedding_q4_1(_ptr(ids), _ptr(torch.from_numpy(raw)), _ptr(out), n, 32)
+    lib.yr_embedding_q4_1(_ptr(ids), _ptr(torch.from_numpy(raw)), _ptr(out), n, 32, n, _ptr(_status()))
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+def test_out_of_range_indices_are_reported_not_accessed(lib):
+    """ids outside [0, V) give zero rows; start_pos outside [0, S - T] writes nothing; each
+    call records {1, value, lo, hi} in its status slot."""
+    table, ids = torch.randn(4, 33), torch.tensor([1, 4, -3, 2], dtype=torch.int64)
+    out, st = torch.full((4, 33), 7.0), _status()
+    lib.yr_embedding_f32(_ptr(ids), _ptr(table), _ptr(out), 4, 33, 4, _ptr(st))
+    assert st.tolist() == [1, 4, 0, 4]
+    assert torch.equal(out[[0, 3]], table[[1, 2]]) and not out[[1, 2]].any()
+    cos_t, sin_t = _rope_tables(8, 4)
+    x, st, six, minus_one = torch.randn(3, 1, 4), _status(), torch.tensor([6]), torch.tensor([-1])
+    y = x.clone()
+    lib.yr_rope(_ptr(x), _ptr(cos_t), _ptr(sin_t), _ptr(six), _ptr(y), 3, 1, 4, 8, _ptr(st))
+    assert st.tolist() == [1, 6, 0, 6] and torch.equal(y, x)
+    kc, vc, st = torch.zeros(8, 1, 4), torch.zeros(8, 1, 4), _status()
+    lib.yr_attention(_ptr(x), _ptr(x), _ptr(x), _ptr(kc), _ptr(vc), _ptr(minus_one),
+                     _ptr(y), 3, 1, 1, 4, 8, 0.5, _ptr(st))
+    assert st.tolist() == [1, -1, 0, 6] and not kc.any() and not vc.any()
 
 
 def test_embedding_f32(lib):
     table = torch.randn(40, 33)
     ids = torch.tensor([5, 0, 39, 5], dtype=torch.int64)
     out = torch.empty(4, 33)
-    lib.yr_embedding_f32(_ptr(ids), _ptr(table), _ptr(out), 4, 33)
+    lib.yr_embedding_f32(_ptr(ids), _ptr(table), _ptr(out), 4, 33, 40, _ptr(_status()))
     assert torch.equal(out, table[ids])
 
 
@@ -276,11 +300,11 @@ def test_rope(lib, T, H, Dh, p0):
     ref = _rope_ref(x, cos_t, sin_t, p0)
     sp = torch.tensor([p0], dtype=torch.int64)
     out = torch.full_like(x, float("nan"))
-    lib.yr_rope(_ptr(x), _ptr(cos_t), _ptr(sin_t), _ptr(sp), _ptr(out), T, H, Dh)
+    lib.yr_rope(_ptr(x), _ptr(cos_t), _ptr(sin_t), _ptr(sp), _ptr(out), T, H, Dh, max_seq, _ptr(_status()))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # in place (out aliases x)
     y = x.clone()
-    lib.yr_rope(_ptr(y), _ptr(cos_t), _ptr(sin_t), _ptr(sp), _ptr(y), T, H, Dh)
+    lib.yr_rope(_ptr(y), _ptr(cos_t), _ptr(sin_t), _ptr(sp), _ptr(y), T, H, Dh, max_seq, _ptr(_status()))
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -316,7 +340,7 @@ def test_attention_prefill_then_decode(lib, Hq, Hkv, Dh):
         out = torch.full((T, Hq, Dh), float("nan"))
         sp = torch.tensor([p0], dtype=torch.int64)
         lib.yr_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(k_cache), _ptr(v_cache), _ptr(sp), _ptr(out),
-                         T, Hq, Hkv, Dh, max_seq, scale)
+                         T, Hq, Hkv, Dh, max_seq, scale, _ptr(_status()))
         k_all, v_all = torch.cat(ks), torch.cat(vs)
         L = p0 + T
         assert torch.equal(k_cache[:L], k_all) and torch.equal(v_cache[:L], v_all)
@@ -343,13 +367,13 @@ def test_attention_long_context(lib):
     out = torch.empty(520, Hq, Dh)
     sp = torch.tensor([0], dtype=torch.int64)
     lib.yr_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(k_cache), _ptr(v_cache), _ptr(sp), _ptr(out),
-                     520, Hq, Hkv, Dh, max_seq, 0.125)
+                     520, Hq, Hkv, Dh, max_seq, 0.125, _ptr(_status()))
     torch.testing.assert_close(out, _attention_ref(q, k, v, 0, 0.125), atol=2e-5, rtol=1e-4)
     q1, k1, v1 = torch.randn(1, Hq, Dh), torch.randn(1, Hkv, Dh), torch.randn(1, Hkv, Dh)
     out1 = torch.empty(1, Hq, Dh)
     sp = torch.tensor([520], dtype=torch.int64)
     lib.yr_attention(_ptr(q1), _ptr(k1), _ptr(v1), _ptr(k_cache), _ptr(v_cache), _ptr(sp), _ptr(out1),
-                     1, Hq, Hkv, Dh, max_seq, 0.125)
+                     1, Hq, Hkv, Dh, max_seq, 0.125, _ptr(_status()))
     ref = _attention_ref(q1, torch.cat([k, k1]), torch.cat([v, v1]), 520, 0.125)
     torch.testing.assert_close(out1, ref, atol=2e-5, rtol=1e-4)
 
@@ -365,13 +389,13 @@ def test_attention_extreme_scores(lib):
     out = torch.empty(T, Hq, Dh)
     sp = torch.tensor([0], dtype=torch.int64)
     lib.yr_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(sp), _ptr(out),
-                     T, Hq, Hkv, Dh, max_seq, 1.0)
+                     T, Hq, Hkv, Dh, max_seq, 1.0, _ptr(_status()))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, _attention_ref(q, k, v, 0, 1.0), atol=2e-5, rtol=1e-4)
     # a NaN in one query poisons that query's output only, as in torch
     q[20, 1, 3] = math.nan
     lib.yr_attention(_ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(sp), _ptr(out),
-                     T, Hq, Hkv, Dh, max_seq, 1.0)
+                     T, Hq, Hkv, Dh, max_seq, 1.0, _ptr(_status()))
     ref = _attention_ref(q, k, v, 0, 1.0)
     assert torch.isnan(out[20, 1]).all()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, equal_nan=True)

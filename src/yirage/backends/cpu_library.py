@@ -54,7 +54,7 @@ def library() -> ctypes.CDLL:
     Raises:
         ToolchainError: no C++ compiler, or it rejected the source.
     """
-    return bind_signatures(load_library(kernel_source("library.cpp")))
+    return bind_signatures(load_library(kernel_source("library.cpp"), symbols=tuple(SIGNATURES)))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -39,7 +39,7 @@ def compile_cpp(kernels: list[FusedKernel]) -> list[CppKernel]:
     if not kernels:
         return []
     source, names = render_module(kernels)
-    lib = load_library(source)
+    lib = load_library(source, symbols=tuple(names))
     out = []
     for name in names:
         fn = getattr(lib, name)

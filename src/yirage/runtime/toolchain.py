@@ -1,31 +1,49 @@
-"""Builds C++ into shared libraries and loads them with ctypes.
+"""Builds C++ into shared libraries and loads them with ctypes, from a verified disk cache.
 
 A translation unit is built with the system compiler (``CXXFLAGS``, plus ``-I`` for the
 kernel sources of ``yirage/kernels/cpu``, so generated code can include
 ``yirage_prelude.h``). Libraries are cached on disk under ``$YIRAGE_CACHE_DIR/cpp`` by a
 hash of everything that decides the binary: the source, the contents of every header in
-``kernels/cpu``, the compiler's path and version line, and the flags. A build writes to a
-private temporary file and is moved into place with ``os.replace`` (atomic on POSIX), so
-concurrent processes never see a half-written library. Loaded libraries are also memoized
-per process.
+``kernels/cpu``, the compiler's path and version line, and the flags.
 
-This module must never generate code: it only builds and loads what it is given.
+A cache entry is two files: the library ``k_<key>.so`` and its checksum file
+``k_<key>.sha256``, one line ``yirage-cpp-cache v1 size=<bytes> sha256=<hex> name=k_<key>.so``.
+A build compiles into a private temporary directory, moves the library into place with
+``os.replace`` (atomic on POSIX) and then, the same way, its checksum file; builders of one
+entry are serialized by an ``flock`` on ``k_<key>.lock``, and a process that waited for the
+lock finds the entry built and does not build it again. Before a library is loaded its size
+and sha256 must match the checksum file; an entry that does not (truncated, corrupt,
+another library's bytes, no or a foreign checksum file) is treated as absent: it is rebuilt
+once, with a warning on the ``yirage`` logger, and so is a verified library that ``dlopen``
+rejects or that lacks an entry point the caller asked for. If the rebuilt entry fails
+again, ``ToolchainError`` is raised. Loaded libraries are also memoized per process.
+
+This module must never generate code (it only builds and loads what it is given), and
+must never ``dlopen`` a cached file whose checksum has not just matched: mapping a
+truncated library kills the process with SIGBUS.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from ..config import cache_dir, logger
-from ..errors import ToolchainError
+from ..config import cache_subdir, logger
+from ..errors import CacheError, ToolchainError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builders are not serialized (writes stay atomic)
+    fcntl = None
 
 CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
             "-fno-math-errno", "-ffp-contract=fast")
@@ -33,6 +51,15 @@ CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"
 _INSTALL_HINT = ("install a C++ compiler with OpenMP (Debian/Ubuntu: 'apt-get install g++'; "
                  "Fedora: 'dnf install gcc-c++'; macOS: 'brew install gcc'), "
                  "or point the CXX environment variable at one")
+
+_CHECKSUM_HEADER = "yirage-cpp-cache v1"
+#: ``_verify`` result for an entry whose library does not exist (built without a warning).
+MISSING = "is missing"
+#: Numbers the retry spellings of a library path (see ``load_library``).
+_respell = itertools.count(1)
+#: Library path -> the spelling its rebuilt file was loaded under in this process (the
+#: plain path still names the rejected handle here).
+_spellings: dict[str, str] = {}
 
 
 def kernel_dir() -> Path:
@@ -43,6 +70,16 @@ def kernel_dir() -> Path:
 def kernel_source(name: str) -> str:
     """The text of ``yirage/kernels/cpu/<name>`` (e.g. ``library.cpp``)."""
     return (kernel_dir() / name).read_text()
+
+
+def cache_folder(name: str) -> Path:
+    """``$YIRAGE_CACHE_DIR/<name>``, created if missing (or its fallback, see
+    ``config.cache_dir``).
+
+    Raises:
+        CacheError: neither the cache directory nor the per-user fallback is usable.
+    """
+    return cache_subdir(name)
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,46 +111,211 @@ def find_compiler() -> tuple[str, str]:
 
 
 def library_path(source: str, flags: Sequence[str] = CXXFLAGS) -> Path:
-    """Where the library built from ``source`` with ``flags`` is cached (it may not exist yet)."""
+    """Where the library built from ``source`` with ``flags`` is cached (it may not exist yet).
+
+    Raises:
+        ToolchainError: no compiler (the compiler is part of the cache key).
+        CacheError: no usable cache directory.
+    """
     cxx, version = find_compiler()
     parts = [source, _headers_digest(), cxx, version, *flags]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-    return cache_dir() / "cpp" / f"k_{key}.so"
+    return cache_folder("cpp") / f"k_{key}.so"
+
+
+def checksum_path(path: Path) -> Path:
+    """The checksum file of the cached library ``path`` (``k_<key>.so`` -> ``k_<key>.sha256``)."""
+    return path.with_suffix(".sha256")
+
+
+def _digest(f) -> str:
+    h = hashlib.sha256()
+    while chunk := f.read(1 << 20):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _checksum_line(name: str, size: int, sha256: str) -> str:
+    return f"{_CHECKSUM_HEADER} size={size} sha256={sha256} name={name}\n"
+
+
+def verify_library(path: Path) -> str | None:
+    """Check the cached library ``path`` against its checksum file, without loading it.
+
+    Returns None when the library's size and sha256 match, else what is wrong, as a
+    phrase to follow the path in a message (``MISSING`` when there is no library).
+    Never raises for a bad entry; reads the whole library once (sha256).
+    """
+    try:
+        recorded = checksum_path(path).read_text(encoding="ascii")
+    except FileNotFoundError:
+        recorded = None
+    except (OSError, UnicodeDecodeError) as e:
+        recorded = e
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return MISSING
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    with f:
+        if recorded is None:
+            return "has no checksum file (an interrupted build, or a cache from an older yirage)"
+        if isinstance(recorded, Exception):
+            return f"has an unreadable checksum file ({recorded})"
+        fields = recorded.split()
+        try:
+            head, rest = " ".join(fields[:2]), dict(kv.split("=", 1) for kv in fields[2:])
+            size, sha256, name = int(rest["size"]), rest["sha256"], rest["name"]
+        except (ValueError, KeyError):
+            return "has a malformed checksum file"
+        if head != _CHECKSUM_HEADER:
+            return f"has a checksum file of an unknown format ({head!r})"
+        if name != path.name:
+            return f"has the checksum file of another library ({name})"
+        actual = os.fstat(f.fileno()).st_size
+        if actual != size:
+            return f"is {actual} bytes, its checksum file says {size} (truncated or overwritten)"
+        if _digest(f) != sha256:
+            return "does not match its sha256 (corrupt, or another library's bytes)"
+    return None
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the entry's lock file (serializes its builders)."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # the cache folder was checked writable; build unserialized
+        logger.debug("cannot lock %s (%s); building without the lock", path, e)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _ensure_built(source: str, path: Path, flags: tuple[str, ...], rebuild: str | None = None) -> bool:
+    """Make ``path`` a verified entry; return whether this call built it.
+
+    ``rebuild``: the reason a verified entry must be rebuilt anyway (it would not load).
+    """
+    if rebuild is None and verify_library(path) is None:
+        return False
+    with _entry_lock(path):
+        problem = verify_library(path)
+        if rebuild is None and problem is None:
+            return False  # another process built it while we waited
+        if rebuild is not None or problem != MISSING:
+            logger.warning("cached kernel library %s %s; rebuilding it", path, rebuild or problem)
+        _build(source, path, flags)
+        problem = verify_library(path)
+    if problem is not None:
+        raise ToolchainError(f"the kernel library just built at {path} {problem}: "
+                             f"is another process writing the cache at the same time?")
+    return True
+
+
+def _load(path: Path, symbols: tuple[str, ...], spelling: str) -> tuple[ctypes.CDLL | None, str]:
+    """dlopen the (verified) library as ``spelling``; (lib, "") or (None, what went wrong)."""
+    try:
+        lib = ctypes.CDLL(spelling)
+    except OSError as e:
+        return None, f"cannot be loaded ({e})"
+    missing = [s for s in symbols if not hasattr(lib, s)]
+    if missing:
+        return None, f"lacks the entry points {', '.join(missing)}"
+    return lib, ""
+
+
+def build_library(source: str, flags: Sequence[str] = CXXFLAGS) -> Path:
+    """Build ``source`` unless a verified entry is cached; return the library's path.
+
+    Does not load the library. A cached entry that fails its checksum is rebuilt with a
+    warning.
+
+    Raises:
+        ToolchainError: no compiler, or the compiler rejected the source.
+        CacheError: no usable cache directory, or the entry cannot be written.
+    """
+    flags = tuple(flags)
+    path = library_path(source, flags)
+    _ensure_built(source, path, flags)
+    return path
 
 
 @functools.lru_cache(maxsize=None)
-def load_library(source: str, flags: Sequence[str] = CXXFLAGS) -> ctypes.CDLL:
-    """Build ``source`` (if not cached) and load it.
+def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
+                 symbols: Sequence[str] = ()) -> ctypes.CDLL:
+    """Build ``source`` (unless a verified entry is cached) and load it.
+
+    The cached library is loaded only after its size and sha256 matched its checksum file.
+    A truncated, corrupt, foreign or unloadable entry, or one lacking a name of
+    ``symbols``, is rebuilt once with a warning on the ``yirage`` logger.
 
     Args:
         source: a complete C++ translation unit whose entry points are ``extern "C"``;
             it may include the headers of ``yirage/kernels/cpu``.
         flags: compiler flags (a tuple, so that the call can be memoized).
+        symbols: entry points the caller will look up (a tuple); a library lacking one
+            is rebuilt once, then rejected.
 
     Raises:
-        ToolchainError: no compiler, or the compiler rejected the source (message holds
-        the first compiler errors and the path of the saved source).
+        ToolchainError: no compiler; the compiler rejected the source (message holds the
+        first compiler errors and the path of the saved source); or the rebuilt library
+        still cannot be loaded or lacks one of ``symbols``.
+        CacheError: no usable cache directory, or the entry cannot be written.
     """
-    flags = tuple(flags)
+    flags, symbols = tuple(flags), tuple(symbols)
     path = library_path(source, flags)
-    if not path.exists():
-        _build(source, path, flags)
-    return ctypes.CDLL(str(path))
+    built = _ensure_built(source, path, flags)
+    lib, problem = _load(path, symbols, _spellings.get(str(path), str(path)))
+    if lib is not None:
+        return lib
+    if not built:
+        _ensure_built(source, path, flags, rebuild=problem)
+        # dlopen returns the handle already open under the same name, so name the rebuilt
+        # file differently ("dir/./k.so"); its new inode is then mapped afresh.
+        spelling = os.path.join(str(path.parent), *["."] * next(_respell), path.name)
+        lib, problem = _load(path, symbols, spelling)
+        if lib is not None:
+            _spellings[str(path)] = spelling
+            return lib
+    raise ToolchainError(f"the kernel library {path}, built just now, {problem}: "
+                         f"check the compiler ({find_compiler()[0]}) and the source's extern \"C\" "
+                         f"entry points, or remove {path.parent} and retry")
 
 
 def _build(source: str, path: Path, flags: tuple[str, ...]) -> None:
+    """Compile ``source`` and publish the library, then its checksum file (both atomic)."""
     cxx, _ = find_compiler()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-        src = Path(tmp) / "kernel.cpp"
-        src.write_text(source)
-        out = Path(tmp) / path.name
-        cmd = [cxx, *flags, f"-I{kernel_dir()}", str(src), "-o", str(out)]
-        logger.debug("building %s", " ".join(cmd))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            keep = path.with_suffix(".failed.cpp")
-            keep.write_text(source)
-            err = "\n".join(proc.stderr.strip().splitlines()[:20])
-            raise ToolchainError(f"C++ compiler failed on generated kernel (source kept at {keep}): {err}")
-        os.replace(out, path)  # atomic: other processes see the old state or the whole file
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+            src = Path(tmp) / "kernel.cpp"
+            src.write_text(source)
+            out = Path(tmp) / path.name
+            cmd = [cxx, *flags, f"-I{kernel_dir()}", str(src), "-o", str(out)]
+            logger.debug("building %s", " ".join(cmd))
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+            except OSError as e:
+                raise ToolchainError(f"cannot run the C++ compiler {cxx} ({e}): {_INSTALL_HINT}") from None
+            if proc.returncode != 0:
+                keep = path.with_suffix(".failed.cpp")
+                keep.write_text(source)
+                err = "\n".join(proc.stderr.strip().splitlines()[:20])
+                raise ToolchainError(f"C++ compiler failed on generated kernel (source kept at {keep}): {err}")
+            with open(out, "rb") as f:
+                line = _checksum_line(path.name, os.fstat(f.fileno()).st_size, _digest(f))
+            record = Path(tmp) / checksum_path(path).name
+            record.write_text(line, encoding="ascii")
+            os.replace(out, path)  # atomic: other processes see the old state or the whole file
+            os.replace(record, checksum_path(path))  # after the library: it vouches for it
+    except OSError as e:
+        raise CacheError(f"cannot write the kernel cache entry {path} ({e.strerror or e}): "
+                         f"point YIRAGE_CACHE_DIR at a writable directory") from None

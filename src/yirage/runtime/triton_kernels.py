@@ -3,10 +3,12 @@
 ``compile_triton`` renders a set of FusedKernels as one Python module, writes it to
 ``$YIRAGE_CACHE_DIR/triton/k_<sha256(source)[:24]>.py`` (a temporary file in the same
 directory moved into place with ``os.replace``, so concurrent processes never import a
-half-written file) and imports it with importlib: Triton's JIT reads the source of a
-``@triton.jit`` function with ``inspect``, so it has to live in a real file. Compiling
-the Triton code to device code is Triton's own JIT, cached by Triton's own cache.
-Imported modules are memoized per process by path.
+half-written file) and imports it: Triton's JIT reads the source of a ``@triton.jit``
+function with ``inspect``, so it has to live in a real file. A cached file that does not
+hold exactly the source its name hashes (truncated, corrupt) is rewritten with a warning;
+the module is compiled from the in-memory source, never from an unchecked file or a
+``__pycache__``. Compiling the Triton code to device code is Triton's own JIT, cached by
+Triton's own cache. Imported modules are memoized per process by path.
 
 ``TritonKernel.bind(tensors, R)`` checks the tensors and computes the launch
 (``codegen.triton.launch_config``) once; the thunk it returns only launches, so it can
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import linecache
 import os
 import sys
 import tempfile
@@ -29,9 +32,11 @@ from typing import Callable
 import torch
 
 from ..codegen.triton import LaunchConfig, launch_config, render_module
-from ..config import cache_dir
+from ..config import logger
+from ..errors import CacheError
 from ..kernels.triton import interpreting
 from ..transforms.fusion import FusedKernel
+from .toolchain import MISSING, cache_folder
 
 _modules: dict[str, object] = {}
 _lock = threading.Lock()
@@ -97,24 +102,63 @@ class TritonKernel:
         return thunk
 
 
+def _module_file_problem(path: Path, data: bytes) -> str | None:
+    """None when the cached module file holds exactly ``data`` (its name is the sha256 of
+    ``data``), ``MISSING`` when there is no file, else what is wrong with it."""
+    try:
+        content = path.read_bytes()
+    except FileNotFoundError:
+        return MISSING
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if content == data:
+        return None
+    return (f"does not match the sha256 in its name ({len(content)} bytes, expected "
+            f"{len(data)}: truncated or corrupt)")
+
+
 def _load_module(source: str):
-    """Write ``source`` to the cache (once) and import it; memoized per path."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
-    folder = cache_dir() / "triton"
+    """Write ``source`` to the cache (unless the file there already holds it) and import it;
+    memoized per path.
+
+    A cached file whose bytes differ from ``source`` (its name is their sha256) is rewritten
+    with a warning and never imported. The module is compiled from ``source`` itself (no
+    ``__pycache__`` is read or written), and linecache is primed with ``source``, so the
+    code that runs and the text Triton's JIT reads are the verified text.
+
+    Raises:
+        CacheError: no usable cache directory, or the file cannot be written or still does
+        not hold ``source`` after writing it.
+    """
+    data = source.encode()
+    digest = hashlib.sha256(data).hexdigest()[:24]
+    folder = cache_folder("triton")
     path = folder / f"k_{digest}.py"
     with _lock:
         mod = _modules.get(str(path))
         if mod is not None:
             return mod
-        folder.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != source:
-            _write_atomic(path, source)
+        problem = _module_file_problem(path, data)
+        if problem is not None:
+            if problem != MISSING:
+                logger.warning("cached Triton module %s %s; rewriting it", path, problem)
+            try:
+                _write_atomic(path, data)
+            except OSError as e:
+                raise CacheError(f"cannot write the Triton module cache file {path} "
+                                 f"({e.strerror or e}): point YIRAGE_CACHE_DIR at a writable "
+                                 f"directory") from None
+            problem = _module_file_problem(path, data)
+            if problem is not None:
+                raise CacheError(f"the Triton module cache file {path} {problem} right after "
+                                 f"writing it: is something else writing the cache?")
         name = f"yirage_triton_k_{digest}"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
+        linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
         sys.modules[name] = mod  # lets inspect/linecache and Triton find the module
         try:
-            spec.loader.exec_module(mod)
+            exec(compile(source, str(path), "exec", dont_inherit=True), mod.__dict__)
         except BaseException:
             sys.modules.pop(name, None)
             raise
@@ -122,11 +166,11 @@ def _load_module(source: str):
         return mod
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         try:
