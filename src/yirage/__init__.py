@@ -5,39 +5,49 @@
     g = yr.new_kernel_graph(); ...; g(inputs=[...])
     llm = yr.LLM("smollm2-135m-instruct"); print(llm.generate("Hi").text)
 
-This module only re-exports the public API; nothing else lives here.
+This module only re-exports the public API; nothing else lives here. The exports load on
+first use (PEP 562), so ``import yirage`` and the ``yirage`` command start without torch:
+the CLI can then answer ``--help`` at once and turn a Ctrl-C during start-up into one line.
 """
-from .config import configure_logging as _configure_logging
-from .dtypes import DType, bfloat16, float16, float32, int32, int64, q4_1, q8_0
-from .errors import (BackendUnavailableError, CacheError, GenerationError, GraphError,
-                     IndexOutOfRangeError, ModelLoadError, ToolchainError, YirageError)
-from .backends import (Backend, BackendInfo, MemoryInfo, get_available_backends, get_backend,
-                       get_backend_info, get_memory_info, is_backend_available, set_backend)
-from .ir.graph import DTensor
-from .kernel import KNGraph, new_kernel_graph
+import importlib
 
-#: The runnable kernel graph (``yr.new_kernel_graph()`` returns one); the IR class it extends
-#: is ``yirage.ir.graph.KernelGraph``.
-KernelGraph = KNGraph
+from .config import configure_logging as _configure_logging
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(["DType", "bfloat16", "float16", "float32", "int32", "int64", "q4_1", "q8_0"],
+                    "yirage.dtypes"),
+    **dict.fromkeys(["BackendUnavailableError", "CacheError", "GenerationError", "GraphError",
+                     "IndexOutOfRangeError", "ModelLoadError", "ToolchainError", "YirageError"],
+                    "yirage.errors"),
+    **dict.fromkeys(["Backend", "BackendInfo", "MemoryInfo", "get_available_backends", "get_backend",
+                     "get_backend_info", "get_memory_info", "is_backend_available", "set_backend"],
+                    "yirage.backends"),
+    "DTensor": "yirage.ir.graph",
+    **dict.fromkeys(["KNGraph", "new_kernel_graph"], "yirage.kernel"),
+    **dict.fromkeys(["LLM", "GenerationResult"], "yirage.engines.generate"),
+}
+_ALIASES = {
+    # The runnable kernel graph (``yr.new_kernel_graph()`` returns one); the IR class it
+    # extends is ``yirage.ir.graph.KernelGraph``.
+    "KernelGraph": "KNGraph",
+}
+
+__all__ = sorted([*_EXPORTS, *_ALIASES])
 
 _configure_logging()
 
 
-def __getattr__(name):
-    # The LLM engine pulls in transformers; import it only when asked for.
-    if name in ("LLM", "GenerationResult"):
-        from .engines import generate
-        return getattr(generate, name)
-    raise AttributeError(f"module 'yirage' has no attribute {name!r}")
+def __getattr__(name: str):
+    target = _ALIASES.get(name, name)
+    if target not in _EXPORTS:
+        raise AttributeError(f"module 'yirage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[target]), target)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
-__all__ = [
-    "Backend", "BackendInfo", "MemoryInfo", "BackendUnavailableError", "GenerationError",
-    "ModelLoadError", "ToolchainError", "YirageError", "GraphError", "IndexOutOfRangeError", "CacheError",
-    "DType", "DTensor", "KernelGraph", "KNGraph",
-    "LLM", "GenerationResult", "new_kernel_graph", "get_available_backends", "get_backend",
-    "get_backend_info", "get_memory_info", "is_backend_available", "set_backend",
-    "float32", "float16", "bfloat16", "int32", "int64", "q4_1", "q8_0",
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,26 +1,120 @@
 """The ``yirage`` command line: ``yirage info`` and ``yirage generate``.
 
-Every failure the user can cause (bad model, backend, prompt, numbers) prints one line on
-stderr and exits non-zero; it must never print a traceback for those.
+Every failure the user can cause (bad model, backend, prompt or numbers, a chat template
+that fails, Ctrl-C, a closed stdout) prints at most one line, ``yirage: error: ...``, on
+stderr and exits non-zero; it must never print a traceback for those. Exit statuses:
+
+- 0: success (``yirage`` alone prints the help).
+- 1: an error: a ``YirageError``, a usage error, stdout closed at start-up (``>&-``, found
+  before anything runs) or a write to stdout that fails other than by a broken pipe (a
+  full disk). One line on stderr.
+- 130 (128 + SIGINT): interrupted by Ctrl-C / SIGINT during start-up, model load or
+  generation. One line: ``yirage: error: interrupted``.
+- 141 (128 + SIGPIPE, what ``cat`` reports): stdout's reader went away (a broken pipe, e.g.
+  ``yirage generate ... | head -c1``). Quiet, nothing on stderr, like a tool that SIGPIPE
+  ends.
+
+Any other exception is a bug in yirage and keeps its traceback. (A Ctrl-C during
+``import yirage`` itself, before this module runs, is Python's default KeyboardInterrupt.)
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 import sys
+from typing import NoReturn
 
 import click
 
-from .errors import YirageError
+from .errors import GenerationError, YirageError
 
 EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+
+# open_line: streamed text on stdout does not end with a newline; interrupted: a SIGINT came
+_state = {"open_line": False, "interrupted": False}
 
 
-def _fail(message: str) -> None:
-    click.echo(f"yirage: error: {message}", err=True)
-    sys.exit(EXIT_ERROR)
+class _StdoutFailed(Exception):
+    """A write to stdout failed; ``error`` is the OSError (BrokenPipeError: reader gone)."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Interrupted(Exception):
+    """A KeyboardInterrupt carried past click, which would print a blank line and Abort."""
+
+
+def _end_line() -> None:
+    """End a streamed line on stdout, so that a message on the terminal starts a line."""
+    if _state["open_line"]:
+        _state["open_line"] = False
+        try:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def _exit(code: int) -> NoReturn:
+    # From here on a Ctrl-C ends the process at once (status 130 by the shell's count) instead
+    # of raising KeyboardInterrupt inside the interpreter's shutdown, which prints a traceback.
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        pass
+    sys.exit(code)
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    if _state["interrupted"]:  # whatever a library made of the KeyboardInterrupt, it was Ctrl-C
+        message, code = "interrupted", EXIT_INTERRUPTED
+    _end_line()
+    click.echo(f"yirage: error: {' '.join(str(message).split())}", err=True)  # always one line
+    _exit(code)
+
+
+def _out(text: str = "", nl: bool = True) -> None:
+    """Write ``text`` to stdout now (click.echo flushes); _StdoutFailed when that fails."""
+    try:
+        click.echo(text, nl=nl)
+    except OSError as e:
+        raise _StdoutFailed(e) from e
+    if text or nl:
+        _state["open_line"] = not nl and not text.endswith("\n")
+
+
+def _check_text(what: str, text: str | None) -> None:
+    """One clear error for an argument holding bytes the locale's encoding cannot decode
+    (Python keeps them as lone surrogates; no tokenizer takes those)."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        try:
+            raw = text[e.start:e.end].encode(sys.getfilesystemencoding(), "surrogateescape")
+            bad = ("bytes " if len(raw) > 1 else "byte ") + " ".join(f"0x{b:02x}" for b in raw)
+        except UnicodeError:
+            bad = repr(text[e.start:e.end])
+        raise GenerationError(f"{what} is not valid {sys.getfilesystemencoding()} text ({bad} at character "
+                              f"{e.start} cannot be decoded): pass UTF-8 text") from None
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="yirage")
 def cli() -> None:
     """yirage: compile and run tensor programs and LLMs on CPU, CUDA, ROCm, XPU and MPS."""
@@ -28,6 +122,17 @@ def cli() -> None:
 
 def _gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _print_rich(console, renderable) -> None:
+    def broken_pipe() -> NoReturn:  # rich's own handler exits with status 1
+        raise _StdoutFailed(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
+
+    console.on_broken_pipe = broken_pipe
+    try:
+        console.print(renderable)
+    except OSError as e:
+        raise _StdoutFailed(e) from e
 
 
 @cli.command()
@@ -53,12 +158,12 @@ def info() -> None:
     console = Console()
     if not console.is_terminal:  # piped: do not squeeze the reasons into 80 columns
         console = Console(width=160)
-    console.print(table)
+    _print_rich(console, table)
     try:
         default, source = get_backend().value, get_backend_source()
     except YirageError as e:
         _fail(str(e))
-    console.print(f"default backend: [bold]{default}[/bold] (from {source})")
+    _print_rich(console, f"default backend: [bold]{default}[/bold] (from {source})")
 
 
 @cli.command()
@@ -66,56 +171,113 @@ def info() -> None:
 @click.option("-m", "--model", default="smollm2-135m-instruct", show_default=True,
               help="Short name, GGUF file, Hugging Face directory or hub id.")
 @click.option("--backend", default=None, help="cpu, cuda, rocm, xpu, mps or auto (default: YIRAGE_BACKEND or auto).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--max-seq-length", type=int, default=2048, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="A positive integer.")
+@click.option("--max-seq-length", type=int, default=2048, show_default=True,
+              help="KV-cache capacity in tokens (prompt + reply); a positive integer.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Activation dtype (default: float32 on the CPU, bfloat16/float16 on GPUs).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=None)
-@click.option("--top-p", type=float, default=None)
-@click.option("--seed", type=int, default=None)
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0 = greedy; a finite number >= 0.")
+@click.option("--top-k", type=int, default=None, help="A positive integer.")
+@click.option("--top-p", type=float, default=None, help="In (0, 1].")
+@click.option("--seed", type=int, default=None, help="An integer in 0..2**64-1.")
 @click.option("--system", default=None, help="System message for the chat template.")
+@click.option("--no-chat", is_flag=True, help="Send PROMPT as plain text, without the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, temperature, top_k, top_p,
-             seed, system, as_json) -> None:
+             seed, system, no_chat, as_json) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from .engines.generate import LLM, check_generation_args
 
     try:
-        check_generation_args(max_new_tokens, temperature, top_k, top_p)
+        _check_text("PROMPT", prompt)
+        _check_text("--system", system)
+        check_generation_args(max_new_tokens, temperature, top_k, top_p, seed)
+        if system and no_chat:
+            raise GenerationError("--system needs the model's chat template: drop --no-chat")
         llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
-        chat = messages if getattr(llm.tokenizer, "chat_template", None) else prompt
-        if system and chat is prompt:
-            _fail("--system needs a model with a chat template")
+        has_template = bool(getattr(llm.tokenizer, "chat_template", None))
+        if system and not has_template:
+            raise GenerationError("--system needs a model with a chat template")
+        chat = messages if has_template and not no_chat else prompt
         stream = llm.generate(chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_k=top_k, top_p=top_p, seed=seed, stream=True)
+                              top_k=top_k, top_p=top_p, seed=seed, stream=True, chat=not no_chat)
         for piece in stream:
             if not as_json:
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
+                _out(piece, nl=False)
     except YirageError as e:
         _fail(str(e))
-    except KeyboardInterrupt:
-        _fail("interrupted")
     result = stream.result
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
+        _out(json.dumps(result.to_dict()))
     else:
-        click.echo()
+        _out()
         click.echo(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, "
                    f"ttft {result.prefill_s:.2f} s, decode {result.decode_tokens_per_s:.1f} tokens/s]", err=True)
 
 
-def main() -> None:
-    """Console-script entry point: usage errors are one line too."""
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null, so that flushing stdout at exit cannot fail again."""
     try:
-        cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _interrupted() -> NoReturn:
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback
+    except ValueError:  # not the main thread
+        pass
+    _fail("interrupted", EXIT_INTERRUPTED)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Python's own SIGINT behaviour (raise KeyboardInterrupt), remembering that it came:
+    a library may turn the interrupt into another exception (an import cut short reappears
+    as an ImportError), and the exit must still say 'interrupted'."""
+    _state["interrupted"] = True
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    """Console-script entry point: errors are one line; exit statuses in the module docstring."""
+    if sys.stdout is None:  # started with fd 1 closed: Python gives no sys.stdout
+        _fail("standard output is closed: give yirage somewhere to write (a file, a pipe or /dev/null)")
+    try:
+        signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread
+        pass
+    status = 0
+    try:
+        try:
+            status = cli.main(prog_name="yirage", standalone_mode=False)  # a command's value or Exit's code
+        except click.exceptions.NoArgsIsHelpError as e:  # `yirage` alone
+            _out(e.ctx.get_help())
+        _out("", nl=False)  # flush click's own output (--help, --version) while errors are caught
+    except (_Interrupted, KeyboardInterrupt):
+        _interrupted()
+    except click.exceptions.Abort as e:  # click turns a Ctrl-C while it parses arguments into Abort
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            _interrupted()
         _fail("aborted")
     except click.ClickException as e:
         _fail(e.format_message())
+    except _StdoutFailed as e:
+        _state["open_line"] = False
+        _silence_stdout()
+        if isinstance(e.error, BrokenPipeError):
+            _exit(EXIT_BROKEN_PIPE)
+        _fail(f"cannot write to standard output: {e.error}")
+    except Exception:
+        if _state["interrupted"]:
+            _interrupted()
+        raise  # not the user's doing: a bug in yirage, with its traceback
+    _exit(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ This module must never build graphs or touch kernels: models/llama.py and the ru
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -94,17 +97,71 @@ def _activation_dtype(dtype, backend) -> DType:
     return d
 
 
-def check_generation_args(max_new_tokens, temperature, top_k, top_p) -> None:
-    """Raise GenerationError unless max_new_tokens > 0 (int), temperature >= 0,
-    top_k is None or a positive int, and top_p is None or in (0, 1]."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise GenerationError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if temperature is None or temperature < 0:
-        raise GenerationError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
-        raise GenerationError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise GenerationError(f"top_p must be in (0, 1], got {top_p!r}")
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes seeds up to this
+# Below this a positive temperature makes float32 logits / temperature overflow to inf (and
+# the softmax NaN); its limit, greedy decoding, is what such a temperature gets.
+_GREEDY_BELOW = 1e-30
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as an int if it is a positive integer (numpy integers too, bools not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise GenerationError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_generation_args(max_new_tokens, temperature, top_k, top_p, seed=None) -> None:
+    """Raise GenerationError unless max_new_tokens is a positive integer; temperature is a
+    finite number >= 0 (NaN and inf rejected); top_k is None or a positive integer; top_p
+    is None or a number in (0, 1] (NaN rejected); seed is None or an integer in
+    0 .. 2**64-1 (``torch.Generator.manual_seed``'s range). Bools are not numbers here."""
+    _positive_int("max_new_tokens", max_new_tokens)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise GenerationError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    try:
+        finite = math.isfinite(temperature)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not (temperature >= 0 and finite):  # NaN fails both
+        raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None:
+        _positive_int("top_k", top_k)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
+                              or not 0.0 < top_p <= 1.0):
+        raise GenerationError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= seed <= SEED_MAX):
+        raise GenerationError(f"seed must be an integer in 0..2**64-1 ({SEED_MAX}) or None, got {seed!r}")
+
+
+def _check_text(what: str, text: str) -> None:
+    """GenerationError if ``text`` holds lone surrogates (undecodable bytes read with
+    errors='surrogateescape', e.g. a non-UTF-8 command-line argument): no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"{what} is not valid Unicode text: {text[e.start]!r} at index {e.start} "
+                              "(undecodable bytes?); pass UTF-8 text, e.g. decode the bytes with "
+                              "errors='replace'") from None
+
+
+def _check_prompt(prompt) -> None:
+    """GenerationError unless ``prompt`` is a string or a non-empty list of chat messages
+    (mappings with a 'role' string) whose text is valid Unicode."""
+    if isinstance(prompt, str):
+        _check_text("the prompt", prompt)
+        return
+    if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Sequence) or not prompt:
+        hint = ": decode bytes first" if isinstance(prompt, (bytes, bytearray)) else ""
+        raise GenerationError("the prompt must be a string or a non-empty list of chat messages "
+                              f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}{hint}")
+    for i, m in enumerate(prompt):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise GenerationError(f"chat message {i} must be a dict with a 'role' string and a "
+                                  f"'content', got {' '.join(repr(m).split()):.80}")
+        for key, value in m.items():
+            if isinstance(value, str):
+                _check_text(f"chat message {i} ({key!r})", value)
 
 
 class LLM:
@@ -132,8 +189,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
                  max_seq_length: int = 2048, dtype=None, progress: bool = False):
-        if not isinstance(max_seq_length, int) or max_seq_length <= 0:
-            raise GenerationError(f"max_seq_length must be a positive integer, got {max_seq_length!r}")
+        max_seq_length = _positive_int("max_seq_length", max_seq_length)
         self.backend = resolve_backend(backend)
         self.dtype = _activation_dtype(dtype, self.backend)
         loaded = load_model(model, progress=progress)
@@ -156,14 +212,26 @@ class LLM:
     # ---- prompts ------------------------------------------------------------------------
     def encode_prompt(self, prompt: "str | Sequence[dict]", chat: bool = True) -> list[int]:
         """Token ids of ``prompt``: a string (wrapped as one user message when ``chat`` and
-        the tokenizer has a chat template) or a list of {'role', 'content'} messages."""
+        the tokenizer has a chat template) or a list of {'role', 'content'} messages.
+
+        Raises GenerationError: the prompt is neither a string nor a non-empty list of
+        messages, holds invalid Unicode (lone surrogates), is a message list for a model
+        without a chat template, or the model's chat template fails to render it (a jinja2
+        error, ``raise_exception`` in the template, ...).
+        """
+        _check_prompt(prompt)
         tok = self.tokenizer
         if isinstance(prompt, str) and not (chat and getattr(tok, "chat_template", None)):
             return list(tok.encode(prompt, add_special_tokens=True))
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if not getattr(tok, "chat_template", None):
             raise GenerationError("this model's tokenizer has no chat template: pass a plain string prompt")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template is the model's code: any failure is the template's
+            detail = " ".join(f"{type(exc).__name__}: {exc}".split()).rstrip(".")
+            raise GenerationError(f"the model's chat template failed: {detail}; pass chat=False (a plain "
+                                  "string prompt; CLI: --no-chat) or fix the template") from exc
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -175,28 +243,41 @@ class LLM:
         """Generate a continuation of ``prompt``.
 
         Args:
-            prompt: a string or a list of chat messages ({'role', 'content'}).
-            max_new_tokens: positive upper bound on generated tokens.
-            temperature: 0 for greedy decoding, > 0 to sample.
-            top_k, top_p: optional sampling filters (top_k > 0, 0 < top_p <= 1).
-            seed: seeds the sampler (results repeat for the same seed).
-            stop: string(s) that end generation; they are not included in the text.
+            prompt: a string or a non-empty list of chat messages ({'role', 'content'}).
+            max_new_tokens: positive integer, upper bound on generated tokens.
+            temperature: finite, >= 0: 0 for greedy decoding (so are positive values below
+                1e-30, where the scaled logits would overflow: greedy is their limit), > 0
+                to sample.
+            top_k, top_p: optional sampling filters (top_k a positive integer, 0 < top_p <= 1).
+            seed: None or an integer in 0 .. 2**64-1; seeds the sampler (results repeat
+                for the same seed).
+            stop: a string or a list of strings that end generation; they are not included
+                in the text.
             stream: if True, return an iterator of text pieces; its ``result`` attribute
                 holds the GenerationResult once it is exhausted.
             chat: apply the chat template to a string prompt.
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True.
-        Raises: GenerationError for bad arguments or a prompt that does not fit.
+        Raises: GenerationError for bad arguments (see ``check_generation_args``), a prompt
+            that is not text, is empty or does not fit in max_seq_length, or a chat template
+            that fails to render (see ``encode_prompt``).
         """
-        check_generation_args(max_new_tokens, temperature, top_k, top_p)
+        check_generation_args(max_new_tokens, temperature, top_k, top_p, seed)
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
+            raise GenerationError(f"stop must be a string, a list of strings or None, got {stop!r}")
         ids = self.encode_prompt(prompt, chat)
+        if not ids:
+            raise GenerationError("the prompt encodes to 0 tokens: give a non-empty prompt")
         if len(ids) >= self.max_seq_length:
             raise GenerationError(f"the prompt is {len(ids)} tokens but max_seq_length is "
                                   f"{self.max_seq_length}: shorten the prompt or raise max_seq_length")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        sampling = _Sampling(float(temperature), top_k, top_p, gen)
-        stream_obj = GenerationStream(self, ids, max_new_tokens, sampling, stops)
+        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        temperature = float(temperature) if temperature >= _GREEDY_BELOW else 0.0
+        sampling = _Sampling(temperature, int(top_k) if top_k is not None else None,
+                             float(top_p) if top_p is not None else None, gen)
+        stream_obj = GenerationStream(self, ids, int(max_new_tokens), sampling, stops)
         if stream:
             return stream_obj
         for _ in stream_obj:

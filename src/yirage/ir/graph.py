@@ -6,10 +6,16 @@
     O = g.silu(g.matmul(g.rms_norm(X, normalized_shape=(4096,)), W))
     g.mark_output(O)
 
-Shapes and dtypes are inferred and checked when an op is added (``ValueError`` naming the
-op, the shapes and the rule). Semantics follow Mirage (python/mirage/kernel.py): ``matmul``
-multiplies the last two dims and batches over the leading ones, ``reduction(x, dim)`` sums
-over ``dim`` keeping it with size 1, binary ops broadcast like torch.
+Shapes and dtypes are inferred and checked when an op is added, and so are the builder's
+arguments: ``GraphError`` (a ``ValueError``) naming the op and the rule broken. Dims, dims
+of shapes and ``dim``/``start``/``end`` arguments are integers: Python ints and numpy/torch
+integer scalars; floats (even integral ones such as ``8.0``) and bools are rejected, never
+truncated. Number attributes (clamp bounds, scale factor, eps, attention scale) are real
+numbers, never NaN; see each method for its rule. Op inputs are DTensors of the same graph.
+
+Semantics follow Mirage (python/mirage/kernel.py): ``matmul`` multiplies the last two dims
+and batches over the leading ones, ``reduction(x, dim)`` sums over ``dim`` keeping it with
+size 1, binary ops broadcast like torch.
 
 This module is the IR: it must never generate code, run kernels or know a backend.
 ``interpret`` runs the reference interpreter; compiling and calling a graph is the front
@@ -17,14 +23,87 @@ end's (yirage/kernel.py ``KNGraph``), JSON is ir/serialize.py's.
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Set
 from typing import Sequence
 
 import torch
 
 from ..dtypes import DType, as_dtype
+from ..errors import GraphError
 from .interpret import interpret
 from .ops import OPS, TensorType
+
+
+# ---- argument checks of the builder (shape rules live in ops.py) ----------------------------
+
+def _as_int(value) -> int | None:
+    """``value`` as a Python int if it is an int or a numpy/torch integer scalar, else None
+    (bools and floats, even integral ones such as 8.0, are not integers here)."""
+    if isinstance(value, (bool, float)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _describe(value) -> str:
+    hint = f"; use int({value!r}) if that is what you mean" if isinstance(value, float) and value.is_integer() else ""
+    return f"{value!r} ({type(value).__name__}){hint}"
+
+
+def _int(op: str, what: str, value) -> int:
+    """``value`` as a Python int; GraphError naming ``op`` and ``what`` if it is not an integer."""
+    n = _as_int(value)
+    if n is None:
+        raise GraphError(f"{op}: {what} must be an integer, got {_describe(value)}")
+    return n
+
+
+def _shape(op: str, what: str, value) -> tuple[int, ...]:
+    """A shape: a sequence of positive integers (a lone integer means a 1-d shape)."""
+    if _as_int(value) is not None:
+        value = (value,)
+    if isinstance(value, (str, bytes, Mapping, Set)) or not isinstance(value, Iterable):
+        raise GraphError(f"{op}: {what} must be a tuple of positive integers, got {_describe(value)}")
+    value = tuple(value)
+    dims = []
+    for i, d in enumerate(value):
+        n = _as_int(d)
+        if n is None or n <= 0:
+            raise GraphError(f"{op}: {what} must be positive integers, got {value!r}: dim {i} is "
+                             + (f"{n}" if n is not None else _describe(d)))
+        dims.append(n)
+    return tuple(dims)
+
+
+def _real(op: str, what: str, value, finite: bool = True) -> float:
+    """``value`` as a float: a real number (bools rejected), never NaN; when ``finite``, not
+    +-inf either."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise GraphError(f"{op}: {what} must be a real number, got {value!r} ({type(value).__name__})")
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf if value > 0 else -math.inf
+    if math.isnan(x):
+        raise GraphError(f"{op}: {what} must not be NaN")
+    if finite and math.isinf(x):
+        raise GraphError(f"{op}: {what} must be finite, got {value!r}")
+    return x
+
+
+def _dtype(op: str, value) -> DType:
+    try:
+        return as_dtype(value)
+    except (ValueError, TypeError, KeyError) as e:
+        raise GraphError(f"{op}: {e}") from None
 
 
 @dataclass(eq=False)
@@ -91,22 +170,43 @@ class KernelGraph:
 
         For block-quantized dtypes (``yr.q4_1``, ``yr.q8_0``) the tensor passed at run time
         is the raw ``uint8`` storage of shape ``dtype.storage_shape(dims)``.
+
+        Raises GraphError: a dim is not a positive integer (floats such as ``2.7`` or ``8.0``
+        and bools are rejected, not truncated), an unknown dtype, or a quantized dtype whose
+        last dim is not a multiple of its block size.
         """
-        dims = tuple(int(d) for d in dims)
-        if any(d <= 0 for d in dims):
-            raise ValueError(f"new_input: every dim must be positive, got {dims}")
-        dtype = as_dtype(dtype)
-        dtype.storage_shape(dims)  # validates block alignment
+        dims = _shape("new_input", "dims", dims)
+        dtype = _dtype("new_input", dtype)
+        try:
+            dtype.storage_shape(dims)  # validates block alignment
+        except ValueError as e:
+            raise GraphError(f"new_input: {e}") from None
+        if name is not None and not isinstance(name, str):
+            raise GraphError(f"new_input: name must be a string or None, got {name!r}")
         t = self._new_tensor(TensorType(dims, dtype), name)
         self.inputs.append(t.id)
         return t
 
+    def _check_tensors(self, op: str, inputs: Sequence) -> None:
+        """GraphError unless every input is a DTensor of this graph."""
+        for i, x in enumerate(inputs):
+            if not isinstance(x, DTensor):
+                if isinstance(x, torch.Tensor):
+                    got = f"a torch.Tensor of shape {tuple(x.shape)} (data goes in at call time: g(inputs=[...]))"
+                elif hasattr(x, "shape"):
+                    got = f"{type(x).__name__} of shape {tuple(x.shape)}"
+                else:
+                    got = f"{type(x).__name__} {' '.join(repr(x).split()):.60}"
+                raise GraphError(f"{op}: input {i} must be a tensor of this graph (a DTensor from its "
+                                 f"new_input or an op), got {got}")
+            if x.graph is not self:
+                raise GraphError(f"{op}: input {i} ({x!r}) belongs to another graph: build every op "
+                                 "of a graph from tensors of that same graph")
+
     def _add(self, op: str, inputs: Sequence[DTensor], **attrs) -> DTensor:
-        for x in inputs:
-            if not isinstance(x, DTensor) or x.graph is not self:
-                raise ValueError(f"{op}: inputs must be tensors of this graph, got {x!r}")
+        self._check_tensors(op, inputs)
         if OPS[op].arity >= 0 and len(inputs) != OPS[op].arity:
-            raise ValueError(f"{op}: takes {OPS[op].arity} inputs, got {len(inputs)}")
+            raise GraphError(f"{op}: takes {OPS[op].arity} inputs, got {len(inputs)}")
         ttype = OPS[op].infer([x.type for x in inputs], attrs)
         out = self._new_tensor(ttype)
         self.ops.append(OpNode(op, [x.id for x in inputs], attrs, out.id))
@@ -114,8 +214,7 @@ class KernelGraph:
 
     def mark_output(self, t: DTensor) -> None:
         """Make ``t`` an output: ``g(inputs)`` returns outputs in the order they were marked."""
-        if not isinstance(t, DTensor) or t.graph is not self:
-            raise ValueError(f"mark_output: expected a tensor of this graph, got {t!r}")
+        self._check_tensors("mark_output", [t])
         self.outputs.append(t.id)
         self._compiled.clear()
 
@@ -134,37 +233,51 @@ class KernelGraph:
     def relu(self, x): return self._add("relu", [x])
 
     def clamp(self, x, min_val: float, max_val: float):
-        """Elementwise ``min(max(x, min_val), max_val)``."""
-        if min_val > max_val:
-            raise ValueError(f"clamp: min_val {min_val} is greater than max_val {max_val}")
-        return self._add("clamp", [x], min_val=float(min_val), max_val=float(max_val))
+        """Elementwise ``min(max(x, min_val), max_val)``.
+
+        The bounds are real numbers, +-inf allowed (a one-sided clamp); GraphError when
+        either is NaN or ``min_val > max_val``."""
+        lo = _real("clamp", "min_val", min_val, finite=False)
+        hi = _real("clamp", "max_val", max_val, finite=False)
+        if lo > hi:
+            raise GraphError(f"clamp: min_val {min_val} is greater than max_val {max_val}")
+        return self._add("clamp", [x], min_val=lo, max_val=hi)
 
     def cast(self, x, dtype):
         """Elementwise conversion to another floating-point ``dtype`` (yr.float32/float16/
         bfloat16; to half types rounding to nearest even, like torch's ``Tensor.to``)."""
-        dtype = as_dtype(dtype)
+        dtype = _dtype("cast", dtype)
         if not dtype.is_float:
-            raise ValueError(f"cast: target dtype must be floating point, got {dtype.value}")
+            raise GraphError(f"cast: target dtype must be floating point, got {dtype.value}")
         return self._add("cast", [x], dtype=dtype.value)
 
     def scale(self, x, factor: float):
-        """Elementwise ``x * factor`` for a Python number ``factor``."""
-        return self._add("scale", [x], factor=float(factor))
+        """Elementwise ``x * factor`` for a finite real number ``factor``.
+
+        GraphError when ``factor`` is NaN or +-inf (torch would allow inf, but it only makes
+        inf/NaN outputs, so yirage treats it as a mistake)."""
+        return self._add("scale", [x], factor=_real("scale", "factor", factor))
 
     # reductions and normalizations
     def reduction(self, x, dim: int):
-        """Sum over ``dim``, keeping it with size 1 (Mirage semantics)."""
-        return self._add("reduction", [x], dim=int(dim))
+        """Sum over ``dim`` (an integer, negative counts from the end), keeping it with size 1
+        (Mirage semantics)."""
+        return self._add("reduction", [x], dim=_int("reduction", "dim", dim))
 
     def rms_norm(self, x, normalized_shape: Sequence[int], eps: float = 1e-6):
         """RMSNorm without weight (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) over
-        the trailing dims ``normalized_shape``. Multiply by a weight with ``mul``."""
-        return self._add("rms_norm", [x], normalized_shape=tuple(int(d) for d in normalized_shape),
-                         eps=float(eps))
+        the trailing dims ``normalized_shape`` (positive integers; a lone integer means one
+        dim, like torch). Multiply by a weight with ``mul``. GraphError when ``eps`` is not a
+        finite number >= 0."""
+        shape = _shape("rms_norm", "normalized_shape", normalized_shape)
+        e = _real("rms_norm", "eps", eps)
+        if e < 0:
+            raise GraphError(f"rms_norm: eps must be >= 0, got {eps!r}")
+        return self._add("rms_norm", [x], normalized_shape=shape, eps=e)
 
     def softmax(self, x, dim: int = -1):
-        """Softmax over ``dim`` (computed in float32)."""
-        return self._add("softmax", [x], dim=int(dim))
+        """Softmax over ``dim`` (an integer; computed in float32)."""
+        return self._add("softmax", [x], dim=_int("softmax", "dim", dim))
 
     # library ops
     def matmul(self, a, b):
@@ -173,11 +286,13 @@ class KernelGraph:
 
     def linear(self, x, w, bias=None):
         """``x @ w.T (+ bias)``: x [..., K], w [N, K] (float, or q4_1/q8_0 blocks), bias [N]."""
+        self._check_tensors("linear", [x, w] + ([bias] if bias is not None else []))
         attrs = {"w_dtype": w.dtype.value, "w_shape": list(w.shape)} if w.dtype.is_quantized else {}
         return self._add("linear", [x, w] + ([bias] if bias is not None else []), **attrs)
 
     def embedding(self, ids, table):
         """Rows of ``table`` [vocab, D] (float or q4_1/q8_0) at integer ``ids`` [...]: [..., D]."""
+        self._check_tensors("embedding", [ids, table])
         attrs = {"w_dtype": table.dtype.value, "w_shape": list(table.shape)} if table.dtype.is_quantized else {}
         return self._add("embedding", [ids, table], **attrs)
 
@@ -191,21 +306,25 @@ class KernelGraph:
 
         q [T, Hq, Dh]; k, v [T, Hkv, Dh]; caches [max_seq, Hkv, Dh] (updated in place at
         rows start_pos[0] .. start_pos[0]+T-1); start_pos int64 (1,). Returns [T, Hq, Dh].
+        ``scale`` multiplies q.k (default ``Dh ** -0.5``); GraphError unless it is finite.
         """
-        scale = float(scale if scale is not None else q.shape[-1] ** -0.5)
+        self._check_tensors("attention", [q, k, v, k_cache, v_cache, start_pos])
+        scale = _real("attention", "scale", scale) if scale is not None else q.shape[-1] ** -0.5
         return self._add("attention", [q, k, v, k_cache, v_cache, start_pos], scale=scale)
 
     def argmax(self, x, dim: int = -1):
-        """Index of the maximum over the last dim (int64)."""
-        return self._add("argmax", [x], dim=int(dim))
+        """Index of the maximum over the last dim (int64); ``dim`` is an integer naming it."""
+        return self._add("argmax", [x], dim=_int("argmax", "dim", dim))
 
     def reshape(self, x, shape: Sequence[int]):
-        """Same elements, new shape (a view of contiguous data)."""
-        return self._add("reshape", [x], shape=tuple(int(d) for d in shape))
+        """Same elements, new shape (positive integers; a view of contiguous data)."""
+        return self._add("reshape", [x], shape=_shape("reshape", "shape", shape))
 
     def slice_rows(self, x, start: int, end: int):
-        """Rows ``start:end`` of the first dim (a view; no copy)."""
-        return self._add("slice_rows", [x], start=int(start), end=int(end))
+        """Rows ``start:end`` of the first dim (a view; no copy). ``start`` and ``end`` are
+        integers with ``0 <= start < end <= rows`` (GraphError otherwise)."""
+        return self._add("slice_rows", [x], start=_int("slice_rows", "start", start),
+                         end=_int("slice_rows", "end", end))
 
     # ---- the reference ----------------------------------------------------------------------
     def interpret(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,19 +10,30 @@ from typing import Sequence
 
 import torch
 
+from ..errors import GraphError
 from .ops import OPS
 
 
 def check_inputs(graph, inputs: Sequence[torch.Tensor]) -> None:
-    """Raise ValueError if ``inputs`` do not match the graph's declared inputs."""
+    """Raise GraphError if ``inputs`` do not match the graph's declared inputs: ``inputs``
+    must be a list (or tuple) of torch tensors, one per ``new_input`` in order, each of the
+    declared shape (the storage shape for quantized dtypes) and dtype. The message names the
+    input (index and name), what was expected and what was given."""
+    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, Sequence) or isinstance(inputs, (str, bytes)):
+        hint = ": wrap a single tensor in a list, [x]" if isinstance(inputs, torch.Tensor) else ""
+        raise GraphError(f"inputs must be a list of tensors, one per new_input of the graph, got "
+                         f"{type(inputs).__name__}{hint}")
     if len(inputs) != len(graph.inputs):
-        raise ValueError(f"graph has {len(graph.inputs)} inputs, got {len(inputs)} tensors")
+        raise GraphError(f"the graph has {len(graph.inputs)} inputs, got {len(inputs)} tensors: pass one "
+                         "tensor per new_input, in the order they were declared")
     for i, (tid, x) in enumerate(zip(graph.inputs, inputs)):
         t = graph.tensors[tid]
         want = t.dtype.storage_shape(t.shape)
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != t.dtype.torch_dtype:
-            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"input {i}: expected a tensor of shape {want} and dtype "
+            got = f"shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor) else \
+                f"{type(x).__name__} (not a torch tensor)"
+            name = f" ({graph.names[tid]!r})" if tid in graph.names else ""
+            raise GraphError(f"input {i}{name}: expected a tensor of shape {want} and dtype "
                              f"{t.dtype.torch_dtype} ({t.dtype.value}), got {got}")
 
 
@@ -30,7 +41,8 @@ def interpret(graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Evaluate ``graph`` on ``inputs``; returns the marked outputs.
 
     Ops that update state (attention's KV cache) update the input tensors in place,
-    exactly as compiled kernels do.
+    exactly as compiled kernels do. Raises GraphError when ``inputs`` do not match the
+    graph's inputs (see ``check_inputs``).
     """
     check_inputs(graph, inputs)
     env = dict(zip(graph.inputs, inputs))
