@@ -45,3 +45,12 @@ bench: setup-test
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
+
+# Fuzzing (GitHub issue 6): a long mutation campaign over model files (tests/fuzz/campaign.py);
+# every crashing/hanging/non-yirage-exception input is saved as a recipe under
+# tests/fuzz/regressions/, which tests/test_fuzz_regressions.py replays.
+# FUZZ_MUTANTS=... FUZZ_SEED=... (default: a random seed, printed) FUZZ_ARGS="--workers 4" tune it.
+.PHONY: fuzz
+FUZZ_MUTANTS ?= 20000
+fuzz: setup-test
+	$(PY) -m tests.fuzz.campaign --mutants $(FUZZ_MUTANTS) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED)) $(FUZZ_ARGS)

@@ -176,6 +176,8 @@ def info() -> None:
               help="KV-cache capacity in tokens (prompt + reply); a positive integer.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Activation dtype (default: float32 on the CPU, bfloat16/float16 on GPUs).")
+@click.option("--allow-nonfinite-weights", is_flag=True,
+              help="Load a model with NaN/inf weights (warning) instead of refusing it.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; a finite number >= 0.")
 @click.option("--top-k", type=int, default=None, help="A positive integer.")
@@ -184,8 +186,8 @@ def info() -> None:
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--no-chat", is_flag=True, help="Send PROMPT as plain text, without the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, temperature, top_k, top_p,
-             seed, system, no_chat, as_json) -> None:
+def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allow_nonfinite_weights,
+             temperature, top_k, top_p, seed, system, no_chat, as_json) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from .engines.generate import LLM, check_generation_args
 
@@ -195,7 +197,8 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, temp
         check_generation_args(max_new_tokens, temperature, top_k, top_p, seed)
         if system and no_chat:
             raise GenerationError("--system needs the model's chat template: drop --no-chat")
-        llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True)
+        llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True,
+                  allow_nonfinite_weights=allow_nonfinite_weights)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
         has_template = bool(getattr(llm.tokenizer, "chat_template", None))

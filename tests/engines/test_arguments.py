@@ -148,3 +148,31 @@ def test_valid_edge_values_give_correct_results(llm):
     a = llm.generate("w5 w6", max_new_tokens=5, temperature=1.0, seed=SEED_MAX)
     b = llm.generate("w5 w6", max_new_tokens=5, temperature=1.0, seed=SEED_MAX)
     assert a.token_ids == b.token_ids
+
+
+def test_nonfinite_weights_refused_unless_allowed(tmp_path, tiny_tokenizer, caplog):
+    """yr.LLM refuses NaN/inf weights (ModelLoadError) and takes them with a warning when
+    allow_nonfinite_weights=True; the CLI flag --allow-nonfinite-weights does the same."""
+    import logging
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from test_generate import save_tiny_model
+
+    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(yr.ModelLoadError, match="model.layers.0.mlp.down_proj.weight"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16)
+    with caplog.at_level(logging.WARNING, logger="yirage"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, allow_nonfinite_weights=True)
+    assert any("down_proj" in r.getMessage() for r in caplog.records)
+    cli = [sys.executable, "-m", "yirage.cli", "generate", "-m", str(tmp_path), "--backend", "cpu",
+           "--max-new-tokens", "2", "--no-chat", "w5"]
+    refused = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "down_proj" in refused.stderr and "Traceback" not in refused.stderr
+    allowed = subprocess.run(cli + ["--allow-nonfinite-weights"], capture_output=True, text=True, timeout=300)
+    assert allowed.returncode == 0, allowed.stderr

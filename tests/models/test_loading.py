@@ -232,6 +232,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def _save_tiny(directory: Path, model, tokenizer) -> Path:
+    """Save ``model`` with random weights and ``tokenizer``, whose ids must fit the model's vocab
+    (the loader refuses a tokenizer with ids past the embedding rows)."""
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -252,11 +254,11 @@ def _assert_same_weights(loaded, model):
         assert torch.equal(w.data, tensor), name
 
 
-def test_tiny_llama(default_model, tmp_path):
+def test_tiny_llama(tiny_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
-    loaded = load_model(str(_save_tiny(tmp_path, model, default_model.tokenizer)), progress=False)
+    loaded = load_model(str(_save_tiny(tmp_path, model, tiny_tokenizer(TINY["vocab_size"]))), progress=False)
     cfg = loaded.config
     assert loaded.format == "safetensors" and cfg.arch == "llama"
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 64, 4, 2, 16)
@@ -268,11 +270,11 @@ def test_tiny_llama(default_model, tmp_path):
     assert torch.equal(cfg.inv_freq, model.model.rotary_emb.inv_freq)
 
 
-def test_tiny_qwen2_has_biases(default_model, tmp_path):
+def test_tiny_qwen2_has_biases(tiny_tokenizer, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
-    loaded = load_model(str(_save_tiny(tmp_path, model, default_model.tokenizer)), progress=False)
+    loaded = load_model(str(_save_tiny(tmp_path, model, tiny_tokenizer(TINY["vocab_size"]))), progress=False)
     cfg = loaded.config
     assert cfg.arch == "qwen2" and cfg.attention_bias and cfg.tie_word_embeddings
     assert "lm_head.weight" not in loaded.weights
@@ -294,12 +296,12 @@ ROPE_SCALINGS = {
 
 
 @pytest.mark.parametrize("rope_type", sorted(ROPE_SCALINGS))
-def test_rope_scaling_matches_transformers(default_model, tmp_path, rope_type):
+def test_rope_scaling_matches_transformers(tiny_tokenizer, tmp_path, rope_type):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     params = {"rope_theta": 500000.0, **ROPE_SCALINGS[rope_type]}
     model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=params))
-    loaded = load_model(str(_save_tiny(tmp_path, model, default_model.tokenizer)), progress=False)
+    loaded = load_model(str(_save_tiny(tmp_path, model, tiny_tokenizer(TINY["vocab_size"]))), progress=False)
     rotary = model.model.rotary_emb
     assert loaded.config.rope_type == rope_type
     assert torch.equal(loaded.config.inv_freq, rotary.inv_freq)

@@ -179,6 +179,9 @@ class LLM:
             weights and the KV cache are stored in it; norms, softmax and GEMM accumulation
             compute in float32; quantized weights stay in their blocks.
         progress: show loading progress on stderr.
+        allow_nonfinite_weights: load a model whose weights (or quantized block scales) hold
+            NaN or inf with a warning instead of refusing it (ModelLoadError) — its outputs
+            will likely be NaN.
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
@@ -188,11 +191,12 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
-                 max_seq_length: int = 2048, dtype=None, progress: bool = False):
+                 max_seq_length: int = 2048, dtype=None, progress: bool = False,
+                 allow_nonfinite_weights: bool = False):
         max_seq_length = _positive_int("max_seq_length", max_seq_length)
         self.backend = resolve_backend(backend)
         self.dtype = _activation_dtype(dtype, self.backend)
-        loaded = load_model(model, progress=progress)
+        loaded = load_model(model, progress=progress, allow_nonfinite=bool(allow_nonfinite_weights))
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name or str(loaded.path)

@@ -10,8 +10,12 @@ Resolution order:
 3. a hub id ``org/name``, fetched with ``huggingface_hub.snapshot_download`` (config, generation
    config, safetensors and tokenizer files only).
 
+``model_file(directory, name, source)`` resolves a file name that a model's own files give (the
+shards of ``model.safetensors.index.json``) and refuses any that would leave the model directory.
+
 This module only finds files. It must never read tensors, parse a model or build compute graphs,
-and it touches the network only for a hub id that is not a local path.
+it must never hand out a path outside the model directory for a name read from a model file, and
+it touches the network only for a hub id that is not a local path.
 """
 from __future__ import annotations
 
@@ -135,6 +139,47 @@ def _check_hf_dir(path: Path, origin: str) -> Path:
         raise ModelLoadError(f"{origin} is not a Hugging Face model directory: missing {' and '.join(missing)} "
                              "(only safetensors checkpoints are supported)")
     return path
+
+
+def model_file(directory: Path, name: object, source: str) -> Path:
+    """The file that ``name`` (read from ``source``, e.g. a shard of ``model.safetensors.index.json``)
+    names inside the model directory ``directory``.
+
+    ``name`` must be a relative path that stays inside ``directory``: no absolute path, no ``..``
+    component, and (symlinks followed) a real path inside the directory. In a Hugging Face hub
+    cache snapshot (``.../models--org--name/snapshots/<rev>/``) the files are symlinks into the
+    repo's ``blobs/`` folder, which is allowed too.
+
+    Raises ModelLoadError: ``name`` is not a non-empty string, is absolute, has a ``..``
+    component, cannot be resolved (too long, a symlink loop), resolves (through symlinks) outside
+    the directory, or is not an existing file.
+    """
+    if not isinstance(name, str) or not name.strip() or "\0" in name:
+        raise ModelLoadError(f"{source}: file name {name!r} must be a non-empty relative path")
+    pure = Path(name)
+    if pure.is_absolute() or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        raise ModelLoadError(f"{source}: file name {name!r} is an absolute path; model files must be named "
+                             f"relative to the model directory {directory}")
+    if ".." in re.split(r"[/\\]", name):
+        raise ModelLoadError(f"{source}: file name {name!r} has a '..' component; model files must lie inside "
+                             f"the model directory {directory}")
+    root = directory.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        allowed.append(root.parent.parent / "blobs")  # the hub cache: snapshot files link to blobs/
+    try:
+        target = (directory / pure).resolve()
+        inside = any(target == a or a in target.parents for a in allowed)
+        exists = inside and target.is_file()
+    except (OSError, RuntimeError) as exc:  # name too long, symlink loop, ...
+        raise ModelLoadError(f"{source}: file name {name[:80]!r}{'...' if len(name) > 80 else ''} cannot be "
+                             f"resolved ({type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) else exc})")
+    if not inside:
+        raise ModelLoadError(f"{source}: file {name!r} resolves to {target}, outside the model directory "
+                             f"{root} (through a symlink); refusing to read it")
+    if not exists:
+        raise ModelLoadError(f"{source}: file {name!r} does not exist in {directory}")
+    return directory / pure
 
 
 def _hub_offline() -> bool:
