@@ -1,0 +1,458 @@
+"""Validation shared by the GGUF and safetensors loaders (``gguf_file.py``, ``safetensors_dir.py``).
+
+Native kernels later index tables with sizes taken from the config, so a model file is checked
+completely before anything is built from it. This module holds the rules both formats share; each
+problem is one ``ModelLoadError`` naming the file, the field or tensor, the value and what was
+expected:
+
+- hyper-parameters (``_hparams``, ``_hf_hparams``, ``_check_rope_params`` and the field checks
+  ``_int_field``, ``_positive_float``, ``_finite_float``): layers, heads, KV heads, head dim,
+  hidden, intermediate, vocab, context, sliding window, RMSNorm eps, RoPE theta/scaling, for type,
+  range and consistency with each other, before transformers builds a config from them; the
+  architecture (``_check_arch``, ``SUPPORTED_ARCHS``);
+- the tensor table, before any tensor data is read (``_check_table``): the layer count equals the
+  blocks present, the vocab the embedding rows, every tensor has the shape the config implies
+  (``_expected_shapes``), none is missing or unsupported; after reading, every weight came out as
+  the table said (``_check_weights``);
+- the values: NaN/inf in float weights or in the fp16 block scales of Q8_0/Q4_1 tensors
+  (``_nonfinite``), refused unless ``allow_nonfinite`` (then a warning: ``_report_nonfinite``);
+- the tokenizer (``_check_tokenizer``): every token id it can produce and its special ids index a
+  row of the embedding, and a test prompt encodes and decodes;
+- third-party parsing: a JSON file (``_read_json``) or a transformers/tokenizers failure
+  (``_foreign_errors``) that goes wrong becomes one ``ModelLoadError``.
+
+Format-specific checks (the GGUF container and its metadata types, the safetensors index) live
+with their loaders.
+
+This module must never read tensor data beyond what it is given (a table of names, shapes and
+types; weights a loader has already read; a tokenizer; the one JSON file it is handed), and never
+allocate what the file does not justify: no loop or table sized by a header value that the tensors
+present do not confirm (``_expected_shapes`` loops over the layer count only once ``_check_table``
+has matched it against the blocks present).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..config import logger
+from ..dtypes import DType
+from ..errors import ModelLoadError
+
+if TYPE_CHECKING:  # annotations only: loaded_model.py imports this module
+    from .loaded_model import Weight
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+
+
+def _check_arch(model_type: Any, origin: Any) -> str:
+    if model_type not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"{origin}: architecture {_show(model_type)} is not supported; "
+                             f"supported architectures: {', '.join(SUPPORTED_ARCHS)}")
+    return model_type
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _int_field(origin: Any, name: str, value: Any, minimum: int = 1, optional: bool = False) -> int | None:
+    """``value`` as an int >= ``minimum``; None when absent and ``optional``."""
+    if value is None:
+        if optional:
+            return None
+        raise ModelLoadError(f"{origin}: {name} is missing")
+    if not _is_int(value):
+        raise ModelLoadError(f"{origin}: {name} = {_show(value)} must be an integer")
+    value = int(value)
+    if value < minimum:
+        raise ModelLoadError(f"{origin}: {name} = {value} must be {'> 0' if minimum == 1 else f'>= {minimum}'}")
+    return value
+
+
+def _positive_float(origin: Any, name: str, value: Any, optional: bool = False) -> float | None:
+    """``value`` as a finite float > 0; None when absent and ``optional``."""
+    if value is None:
+        if optional:
+            return None
+        raise ModelLoadError(f"{origin}: {name} is missing")
+    if not _is_number(value):
+        raise ModelLoadError(f"{origin}: {name} = {_show(value)} must be a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        raise ModelLoadError(f"{origin}: {name} = {_show(value)} must be a finite number > 0")
+    return number
+
+
+def _finite_float(origin: Any, name: str, value: Any) -> float:
+    if not _is_number(value):
+        raise ModelLoadError(f"{origin}: {name} = {_show(value)} must be a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ModelLoadError(f"{origin}: {name} = {_show(value)} must be finite")
+    return number
+
+
+# RoPE parameter keys transformers' init functions read: positive numbers, positive ints, finite numbers
+_ROPE_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor",
+                  "beta_fast", "beta_slow", "partial_rotary_factor")
+_ROPE_INTS = ("original_max_position_embeddings",)
+_ROPE_FINITE = ("mscale", "mscale_all_dim")
+_ROPE_LISTS = ("short_factor", "long_factor")
+
+
+def _check_rope_params(origin: Any, name: str, params: Any) -> dict:
+    """A RoPE parameter dict (``rope_parameters`` / ``rope_scaling``): every numeric entry checked."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{origin}: {name} = {_show(params)} must be an object (or null)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise ModelLoadError(f"{origin}: {name}.rope_type = {_show(rope_type)} must be a string")
+    for key in _ROPE_POSITIVE:
+        if params.get(key) is not None:
+            _positive_float(origin, f"{name}.{key}", params[key])
+    for key in _ROPE_INTS:
+        if params.get(key) is not None:
+            _int_field(origin, f"{name}.{key}", params[key])
+    for key in _ROPE_FINITE:
+        if params.get(key) is not None:
+            _finite_float(origin, f"{name}.{key}", params[key])
+    for key in _ROPE_LISTS:
+        values = params.get(key)
+        if values is not None:
+            if not isinstance(values, (list, tuple)):
+                raise ModelLoadError(f"{origin}: {name}.{key} must be a list of numbers")
+            for i, v in enumerate(values):
+                _positive_float(origin, f"{name}.{key}[{i}]", v)
+    return params
+
+
+@dataclass
+class _HParams:
+    """Hyper-parameters checked for type, range and mutual consistency; ``names`` maps each
+    canonical key to the name it has in the file (``llama.block_count``, ``num_hidden_layers``)."""
+
+    names: dict[str, str]
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int | None
+    context: int | None
+    eps: float | None
+    theta: float | None
+    sliding: int | None
+
+
+def _hparams(origin: Any, names: dict[str, str], get: Callable[[str], Any]) -> _HParams:
+    """Check the hyper-parameters ``get(canonical key)`` returns (None: absent). Keys: layers,
+    hidden, intermediate, heads, kv_heads, head_dim, rope_dim, value_dim, vocab, context, eps,
+    theta, sliding; ``names`` gives each its name in the file (a key without a name is absent)."""
+
+    def value(key: str) -> Any:
+        return get(key) if key in names else None
+
+    n = names
+    layers = _int_field(origin, n["layers"], value("layers"))
+    hidden = _int_field(origin, n["hidden"], value("hidden"))
+    intermediate = _int_field(origin, n["intermediate"], value("intermediate"))
+    heads = _int_field(origin, n["heads"], value("heads"))
+    kv_heads = _int_field(origin, n.get("kv_heads", ""), value("kv_heads"), optional=True) or heads
+    if heads % kv_heads:
+        raise ModelLoadError(f"{origin}: {n['kv_heads']} = {kv_heads} must divide {n['heads']} = {heads}")
+    if hidden % heads:
+        raise ModelLoadError(f"{origin}: {n['hidden']} = {hidden} must be a multiple of {n['heads']} = {heads}")
+    head_dim = _int_field(origin, n.get("head_dim", ""), value("head_dim"), optional=True)
+    derived = f"{n['hidden']} / {n['heads']}"
+    if head_dim is None:
+        head_dim = hidden // heads
+    else:
+        derived = n["head_dim"]
+    if head_dim % 2:
+        raise ModelLoadError(f"{origin}: the head dimension {head_dim} ({derived}) must be even (RoPE rotates "
+                             "pairs of dimensions)")
+    for key in ("rope_dim", "value_dim"):
+        other = _int_field(origin, n.get(key, ""), value(key), optional=True)
+        if other is not None and other != head_dim:
+            what = "partial rotary embeddings are not supported" if key == "rope_dim" else "it must match"
+            raise ModelLoadError(f"{origin}: {n[key]} = {other} must equal the head dimension {head_dim} "
+                                 f"({derived}); {what}")
+    sliding = value("sliding")
+    if sliding is not None:
+        sliding = _int_field(origin, n["sliding"], sliding, minimum=0)
+    return _HParams(
+        names=names, layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, vocab=_int_field(origin, n.get("vocab", ""), value("vocab"), optional=True),
+        context=_int_field(origin, n.get("context", ""), value("context"), optional=True),
+        eps=_positive_float(origin, n.get("eps", ""), value("eps"), optional=True),
+        theta=_positive_float(origin, n.get("theta", ""), value("theta"), optional=True),
+        sliding=sliding)
+
+
+_HF_NAMES = {"layers": "num_hidden_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
+             "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "vocab": "vocab_size", "context": "max_position_embeddings", "eps": "rms_norm_eps",
+             "theta": "rope_theta", "sliding": "sliding_window"}
+
+
+def _hf_hparams(origin: Any, get: Callable[[str], Any]) -> _HParams:
+    """Hyper-parameters of a transformers config (``get`` reads a config.json key or a config
+    attribute): the rules of ``_hparams`` plus RoPE parameters, activation and special ids."""
+    names = dict(_HF_NAMES)
+    theta = get("rope_theta")
+    for rope_name in ("rope_parameters", "rope_scaling"):  # transformers 5 / older configs
+        rope = _check_rope_params(origin, rope_name, get(rope_name))
+        if theta is None and rope.get("rope_theta") is not None:
+            theta, names["theta"] = rope["rope_theta"], f"{rope_name}.rope_theta"
+    act = get("hidden_act")
+    if act is not None and act not in ("silu", "swish"):
+        raise ModelLoadError(f"{origin}: hidden_act = {_show(act)} is not supported; the MLP is SwiGLU (silu)")
+    for key in ("bos_token_id", "eos_token_id"):
+        ids = get(key)
+        for i, v in enumerate(ids if isinstance(ids, (list, tuple)) else [ids]):
+            if v is not None:
+                _int_field(origin, key if not isinstance(ids, (list, tuple)) else f"{key}[{i}]", v, minimum=0)
+
+    def lookup(key: str) -> Any:
+        return theta if key == "theta" else get(_HF_NAMES[key])
+
+    return _hparams(origin, names, lookup)
+
+
+@dataclass
+class _TensorInfo:
+    """A tensor of the file before its data is read: its name in the file, logical shape
+    (``[out, in]``) and type label (``Q4_1``, ``F32``, ``BF16``...)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _expected_shapes(hp: _HParams, vocab: int, tied: bool,
+                     attention_bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every weight name a supported model must have: (logical shape, which fields imply it).
+    Loops over ``hp.layers``, which the caller has checked against the blocks present."""
+    n = hp.names
+    h, inter, heads, kv, hd = hp.hidden, hp.intermediate, hp.heads, hp.kv_heads, hp.head_dim
+    hid = f"{n['hidden']} = {h}"
+    q_why = f"{n['heads']} = {heads} × head dim {hd}; {hid}"
+    kv_why = f"{n.get('kv_heads', n['heads'])} = {kv} × head dim {hd}; {hid}"
+    ff_why = f"{n['intermediate']} = {inter}; {hid}"
+    vocab_why = f"{n.get('vocab', 'vocab size')} = {vocab}; {hid}"
+    shapes = {"model.embed_tokens.weight": ((vocab, h), vocab_why), "model.norm.weight": ((h,), hid)}
+    if not tied:
+        shapes["lm_head.weight"] = ((vocab, h), vocab_why)
+    for i in range(hp.layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": ((h,), hid), p + "post_attention_layernorm.weight": ((h,), hid),
+            p + "self_attn.q_proj.weight": ((heads * hd, h), q_why),
+            p + "self_attn.k_proj.weight": ((kv * hd, h), kv_why),
+            p + "self_attn.v_proj.weight": ((kv * hd, h), kv_why),
+            p + "self_attn.o_proj.weight": ((h, heads * hd), q_why),
+            p + "mlp.gate_proj.weight": ((inter, h), ff_why), p + "mlp.up_proj.weight": ((inter, h), ff_why),
+            p + "mlp.down_proj.weight": ((h, inter), ff_why),
+        })
+        if attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": ((heads * hd,), q_why),
+                           p + "self_attn.k_proj.bias": ((kv * hd,), kv_why),
+                           p + "self_attn.v_proj.bias": ((kv * hd,), kv_why)})
+    return shapes
+
+
+def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: bool | None,
+                 display: Callable[[str], str]) -> tuple[int, bool]:
+    """Check the tensor table (HF name -> info, data not read yet) against ``hp``; (vocab, tied).
+
+    ``tie``: the config's tie_word_embeddings (None: unknown yet). ``display`` names a tensor as
+    the file does. The layer count must equal the blocks present before anything loops over it.
+    """
+    n = hp.names
+    present = {int(m.group(1)) for name in table if (m := _LAYER.match(name))}
+    if len(present) != hp.layers or max(present, default=-1) != hp.layers - 1:  # i.e. not exactly 0..layers-1
+        if present and len(present) == max(present) + 1:
+            have = f"blocks 0..{max(present)}" if len(present) > 1 else "block 0"
+        else:
+            have = f"block indices {sorted(present)[:6]}{' ...' if len(present) > 6 else ''}"
+        raise ModelLoadError(f"{origin}: {n['layers']} = {hp.layers} but the file has tensors for "
+                             f"{len(present)} blocks ({have if present else 'none'})")
+    embed = table.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{origin}: missing tensor {display('model.embed_tokens.weight')}")
+    if len(embed.shape) != 2:
+        raise ModelLoadError(f"{origin}: tensor {embed.name} has shape {embed.shape}, expected 2 dims "
+                             f"(vocab, {n['hidden']})")
+    rows, cols = embed.shape
+    vocab = hp.vocab if hp.vocab is not None else rows
+    if rows != vocab:
+        raise ModelLoadError(f"{origin}: {n['vocab']} = {vocab} but {embed.name} has {rows} rows "
+                             "(one per token id)")
+    if cols != hp.hidden:
+        raise ModelLoadError(f"{origin}: {n['hidden']} = {hp.hidden} but {embed.name} has {cols} columns")
+    has_head = "lm_head.weight" in table
+    tied = bool(tie) or not has_head
+    if tie is False and not has_head:
+        raise ModelLoadError(f"{origin}: config says embeddings are not tied but there is no lm_head weight "
+                             f"({display('lm_head.weight')})")
+    bias = "model.layers.0.self_attn.q_proj.bias" in table
+    expected = _expected_shapes(hp, vocab, tied, bias)
+    extra = sorted(display(k) for k in set(table) - set(expected) if not (k == "lm_head.weight" and tied))
+    if extra:
+        raise ModelLoadError(f"{origin}: unsupported tensors {extra[:4]}{' ...' if len(extra) > 4 else ''} "
+                             "(yirage supports q/k/v biases only, no o_proj/MLP biases)")
+    missing = [display(k) for k in expected if k not in table]
+    if missing:
+        raise ModelLoadError(f"{origin}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    for name, (shape, why) in expected.items():
+        info = table[name]
+        if info.shape != shape:
+            raise ModelLoadError(f"{origin}: tensor {info.name} has shape {info.shape}, the config implies "
+                                 f"{shape} ({why})")
+    return vocab, tied
+
+
+def _check_weights(weights: dict[str, Weight], table: dict[str, _TensorInfo], tied: bool,
+                   origin: Any) -> dict[str, Weight]:
+    """After reading: drop a tied ``lm_head`` and check that every weight came out as the checked
+    table said (a backstop: any difference is a bug of the reader)."""
+    if tied:
+        weights.pop("lm_head.weight", None)
+    for name, weight in weights.items():
+        info = table.get(name)
+        if info is None or weight.shape != info.shape:
+            raise ModelLoadError(f"{origin}: tensor {name} was read with shape {weight.shape}, "
+                                 f"expected {info.shape if info else 'no such tensor'}")
+    return weights
+
+
+def _nonfinite(weight: Weight) -> str | None:
+    """What is not finite in ``weight`` (None: all finite). Float tensors: every value
+    (``torch.isfinite``). Q8_0/Q4_1: the fp16 block scales (``d``, and ``m`` of Q4_1), read from the
+    raw blocks as 16-bit patterns (exponent all ones = inf/NaN); the int8/int4 quants themselves
+    cannot be non-finite. The scale check runs in numpy: single-threaded, it takes ~25 ms for the
+    default model's 92 MiB, where torch's thread pool measured anywhere from 30 ms to 1.5 s on a
+    busy 2-core machine."""
+    data = weight.data
+    if not weight.dtype.is_quantized:
+        return None if bool(torch.isfinite(data).all()) else "NaN or inf values"
+    per, nbytes = weight.dtype.block
+    scales = 1 if weight.dtype == DType.q8_0 else 2
+    halves = data.numpy().reshape(-1).view(np.uint16).reshape(-1, nbytes // 2)[:, :scales]
+    if int((halves & 0x7FFF).max(initial=0)) < 0x7C00:
+        return None
+    bad = int(((halves & 0x7C00) == 0x7C00).any(axis=1).sum())
+    return f"NaN or inf block scales ({bad} of {halves.shape[0]} blocks)"
+
+
+def _report_nonfinite(bad: list[str], origin: Any, allow: bool) -> None:
+    if not bad:
+        return
+    listed = "; ".join(bad[:4]) + (f"; ... ({len(bad)} tensors)" if len(bad) > 4 else "")
+    if not allow:
+        raise ModelLoadError(f"{origin}: non-finite weights: {listed}. Pass allow_nonfinite=True to load the "
+                             "model anyway")
+    logger.warning("%s: loading non-finite weights (allow_nonfinite=True): %s", origin, listed)
+
+
+def _check_tokenizer(tokenizer: Any, rows: int, embed_name: str, origin: Any,
+                     tolerated: Callable[[int], bool] = lambda i: False) -> None:
+    """Every id the tokenizer can produce (its vocab and added tokens, ``len(tokenizer)``) and its
+    special ids must index a row of the embedding, and a test prompt must encode and decode.
+    ``tolerated(id)``: ids past the table that are only logged: tokens transformers adds that the
+    model's files do not have (the GGUF tokenizer conversion and some tokenizer classes add a
+    default ``<|endoftext|>``)."""
+    try:
+        vocab = tokenizer.get_vocab()
+        size = len(tokenizer)
+    except Exception as exc:  # a tokenizer object that cannot list its vocabulary
+        raise ModelLoadError(f"{origin}: cannot read the tokenizer's vocabulary ({exc})") from exc
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    values = list(vocab.values()) + [int(i) for i in added]
+    if values and (min(values) < 0 or max(values) >= rows):
+        ids = dict(vocab)
+        for token_id, token in added.items():
+            ids.setdefault(str(token), int(token_id))
+        past = sorted(((int(i), t) for t, i in ids.items() if not 0 <= int(i) < rows), key=lambda p: p[0])
+    else:
+        past = []
+    hard = [(i, t) for i, t in past if not tolerated(i)]
+    if hard:
+        top_id, top = hard[-1]
+        raise ModelLoadError(f"{origin}: the tokenizer maps {_show(top)} to id {top_id}, but {embed_name} has only "
+                             f"{rows} rows: every token id must be below {rows} ({len(hard)} ids are not)")
+    if past:
+        logger.warning("%s: the tokenizer has ids %s beyond the %d embedding rows, added by transformers (not in "
+                       "the model's tokenizer files); text that spells them cannot be run", origin,
+                       [f"{t!r}={i}" for i, t in past[:4]], rows)
+    elif size > rows:
+        raise ModelLoadError(f"{origin}: the tokenizer has {size} tokens but {embed_name} has only {rows} rows")
+    for attr in ("bos_token_id", "eos_token_id", "unk_token_id"):
+        token_id = getattr(tokenizer, attr, None)
+        if isinstance(token_id, int) and not 0 <= token_id < rows and not tolerated(token_id):
+            raise ModelLoadError(f"{origin}: the tokenizer's {attr} = {token_id} must be below the {rows} rows "
+                                 f"of {embed_name}")
+    # a prompt of unknown words and special characters must encode (unk token, post-processor)
+    with _foreign_errors(f"{origin}: the tokenizer cannot encode a test prompt"):
+        encoded = list(tokenizer(_TOKENIZER_PROBE, add_special_tokens=True)["input_ids"])
+        tokenizer.decode(encoded)
+    if any(not 0 <= int(i) < rows and not tolerated(int(i)) for i in encoded):
+        raise ModelLoadError(f"{origin}: the tokenizer encodes a test prompt to ids {encoded} outside the {rows} rows "
+                             f"of {embed_name}")
+
+
+_TOKENIZER_PROBE = "Hello, world! w5 hi 123 naïve 日本語 🙂\n\t<|unknown|>"
+
+
+@contextmanager
+def _foreign_errors(what: str) -> Iterator[None]:
+    """Turn any failure of a third-party parser (transformers, tokenizers) into one
+    ModelLoadError ``"<what> (<type>: <first line>)"``: tokenizers' Rust panics arrive as
+    pyo3's PanicException, a BaseException, so only interrupts and exits pass through."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+        raise ModelLoadError(f"{what} ({type(exc).__name__}: {reason})") from exc
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON document in ``path``; ModelLoadError if it cannot be read or parsed (nesting
+    deep enough to exhaust the parser's recursion included)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"{path}: not a readable JSON file ({type(exc).__name__}: {exc})") from exc

@@ -1,0 +1,574 @@
+"""Read a GGUF file (llama.cpp's format) into a ``LoadedModel``: ``_load_gguf``, which
+``load_model`` calls for a ``.gguf`` spec. (Not ``gguf.py``: that would shadow the ``gguf`` package.)
+
+In the order ``_load_gguf`` runs them:
+
+- the container, read by ``gguf.GGUFReader`` with bounds checks (``_reader_class``): the header,
+  metadata array lengths and counts, tensor infos (known type, 1-4 positive dims, rows a whole
+  number of blocks) and data layout (every tensor at the offset llama.cpp expects, inside the file,
+  no overlap, no wraparound: ``_check_gguf_layout``); every metadata string valid UTF-8
+  (``_gguf_check_strings``);
+- the hyper-parameters by their GGUF names (``_gguf_hparams``), the tensor table with each tensor's
+  type checked against its role (``_gguf_table``) and the tokenizer metadata (``_gguf_check_tokens``);
+  then the config transformers builds from the metadata (``_gguf_hf_config``, cached) is checked again;
+- the tensors under Hugging Face names (``gguf_to_hf_name``): ``Q8_0``/``Q4_1`` stay
+  block-quantized (raw block bytes in a ``uint8`` tensor of ``dtype.storage_shape(logical_shape)``),
+  F32/F16/BF16 stay as they are, the legacy and K-quant types (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) are
+  dequantized to float32 (IQ and other types are refused); llama.cpp's interleaving permutation of
+  llama ``attn_q``/``attn_k`` rows is undone (``reverse_llama_permute``) so q/k are in Hugging Face
+  order for ``rotate_half`` RoPE; ``rope_freqs.weight`` divides the RoPE frequencies;
+- the tokenizer: transformers' conversion of the GGUF metadata (``_gguf_tokenizer``, cached).
+
+This module must never allocate from a header value before the file's size has confirmed it (the
+stock reader hangs on a huge array length), never loop over or size a table by a count that the
+tensors present do not confirm, and never read a tensor's data before its type and layout are
+checked. Its caches (``cache_dir()/gguf-config``, ``cache_dir()/tokenizers``) are written atomically.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import cache_dir, logger
+from ..dtypes import DType
+from ..errors import ModelLoadError
+from .checks import (SUPPORTED_ARCHS, _HParams, _TensorInfo, _check_arch, _check_table, _check_tokenizer,
+                     _check_weights, _foreign_errors, _hf_hparams, _hparams, _int_field, _nonfinite,
+                     _positive_float, _report_nonfinite, _show)
+from .loaded_model import LoadedModel, Weight, _as_id_list, _model_config, _progress_bar
+
+
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_HF_TOP = {v: k for k, v in _GGUF_TOP.items()}
+_HF_BLOCK = {v: k for k, v in _GGUF_BLOCK.items()}
+_HF_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+# GGUF tensor types by role: kept as they are, or dequantized to float32 (numpy, gguf.quants)
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_KEPT_TYPES = _FLOAT_TYPES + ("Q8_0", "Q4_1")
+_DEQUANTIZED_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_GGUF_INT_VALUES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
+_GGUF_NUMBER_VALUES = _GGUF_INT_VALUES + ("FLOAT32", "FLOAT64")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """Hugging Face name of a GGUF tensor name (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``); None for tensors yirage does not use."""
+    m = _GGUF_BLOCK_NAME.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_GGUF_BLOCK[part]}.{kind}" if part in _GGUF_BLOCK else None
+    stem, _, kind = name.rpartition(".")
+    return f"{_GGUF_TOP[stem]}.{kind}" if stem in _GGUF_TOP and kind in ("weight", "bias") else None
+
+
+def _hf_to_gguf_name(name: str) -> str:
+    """The GGUF name of a Hugging Face weight name (for messages); the name itself if unknown."""
+    m = _HF_LAYER_NAME.match(name)
+    if m and m.group(2) in _HF_BLOCK:
+        return f"blk.{m.group(1)}.{_HF_BLOCK[m.group(2)]}.{m.group(3)}"
+    stem, _, kind = name.rpartition(".")
+    return f"{_HF_TOP[stem]}.{kind}" if stem in _HF_TOP else name
+
+
+def reverse_llama_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of q/k rows (interleaved RoPE pairs -> rotate_half halves).
+
+    Works on dim 0 only, so it applies unchanged to quantized storage (each row holds its own
+    blocks) and to 1-D biases. Same as transformers' ``LlamaTensorProcessor._reverse_permute_weights``.
+
+    Raises ModelLoadError: ``n_head`` is not positive or does not split the rows into heads of
+    an even number of rows.
+    """
+    if n_head <= 0 or rows.shape[0] % (2 * n_head):
+        raise ModelLoadError(f"cannot un-permute {rows.shape[0]} q/k rows into {n_head} heads of an even size")
+    dim = rows.shape[0] // n_head // 2
+    return rows.reshape(n_head, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+_READER_CLASS: Any = None
+
+
+def _reader_class() -> Any:
+    """``gguf.GGUFReader`` with bounds checks: a read past the end of the file, a metadata array or
+    count longer than the rest of the file could hold, a nested array, or a tensor table that is
+    not laid out as llama.cpp lays it out is an error before anything is allocated from it (the
+    stock reader hangs on a huge array length, and reports a short read as "index 0 is out of
+    bounds" and bad tensor infos as a numpy reshape error)."""
+    global _READER_CLASS
+    if _READER_CLASS is not None:
+        return _READER_CLASS
+    import gguf
+
+    V = gguf.GGUFValueType
+    ARRAY, STRING = int(V.ARRAY), int(V.STRING)
+    value_types = {int(t): t for t in V}
+    sizes = {int(t): np.dtype(n).itemsize for t, n in gguf.GGUFReader.gguf_scalar_to_np.items()}
+    itemsize: dict[Any, int] = {}
+    base_get, base_parts = gguf.GGUFReader._get, gguf.GGUFReader._get_field_parts
+
+    class CheckedReader(gguf.GGUFReader):
+        def __init__(self, path: Any, mode: Any = "r"):
+            self._yr_path = Path(path)
+            self._yr_size = os.path.getsize(path)
+            super().__init__(path, mode)
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            size = itemsize.get(dtype)
+            if size is None:
+                size = itemsize[dtype] = np.dtype(dtype).itemsize
+            if offset + size * int(count) > self._yr_size:
+                raise ValueError(f"the header runs past the end of the file ({self._yr_size} bytes) at byte "
+                                 f"{int(offset)}{self._yr_where()}")
+            return base_get(self, offset, dtype, count, override_order)
+
+        def _yr_where(self) -> str:
+            """', in metadata field KEY' for the field being parsed (the one after the last parsed)."""
+            if not self._yr_in_fields:
+                return ""
+            try:
+                last = next(reversed(self.fields.values()))
+                offset = last.offset + sum(int(p.nbytes) for p in last.parts)
+                length = min(int(base_get(self, offset, np.uint64)[0]), 80)
+                key = bytes(base_get(self, offset + 8, np.uint8, length)).decode("utf-8", "replace")
+                return f", in metadata field {key!r}"
+            except Exception:  # noqa: BLE001: only for the message
+                return ""
+
+        _yr_in_fields = False
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if int(raw_type) != ARRAY:
+                return base_parts(self, orig_offs, raw_type)
+            # an array, as the stock reader parses it, with its length checked first
+            offs = orig_offs
+            raw_itype = self._get(offs, np.uint32)
+            alen = self._get(offs + 4, np.uint64)
+            offs += 12
+            item_type, count = int(raw_itype[0]), int(alen[0])
+            if item_type == ARRAY or item_type not in value_types:
+                raise ValueError(f"metadata array item type {item_type} is not supported{self._yr_where()}")
+            least = 8 if item_type == STRING else sizes[item_type]
+            if count * least > self._yr_size - offs:
+                raise ValueError(f"a metadata array declares {count} items, more than the rest of the file can "
+                                 f"hold{self._yr_where()}")
+            types = [V.ARRAY]
+            parts: list = [raw_itype, alen]
+            data_idxs: list[int] = []
+            for idx in range(count):
+                size, item_parts, item_idxs, item_types = base_parts(self, offs, item_type)
+                if idx == 0:
+                    types += item_types
+                first = len(parts)
+                parts += item_parts
+                data_idxs += (i + first for i in item_idxs)
+                offs += size
+            return offs - orig_offs, parts, data_idxs, types
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            if int(count) * 13 > self._yr_size - offs:  # key length, value type, >= 1 byte of value
+                raise ValueError(f"the header declares {int(count)} metadata fields, more than the file can hold")
+            self._yr_in_fields = True
+            offs = super()._build_fields(offs, count)
+            self._yr_in_fields = False
+            return offs
+
+        def _build_tensor_info(self, offs: int, count: int) -> Any:
+            if int(count) * 24 > self._yr_size - offs:  # name length, n_dims, type, offset
+                raise ValueError(f"the header declares {int(count)} tensors, more than the file can hold")
+            return super()._build_tensor_info(offs, count)
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            _check_gguf_layout(self._yr_path, fields, int(start_offs), int(self.alignment), self._yr_size)
+            super()._build_tensors(start_offs, fields)
+
+    _READER_CLASS = CheckedReader
+    return CheckedReader
+
+
+def _check_gguf_layout(path: Path, fields: list, start: int, alignment: int, size: int) -> None:
+    """Tensor infos as llama.cpp's ``gguf_init_from_file`` checks them: a known type, 1..4 dims
+    each > 0, rows a whole number of blocks, and each tensor at exactly the (aligned) offset
+    where the previous one ends, its data inside the file. A type relabelled in place, a wrong
+    shape or a corrupt (wrapping) offset all break that chain; the message names the tensor."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    expected = 0
+    previous = None
+    for field_ in fields:
+        _, name_data, n_dims, dims, raw_type, raw_offset = field_.parts
+        name = field_.name
+        nd = int(n_dims[0])
+        if not 1 <= nd <= 4:
+            raise ModelLoadError(f"{path} is not a valid GGUF file: tensor {name} has {nd} dimensions (1 to 4 allowed)")
+        shape = [int(d) for d in dims]
+        if min(shape) < 1:
+            raise ModelLoadError(f"{path} is not a valid GGUF file: tensor {name} has a zero dimension "
+                                 f"(shape {list(reversed(shape))})")
+        try:
+            qtype = Q(int(raw_type[0]))
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{path} is not a valid GGUF file: tensor {name} has unknown type id "
+                                 f"{int(raw_type[0])}") from None
+        logical = tuple(reversed(shape))
+        if shape[0] % block:
+            raise ModelLoadError(f"{path} is not a valid GGUF file: tensor {name} ({qtype.name}, shape {logical}) has "
+                                 f"rows of {shape[0]} values, not a whole number of {qtype.name} blocks of {block}")
+        n_bytes = math.prod(shape) // block * type_size
+        offset = int(raw_offset[0])
+        if offset != expected:
+            if previous is None:
+                detail = f"the first tensor must start at data offset 0"
+            else:
+                prev_name, prev_type, prev_shape, prev_end = previous
+                detail = (f"the previous tensor {prev_name} ({prev_type}, shape {prev_shape}) ends at {prev_end}, so "
+                          f"{name} must start at {expected}: the type or shape of {prev_name} does not match its "
+                          f"stored data, or the offset of {name} is corrupt")
+            raise ModelLoadError(f"{path} is not a valid GGUF file: tensor {name} starts at data offset {offset}; "
+                                 f"{detail}")
+        end = start + offset + n_bytes
+        if end > size:
+            raise ModelLoadError(f"{path} is not a valid or complete GGUF file: tensor {name} ({qtype.name}, shape "
+                                 f"{logical}) needs bytes {start + offset}..{end} but the file has {size} bytes")
+        previous = (name, qtype.name, logical, offset + n_bytes)
+        expected = offset + (n_bytes + alignment - 1) // alignment * alignment
+
+
+def _open_gguf(path: Path) -> Any:
+    try:
+        return _reader_class()(path)
+    except ModelLoadError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{path} is not a valid GGUF file: a metadata key or tensor name is not valid UTF-8 "
+                             f"({exc})") from exc
+    except Exception as exc:  # bad magic, truncated data, corrupt header: numpy/struct/value errors
+        reason = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+        raise ModelLoadError(f"{path} is not a valid or complete GGUF file ({reason})") from exc
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _gguf_check_strings(reader: Any, path: Path) -> None:
+    """Every string value (and every string of a string array) must be UTF-8: transformers and
+    the tokenizer decode them, and a bad byte would surface as an unrelated error."""
+    import gguf
+
+    V = gguf.GGUFValueType
+    for key, f in reader.fields.items():
+        if not f.types or V.STRING not in (f.types[0], f.types[-1]):
+            continue
+        parts = [f.parts[i] for i in f.data] if f.types[0] == V.ARRAY else [f.parts[-1]]
+        try:  # one decode for the whole field; the separator keeps items from completing each other
+            b"\0".join(p.tobytes() for p in parts).decode("utf-8")
+        except UnicodeDecodeError:
+            for i, p in enumerate(parts):
+                try:
+                    p.tobytes().decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    where = f"{key}[{i}]" if f.types[0] == V.ARRAY else key
+                    raise ModelLoadError(f"{path}: metadata {where} is not valid UTF-8 ({exc.reason} at byte "
+                                         f"{exc.start}: {p.tobytes()[:32]!r})") from None
+
+
+def _gguf_value(reader: Any, key: str, path: Path, integer: bool) -> Any:
+    """A scalar metadata value checked for type: an integer type, or (``integer`` False) any
+    number type; None when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    types = [t.name for t in f.types]
+    allowed = _GGUF_INT_VALUES if integer else _GGUF_NUMBER_VALUES
+    if len(types) != 1 or types[0] not in allowed:
+        got = "an array" if types and types[0] == "ARRAY" else f"a {types[0] if types else 'typeless'} value"
+        raise ModelLoadError(f"{path}: {key} must be a single {'integer' if integer else 'number'}, got {got}")
+    return f.contents()
+
+
+def _gguf_hparams(reader: Any, arch: str, path: Path) -> _HParams:
+    """The hyper-parameters of the GGUF metadata, checked (type, range, consistency) by their GGUF
+    names, before transformers builds a config from them."""
+    keys = {"layers": "block_count", "hidden": "embedding_length", "intermediate": "feed_forward_length",
+            "heads": "attention.head_count", "kv_heads": "attention.head_count_kv",
+            "head_dim": "attention.key_length", "value_dim": "attention.value_length",
+            "rope_dim": "rope.dimension_count", "vocab": "vocab_size", "context": "context_length",
+            "eps": "attention.layer_norm_rms_epsilon", "theta": "rope.freq_base",
+            "sliding": "attention.sliding_window"}
+    names = {k: f"{arch}.{v}" for k, v in keys.items()}
+    floats = ("eps", "theta")
+    values = {k: _gguf_value(reader, names[k], path, integer=k not in floats) for k in keys}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if values["vocab"] is None and tokens is not None:
+        values["vocab"], names["vocab"] = len(tokens.data), "the number of tokenizer.ggml.tokens"
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scaling is not None and not isinstance(scaling, str):
+        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type = {_show(scaling)} must be a string")
+    factor = _gguf_value(reader, f"{arch}.rope.scaling.factor", path, integer=False)
+    if factor is not None and scaling not in (None, "none"):
+        _positive_float(path, f"{arch}.rope.scaling.factor", factor)
+    original = _gguf_value(reader, f"{arch}.rope.scaling.original_context_length", path, integer=True)
+    _int_field(path, f"{arch}.rope.scaling.original_context_length", original, optional=True)
+    return _hparams(path, names, values.get)
+
+
+def _gguf_table(reader: Any, path: Path) -> tuple[dict[str, _TensorInfo], Any]:
+    """The tensors yirage uses (HF name -> info) and ``rope_freqs.weight`` (or None), each type
+    checked against its role: norms and biases float; matrices float, Q8_0/Q4_1 (kept) or a
+    type gguf dequantizes exactly (legacy and K-quants)."""
+    table: dict[str, _TensorInfo] = {}
+    rope_freqs = None
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if tensor.name == "rope_freqs.weight":
+            if kind not in _FLOAT_TYPES:
+                raise ModelLoadError(f"{path}: tensor rope_freqs.weight has type {kind}; it must be F32, F16 or BF16")
+            rope_freqs = tensor
+            continue
+        name = gguf_to_hf_name(tensor.name)
+        if name is None:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        if name.endswith(".bias") or name.endswith("norm.weight"):
+            if kind not in _FLOAT_TYPES:
+                role = "bias" if name.endswith(".bias") else "norm weight"
+                raise ModelLoadError(f"{path}: tensor {tensor.name} has type {kind}; a {role} must be "
+                                     f"{', '.join(_FLOAT_TYPES)}")
+        elif kind not in _KEPT_TYPES + _DEQUANTIZED_TYPES:
+            raise ModelLoadError(f"{path}: tensor {tensor.name} has type {kind}, which yirage does not support; "
+                                 f"supported: {', '.join(_KEPT_TYPES)} (used as stored) and "
+                                 f"{', '.join(_DEQUANTIZED_TYPES)} (dequantized to float32)")
+        table[name] = _TensorInfo(tensor.name, shape, kind)
+    return table, rope_freqs
+
+
+def _gguf_check_tokens(reader: Any, rows: int, path: Path) -> None:
+    """The file's own tokenizer metadata: every token id (one per entry of tokenizer.ggml.tokens)
+    and the special ids must index a row of token_embd.weight."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    count = len(tokens.data) if tokens is not None else None
+    if count is not None and count > rows:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens has {count} tokens (ids up to {count - 1}) but "
+                             f"token_embd.weight has only {rows} rows: every token id must be below {rows}")
+    for which in ("bos", "eos", "eot", "eom", "unknown", "padding"):
+        key = f"tokenizer.ggml.{which}_token_id"
+        token_id = _gguf_value(reader, key, path, integer=True)
+        if token_id is None:
+            continue
+        limit = rows if count is None else min(rows, count)
+        if which == "padding" and count is not None:
+            limit = count  # never fed to the model, but transformers looks it up in the token list
+        if not 0 <= int(token_id) < limit:
+            raise ModelLoadError(f"{path}: {key} = {int(token_id)} must be in [0, {limit}) (token_embd.weight has "
+                                 f"{rows} rows{'' if count is None else f', tokenizer.ggml.tokens {count} entries'})")
+
+
+def _gguf_hf_config(reader: Any, path: Path) -> Any:
+    """The transformers config of a GGUF file, from transformers' own GGUF metadata reader.
+
+    That reader parses the whole file a second time (about 2.5 s for the default model), so
+    the result is cached as ``cache_dir()/gguf-config/<hash of path, size, mtime>.json``.
+    Call it only after the metadata has been checked (``_gguf_hparams``).
+    """
+    from transformers import AutoConfig
+
+    cached = cache_dir() / "gguf-config" / f"{_file_cache_key(path)}.json"
+    if cached.is_file():
+        try:
+            config = AutoConfig.from_pretrained(str(cached))
+            config.name_or_path = str(path)
+            return config
+        except Exception as exc:  # a damaged cache entry: read the file again
+            logger.warning("ignoring damaged config cache %s (%s)", cached, exc)
+    config = _gguf_hf_config_uncached(reader, path)
+    config.name_or_path = str(path)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=cached.parent)
+    os.close(fd)
+    try:
+        config.to_json_file(tmp)
+        os.replace(tmp, cached)  # atomic: concurrent loaders see no half-written file
+    except OSError as exc:
+        logger.debug("config cache not written: %s", exc)
+        Path(tmp).unlink(missing_ok=True)
+    return config
+
+
+def _gguf_hf_config_uncached(reader: Any, path: Path) -> Any:
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    arch = _gguf_field(reader, "general.architecture")
+    try:
+        config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    except Exception as exc:
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(f"{path}: architecture {_show(arch)} is not supported; "
+                                 f"supported architectures: {', '.join(SUPPORTED_ARCHS)}") from exc
+        raise ModelLoadError(f"{path}: transformers cannot read the GGUF metadata ({type(exc).__name__}: "
+                             f"{exc})") from exc
+    model_type = _check_arch(config.pop("model_type", arch), path)
+    config.pop("_model_name_or_path", None)
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    factor = _gguf_field(reader, f"{arch}.rope.scaling.factor")
+    if scaling in ("linear", "yarn") and factor and float(factor) != 1.0:
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
+        original = _gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
+        if scaling == "yarn" and original:
+            config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    try:
+        return AutoConfig.for_model(model_type, **config)
+    except Exception as exc:  # transformers' own config validation
+        raise ModelLoadError(f"{path}: transformers rejects the config built from the GGUF metadata "
+                             f"({type(exc).__name__}: {exc})") from exc
+
+
+def _gguf_tensor(tensor: Any) -> Weight:
+    """A GGUF tensor as a Weight: Q8_0/Q4_1 raw blocks, F32/F16/BF16 as is, the types of
+    ``_DEQUANTIZED_TYPES`` dequantized (the caller has checked the type and layout)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    kind = tensor.tensor_type
+    if kind in (Q.Q8_0, Q.Q4_1):
+        dtype = DType.q8_0 if kind == Q.Q8_0 else DType.q4_1
+        data = np.array(tensor.data, dtype=np.uint8).reshape(dtype.storage_shape(shape))
+        return Weight(torch.from_numpy(data), dtype, shape)
+    if kind in (Q.F32, Q.F16):
+        data = np.array(tensor.data, dtype=tensor.data.dtype.newbyteorder("=")).reshape(shape)
+        return Weight(torch.from_numpy(data), DType.float32 if kind == Q.F32 else DType.float16, shape)
+    if kind == Q.BF16:
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(-1))
+        return Weight(raw.view(torch.bfloat16).reshape(shape), DType.bfloat16, shape)
+    try:
+        values = gguf.quants.dequantize(tensor.data, kind)
+    except NotImplementedError as exc:
+        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {kind.name}, which cannot be dequantized") from exc
+    return Weight(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape)), DType.float32, shape)
+
+
+def _read_gguf_weights(reader: Any, table: dict[str, _TensorInfo], hp: _HParams, permute_qk: bool,
+                       progress: bool, path: Path, allow_nonfinite: bool) -> dict[str, Weight]:
+    """The checked tensors under HF names (q/k rows un-permuted when ``permute_qk``); NaN/inf
+    refused (or warned about, ``allow_nonfinite``)."""
+    weights: dict[str, Weight] = {}
+    bad: list[str] = []
+    used = {info.name: name for name, info in table.items()}
+    with _progress_bar(progress, len(reader.tensors), f"reading {path.name}") as advance:
+        for tensor in reader.tensors:
+            name = used.get(tensor.name)
+            if name is not None:
+                weight = _gguf_tensor(tensor)
+                problem = _nonfinite(weight)
+                if problem:
+                    bad.append(f"{tensor.name} ({tensor.tensor_type.name}) has {problem}")
+                if permute_qk and (".q_proj." in name or ".k_proj." in name):
+                    n = hp.heads if ".q_proj." in name else hp.kv_heads
+                    rows = reverse_llama_permute(weight.data.numpy(), n)
+                    weight = Weight(torch.from_numpy(np.ascontiguousarray(rows)), weight.dtype, weight.shape)
+                weights[name] = weight
+            advance()
+    _report_nonfinite(bad, path, allow_nonfinite)
+    return weights
+
+
+def _gguf_rope_freqs(tensor: Any, hp: _HParams, path: Path) -> torch.Tensor:
+    """llama.cpp's per-frequency RoPE divisors: head_dim // 2 finite values > 0."""
+    values = np.array(tensor.data, dtype=np.float32).reshape(-1)
+    if values.shape != (hp.head_dim // 2,):
+        raise ModelLoadError(f"{path}: tensor rope_freqs.weight has {values.size} values, expected "
+                             f"{hp.head_dim // 2} (head dim {hp.head_dim} / 2)")
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ModelLoadError(f"{path}: tensor rope_freqs.weight must hold finite values > 0 (it divides the "
+                             "RoPE frequencies)")
+    return torch.from_numpy(values)
+
+
+def _file_cache_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """The GGUF's tokenizer converted by transformers (slow), cached under
+    ``cache_dir()/tokenizers/<hash of path, size, mtime>``."""
+    from transformers import AutoTokenizer
+
+    cached = cache_dir() / "tokenizers" / _file_cache_key(path)
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # a damaged cache entry: convert again
+            logger.warning("ignoring damaged tokenizer cache %s (%s)", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
+    logger.info("converting the tokenizer of %s (cached afterwards)", path.name)
+    with _foreign_errors(f"{path}: cannot build the tokenizer from the GGUF metadata"):
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+    try:
+        tokenizer.save_pretrained(str(staging))
+        os.replace(staging, cached)
+    except OSError as exc:  # another process got there first, or the cache is read-only
+        logger.debug("tokenizer cache not written: %s", exc)
+        shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
+
+
+def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> LoadedModel:
+    reader = _open_gguf(path)  # header, metadata bounds and tensor layout checked
+    _gguf_check_strings(reader, path)
+    arch = _gguf_field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"{path}: general.architecture is {'missing' if arch is None else _show(arch)}; "
+                             "it must name the architecture (llama, qwen2, mistral)")
+    _check_arch(arch, path)
+    hp = _gguf_hparams(reader, arch, path)
+    table, rope_freqs_tensor = _gguf_table(reader, path)
+    display = _hf_to_gguf_name
+    vocab, tied = _check_table(path, hp, table, None, display)
+    _gguf_check_tokens(reader, vocab, path)
+    hf_config = _gguf_hf_config(reader, path)
+    _check_arch(hf_config.model_type, path)
+    # the same checks on the config as transformers built it (names as in transformers)
+    hf_hp = _hf_hparams(f"{path} (as read by transformers)", lambda k: getattr(hf_config, k, None))
+    _check_table(f"{path} (as read by transformers)", hf_hp, table, hf_config.tie_word_embeddings, display)
+    rope_freqs = _gguf_rope_freqs(rope_freqs_tensor, hp, path) if rope_freqs_tensor is not None else None
+    permute_qk = arch == "llama"  # llama.cpp permutes llama only
+    weights = _read_gguf_weights(reader, table, hp, permute_qk, progress, path, allow_nonfinite)
+    weights = _check_weights(weights, table, tied, path)
+    tokenizer = _gguf_tokenizer(path)
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    _check_tokenizer(tokenizer, vocab, "token_embd.weight", path, tolerated=lambda i: i >= n_tokens)
+    eos = (_as_id_list(hf_config.eos_token_id) + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eos_token_id"))
+           + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eot_token_id"))
+           + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eom_token_id")) + _as_id_list(tokenizer.eos_token_id))
+    bos = hf_config.bos_token_id if hf_config.bos_token_id is not None else tokenizer.bos_token_id
+    config = _model_config(hf_config, weights, bos, eos, path)
+    if rope_freqs is not None:  # llama.cpp's per-frequency divisors (e.g. Llama 3.1 files)
+        config.inv_freq = config.inv_freq / rope_freqs
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path, format="gguf")

@@ -1,0 +1,189 @@
+"""What ``load_model`` returns, and what both loaders build it with.
+
+``LoadedModel`` holds a ``ModelConfig``, the weights as ``Weight`` records under their Hugging Face
+names, and the tokenizer. ``_model_config`` turns a transformers config (already checked by
+``checks.py``) into a ``ModelConfig``; its RoPE frequencies are computed by transformers' own RoPE
+init functions from the transformers config (``rope_parameters``), so every RoPE scaling type
+transformers supports comes out right. ``_progress_bar`` shows the loaders' tensor reading on
+stderr.
+
+This module never opens a model file (``gguf_file.py`` and ``safetensors_dir.py`` do), and never
+builds compute graphs, runs a model, picks a backend or moves tensors off the CPU.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..dtypes import DType
+from ..errors import ModelLoadError
+from .checks import _show
+from .registry import ModelFormat
+
+_ROTARY_CLASS = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding",
+                 "mistral": "MistralRotaryEmbedding"}
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer, in Hugging Face terms.
+
+    ``inv_freq`` is float32 of shape ``[head_dim // 2]`` and ``attention_scaling`` the factor
+    transformers applies to cos/sin (1.0 except for yarn/longrope), both from transformers' RoPE
+    init function for ``rope_type``. ``eos_token_ids`` is every id that ends generation, de-duplicated.
+    Every size here is validated against the weights (``vocab_size`` is the embedding's row count,
+    and every token id the tokenizer produces is below it).
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    inv_freq: torch.Tensor = field(repr=False)
+    attention_scaling: float
+    rope_type: str = "default"
+    sliding_window: int | None = None
+    hf_config: Any = field(default=None, repr=False)
+
+
+@dataclass
+class Weight:
+    """One parameter: ``data`` is its storage (``uint8`` of ``dtype.storage_shape(shape)`` when
+    ``dtype`` is quantized), ``shape`` its logical shape (``[out, in]`` for projections)."""
+
+    data: torch.Tensor
+    dtype: DType
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LoadedModel:
+    """A model read from disk: config, weights keyed by Hugging Face name, tokenizer."""
+
+    config: ModelConfig
+    weights: dict[str, Weight] = field(repr=False)
+    tokenizer: Any = field(repr=False)
+    path: Path
+    format: ModelFormat
+    name: str = ""
+
+
+def rope_parameters(hf_config: Any) -> tuple[torch.Tensor, float, str]:
+    """(inv_freq float32 [head_dim // 2], attention_scaling, rope_type) from transformers' RoPE init.
+
+    ``default`` uses the model's ``RotaryEmbedding.compute_default_rope_parameters``; every other
+    type uses ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[rope_type]``. For ``dynamic``
+    this is the initial (unscaled-length) table, as in transformers before its first update.
+
+    Raises ModelLoadError: unknown RoPE type, or the init function fails on the parameters.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        module = importlib.import_module(f"transformers.models.{hf_config.model_type}.modeling_{hf_config.model_type}")
+        rotary = getattr(module, _ROTARY_CLASS[hf_config.model_type])
+        init = getattr(rotary, "compute_default_rope_parameters", None) or ROPE_INIT_FUNCTIONS["default"]
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+    else:
+        raise ModelLoadError(f"RoPE type {_show(rope_type)} is not supported by this transformers version; "
+                             f"supported: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    try:
+        inv_freq, attention_scaling = init(hf_config)  # called as the model's RotaryEmbedding does
+    except (ArithmeticError, ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"RoPE parameters {_show(params)} are not valid for rope_type {_show(rope_type)} "
+                             f"({exc})") from exc
+    return inv_freq.to(torch.float32).contiguous(), float(attention_scaling), rope_type
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if v is not None]
+    return [int(value)]
+
+
+def _dedupe(ids: list[int]) -> list[int]:
+    return list(dict.fromkeys(ids))
+
+
+def _model_config(hf_config: Any, weights: dict[str, Weight], bos_token_id: int | None,
+                  eos_token_ids: list[int], origin: Any) -> ModelConfig:
+    arch = hf_config.model_type
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    try:
+        inv_freq, attention_scaling, rope_type = rope_parameters(hf_config)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{origin}: {exc}") from exc
+    if tuple(inv_freq.shape) != (head_dim // 2,):
+        raise ModelLoadError(f"{origin}: RoPE table has shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},): "
+                             "partial rotary embeddings are not supported")
+    if not (bool(torch.isfinite(inv_freq).all()) and bool((inv_freq > 0).all())):
+        raise ModelLoadError(f"{origin}: the RoPE parameters give non-finite or non-positive frequencies "
+                             f"({rope_type}: {getattr(hf_config, 'rope_parameters', None)})")
+    if not (math.isfinite(attention_scaling) and attention_scaling > 0):
+        raise ModelLoadError(f"{origin}: the RoPE parameters give attention scaling {attention_scaling}, "
+                             "which must be finite and > 0")
+    vocab = int(hf_config.vocab_size)
+    for what, ids in (("bos_token_id", _as_id_list(bos_token_id)), ("eos_token_id", eos_token_ids)):
+        for token in ids:
+            if not 0 <= token < vocab:
+                raise ModelLoadError(f"{origin}: {what} = {token} must be in [0, {vocab}): the embedding "
+                                     f"has {vocab} rows")
+    sliding = getattr(hf_config, "sliding_window", None)
+    if arch == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        arch=arch,
+        vocab_size=vocab,
+        hidden_size=int(hf_config.hidden_size),
+        intermediate_size=int(hf_config.intermediate_size),
+        num_layers=int(hf_config.num_hidden_layers),
+        num_heads=int(num_heads),
+        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        tie_word_embeddings="lm_head.weight" not in weights,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        bos_token_id=bos_token_id,
+        eos_token_ids=_dedupe(eos_token_ids),
+        inv_freq=inv_freq,
+        attention_scaling=attention_scaling,
+        rope_type=rope_type,
+        sliding_window=int(sliding) if sliding else None,
+        hf_config=hf_config,
+    )
+
+
+@contextmanager
+def _progress_bar(enabled: bool, total: int, description: str) -> Iterator[Any]:
+    """A rich progress bar on stderr (only when stderr is a terminal); yields ``advance()``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not (enabled and console.is_terminal), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)
