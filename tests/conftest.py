@@ -59,3 +59,32 @@ def tiny_tokenizer():
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1", bos_token="w2")
     return make
+
+
+@pytest.fixture(scope="session")
+def save_tiny_model(tiny_tokenizer):
+    """Factory ``(kind, directory, chat_template=None) -> transformers model``: a tiny random
+    Llama (untied, llama3 RoPE scaling) or Qwen2 (biases, tied) saved to ``directory`` as
+    safetensors with a word-level tokenizer 'w0'..'w299' (optionally with a chat template);
+    the returned model is the reference."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    def make(kind: str, directory, chat_template=None):
+        torch.manual_seed(0)
+        common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=2)
+        if kind == "llama":
+            cfg = LlamaConfig(**common, tie_word_embeddings=False,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                              rope_theta=500000.0)
+        else:
+            cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+        hf = AutoModelForCausalLM.from_config(cfg).eval()
+        hf.save_pretrained(directory)
+        tok = tiny_tokenizer(300)
+        tok.chat_template = chat_template
+        tok.save_pretrained(directory)
+        return hf
+    return make

@@ -150,22 +150,12 @@ def test_broken_pipe_is_quiet_141():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, tiny_tokenizer):
-    """Factory: a tiny random Llama directory (safetensors, word-level tokenizer 'w0'..'w299')
-    with the given chat template."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
+def tiny_model(tmp_path_factory, save_tiny_model):
+    """Factory: a tiny random Llama directory (tests/conftest.py ``save_tiny_model``) with the
+    given chat template; returns its path."""
     def make(chat_template=None):
         directory = tmp_path_factory.mktemp("tiny")
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          eos_token_id=1, bos_token_id=2)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
-        tok = tiny_tokenizer(300)
-        tok.chat_template = chat_template
-        tok.save_pretrained(directory)
+        save_tiny_model("llama", directory, chat_template)
         return str(directory)
     return make
 

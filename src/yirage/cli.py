@@ -72,8 +72,8 @@ def _exit(code: int) -> NoReturn:
 
 
 def _fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
-    if _state["interrupted"]:  # whatever a library made of the KeyboardInterrupt, it was Ctrl-C
-        message, code = "interrupted", EXIT_INTERRUPTED
+    if _state["interrupted"] or code == EXIT_INTERRUPTED:  # whatever a library made of the
+        _interrupted()                                     # KeyboardInterrupt, it was Ctrl-C
     _end_line()
     click.echo(f"yirage: error: {' '.join(str(message).split())}", err=True)  # always one line
     _exit(code)
@@ -236,7 +236,16 @@ def _interrupted() -> NoReturn:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback
     except ValueError:  # not the main thread
         pass
-    _fail("interrupted", EXIT_INTERRUPTED)
+    _end_line()
+    click.echo("yirage: error: interrupted", err=True)
+    # Leave without the interpreter's shutdown: after a KeyboardInterrupt it may re-raise SIGINT
+    # on itself (CPython reports an interrupt that way), which would make the status -2, not 130.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _on_sigint(signum, frame) -> None:

@@ -4,8 +4,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import yirage as yr
 from yirage.engines.generate import SEED_MAX, check_generation_args
@@ -57,15 +55,10 @@ def test_edge_values_are_accepted(name, value):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_tokenizer):
+def tiny_dir(tmp_path_factory, save_tiny_model):
     """A tiny random Llama (safetensors) with a word-level tokenizer and no chat template."""
     directory = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      eos_token_id=1, bos_token_id=2)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
-    tiny_tokenizer(300).save_pretrained(directory)
+    save_tiny_model("llama", directory)
     return directory
 
 
@@ -150,7 +143,7 @@ def test_valid_edge_values_give_correct_results(llm):
     assert a.token_ids == b.token_ids
 
 
-def test_nonfinite_weights_refused_unless_allowed(tmp_path, tiny_tokenizer, caplog):
+def test_nonfinite_weights_refused_unless_allowed(tmp_path, save_tiny_model, caplog):
     """yr.LLM refuses NaN/inf weights (ModelLoadError) and takes them with a warning when
     allow_nonfinite_weights=True; the CLI flag --allow-nonfinite-weights does the same."""
     import logging
@@ -159,9 +152,7 @@ def test_nonfinite_weights_refused_unless_allowed(tmp_path, tiny_tokenizer, capl
 
     from safetensors.torch import load_file, save_file
 
-    from test_generate import save_tiny_model
-
-    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+    save_tiny_model("llama", tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})

@@ -1,9 +1,7 @@
 """yr.LLM end to end against Hugging Face transformers (the independent reference)."""
-import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import yirage as yr
 
@@ -71,31 +69,11 @@ def test_bad_generation_arguments(smollm):
         smollm.generate("hi", top_p=1.5)
 
 
-def save_tiny_model(kind: str, directory, tiny_tokenizer):
-    """A tiny random Llama (untied, llama3 RoPE scaling) or Qwen2 (biases, tied) saved as
-    safetensors with a word-level tokenizer; returns transformers' model (the reference)."""
-    torch.manual_seed(0)
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=2)
-    if kind == "llama":
-        cfg = LlamaConfig(**common, tie_word_embeddings=False,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-                          rope_theta=500000.0)
-    else:
-        cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    hf.save_pretrained(directory)
-    tiny_tokenizer(300).save_pretrained(directory)
-    return hf
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiny_random_models_match_transformers_logits(kind, backend, tmp_path, tiny_tokenizer):
+def test_tiny_random_models_match_transformers_logits(kind, backend, tmp_path, save_tiny_model):
     """safetensors path, on every backend here (the Triton kernels included): prefill and
     3 decode steps vs transformers' full-sequence logits."""
-    hf = save_tiny_model(kind, tmp_path, tiny_tokenizer)
+    hf = save_tiny_model(kind, tmp_path)
     llm = yr.LLM(str(tmp_path), backend=backend, max_seq_length=64)
     if kind == "qwen2":
         assert llm.config.attention_bias
@@ -133,9 +111,9 @@ def test_sampling_filters_match_transformers_warpers(top_k, top_p):
 
 
 @pytest.mark.skipif(yr.is_backend_available("cuda"), reason="needs 'cuda' to be unavailable")
-def test_llm_without_backend_follows_set_backend_and_env(monkeypatch, tmp_path, tiny_tokenizer):
+def test_llm_without_backend_follows_set_backend_and_env(monkeypatch, tmp_path, save_tiny_model):
     import yirage.backends as backends
-    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+    save_tiny_model("llama", tmp_path)
     monkeypatch.setattr(backends, "_explicit_backend", None)
     monkeypatch.setenv("YIRAGE_BACKEND", "cuda")
     with pytest.raises(yr.BackendUnavailableError, match="YIRAGE_BACKEND='cuda'"):
@@ -146,10 +124,10 @@ def test_llm_without_backend_follows_set_backend_and_env(monkeypatch, tmp_path, 
 
 # logits here have std ~0.18 and max ~1.1; half precision measured 3e-4 (fp16), 3e-3 (bf16)
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 1.5e-2), ("float16", 2e-3)])
-def test_tiny_model_in_half_precision(dtype, tol, backend, tmp_path, tiny_tokenizer):
+def test_tiny_model_in_half_precision(dtype, tol, backend, tmp_path, save_tiny_model):
     """dtype='float16'/'bfloat16' (the GPU default): logits close to transformers' float32
     ones, within what half-precision activations allow."""
-    hf = save_tiny_model("qwen2", tmp_path, tiny_tokenizer)
+    hf = save_tiny_model("qwen2", tmp_path)
     llm = yr.LLM(str(tmp_path), backend=backend, max_seq_length=32, dtype=dtype)
     assert llm.dtype.value == dtype and llm.model.k_cache[0].dtype == getattr(torch, dtype)
     ids = [5, 17, 299, 42, 8]
@@ -160,12 +138,12 @@ def test_tiny_model_in_half_precision(dtype, tol, backend, tmp_path, tiny_tokeni
     torch.testing.assert_close(logits[0].float().cpu(), ref, atol=tol, rtol=0)
 
 
-def test_bad_dtype_is_one_clear_error(tmp_path, tiny_tokenizer):
-    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+def test_bad_dtype_is_one_clear_error(tmp_path, save_tiny_model):
+    save_tiny_model("llama", tmp_path)
     with pytest.raises(yr.GenerationError, match="dtype must be float32, float16 or bfloat16"):
         yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, dtype="int8")
 
 
-def test_cpu_defaults_to_float32(tmp_path, tiny_tokenizer):
-    save_tiny_model("llama", tmp_path, tiny_tokenizer)
+def test_cpu_defaults_to_float32(tmp_path, save_tiny_model):
+    save_tiny_model("llama", tmp_path)
     assert yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16).dtype == yr.float32

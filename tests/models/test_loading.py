@@ -6,7 +6,6 @@ on both sides), which is what proves the q/k row un-permutation right.
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import gguf
@@ -17,6 +16,7 @@ import torch
 from yirage.dtypes import DType
 from yirage.errors import ModelLoadError
 from yirage.models import loading, registry
+from yirage.models.gguf_file import _gguf_hf_config, _gguf_tokenizer, _open_gguf
 from yirage.models.loading import load_model, reverse_llama_permute
 from yirage.models.registry import list_models, resolve_model
 
@@ -160,7 +160,7 @@ def test_tokenizer_matches_transformers(default_model, hf_reference):
 
 def test_tokenizer_is_cached(default_model, monkeypatch, tmp_path):
     monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
-    first = loading._gguf_tokenizer(default_model.path)
+    first = _gguf_tokenizer(default_model.path)
     entries = list((tmp_path / "tokenizers").iterdir())
     assert len(entries) == 1 and (entries[0] / "tokenizer_config.json").is_file()
     from transformers import AutoTokenizer
@@ -171,14 +171,14 @@ def test_tokenizer_is_cached(default_model, monkeypatch, tmp_path):
 
     real = AutoTokenizer.from_pretrained
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
-    second = loading._gguf_tokenizer(default_model.path)
+    second = _gguf_tokenizer(default_model.path)
     assert second(TEXTS[1])["input_ids"] == first(TEXTS[1])["input_ids"]
 
 
 def test_gguf_config_is_cached(default_model, monkeypatch, tmp_path):
     monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
-    reader = loading._open_gguf(default_model.path)
-    first = loading._gguf_hf_config(reader, default_model.path)
+    reader = _open_gguf(default_model.path)
+    first = _gguf_hf_config(reader, default_model.path)
     assert len(list((tmp_path / "gguf-config").glob("*.json"))) == 1
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
@@ -186,7 +186,7 @@ def test_gguf_config_is_cached(default_model, monkeypatch, tmp_path):
         raise AssertionError("the cached config should have been used")
 
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_reparse)
-    second = loading._gguf_hf_config(reader, default_model.path)
+    second = _gguf_hf_config(reader, default_model.path)
     assert second.to_dict() == first.to_dict()
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-import torch
-
 from ..dtypes import DType
 from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 

@@ -236,7 +236,7 @@ def _check_gguf_layout(path: Path, fields: list, start: int, alignment: int, siz
         offset = int(raw_offset[0])
         if offset != expected:
             if previous is None:
-                detail = f"the first tensor must start at data offset 0"
+                detail = "the first tensor must start at data offset 0"
             else:
                 prev_name, prev_type, prev_shape, prev_end = previous
                 detail = (f"the previous tensor {prev_name} ({prev_type}, shape {prev_shape}) ends at {prev_end}, so "

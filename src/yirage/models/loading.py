@@ -46,13 +46,16 @@ that a model file names.
 """
 from __future__ import annotations
 
-# the names below stay importable from here, where callers and tests have always found them
-from .checks import SUPPORTED_ARCHS  # noqa: F401
-from .gguf_file import _gguf_hf_config, _gguf_tokenizer, _open_gguf  # noqa: F401  (tests/models/test_loading.py)
-from .gguf_file import _load_gguf, gguf_to_hf_name, reverse_llama_permute  # noqa: F401
-from .loaded_model import LoadedModel, ModelConfig, Weight, rope_parameters  # noqa: F401
+# the public names of the model-reading modules stay importable from here
+from .checks import SUPPORTED_ARCHS
+from .gguf_file import _load_gguf, gguf_to_hf_name, reverse_llama_permute
+from .loaded_model import LoadedModel, ModelConfig, Weight, rope_parameters
 from .registry import resolve_model
 from .safetensors_dir import _load_safetensors
+
+
+__all__ = ["SUPPORTED_ARCHS", "LoadedModel", "ModelConfig", "Weight", "gguf_to_hf_name", "load_model",
+           "reverse_llama_permute", "rope_parameters"]
 
 
 def load_model(spec: str, progress: bool = True, allow_nonfinite: bool = False) -> LoadedModel:
