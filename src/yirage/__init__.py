@@ -27,6 +27,7 @@ _EXPORTS = {
                     "yirage.backends"),
     "DTensor": "yirage.ir.graph",
     **dict.fromkeys(["KNGraph", "new_kernel_graph"], "yirage.kernel"),
+    "PersistentKernel": "yirage.persistent_kernel",
     **dict.fromkeys(["LLM", "GenerationResult"], "yirage.engines.generate"),
 }
 _ALIASES = {

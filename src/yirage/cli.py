@@ -186,8 +186,15 @@ def info() -> None:
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--no-chat", is_flag=True, help="Send PROMPT as plain text, without the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--persistent/--no-persistent", default=None,
+              help="Decode with the persistent kernel (one task graph per step; default on the CPU) or "
+                   "with one launch per op.")
+@click.option("--workers", type=int, default=None,
+              help="Worker threads of the persistent kernel (default: the cores this process may use).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the decode tasks as a Chrome/Perfetto trace (JSON) to this file.")
 def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allow_nonfinite_weights,
-             temperature, top_k, top_p, seed, system, no_chat, as_json) -> None:
+             temperature, top_k, top_p, seed, system, no_chat, as_json, persistent, workers, trace_path) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from .engines.generate import LLM, check_generation_args
 
@@ -197,8 +204,14 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
         check_generation_args(max_new_tokens, temperature, top_k, top_p, seed)
         if system and no_chat:
             raise GenerationError("--system needs the model's chat template: drop --no-chat")
+        if trace_path is not None and persistent is False:
+            raise GenerationError("--trace records the persistent kernel's tasks: drop --no-persistent")
+        if workers is not None and workers < 1:
+            raise GenerationError(f"--workers must be a positive integer, got {workers}")
+        profile = _trace_buffer(max_new_tokens) if trace_path is not None else None
         llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True,
-                  allow_nonfinite_weights=allow_nonfinite_weights)
+                  allow_nonfinite_weights=allow_nonfinite_weights, persistent=True if profile is not None else persistent,
+                  num_workers=workers, profiler_tensor=profile)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
         has_template = bool(getattr(llm.tokenizer, "chat_template", None))
@@ -213,12 +226,26 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
     except YirageError as e:
         _fail(str(e))
     result = stream.result
+    if trace_path is not None:
+        try:
+            n = llm.write_trace(trace_path)
+        except OSError as e:
+            _fail(f"cannot write the trace to {trace_path}: {e.strerror or e}")
+        click.echo(f"[trace: {n} task events in {trace_path}; open it in https://ui.perfetto.dev]", err=True)
     if as_json:
         _out(json.dumps(result.to_dict()))
     else:
         _out()
         click.echo(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, "
                    f"ttft {result.prefill_s:.2f} s, decode {result.decode_tokens_per_s:.1f} tokens/s]", err=True)
+
+
+def _trace_buffer(max_new_tokens: int):
+    """An int64 profiler buffer for the decode tasks of ``max_new_tokens`` steps (at most
+    2 million rows, 96 MiB): the trace keeps the first steps when it is full."""
+    import torch
+
+    return torch.zeros((min(2_000_000, 4096 * max(1, max_new_tokens)), 6), dtype=torch.int64)
 
 
 def _silence_stdout() -> None:

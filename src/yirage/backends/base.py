@@ -121,6 +121,9 @@ class Kernel(Protocol):
         """
         ...
 
+    # Optional: ``task(tensors, rows, num_workers) -> runtime.task_graph.TaskOp`` gives the
+    # kernel's task form for the persistent kernel (the CPU's CppKernel has it).
+
 
 class BackendImpl(ABC):
     """One device kind behind the backend contract (ggml-backend's device table, in Python).
@@ -247,6 +250,16 @@ class BackendImpl(ABC):
         violation as ``[1, value, lo, hi]`` (valid range ``[lo, hi)``).
         """
         raise NotImplementedError(f"{type(self).__name__} does not support {node.op}")
+
+    def bind_library_task(self, node, graph, args: list[torch.Tensor], out: torch.Tensor,
+                          status: torch.Tensor | None, num_workers: int) -> list | None:
+        """The task form of ``node`` for the persistent kernel (``runtime.task_graph``): a
+        list of ``runtime.task_graph.TaskOp`` stages, each depending on the one before (e.g.
+        attention = append to the KV cache, partial softmax per KV split, combine), with
+        their work cut for ``num_workers`` workers; or None when this backend runs the op
+        only as a launch (``bind_library_op``). Arguments as for ``bind_library_op``. The
+        default: None (backends without a task scheduler)."""
+        return None
 
     def capture(self, run: Thunk) -> Thunk:
         """A thunk that replays the device work of ``run`` (a plan's launches) with less

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 from typing import Callable
 
 import torch
 
 from ..dtypes import DType
+from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
 
 _P = ctypes.c_void_p
@@ -36,6 +38,10 @@ SIGNATURES: dict[str, tuple] = {
     "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
 }
+#: task entry points (address taken, called by the persistent kernel scheduler only)
+TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_f32", "yr_task_embedding",
+                "yr_task_rope", "yr_task_attention_append", "yr_task_attention_partial",
+                "yr_task_attention_combine", "yr_task_argmax_partial", "yr_task_argmax_reduce")
 
 
 def bind_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -54,7 +60,8 @@ def library() -> ctypes.CDLL:
     Raises:
         ToolchainError: no C++ compiler, or it rejected the source.
     """
-    return bind_signatures(load_library(kernel_source("library.cpp"), symbols=tuple(SIGNATURES)))
+    return bind_signatures(load_library(kernel_source("library.cpp"),
+                                       symbols=tuple(SIGNATURES) + TASK_SYMBOLS))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -152,4 +159,116 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rope": (_float32_first, _rope),
     "attention": (_float32_first, _attention),
     "argmax": (_float32_first, _argmax),
+}
+
+
+# ---- task forms for the persistent kernel (runtime/task_graph.py) -------------------------
+# Each returns a list of TaskOp stages (library.cpp yr_task_*) with the work cut for
+# ``num_workers`` workers, or None for the cases that only have a launch above.
+_TASK_BYTES = 32 * 1024   # weight bytes per GEMV task at least (a task costs ~1 us to hand out)
+_GEMV_ROWS = 4            # library.cpp GEMV_ROWS: slices are whole row groups
+
+
+def _fn(name: str) -> int:
+    return ctypes.cast(getattr(library(), name), ctypes.c_void_p).value
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", float(x)))[0]
+
+
+def _linear_task(node, graph, args, out, status, num_workers):
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) == 3 else None
+    wt = graph.tensors[node.inputs[1]]
+    if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return None
+    if wt.dtype.is_quantized:
+        if wt.dtype not in _QUANT:
+            return None
+        fn = f"yr_task_linear_{wt.dtype.value}"
+    elif wt.dtype == DType.float32:
+        fn = "yr_task_linear_f32"
+    else:
+        return None
+    N, K = wt.shape
+    M = x.numel() // K
+    tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
+    return [task_op(f"linear {wt.dtype.value} {N}x{K}", _fn(fn),
+                    (x.data_ptr(), w.data_ptr(), _ptr(bias) or 0, out.data_ptr(), M, N, K),
+                    split_range(N, tasks, _GEMV_ROWS))]
+
+
+def _embedding_task(node, graph, args, out, status, num_workers):
+    ids, table = args
+    tt = graph.tensors[node.inputs[1]]
+    fmt = {DType.float32: 0, DType.q8_0: 1, DType.q4_1: 2}.get(tt.dtype)
+    if fmt is None or out.dtype != torch.float32:
+        return None
+    T, (V, D) = ids.numel(), tt.shape
+    return [task_op("embedding", _fn("yr_task_embedding"),
+                    (ids.data_ptr(), table.data_ptr(), out.data_ptr(), T, D, V, _ptr(status), fmt),
+                    split_range(T, num_workers if T * D >= 65536 else 1))]
+
+
+def _rope_task(node, graph, args, out, status, num_workers):
+    x, cos, sin, pos = args
+    if x.dtype != torch.float32:
+        return None
+    T, H, Dh = x.shape
+    return [task_op("rope", _fn("yr_task_rope"),
+                    (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), out.data_ptr(), T, H, Dh,
+                     cos.shape[0], _ptr(status)),
+                    split_range(T * H, num_workers if T * H * Dh >= 65536 else 1))]
+
+
+def _attention_task(node, graph, args, out, status, num_workers):
+    """Flash-decoding (Dao et al. 2023): the keys of each KV head are cut into ``splits``
+    slices, each a task computing a partial softmax for the head's query group; a second op
+    merges the slices. Splits are sized for the cache's length (>= 256 keys each) and so
+    that every worker gets about 4 tasks."""
+    q, k, v, kc, vc, pos = args
+    if q.dtype != torch.float32:
+        return None
+    T, Hq, Dh = q.shape
+    Hkv, S = k.shape[1], kc.shape[0]
+    splits = max(1, min(-(-S // 256), -(-4 * num_workers // Hkv)))
+    part = torch.empty((T, Hq, splits, Dh + 2), dtype=torch.float32)
+    append = task_op("attention append", _fn("yr_task_attention_append"),
+                     (k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), T, Hkv, Dh, S,
+                      _ptr(status)), [(0, 1)])
+    partial = task_op(f"attention {Hkv} kv heads x {splits} splits", _fn("yr_task_attention_partial"),
+                      (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), part.data_ptr(), T, Hq, Hkv,
+                       Dh, S, _float_bits(node.attrs["scale"]), splits),
+                      [(i, i + 1) for i in range(Hkv * splits)], keep=[part])
+    combine = task_op("attention combine", _fn("yr_task_attention_combine"),
+                      (part.data_ptr(), out.data_ptr(), T, Hq, Dh, splits),
+                      split_range(T * Hq, num_workers if T * Hq * splits * Dh >= 65536 else 1), keep=[part])
+    return [append, partial, combine]
+
+
+def _argmax_task(node, graph, args, out, status, num_workers):
+    x = args[0]
+    if x.dtype != torch.float32:
+        return None
+    D = x.shape[-1]
+    R = x.numel() // D
+    chunks = max(1, min(4 * num_workers, D // 4096))
+    vals = torch.empty(R * chunks, dtype=torch.float32)
+    idx = torch.empty(R * chunks, dtype=torch.int64)
+    partial = task_op("argmax partial", _fn("yr_task_argmax_partial"),
+                      (x.data_ptr(), vals.data_ptr(), idx.data_ptr(), R, D, chunks),
+                      [(i, i + 1) for i in range(R * chunks)], keep=[vals, idx])
+    reduce = task_op("argmax reduce", _fn("yr_task_argmax_reduce"),
+                     (vals.data_ptr(), idx.data_ptr(), out.data_ptr(), chunks), [(0, R)], keep=[vals, idx])
+    return [partial, reduce]
+
+
+#: op -> task binder(node, graph, args, out, status, num_workers) -> list[TaskOp] | None
+TASKS: dict[str, Callable] = {
+    "linear": _linear_task,
+    "embedding": _embedding_task,
+    "rope": _rope_task,
+    "attention": _attention_task,
+    "argmax": _argmax_task,
 }

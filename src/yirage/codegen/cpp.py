@@ -3,7 +3,9 @@
 Each kernel becomes ``extern "C" void NAME(void** args, int64_t R)``: ``args`` holds the
 input pointers then the output pointers, in the order of ``kernel.inputs`` and
 ``kernel.outputs``; ``R`` is the number of rows (a run-time value, so one build serves
-every sequence length). The row loop is OpenMP-parallel; the loop over a row is split into
+every sequence length). A second entry, ``NAME_task(const int64_t* args, int64_t lo,
+int64_t hi)``, runs rows lo..hi-1 on the calling thread: a task of the persistent kernel
+runtime (kernels/cpu/persistent.cpp). The row loop is OpenMP-parallel; the loop over a row is split into
 *phases* at each row reduction, each phase one ``omp simd`` loop. A vec value defined in
 one phase and read in a later one is kept in a per-thread row buffer; plain input loads
 are simply reloaded. All arithmetic is float32; float16/bfloat16 are converted on load
@@ -82,13 +84,12 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
                        and stmts[x].kind == VEC and phase[x] < phase[s.id]})
     slot = {sid: i for i, sid in enumerate(buffered)}
 
-    lines = [f'extern "C" void {name}(void** args, int64_t R) {{', f"  const int64_t D = {kernel.D};"]
+    lines = [f"  const int64_t D = {kernel.D};"]
     for i, inp in enumerate(kernel.inputs):
         lines.append(f"  const {_CTYPE[inp.dtype]}* __restrict in{i} = (const {_CTYPE[inp.dtype]}*)args[{i}];")
     for n, (_, _, d) in enumerate(kernel.outputs):
         lines.append(f"  {_CTYPE[d]}* __restrict out{n} = ({_CTYPE[d]}*)args[{len(kernel.inputs) + n}];")
-    lines.append("  #pragma omp parallel for schedule(static) if (R * D >= 32768)")
-    lines.append("  for (int64_t r = 0; r < R; ++r) {")
+    lines.append(_LOOP)
     if buffered:
         lines.append(f"    static thread_local std::vector<float> scratch; scratch.resize({len(buffered)} * D);")
     for p in range(n_phases + 1):
@@ -125,8 +126,18 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
     for sid, (n, d) in rs_outs.items():
         lines.append(f"    out{n}[r] = {_store(d, f'v{sid}')};")
     lines.append("  }")
-    lines.append("}")
-    return "\n".join(lines)
+    body = "\n".join(lines)
+    # The launch entry (OpenMP over all R rows) and the task entry for the persistent kernel
+    # runtime (rows lo..hi-1 on the calling worker; args as int64, see kernels/cpu/persistent.cpp).
+    launch = body.replace(_LOOP, "  #pragma omp parallel for schedule(static) if (R * D >= 32768)\n"
+                                 "  for (int64_t r = 0; r < R; ++r) {")
+    task = body.replace(_LOOP, "  for (int64_t r = lo; r < hi; ++r) {")
+    return (f'extern "C" void {name}(void** args, int64_t R) {{\n{launch}\n}}\n\n'
+            f'extern "C" void {name}_task(const int64_t* task_args, int64_t lo, int64_t hi) {{\n'
+            f"  void* const* args = (void* const*)task_args;\n{task}\n}}")
+
+
+_LOOP = "  @ROW_LOOP@"
 
 
 def kernel_name(kernel: FusedKernel) -> str:

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..backends import get_backend_impl, resolve_backend
+from ..backends import Backend, get_backend_impl, resolve_backend
 from ..dtypes import DType, as_dtype
 from ..config import logger
 from ..errors import GenerationError
@@ -182,6 +182,13 @@ class LLM:
         allow_nonfinite_weights: load a model whose weights (or quantized block scales) hold
             NaN or inf with a warning instead of refusing it (ModelLoadError) — its outputs
             will likely be NaN.
+        persistent: run each decode step as a ``yr.PersistentKernel`` (on the CPU: one task
+            graph on persistent worker threads); None (the default) means True on the CPU and
+            False elsewhere; False keeps the launch-per-op plan (for comparison).
+        num_workers: worker threads of the persistent kernel (default: the cores this process
+            may use).
+        profiler_tensor: int64 [capacity, 6] CPU tensor recording every decode task (see
+            ``yr.PersistentKernel``); ``write_trace(path)`` saves it as a Chrome/Perfetto trace.
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
@@ -192,7 +199,8 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
                  max_seq_length: int = 2048, dtype=None, progress: bool = False,
-                 allow_nonfinite_weights: bool = False):
+                 allow_nonfinite_weights: bool = False, persistent: bool | None = None,
+                 num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None):
         max_seq_length = _positive_int("max_seq_length", max_seq_length)
         self.backend = resolve_backend(backend)
         self.dtype = _activation_dtype(dtype, self.backend)
@@ -207,11 +215,26 @@ class LLM:
             logger.warning("max_seq_length capped at %d by the model's context (position limit / "
                            "sliding window)", self.max_seq_length)
         self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype)
-        self.steps = StepRunner(self.model)
+        if persistent is None:
+            persistent = self.backend == Backend.CPU
+        if profiler_tensor is not None and not persistent:
+            raise GenerationError("profiler_tensor records the tasks of the persistent decode kernel: "
+                                  "it needs persistent=True")
+        self.persistent = bool(persistent)
+        self.steps = StepRunner(self.model, persistent=self.persistent, num_workers=num_workers,
+                                profiler_tensor=profiler_tensor)
         self.steps.prepare(1)  # build and compile the decode step now, not inside the first timing
         self.eos_token_ids = set(self.config.eos_token_ids)
         logger.info("loaded %s on %s (max_seq_length=%d, dtype=%s)", self.name, self.backend.value,
                     self.max_seq_length, self.dtype.value)
+
+    def write_trace(self, path) -> int:
+        """Write the decode tasks recorded in ``profiler_tensor`` as a Chrome/Perfetto JSON
+        trace (one track per worker); returns the number of task events. Raises
+        GenerationError when the LLM was made without a profiler_tensor."""
+        if self.steps.profiler_tensor is None or self.steps.decode is None:
+            raise GenerationError("no trace: create the LLM with profiler_tensor=... (CLI: --trace FILE)")
+        return self.steps.decode.write_trace(path)
 
     # ---- prompts ------------------------------------------------------------------------
     def encode_prompt(self, prompt: "str | Sequence[dict]", chat: bool = True) -> list[int]:

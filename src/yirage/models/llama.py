@@ -27,6 +27,7 @@ import torch
 from ..backends import Backend, get_backend_impl
 from ..dtypes import DType, as_dtype
 from ..kernel import KNGraph
+from ..persistent_kernel import PersistentKernel
 
 
 class LlamaModel:
@@ -119,25 +120,94 @@ class LlamaModel:
         return g, tensors
 
 
+    def decode_kernel(self, num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
+                      adaptive_workers: bool = True) -> PersistentKernel:
+        """The decode step (T = 1) built with ``yr.PersistentKernel``'s layers and compiled:
+        the same computation as ``build_graph(1)`` (``run_step(token, pos)`` returns the
+        logits [1, vocab] and the argmax [1]); on the CPU one task graph per step."""
+        cfg = self.cfg
+        H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        dt = self.dtype
+        mpk = PersistentKernel(num_workers=num_workers, max_seq_length=self.max_seq_length,
+                               eos_token_id=list(cfg.eos_token_ids), profiler_tensor=profiler_tensor,
+                               backend=self.backend.value, adaptive_workers=adaptive_workers)
+        attached: dict[str, object] = {}
+
+        def W(name: str):
+            if name not in attached:
+                data, dtype, _ = self.weights[name]
+                attached[name] = mpk.attach_input(data, name, dtype if dtype.is_quantized else None)
+            return attached[name]
+
+        def bias(prefix: str):
+            return W(prefix + ".bias") if prefix + ".bias" in self.weights else None
+
+        def act(name: str, n: int, dtype=dt):
+            return mpk.new_tensor((1, n), dtype, name)
+
+        h = act("h.embed", H)
+        mpk.embed_layer(mpk.input_token, W("model.embed_tokens.weight"), h)
+        cos, sin = mpk.attach_input(self.cos, "rope_cos"), mpk.attach_input(self.sin, "rope_sin")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            qkv = [act(f"{p}.{x}", n * Dh) for x, n in (("q", hq), ("k", hkv), ("v", hkv))]
+            projs = [f"{p}.self_attn.{x}_proj" for x in "qkv"]
+            biases = [bias(x) for x in projs]
+            mpk.rmsnorm_linear_layer(h, W(f"{p}.input_layernorm.weight"), [W(x + ".weight") for x in projs], qkv,
+                                     eps=eps, bias=biases if any(b is not None for b in biases) else None)
+            a = act(f"{p}.attn", hq * Dh)
+            mpk.attention_layer(tuple(qkv), mpk.attach_input(self.k_cache[i], f"k_cache.{i}"),
+                                mpk.attach_input(self.v_cache[i], f"v_cache.{i}"), None, None, cos, sin, a)
+            h_attn = act(f"{p}.h_attn", H)
+            mpk.linear_with_residual_layer(a, W(f"{p}.self_attn.o_proj.weight"), h, h_attn)
+            gate_up = [act(f"{p}.{x}", cfg.intermediate_size) for x in ("gate", "up")]
+            mpk.rmsnorm_linear_layer(h_attn, W(f"{p}.post_attention_layernorm.weight"),
+                                     [W(f"{p}.mlp.gate_proj.weight"), W(f"{p}.mlp.up_proj.weight")], gate_up, eps=eps)
+            h = act(f"{p}.h_out", H)
+            mpk.silu_mul_linear_with_residual_layer(tuple(gate_up), W(f"{p}.mlp.down_proj.weight"), h_attn, h)
+        last = act("final_norm", H)
+        mpk.rmsnorm_layer(h, W("model.norm.weight"), last, eps=eps)
+        head = W("lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight")
+        logits = act("logits", cfg.vocab_size, DType.float32 if dt == DType.float32 else dt)
+        mpk.linear_layer(last, head, logits)
+        mpk.mark_output(logits)
+        partial = (act("argmax_values", 1), act("argmax_indices", 1, DType.int64))
+        mpk.argmax_partial_layer(logits, partial)
+        mpk.argmax_reduce_layer(partial, mpk.new_tensor((1,), DType.int64, "next_token"))
+        mpk.compile()
+        return mpk
+
+
 class StepRunner:
     """Compiled forward steps of a LlamaModel: one plan per token count T, reused.
 
     ``run(token_ids, start_pos)`` writes the KV cache rows start_pos.. and returns
     (logits [1, vocab] in the model's dtype, argmax [1] int64), both on the model's device and
-    owned by the plan (copy to keep). The decode plan (T = 1) is captured by the backend
-    (CUDA graphs on CUDA/ROCm), so a decode step is one replay.
+    owned by the plan (copy to keep). With ``persistent`` the decode step (T = 1) is a
+    ``PersistentKernel`` (``LlamaModel.decode_kernel``: one task graph on the CPU's worker
+    pool of ``num_workers``); otherwise the decode plan is captured by the backend (CUDA
+    graphs on CUDA/ROCm), so a decode step is one replay.
     """
 
-    def __init__(self, model: LlamaModel, max_plans: int = 4):
+    def __init__(self, model: LlamaModel, max_plans: int = 4, persistent: bool = False,
+                 num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None):
         self.model = model
         self.plans: dict[int, tuple] = {}
         self.max_plans = max_plans
+        self.persistent = persistent
+        self.num_workers = num_workers
+        self.profiler_tensor = profiler_tensor
+        self.decode: PersistentKernel | None = None
 
     def prepare(self, T: int) -> None:
         """Build, compile and bind the step for T tokens ahead of time."""
         self._plan(T)
 
     def _plan(self, T: int):
+        if T == 1 and self.persistent:
+            if self.decode is None:
+                self.decode = self.model.decode_kernel(self.num_workers, self.profiler_tensor)
+            return self.decode
         if T not in self.plans:
             if len(self.plans) >= self.max_plans:  # keep decode (T=1), drop an old prefill plan
                 self.plans.pop(next(t for t in self.plans if t != 1))
@@ -151,6 +221,8 @@ class StepRunner:
         return self.plans[T]
 
     def run(self, token_ids: list[int], start_pos: int):
+        if len(token_ids) == 1 and self.persistent:
+            return self._plan(1).run_step(token_ids[0], start_pos)
         plan, ids, start = self._plan(len(token_ids))
         ids.copy_(torch.tensor(token_ids, dtype=torch.int64))
         start.fill_(start_pos)

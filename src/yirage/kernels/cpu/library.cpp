@@ -663,6 +663,28 @@ int64_t argmax_row(const float* x, int64_t D) {
     return best;
 }
 
+// RoPE of row th = t * H + h of x [T, H, Dh] at position p0 + t (see yr_rope).
+inline void rope_row(const float* x, const float* cos_table, const float* sin_table, int64_t p0, float* out,
+                     int64_t th, int64_t H, int64_t Dh) {
+    const int64_t half = Dh / 2, t = th / H;
+    const float* c = cos_table + (p0 + t) * half;
+    const float* s = sin_table + (p0 + t) * half;
+    const float* xi = x + th * Dh;
+    float* oi = out + th * Dh;
+    // Chunks through local copies, so that out == x is safe and the loops vectorize.
+    constexpr int CH = 16;
+    for (int64_t i0 = 0; i0 < half; i0 += CH) {
+        const int n = (int)std::min<int64_t>(CH, half - i0);
+        float a[CH], b[CH], ra[CH], rb[CH];
+        for (int i = 0; i < n; ++i) { a[i] = xi[i0 + i]; b[i] = xi[half + i0 + i]; }
+        for (int i = 0; i < n; ++i) {
+            ra[i] = a[i] * c[i0 + i] - b[i] * s[i0 + i];
+            rb[i] = b[i] * c[i0 + i] + a[i] * s[i0 + i];
+        }
+        for (int i = 0; i < n; ++i) { oi[i0 + i] = ra[i]; oi[half + i0 + i] = rb[i]; }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -775,31 +797,13 @@ void yr_embedding_f32(const int64_t* ids, const float* table, float* out, int64_
 
 void yr_rope(const float* x, const float* cos_table, const float* sin_table, const int64_t* start_pos,
              float* out, int64_t T, int64_t H, int64_t Dh, int64_t S, int64_t* status) {
-    const int64_t half = Dh / 2, p0 = start_pos[0];
+    const int64_t p0 = start_pos[0];
     if (p0 < 0 || p0 > S - T) {
         report(status, p0, 0, S - T + 1);
         return;
     }
 #pragma omp parallel for schedule(static) if (T * H * Dh >= PAR_MIN_ELEMS)
-    for (int64_t th = 0; th < T * H; ++th) {
-        const int64_t t = th / H;
-        const float* c = cos_table + (p0 + t) * half;
-        const float* s = sin_table + (p0 + t) * half;
-        const float* xi = x + th * Dh;
-        float* oi = out + th * Dh;
-        // Chunks through local copies, so that out == x is safe and the loops vectorize.
-        constexpr int CH = 16;
-        for (int64_t i0 = 0; i0 < half; i0 += CH) {
-            const int n = (int)std::min<int64_t>(CH, half - i0);
-            float a[CH], b[CH], ra[CH], rb[CH];
-            for (int i = 0; i < n; ++i) { a[i] = xi[i0 + i]; b[i] = xi[half + i0 + i]; }
-            for (int i = 0; i < n; ++i) {
-                ra[i] = a[i] * c[i0 + i] - b[i] * s[i0 + i];
-                rb[i] = b[i] * c[i0 + i] + a[i] * s[i0 + i];
-            }
-            for (int i = 0; i < n; ++i) { oi[i0 + i] = ra[i]; oi[half + i0 + i] = rb[i]; }
-        }
-    }
+    for (int64_t th = 0; th < T * H; ++th) rope_row(x, cos_table, sin_table, p0, out, th, H, Dh);
 }
 
 // =================================================================================
@@ -871,5 +875,247 @@ void yr_argmax(const float* x, int64_t* out, int64_t R, int64_t D) {
 #pragma omp parallel for schedule(static) if (R * D >= PAR_MIN_ELEMS && R > 1)
     for (int64_t r = 0; r < R; ++r) out[r] = argmax_row(x + r * D, D);
 }
+
+// =================================================================================
+// Task entry points for the persistent kernel runtime (persistent.cpp).
+// void yr_task_X(const int64_t* a, int64_t lo, int64_t hi): a holds the op's arguments as
+// int64 (pointers, sizes, a float's bits), [lo, hi) is the slice of the op's work this
+// task does (listed per function). They never start OpenMP regions: the runtime's workers
+// are the parallelism. Shapes were checked when the task graph was built; run-time indices
+// (ids, start_pos) are checked here, as in the entry points above.
+// =================================================================================
+
+}  // extern "C"
+
+#define YR_ARG(i, T) reinterpret_cast<T>(a[i])
+
+namespace {
+
+template <typename RowsFn>
+inline void gemv_range(int64_t lo, int64_t hi, RowsFn rows) {
+    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) rows(n0, (int)std::min<int64_t>(GEMV_ROWS, hi - n0));
+}
+
+inline float float_arg(int64_t bits) {
+    const uint32_t u = (uint32_t)bits;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+}  // namespace
+
+extern "C" {
+
+// a = {x, w, bias|0, y, M, N, K}; [lo, hi): output columns (weight rows) of y.
+void yr_task_linear_q4_1(const int64_t* a, int64_t lo, int64_t hi) {
+    const float* x = YR_ARG(0, const float*);
+    const uint8_t* w = YR_ARG(1, const uint8_t*);
+    const float* bias = YR_ARG(2, const float*);
+    float* y = YR_ARG(3, float*);
+    const int64_t M = a[4], N = a[5], K = a[6], nb = K / QK, rb = nb * Q4_1_BYTES;
+    static thread_local std::vector<float> sx_buf;
+    float* sx = scratch(sx_buf, (size_t)(M * nb + 1));
+    for (int64_t i = 0; i < M * nb; ++i) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; ++j) s += x[i * QK + j];
+        sx[i] = s;
+    }
+    gemv_range(lo, hi, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) gemv_q4_1_rows<R>(x + m * K, sx + m * nb, w + n0 * rb, rb, nb, \
+                                     bias ? bias + n0 : nullptr, y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+// a = {x, w, bias|0, y, M, N, K}; [lo, hi): weight rows.
+void yr_task_linear_q8_0(const int64_t* a, int64_t lo, int64_t hi) {
+    const float* x = YR_ARG(0, const float*);
+    const uint8_t* w = YR_ARG(1, const uint8_t*);
+    const float* bias = YR_ARG(2, const float*);
+    float* y = YR_ARG(3, float*);
+    const int64_t M = a[4], N = a[5], K = a[6], rb = K / QK * Q8_0_BYTES, nb = K / QK;
+    gemv_range(lo, hi, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) gemv_q8_0_rows<R>(x + m * K, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, \
+                                     y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+// a = {x, w, bias|0, y, M, N, K}; [lo, hi): weight rows.
+void yr_task_linear_f32(const int64_t* a, int64_t lo, int64_t hi) {
+    const float* x = YR_ARG(0, const float*);
+    const float* w = YR_ARG(1, const float*);
+    const float* bias = YR_ARG(2, const float*);
+    float* y = YR_ARG(3, float*);
+    const int64_t M = a[4], N = a[5], K = a[6];
+    gemv_range(lo, hi, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) gemv_f32_rows<R>(x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+// a = {ids, table, out, T, D, V, status, format (0 f32, 1 q8_0, 2 q4_1)}; [lo, hi): tokens.
+void yr_task_embedding(const int64_t* a, int64_t lo, int64_t hi) {
+    const int64_t* ids = YR_ARG(0, const int64_t*);
+    const uint8_t* table = YR_ARG(1, const uint8_t*);
+    float* out = YR_ARG(2, float*);
+    const int64_t D = a[4], V = a[5];
+    int64_t* status = YR_ARG(6, int64_t*);
+    for (int64_t t = lo; t < hi; ++t) {
+        const int64_t id = ids[t];
+        float* dst = out + t * D;
+        if (id < 0 || id >= V) {
+            report(status, id, 0, V);
+            std::fill(dst, dst + D, 0.0f);
+        } else if (a[7] == 1) {
+            dequant_row<dequant_block_q8_0, Q8_0_BYTES>(table + id * (D / QK * Q8_0_BYTES), dst, D);
+        } else if (a[7] == 2) {
+            dequant_row<dequant_block_q4_1, Q4_1_BYTES>(table + id * (D / QK * Q4_1_BYTES), dst, D);
+        } else {
+            std::memcpy(dst, reinterpret_cast<const float*>(table) + id * D, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+// a = {x, cos, sin, start_pos, out, T, H, Dh, S, status}; [lo, hi): rows t * H + h.
+void yr_task_rope(const int64_t* a, int64_t lo, int64_t hi) {
+    const int64_t p0 = YR_ARG(3, const int64_t*)[0], T = a[5], S = a[8];
+    if (p0 < 0 || p0 > S - T) {
+        report(YR_ARG(9, int64_t*), p0, 0, S - T + 1);
+        return;
+    }
+    for (int64_t th = lo; th < hi; ++th)
+        rope_row(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, const float*), p0,
+                 YR_ARG(4, float*), th, a[6], a[7]);
+}
+
+// Attention as three ops (flash-decoding, Dao et al. 2023): append k, v to the caches; the
+// partial softmax of each (query, KV head, KV split); the combination of the splits.
+// The part buffer holds, per (t, q head, split), {max score, sum of exp, Dh weighted values}.
+
+// a = {k, v, k_cache, v_cache, start_pos, T, Hkv, Dh, max_seq, status}; one task.
+void yr_task_attention_append(const int64_t* a, int64_t, int64_t) {
+    const int64_t p0 = YR_ARG(4, const int64_t*)[0], T = a[5], row = a[6] * a[7], max_seq = a[8];
+    if (p0 < 0 || p0 > max_seq - T) {
+        report(YR_ARG(9, int64_t*), p0, 0, max_seq - T + 1);
+        return;
+    }
+    std::memcpy(YR_ARG(2, float*) + p0 * row, YR_ARG(0, const float*), (size_t)(T * row) * sizeof(float));
+    std::memcpy(YR_ARG(3, float*) + p0 * row, YR_ARG(1, const float*), (size_t)(T * row) * sizeof(float));
+}
+
+// a = {q, k_cache, v_cache, start_pos, part, T, Hq, Hkv, Dh, max_seq, scale bits, splits};
+// [lo, hi): pairs kvh * splits + s, for every query t and every q head of KV head kvh.
+void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
+    const float* q = YR_ARG(0, const float*);
+    const float* k_cache = YR_ARG(1, const float*);
+    const float* v_cache = YR_ARG(2, const float*);
+    const int64_t p0 = YR_ARG(3, const int64_t*)[0];
+    float* part = YR_ARG(4, float*);
+    const int64_t T = a[5], Hq = a[6], Hkv = a[7], Dh = a[8], max_seq = a[9], S = a[11];
+    const float scale = float_arg(a[10]);
+    if (p0 < 0 || p0 > max_seq - T) return;   // the append task reported it
+    const int64_t kv_row = Hkv * Dh, group = Hq / Hkv;
+    const int64_t chunk = ((p0 + T + S - 1) / S + 15) / 16 * 16;   // keys per split
+    static thread_local std::vector<float> score_buf;
+    float* sc = scratch(score_buf, (size_t)(chunk + VL));
+    for (int64_t pair = lo; pair < hi; ++pair) {
+        const int64_t kvh = pair / S, s = pair % S;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t j0 = s * chunk, j1 = std::min(p0 + t + 1, (s + 1) * chunk);
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+                float* pr = part + ((t * Hq + h) * S + s) * (Dh + 2);
+                float* o = pr + 2;
+                std::fill(o, o + Dh, 0.0f);
+                if (j1 <= j0) { pr[0] = -INFINITY; pr[1] = 0.0f; continue; }
+                const float* qv = q + (t * Hq + h) * Dh;
+                float mx = -INFINITY;
+                for (int64_t j = j0; j < j1; ++j) {
+                    sc[j - j0] = scale * dot(qv, k_cache + j * kv_row + kvh * Dh, Dh);
+                    mx = std::max(mx, sc[j - j0]);
+                }
+                float sum = 0.0f;
+                for (int64_t j = j0; j < j1; ++j) {
+                    const float e = std::exp(sc[j - j0] - mx);
+                    sum += e;
+                    axpy(e, v_cache + j * kv_row + kvh * Dh, o, Dh);
+                }
+                pr[0] = mx;
+                pr[1] = sum;
+            }
+        }
+    }
+}
+
+// a = {part, out, T, Hq, Dh, splits}; [lo, hi): rows t * Hq + h of out [T, Hq, Dh].
+void yr_task_attention_combine(const int64_t* a, int64_t lo, int64_t hi) {
+    const float* part = YR_ARG(0, const float*);
+    float* out = YR_ARG(1, float*);
+    const int64_t Dh = a[4], S = a[5];
+    for (int64_t th = lo; th < hi; ++th) {
+        const float* pr = part + th * S * (Dh + 2);
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < S; ++s) mx = std::max(mx, pr[s * (Dh + 2)]);
+        float* o = out + th * Dh;
+        std::fill(o, o + Dh, 0.0f);
+        float sum = 0.0f;
+        for (int64_t s = 0; s < S; ++s) {
+            const float* ps = pr + s * (Dh + 2);
+            if (ps[1] == 0.0f) continue;   // an empty split
+            const float w = std::exp(ps[0] - mx);
+            sum += w * ps[1];
+            axpy(w, ps + 2, o, Dh);
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
+    }
+}
+
+// argmax in two ops: per chunk of a row, then over the chunks (first maximum; NaN wins).
+// a = {x, vals, idx, R, D, chunks}; [lo, hi): pairs r * chunks + c.
+void yr_task_argmax_partial(const int64_t* a, int64_t lo, int64_t hi) {
+    const float* x = YR_ARG(0, const float*);
+    float* vals = YR_ARG(1, float*);
+    int64_t* idx = YR_ARG(2, int64_t*);
+    const int64_t D = a[4], C = a[5], chunk = (D + C - 1) / C;
+    for (int64_t rc = lo; rc < hi; ++rc) {
+        const int64_t r = rc / C, c = rc % C, b = c * chunk, e = std::min(D, b + chunk);
+        if (b >= e) { vals[rc] = -INFINITY; idx[rc] = -1; continue; }
+        const int64_t i = b + argmax_row(x + r * D + b, e - b);
+        vals[rc] = x[r * D + i];
+        idx[rc] = i;
+    }
+}
+
+// a = {vals, idx, out, chunks}; [lo, hi): rows.
+void yr_task_argmax_reduce(const int64_t* a, int64_t lo, int64_t hi) {
+    const float* vals = YR_ARG(0, const float*);
+    const int64_t* idx = YR_ARG(1, const int64_t*);
+    int64_t* out = YR_ARG(2, int64_t*);
+    const int64_t C = a[3];
+    for (int64_t r = lo; r < hi; ++r) {
+        int64_t best = -1;
+        float bv = 0.0f;
+        for (int64_t c = r * C; c < (r + 1) * C; ++c) {
+            if (idx[c] < 0) continue;
+            const float v = vals[c];
+            if (v != v) { best = idx[c]; break; }
+            if (best < 0 || v > bv) { best = idx[c]; bv = v; }
+        }
+        out[r] = best < 0 ? 0 : best;
+    }
+}
+
+#undef YR_ARG
 
 }  // extern "C"

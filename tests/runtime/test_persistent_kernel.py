@@ -1,0 +1,262 @@
+"""yr.PersistentKernel and the CPU task-graph runtime, against torch and transformers.
+
+References: the op table's torch references (``g.interpret``) for single ops, the
+launch-per-op plan and transformers' greedy ``generate`` for whole decode steps.
+"""
+import ctypes
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import yirage as yr
+from yirage.backends import Backend
+from yirage.errors import GraphError, IndexOutOfRangeError
+from yirage.models.llama import LlamaModel
+from yirage.models.loading import load_model
+from yirage.runtime.task_graph import TaskGraphPlan, get_pool, scheduler
+
+
+def _task_plan(g, inputs, workers):
+    cg = g.compile("cpu")
+    return TaskGraphPlan(cg, inputs, get_pool(workers, adaptive=False))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("quant", [None, "q8_0", "q4_1"])
+def test_linear_rmsnorm_argmax_match_the_reference(workers, quant):
+    torch.manual_seed(workers)
+    g = yr.new_kernel_graph()
+    K, N = 256, 1030  # N not a multiple of the 4-row groups
+    x = g.new_input((1, K))
+    w = g.new_input((N, K), yr.DType(quant) if quant else yr.float32)
+    nw = g.new_input((K,))
+    y = g.linear(g.mul(g.rms_norm(x, (K,)), nw), w)
+    g.mark_output(y)
+    g.mark_output(g.argmax(y))
+    xs, nws = torch.randn(1, K), torch.rand(K) + 0.5
+    if quant:  # GGML blocks written by the gguf package
+        qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}[quant]
+        ws = torch.from_numpy(gguf.quants.quantize(np.random.default_rng(1).standard_normal((N, K)).astype(np.float32),
+                                                   qt).copy())
+    else:
+        ws = torch.randn(N, K)
+    ref = g.interpret([xs, ws, nws])
+    plan = _task_plan(g, [xs, ws, nws], workers)
+    assert plan.segments == 1
+    out = plan.run()
+    torch.testing.assert_close(out[0], ref[0], atol=2e-4, rtol=1e-4)
+    assert int(out[1]) == int(ref[1])
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("pos", [0, 5, 300, 700])
+def test_flash_decoding_attention_matches_the_reference(workers, pos):
+    """Decode attention split over the KV length (several splits at max_seq 1024) with GQA."""
+    torch.manual_seed(pos)
+    S, Hq, Hkv, Dh = 1024, 6, 2, 16
+    g = yr.new_kernel_graph()
+    q, k, v = g.new_input((1, Hq, Dh)), g.new_input((1, Hkv, Dh)), g.new_input((1, Hkv, Dh))
+    kc, vc = g.new_input((S, Hkv, Dh)), g.new_input((S, Hkv, Dh))
+    start = g.new_input((1,), yr.int64)
+    cos, sin = g.new_input((S, Dh // 2)), g.new_input((S, Dh // 2))
+    out = g.attention(g.rope(q, cos, sin, start), g.rope(k, cos, sin, start), v, kc, vc, start)
+    g.mark_output(out)
+    tensors = [torch.randn(1, Hq, Dh), torch.randn(1, Hkv, Dh), torch.randn(1, Hkv, Dh),
+               torch.randn(S, Hkv, Dh), torch.randn(S, Hkv, Dh), torch.tensor([pos]),
+               torch.rand(S, Dh // 2), torch.rand(S, Dh // 2)]
+    ref_inputs = [t.clone() for t in tensors]
+    ref = g.interpret(ref_inputs)[0]
+    got = _task_plan(g, tensors, workers).run()[0]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(tensors[3], ref_inputs[3])  # the cache row was written the same way
+
+
+def test_out_of_range_token_and_position_raise(tmp_path):
+    g = yr.new_kernel_graph()
+    ids = g.new_input((1,), yr.int64)
+    table = g.new_input((10, 32))
+    g.mark_output(g.embedding(ids, table))
+    ids_t = torch.tensor([3])
+    plan = _task_plan(g, [ids_t, torch.randn(10, 32)], 2)
+    plan.run()
+    ids_t.fill_(10)
+    with pytest.raises(IndexOutOfRangeError, match="10"):
+        plan.run()
+    ids_t.fill_(-1)
+    with pytest.raises(IndexOutOfRangeError):
+        plan.run()
+    ids_t.fill_(9)
+    plan.run()  # the error state was cleared
+
+
+def test_scheduler_rejects_malformed_graphs():
+    lib = scheduler()
+    fn = ctypes.cast(lib.yr_pk_pool_width, ctypes.c_void_p).value  # any non-null address: never called
+
+    def create(tasks, ops, deps):
+        t = torch.tensor(tasks, dtype=torch.int64).reshape(-1, 5)
+        o = torch.tensor(ops, dtype=torch.int64).reshape(-1, 3)
+        d = torch.tensor(deps or [0], dtype=torch.int64)
+        err = ctypes.c_int64(0)
+        h = lib.yr_pk_graph_create(t.data_ptr(), len(t), o.data_ptr(), len(o), d.data_ptr(), len(deps),
+                                   ctypes.byref(err))
+        if h:
+            lib.yr_pk_graph_destroy(h)
+        return bool(h), err.value
+
+    good = ([[fn, 0, 0, 1, 0], [fn, 0, 0, 1, 1]], [[1, 0, 0], [1, 0, 1]], [0])
+    assert create(*good) == (True, 0)
+    assert create(good[0], [[1, 0, 0], [1, 0, 1]], [1]) == (False, 3)          # depends on itself
+    assert create(good[0], [[1, 0, 0], [1, 0, 2]], [0]) == (False, 2)          # dep range past the list
+    assert create([[fn, 0, 0, 1, 1], [fn, 0, 0, 1, 0]], good[1], good[2])[0] is False  # out of order
+    assert create([[fn, 0, 0, 1, 0], [fn, 0, 0, 1, 5]], good[1], good[2])[0] is False  # unknown op
+    assert create([[0, 0, 0, 1, 0], [fn, 0, 0, 1, 1]], good[1], good[2])[0] is False   # null function
+    assert create(good[0], [[2, 0, 0], [1, 0, 1]], [0]) == (False, 4)          # task count mismatch
+
+
+def test_persistent_kernel_arguments_that_mean_nothing_here_raise():
+    for kwargs, word in [({"world_size": 2}, "world_size"), ({"num_remote_schedulers": 1}, "remote"),
+                         ({"num_local_schedulers": 8}, "num_local_schedulers"),
+                         ({"spec_decode_config": object()}, "speculative"), ({"num_workers": 0}, "num_workers"),
+                         ({"max_seq_length": 0}, "max_seq_length")]:
+        args = {"max_seq_length": 16, **kwargs}
+        with pytest.raises(GraphError, match=word):
+            yr.PersistentKernel(**args)
+    with pytest.raises(GraphError, match="meta_tensors"):
+        yr.PersistentKernel(max_seq_length=16, meta_tensors=[torch.zeros(1, dtype=torch.int32),
+                                                              torch.zeros(16, dtype=torch.int64)])
+    mpk = yr.PersistentKernel(max_seq_length=16)
+    h = mpk.new_tensor((1, 8), yr.float32, "h")
+    with pytest.raises(GraphError, match="before any layer wrote it"):
+        mpk.rmsnorm_layer(h, mpk.attach_input(torch.ones(8), "w"), mpk.new_tensor((1, 8), yr.float32, "o"))
+    with pytest.raises(GraphError, match="already exists"):
+        mpk.new_tensor((1, 8), yr.float32, "h")
+    with pytest.raises(GraphError, match="nvshmem"):
+        mpk.new_tensor((1, 8), yr.float32, "n", io_category="nvshmem_tensor")
+    with pytest.raises(GraphError, match="argmax"):
+        mpk.compile()
+
+
+def _tiny_reference(save_tiny_model, kind, tmp_path):
+    hf = save_tiny_model(kind, tmp_path)
+    return hf, load_model(str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_llama_decode_kernel_equals_the_step_graph(save_tiny_model, tmp_path, kind, workers):
+    _, loaded = _tiny_reference(save_tiny_model, kind, tmp_path)
+    model = LlamaModel(loaded, Backend.CPU, max_seq_length=64)
+    g, tensors = model.build_graph(1)
+    ids, start = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    plan = g.compile("cpu").plan([ids, start, *tensors])
+    mpk = model.decode_kernel(num_workers=workers)
+    assert mpk.plan.segments == 1
+    tokens = [5, 17, 250, 3, 99, 42]
+    want = []
+    for pos, tok in enumerate(tokens):
+        ids.fill_(tok), start.fill_(pos)
+        want.append([t.clone() for t in plan.run()])
+    for pos, tok in enumerate(tokens):  # rewrites the same cache rows
+        logits, arg = mpk.run_step(tok, pos)
+        torch.testing.assert_close(logits, want[pos][0], atol=1e-5, rtol=1e-5)
+        assert int(arg[0]) == int(want[pos][1][0])
+
+
+def test_mpk_builders_decode_loop_equals_transformers_greedy(save_tiny_model, tmp_path):
+    """MPK's own layout: fused qkv and gate_up weights, 4-D KV caches, full-width RoPE
+    tables, meta tensors; mpk() runs prompt + decode inside the scheduler."""
+    hf, loaded = _tiny_reference(save_tiny_model, "llama", tmp_path)
+    cfg = loaded.config
+    H, Dh, hq, hkv, S = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, 64
+    sd = {k: v.float() for k, v in hf.state_dict().items()}
+    step = torch.zeros(1, dtype=torch.int64)
+    tokens = torch.zeros(1, S, dtype=torch.int64)
+    prompt = [2, 17, 250, 3, 99, 42, 7]
+    tokens[0, :len(prompt)] = torch.tensor(prompt)
+    profile = torch.zeros(20000, 6, dtype=torch.int64)
+    mpk = yr.PersistentKernel(num_workers=2, num_local_schedulers=1, max_seq_length=S, eos_token_id=[],
+                              meta_tensors=[step, tokens], profiler_tensor=profile)
+    x = mpk.attach_input(tokens, "tokens")
+    pos = torch.arange(S, dtype=torch.float32)[:, None] * cfg.inv_freq.float()[None, :] * 1.0
+    emb = torch.cat([pos, pos], dim=-1) * cfg.attention_scaling
+    cos = mpk.attach_input(emb.cos().contiguous(), "cos")
+    sin = mpk.attach_input(emb.sin().contiguous(), "sin")
+    h = mpk.new_tensor((1, H), yr.float32, "embed_out")
+    mpk.embed_layer(x, mpk.attach_input(sd["model.embed_tokens.weight"], "embed"), h, (1, 1, 1), (128, 1, 1))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        wqkv = torch.cat([sd[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous()
+        qkv = mpk.new_tensor((1, (hq + 2 * hkv) * Dh), yr.float32, f"qkv{i}")
+        mpk.rmsnorm_linear_layer(h, mpk.attach_input(sd[f"{p}.input_layernorm.weight"], f"n1.{i}"),
+                                 mpk.attach_input(wqkv, f"wqkv{i}"), qkv, (8, 1, 1), (128, 1, 1), eps=cfg.rms_norm_eps)
+        kc = mpk.attach_input(torch.zeros(1, S, hkv, Dh), f"kc{i}")
+        vc = mpk.attach_input(torch.zeros(1, S, hkv, Dh), f"vc{i}")
+        a = mpk.new_tensor((1, hq * Dh), yr.float32, f"attn{i}")
+        mpk.attention_layer(qkv, kc, vc, None, None, cos, sin, a, (hkv, 1, 1), (128, 1, 1))
+        h2 = mpk.new_tensor((1, H), yr.float32, f"h2.{i}")
+        mpk.linear_with_residual_layer(a, mpk.attach_input(sd[f"{p}.self_attn.o_proj.weight"], f"wo{i}"), h, h2)
+        gu = mpk.new_tensor((1, 2 * cfg.intermediate_size), yr.float32, f"gu{i}")
+        wgu = torch.cat([sd[f"{p}.mlp.gate_proj.weight"], sd[f"{p}.mlp.up_proj.weight"]]).contiguous()
+        mpk.rmsnorm_linear_layer(h2, mpk.attach_input(sd[f"{p}.post_attention_layernorm.weight"], f"n2.{i}"),
+                                 mpk.attach_input(wgu, f"wgu{i}"), gu, eps=cfg.rms_norm_eps)
+        h = mpk.new_tensor((1, H), yr.float32, f"h{i}")
+        mpk.silu_mul_linear_with_residual_layer(gu, mpk.attach_input(sd[f"{p}.mlp.down_proj.weight"], f"wd{i}"), h2, h)
+    logits = mpk.new_tensor((1, cfg.vocab_size), yr.float32, "logits")
+    mpk.rmsnorm_linear_layer(h, mpk.attach_input(sd["model.norm.weight"], "norm"),
+                             mpk.attach_input(sd["lm_head.weight"], "lm_head"), logits, eps=cfg.rms_norm_eps)
+    part = (mpk.new_tensor((1, 8), yr.float32, "vals"), mpk.new_tensor((1, 8), yr.int64, "idx"))
+    mpk.argmax_partial_layer(logits, part, (8, 1, 1), (128, 1, 1))
+    mpk.argmax_reduce_layer(part, mpk.new_tensor((1, 1), yr.int64, "next"), (1, 1, 1), (128, 1, 1))
+    mpk.compile()
+    assert mpk.plan.segments == 1
+    new = mpk(prompt_length=len(prompt), max_new_tokens=12)
+    assert new == 12 and int(step[0]) == len(prompt) - 1 + 12
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                          pad_token_id=0, eos_token_id=None)[0].tolist()
+    assert tokens[0, :len(ref)].tolist() == ref
+    assert tokens[0, len(prompt):len(prompt) + 12].tolist() == ref[len(prompt):]
+    # the profile: one task event per (task, step), one track per worker, a valid Chrome trace
+    trace = tmp_path / "trace.json"
+    n = mpk.write_trace(trace)
+    assert n == mpk.num_tasks * (len(prompt) - 1 + 12)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} <= {0, 1} and all(e["dur"] >= 0 for e in spans)
+    assert any(e["name"].startswith("linear") for e in spans) and any("attention" in e["name"] for e in spans)
+
+
+def test_cli_trace_writes_a_perfetto_trace(save_tiny_model, tmp_path):
+    import subprocess
+    import sys
+
+    save_tiny_model("llama", tmp_path / "m")
+    trace = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "yirage.cli", "generate", "-m", str(tmp_path / "m"), "--no-chat",
+                           "--max-new-tokens", "4", "--workers", "2", "--trace", str(trace), "w5 w6 w7"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "task events" in proc.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {"worker 0", "worker 1"} or names == {"worker 0"}
+    assert len([e for e in events if e["ph"] == "X"]) > 0
+    bad = subprocess.run([sys.executable, "-m", "yirage.cli", "generate", "-m", str(tmp_path / "m"), "--no-chat",
+                          "--no-persistent", "--trace", str(trace), "w5"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--no-persistent" in bad.stderr
+
+
+def test_llm_persistent_and_plan_generate_the_same_tokens(save_tiny_model, tmp_path):
+    save_tiny_model("llama", tmp_path)
+    a = yr.LLM(str(tmp_path), persistent=True, num_workers=2, max_seq_length=96)
+    b = yr.LLM(str(tmp_path), persistent=False, max_seq_length=96)
+    assert a.persistent and not b.persistent
+    ra = a.generate("w3 w4 w5", chat=False, max_new_tokens=20)
+    rb = b.generate("w3 w4 w5", chat=False, max_new_tokens=20)
+    assert ra.token_ids == rb.token_ids and len(ra.token_ids) > 0
+    with pytest.raises(yr.GenerationError, match="profiler_tensor"):
+        a.write_trace(tmp_path / "t.json")
