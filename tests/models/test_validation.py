@@ -257,6 +257,19 @@ def test_gguf_truncated_header_names_the_field(tiny_gguf):
                            r"\(\d+ bytes\) at byte \d+, in metadata field 'tokenizer\.ggml\.tokens'\)")
 
 
+@pytest.mark.parametrize("length", [2**64 - 1, 2**63 + 5, 2**40, 2**20])
+def test_gguf_string_length_past_the_end(tiny_gguf, length):
+    """One string of the token list declares a length past the end of the file (2**63 and more do
+    not fit a signed offset): the walk over the string lengths names the field, nothing is read."""
+    reader = gguf.GGUFReader(str(tiny_gguf), "r+")
+    field = reader.fields["tokenizer.ggml.tokens"]
+    field.parts[field.data[3] - 1][0] = length  # the length prefix of tokens[3]
+    reader.data.flush()
+    del reader
+    _load_error(tiny_gguf, r"not a valid or complete GGUF file \(the header runs past the end of the file "
+                           r"\(\d+ bytes\) at byte \d+, in metadata field 'tokenizer\.ggml\.tokens'\)")
+
+
 def test_gguf_corrupt_tensor_dims(tiny_gguf):
     """ffn_gate's rows changed in the tensor info: named, not a numpy reshape error."""
     reader = gguf.GGUFReader(str(tiny_gguf), "r+")

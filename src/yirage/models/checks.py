@@ -390,20 +390,28 @@ def _check_tokenizer(tokenizer: Any, rows: int, embed_name: str, origin: Any,
                      tolerated: Callable[[int], bool] = lambda i: False) -> None:
     """Every id the tokenizer can produce (its vocab and added tokens, ``len(tokenizer)``) and its
     special ids must index a row of the embedding, and a test prompt must encode and decode.
+    ``tokenizer``: yirage's ``tokenizer.Tokenizer`` or a transformers tokenizer (both have
+    ``get_vocab``, ``__len__``, ``added_tokens_decoder``, ``encode``, ``decode``; yirage's also
+    ``id_range``, the smallest and largest id, which spares listing the vocabulary when both are
+    inside the table).
     ``tolerated(id)``: ids past the table that are only logged: tokens transformers adds that the
     model's files do not have (the GGUF tokenizer conversion and some tokenizer classes add a
     default ``<|endoftext|>``)."""
+    known = getattr(tokenizer, "id_range", None)  # yirage's Tokenizer: recorded at conversion
     try:
-        vocab = tokenizer.get_vocab()
         size = len(tokenizer)
+        if known is not None and 0 <= known[0] and known[1] < rows:
+            vocab, added = {}, {}  # every id is inside the table: nothing to list
+        else:
+            vocab = tokenizer.get_vocab()
+            added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     except Exception as exc:  # a tokenizer object that cannot list its vocabulary
         raise ModelLoadError(f"{origin}: cannot read the tokenizer's vocabulary ({exc})") from exc
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     values = list(vocab.values()) + [int(i) for i in added]
     if values and (min(values) < 0 or max(values) >= rows):
         ids = dict(vocab)
         for token_id, token in added.items():
-            ids.setdefault(str(token), int(token_id))
+            ids.setdefault(str(getattr(token, "content", token)), int(token_id))
         past = sorted(((int(i), t) for t, i in ids.items() if not 0 <= int(i) < rows), key=lambda p: p[0])
     else:
         past = []
@@ -425,7 +433,7 @@ def _check_tokenizer(tokenizer: Any, rows: int, embed_name: str, origin: Any,
                                  f"of {embed_name}")
     # a prompt of unknown words and special characters must encode (unk token, post-processor)
     with _foreign_errors(f"{origin}: the tokenizer cannot encode a test prompt"):
-        encoded = list(tokenizer(_TOKENIZER_PROBE, add_special_tokens=True)["input_ids"])
+        encoded = list(tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=True))
         tokenizer.decode(encoded)
     if any(not 0 <= int(i) < rows and not tolerated(int(i)) for i in encoded):
         raise ModelLoadError(f"{origin}: the tokenizer encodes a test prompt to ids {encoded} outside the {rows} rows "

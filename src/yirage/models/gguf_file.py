@@ -7,33 +7,60 @@ In the order ``_load_gguf`` runs them:
   metadata array lengths and counts, tensor infos (known type, 1-4 positive dims, rows a whole
   number of blocks) and data layout (every tensor at the offset llama.cpp expects, inside the file,
   no overlap, no wraparound: ``_check_gguf_layout``); every metadata string valid UTF-8
-  (``_gguf_check_strings``);
+  (``_gguf_check_strings``). Metadata arrays are not split into one numpy view per item (the stock
+  reader's 5 s for the default model's 49,152 tokens and 48,900 merges): a number array is one
+  view of the file, a string array is located by a walk over its length prefixes, each checked
+  against the file size (``_StringArray``), and decoded only when asked for (a cache miss); the
+  tensor data stays mapped (a copy-on-write numpy memmap), not read;
 - the hyper-parameters by their GGUF names (``_gguf_hparams``), the tensor table with each tensor's
   type checked against its role (``_gguf_table``) and the tokenizer metadata (``_gguf_check_tokens``);
-  then the config transformers builds from the metadata (``_gguf_hf_config``, cached) is checked again;
+  then the config transformers builds from the metadata (``_gguf_hf_config``) is checked again
+  (``checks._hf_hparams``, ``checks._check_table``) and its RoPE table computed
+  (``loaded_model.rope_parameters``);
 - the tensors under Hugging Face names (``gguf_to_hf_name``): ``Q8_0``/``Q4_1`` stay
   block-quantized (raw block bytes in a ``uint8`` tensor of ``dtype.storage_shape(logical_shape)``),
   F32/F16/BF16 stay as they are, the legacy and K-quant types (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) are
   dequantized to float32 (IQ and other types are refused); llama.cpp's interleaving permutation of
   llama ``attn_q``/``attn_k`` rows is undone (``reverse_llama_permute``) so q/k are in Hugging Face
-  order for ``rotate_half`` RoPE; ``rope_freqs.weight`` divides the RoPE frequencies;
-- the tokenizer: transformers' conversion of the GGUF metadata (``_gguf_tokenizer``, cached).
+  order for ``rotate_half`` RoPE; ``rope_freqs.weight`` divides the RoPE frequencies. Kept and
+  float tensors are not copied: they are tensors over the file mapped copy-on-write, so a loaded
+  model's file must not be truncated or rewritten in place while the model is in use (replacing
+  it by a rename is safe), as with llama.cpp's mmap;
+- the tokenizer: transformers' conversion of the GGUF metadata, as yirage's ``tokenizer.Tokenizer``
+  (``_gguf_tokenizer``).
+
+The cache. What transformers derives from the metadata is kept under ``cache_dir()``, so that a
+file seen before loads without importing transformers (about 4 s) or parsing the file a second
+time: the config fields and RoPE table (``gguf-config/<key>.json``, ``_read_config_cache``) and the
+converted tokenizer (``tokenizers/<key>/``, ``tokenizer.Tokenizer.save``). ``<key>``
+(``_gguf_cache_key``) is a SHA-256 of the file's header, every byte before the tensor data (the
+metadata and the tensor table, which is all that config and tokenizer are made from), with the
+transformers version and the cache format: any change to the metadata or tensor table gives
+another key, an identical header (a copy, a moved file) the same one; tensor data is read from
+the file on every load. Entries are written atomically once every check has passed, carry a
+SHA-256 of their content, and are checked again when read (checksum, then the same checks as a
+fresh conversion); one that fails is logged, ignored and rebuilt. The first load of a file (or of
+any file after a transformers upgrade) converts with transformers and is slower (about 7-10 s).
 
 This module must never allocate from a header value before the file's size has confirmed it (the
 stock reader hangs on a huge array length), never loop over or size a table by a count that the
 tensors present do not confirm, and never read a tensor's data before its type and layout are
-checked. Its caches (``cache_dir()/gguf-config``, ``cache_dir()/tokenizers``) are written atomically.
+checked.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
 import shutil
+import struct
+import sys
 import tempfile
+from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -44,7 +71,9 @@ from ..errors import ModelLoadError
 from .checks import (SUPPORTED_ARCHS, _HParams, _TensorInfo, _check_arch, _check_table, _check_tokenizer,
                      _check_weights, _foreign_errors, _hf_hparams, _hparams, _int_field, _nonfinite,
                      _positive_float, _report_nonfinite, _show)
-from .loaded_model import LoadedModel, Weight, _as_id_list, _model_config, _progress_bar
+from .loaded_model import (CONFIG_FIELDS, LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table,
+                           config_fields)
+from .tokenizer import Tokenizer, _atomic_save
 
 
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -102,6 +131,54 @@ def reverse_llama_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
+class _StringArray:
+    """The strings of one GGUF string-array value, found by a walk over their length prefixes
+    (``CheckedReader._yr_strings``) and decoded only when asked for.
+
+    ``starts[i]`` is the file offset of string ``i``'s bytes (its 8-byte length just before),
+    ``ends[i]`` the offset after them (int64 arrays; the walk has checked every string to end
+    inside the file); ``nbytes`` is the size of the whole value (prefixes and strings), ``len()``
+    the item count. Indexing gives ``str`` (a slice: a list).
+    Raises UnicodeDecodeError: an item read is not UTF-8.
+    """
+
+    def __init__(self, data: np.ndarray, starts: np.ndarray, ends: np.ndarray, nbytes: int):
+        self._data, self.starts, self.ends, self.nbytes = data, starts, ends, nbytes
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def raw(self, index: int) -> bytes:
+        """The bytes of item ``index``."""
+        return bytes(self._data[int(self.starts[index]):int(self.ends[index])])
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self.raw(i).decode("utf-8") for i in range(len(self))[index]]
+        return self.raw(index).decode("utf-8")
+
+    def first_invalid_utf8(self) -> tuple[int, UnicodeDecodeError] | None:
+        """(index, error) of the first item that is not valid UTF-8; None when all are. One
+        decode of the whole value with every length prefix zeroed (NUL bytes between the items,
+        so that no item completes another's sequence), then item by item only on failure."""
+        if not len(self):
+            return None
+        low = int(self.starts[0]) - 8
+        region = np.array(self._data[low:int(self.ends[-1])])
+        region[((self.starts - 8 - low)[:, None] + np.arange(8)).reshape(-1)] = 0
+        try:
+            region.tobytes().decode("utf-8")
+            return None
+        except UnicodeDecodeError:
+            pass
+        for i in range(len(self)):
+            try:
+                self.raw(i).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return i, exc
+        return None
+
+
 _READER_CLASS: Any = None
 
 
@@ -110,33 +187,63 @@ def _reader_class() -> Any:
     count longer than the rest of the file could hold, a nested array, or a tensor table that is
     not laid out as llama.cpp lays it out is an error before anything is allocated from it (the
     stock reader hangs on a huge array length, and reports a short read as "index 0 is out of
-    bounds" and bad tensor infos as a numpy reshape error)."""
+    bounds" and bad tensor infos as a numpy reshape error).
+
+    Metadata arrays are fields of the class ``_ArrayField`` made here: ``parts`` are the key's
+    length and bytes, the value type, the item type, the item count and the values (one numpy
+    view of the items, or a ``_StringArray``); ``types`` is [ARRAY, item type]; ``count`` the
+    item count, ``values`` the values, ``contents()`` as the stock field's."""
     global _READER_CLASS
     if _READER_CLASS is not None:
         return _READER_CLASS
     import gguf
+    from gguf.gguf_reader import ReaderField
 
     V = gguf.GGUFValueType
     ARRAY, STRING = int(V.ARRAY), int(V.STRING)
     value_types = {int(t): t for t in V}
-    sizes = {int(t): np.dtype(n).itemsize for t, n in gguf.GGUFReader.gguf_scalar_to_np.items()}
+    scalar_types = {int(t): n for t, n in gguf.GGUFReader.gguf_scalar_to_np.items()}
+    sizes = {t: np.dtype(n).itemsize for t, n in scalar_types.items()}
     itemsize: dict[Any, int] = {}
-    base_get, base_parts = gguf.GGUFReader._get, gguf.GGUFReader._get_field_parts
+    stock = gguf.GGUFReader
+    base_get, base_parts, base_push = stock._get, stock._get_field_parts, stock._push_field
+
+    class _ArrayField(ReaderField):
+        __slots__ = ()
+
+        @property
+        def count(self) -> int:
+            return int(self.parts[4][0])
+
+        @property
+        def values(self) -> Any:
+            return self.parts[5]
+
+        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+            values = self.parts[5]
+            if isinstance(values, _StringArray):
+                return values[index_or_slice]
+            return values.tolist()[index_or_slice]
 
     class CheckedReader(gguf.GGUFReader):
         def __init__(self, path: Any, mode: Any = "r"):
             self._yr_path = Path(path)
             self._yr_size = os.path.getsize(path)
+            self._yr_plain: Any = None
             super().__init__(path, mode)
 
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            # the stock _get, bounds-checked, on a plain ndarray view of the memmap (slicing a
+            # memmap runs Python code per slice; this is called ~2,000 times per header)
+            count = int(count)
             size = itemsize.get(dtype)
             if size is None:
                 size = itemsize[dtype] = np.dtype(dtype).itemsize
-            if offset + size * int(count) > self._yr_size:
+            if offset + size * count > self._yr_size:
                 raise ValueError(f"the header runs past the end of the file ({self._yr_size} bytes) at byte "
                                  f"{int(offset)}{self._yr_where()}")
-            return base_get(self, offset, dtype, count, override_order)
+            arr = self._yr_plain_data()[offset:offset + size * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
         def _yr_where(self) -> str:
             """', in metadata field KEY' for the field being parsed (the one after the last parsed)."""
@@ -153,14 +260,49 @@ def _reader_class() -> Any:
 
         _yr_in_fields = False
 
+        def _yr_strings(self, offs: int, count: int) -> _StringArray:
+            """The string array of ``count`` items at ``offs``: a walk over the length prefixes,
+            each string checked to end inside the file before the next prefix is read (a prefix
+            past the end fails to unpack; a string past the end leaves ``offs`` past it). Two
+            int64 arrays of ``count`` offsets: ``count`` is already confirmed by the file size."""
+            size = self._yr_size
+            little = (self.byte_order == "I") == (sys.byteorder == "little")
+            unpack = struct.Struct("<Q" if little else ">Q").unpack_from
+            view = memoryview(self._yr_plain_data())[:size]
+            ends = array("q")  # 8 bytes an item, as the file's own length prefixes
+            append = ends.append
+            start = at = offs
+            try:
+                for _ in range(count):
+                    at = offs
+                    # a length prefix past the end raises struct.error (the view is the file);
+                    # a string running past the end moves offs past it (checked below)
+                    offs += 8 + unpack(view, offs)[0]
+                    append(offs)
+            except (struct.error, OverflowError):  # OverflowError: an offset past 2**63
+                offs = size + 1
+            if offs > size:  # the failing item's prefix (or string) runs past the end of the file
+                raise ValueError(f"the header runs past the end of the file ({size} bytes) at byte {at}"
+                                 f"{self._yr_where()}")
+            stop = np.frombuffer(ends, dtype=np.int64) if count else np.zeros(0, dtype=np.int64)
+            begin = np.empty_like(stop)
+            if count:
+                begin[0] = start + 8
+                begin[1:] = stop[:-1] + 8
+            return _StringArray(self._yr_plain_data(), begin, stop, offs - start)
+
+        def _yr_plain_data(self) -> np.ndarray:
+            if self._yr_plain is None:
+                self._yr_plain = self.data.view(np.ndarray)
+            return self._yr_plain
+
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
             if int(raw_type) != ARRAY:
                 return base_parts(self, orig_offs, raw_type)
-            # an array, as the stock reader parses it, with its length checked first
-            offs = orig_offs
-            raw_itype = self._get(offs, np.uint32)
-            alen = self._get(offs + 4, np.uint64)
-            offs += 12
+            # an array: its length checked first, then read whole (one view, or a string walk)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            offs = orig_offs + 12
             item_type, count = int(raw_itype[0]), int(alen[0])
             if item_type == ARRAY or item_type not in value_types:
                 raise ValueError(f"metadata array item type {item_type} is not supported{self._yr_where()}")
@@ -168,18 +310,16 @@ def _reader_class() -> Any:
             if count * least > self._yr_size - offs:
                 raise ValueError(f"a metadata array declares {count} items, more than the rest of the file can "
                                  f"hold{self._yr_where()}")
-            types = [V.ARRAY]
-            parts: list = [raw_itype, alen]
-            data_idxs: list[int] = []
-            for idx in range(count):
-                size, item_parts, item_idxs, item_types = base_parts(self, offs, item_type)
-                if idx == 0:
-                    types += item_types
-                first = len(parts)
-                parts += item_parts
-                data_idxs += (i + first for i in item_idxs)
-                offs += size
-            return offs - orig_offs, parts, data_idxs, types
+            if item_type == STRING:
+                values = self._yr_strings(offs, count)
+            else:
+                values = self._get(offs, scalar_types[item_type], count)
+            return 12 + int(values.nbytes), [raw_itype, alen, values], [2], [V.ARRAY, value_types[item_type]]
+
+        def _push_field(self, field: Any, skip_sum: bool = False) -> int:
+            if field.types and field.types[0] == V.ARRAY:
+                field = _ArrayField(*field)
+            return base_push(self, field, skip_sum)
 
         def _build_fields(self, offs: int, count: int) -> int:
             if int(count) * 13 > self._yr_size - offs:  # key length, value type, >= 1 byte of value
@@ -253,8 +393,10 @@ def _check_gguf_layout(path: Path, fields: list, start: int, alignment: int, siz
 
 
 def _open_gguf(path: Path) -> Any:
+    """The checked reader of ``path``, mapped copy-on-write (mode "c"): weights are tensors over the
+    mapped file, never written back. Raises ModelLoadError: any problem with the container."""
     try:
-        return _reader_class()(path)
+        return _reader_class()(path, "c")
     except ModelLoadError:
         raise
     except UnicodeDecodeError as exc:
@@ -279,19 +421,31 @@ def _gguf_check_strings(reader: Any, path: Path) -> None:
 
     V = gguf.GGUFValueType
     for key, f in reader.fields.items():
-        if not f.types or V.STRING not in (f.types[0], f.types[-1]):
-            continue
-        parts = [f.parts[i] for i in f.data] if f.types[0] == V.ARRAY else [f.parts[-1]]
-        try:  # one decode for the whole field; the separator keeps items from completing each other
-            b"\0".join(p.tobytes() for p in parts).decode("utf-8")
-        except UnicodeDecodeError:
-            for i, p in enumerate(parts):
-                try:
-                    p.tobytes().decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    where = f"{key}[{i}]" if f.types[0] == V.ARRAY else key
-                    raise ModelLoadError(f"{path}: metadata {where} is not valid UTF-8 ({exc.reason} at byte "
-                                         f"{exc.start}: {p.tobytes()[:32]!r})") from None
+        values = f.parts[-1] if f.parts else None
+        if isinstance(values, _StringArray):
+            bad = values.first_invalid_utf8()
+            if bad is not None:
+                i, exc = bad
+                raise ModelLoadError(f"{path}: metadata {key}[{i}] is not valid UTF-8 ({exc.reason} at byte "
+                                     f"{exc.start}: {values.raw(i)[:32]!r})")
+        elif f.types == [V.STRING]:
+            try:
+                values.tobytes().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ModelLoadError(f"{path}: metadata {key} is not valid UTF-8 ({exc.reason} at byte "
+                                     f"{exc.start}: {values.tobytes()[:32]!r})") from None
+
+
+def _gguf_token_count(reader: Any, path: Path) -> int | None:
+    """The number of entries of ``tokenizer.ggml.tokens`` (None when absent).
+    Raises ModelLoadError: it is not an array of strings."""
+    f = reader.fields.get("tokenizer.ggml.tokens")
+    if f is None:
+        return None
+    if not isinstance(f.parts[-1], _StringArray):
+        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens must be an array of strings, got "
+                             f"{' of '.join(t.name for t in f.types) or 'a typeless value'}")
+    return len(f.parts[-1])
 
 
 def _gguf_value(reader: Any, key: str, path: Path, integer: bool) -> Any:
@@ -320,9 +474,9 @@ def _gguf_hparams(reader: Any, arch: str, path: Path) -> _HParams:
     names = {k: f"{arch}.{v}" for k, v in keys.items()}
     floats = ("eps", "theta")
     values = {k: _gguf_value(reader, names[k], path, integer=k not in floats) for k in keys}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = _gguf_token_count(reader, path)
     if values["vocab"] is None and tokens is not None:
-        values["vocab"], names["vocab"] = len(tokens.data), "the number of tokenizer.ggml.tokens"
+        values["vocab"], names["vocab"] = tokens, "the number of tokenizer.ggml.tokens"
     scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
     if scaling is not None and not isinstance(scaling, str):
         raise ModelLoadError(f"{path}: {arch}.rope.scaling.type = {_show(scaling)} must be a string")
@@ -368,8 +522,7 @@ def _gguf_table(reader: Any, path: Path) -> tuple[dict[str, _TensorInfo], Any]:
 def _gguf_check_tokens(reader: Any, rows: int, path: Path) -> None:
     """The file's own tokenizer metadata: every token id (one per entry of tokenizer.ggml.tokens)
     and the special ids must index a row of token_embd.weight."""
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    count = len(tokens.data) if tokens is not None else None
+    count = _gguf_token_count(reader, path)
     if count is not None and count > rows:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens has {count} tokens (ids up to {count - 1}) but "
                              f"token_embd.weight has only {rows} rows: every token id must be below {rows}")
@@ -386,34 +539,100 @@ def _gguf_check_tokens(reader: Any, rows: int, path: Path) -> None:
                                  f"{rows} rows{'' if count is None else f', tokenizer.ggml.tokens {count} entries'})")
 
 
-def _gguf_hf_config(reader: Any, path: Path) -> Any:
-    """The transformers config of a GGUF file, from transformers' own GGUF metadata reader.
+_CACHE_FORMAT = 2
+_TRANSFORMERS_VERSION: str | None = None
 
-    That reader parses the whole file a second time (about 2.5 s for the default model), so
-    the result is cached as ``cache_dir()/gguf-config/<hash of path, size, mtime>.json``.
-    Call it only after the metadata has been checked (``_gguf_hparams``).
-    """
-    from transformers import AutoConfig
 
-    cached = cache_dir() / "gguf-config" / f"{_file_cache_key(path)}.json"
-    if cached.is_file():
+def _transformers_version() -> str:
+    """The installed transformers version, read from its metadata (transformers is not imported)."""
+    global _TRANSFORMERS_VERSION
+    if _TRANSFORMERS_VERSION is None:
+        from importlib import metadata
+
         try:
-            config = AutoConfig.from_pretrained(str(cached))
-            config.name_or_path = str(path)
-            return config
-        except Exception as exc:  # a damaged cache entry: read the file again
-            logger.warning("ignoring damaged config cache %s (%s)", cached, exc)
-    config = _gguf_hf_config_uncached(reader, path)
-    config.name_or_path = str(path)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=cached.parent)
-    os.close(fd)
+            _TRANSFORMERS_VERSION = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            _TRANSFORMERS_VERSION = "none"
+    return _TRANSFORMERS_VERSION
+
+
+def _gguf_cache_key(reader: Any) -> str:
+    """The cache key of a GGUF file: SHA-256 (32 hex digits) of the cache format, the transformers
+    version and every header byte before the tensor data (metadata and tensor table)."""
+    digest = hashlib.sha256(f"yirage gguf cache {_CACHE_FORMAT}; transformers {_transformers_version()}\0".encode())
+    digest.update(memoryview(reader.data)[:int(reader.data_offset)])
+    return digest.hexdigest()[:32]
+
+
+def _checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _config_cache_path(key: str) -> Path:
+    return cache_dir() / "gguf-config" / f"{key}.json"
+
+
+def _read_config_cache(key: str) -> tuple[dict, tuple[torch.Tensor, float, str]] | None:
+    """The cached (config fields, RoPE table) of ``key``; None when there is no entry, or when it is
+    damaged (unreadable, another format, checksum or structure wrong: logged, then rebuilt). The
+    values are checked by the caller exactly as a fresh conversion's are."""
+    path = _config_cache_path(key)
     try:
-        config.to_json_file(tmp)
-        os.replace(tmp, cached)  # atomic: concurrent loaders see no half-written file
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.warning("ignoring unreadable config cache entry %s (%s)", path, exc)
+        return None
+    try:
+        body = json.loads(text)
+        if not isinstance(body, dict) or body.get("format") != _CACHE_FORMAT:
+            raise ValueError("another format")
+        if body.pop("sha256", None) != _checksum(body):
+            raise ValueError("checksum mismatch")
+        fields, rope = body["fields"], body["rope"]
+        if not isinstance(fields, dict) or set(fields) != set(CONFIG_FIELDS):
+            raise ValueError("config fields missing")
+        inv_freq, scaling, rope_type = rope["inv_freq"], rope["attention_scaling"], rope["rope_type"]
+        if not (isinstance(inv_freq, list) and all(type(v) in (int, float) for v in inv_freq)
+                and type(scaling) in (int, float) and isinstance(rope_type, str)):
+            raise ValueError("RoPE table malformed")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        logger.warning("ignoring damaged config cache entry %s (%s)", path, exc)
+        return None
+    return fields, (torch.tensor(inv_freq, dtype=torch.float32), float(scaling), rope_type)
+
+
+def _write_config_cache(key: str, fields: dict, rope: tuple[torch.Tensor, float, str]) -> None:
+    """Keep ``fields`` and ``rope`` as the entry of ``key`` (atomically; skipped, with a debug
+    line, when the directory is not writable or a value has no JSON form)."""
+    inv_freq, scaling, rope_type = rope
+    body = {"format": _CACHE_FORMAT, "fields": fields,
+            "rope": {"inv_freq": inv_freq.tolist(), "attention_scaling": scaling, "rope_type": rope_type}}
+    path = _config_cache_path(key)
+    try:
+        body["sha256"] = _checksum(body)
+        text = json.dumps(body, allow_nan=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+    except (OSError, TypeError, ValueError) as exc:
+        logger.debug("config cache not written: %s", exc)
+        return
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic: concurrent loaders see no half-written file
     except OSError as exc:
         logger.debug("config cache not written: %s", exc)
         Path(tmp).unlink(missing_ok=True)
+
+
+def _gguf_hf_config(reader: Any, path: Path) -> Any:
+    """The transformers config of a GGUF file, from transformers' own GGUF metadata reader (which
+    parses the whole file a second time). Call it only after the metadata has been checked
+    (``_gguf_hparams``). Raises ModelLoadError: transformers cannot read or rejects the metadata."""
+    config = _gguf_hf_config_uncached(reader, path)
+    config.name_or_path = str(path)
     return config
 
 
@@ -446,9 +665,21 @@ def _gguf_hf_config_uncached(reader: Any, path: Path) -> Any:
                              f"({type(exc).__name__}: {exc})") from exc
 
 
+def _mapped(array: np.ndarray, align: int = 1) -> torch.Tensor:
+    """A tensor over ``array``'s memory (the file's pages, mapped copy-on-write) when torch can take
+    it as it is: C-contiguous, writable, native byte order, its address a multiple of its item size
+    and of ``align`` bytes; else a copy (always aligned)."""
+    a = np.asarray(array)
+    if not (a.flags.c_contiguous and a.flags.writeable and a.dtype.isnative
+            and a.ctypes.data % max(a.dtype.itemsize, align) == 0):
+        a = np.array(a, dtype=a.dtype.newbyteorder("="), order="C")
+    return torch.from_numpy(a)
+
+
 def _gguf_tensor(tensor: Any) -> Weight:
-    """A GGUF tensor as a Weight: Q8_0/Q4_1 raw blocks, F32/F16/BF16 as is, the types of
-    ``_DEQUANTIZED_TYPES`` dequantized (the caller has checked the type and layout)."""
+    """A GGUF tensor as a Weight: Q8_0/Q4_1 raw blocks, F32/F16/BF16 as is (all of these over the
+    mapped file, not copied), the types of ``_DEQUANTIZED_TYPES`` dequantized (the caller has
+    checked the type and layout)."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -456,13 +687,11 @@ def _gguf_tensor(tensor: Any) -> Weight:
     kind = tensor.tensor_type
     if kind in (Q.Q8_0, Q.Q4_1):
         dtype = DType.q8_0 if kind == Q.Q8_0 else DType.q4_1
-        data = np.array(tensor.data, dtype=np.uint8).reshape(dtype.storage_shape(shape))
-        return Weight(torch.from_numpy(data), dtype, shape)
+        return Weight(_mapped(tensor.data.reshape(dtype.storage_shape(shape))), dtype, shape)
     if kind in (Q.F32, Q.F16):
-        data = np.array(tensor.data, dtype=tensor.data.dtype.newbyteorder("=")).reshape(shape)
-        return Weight(torch.from_numpy(data), DType.float32 if kind == Q.F32 else DType.float16, shape)
+        return Weight(_mapped(tensor.data.reshape(shape)), DType.float32 if kind == Q.F32 else DType.float16, shape)
     if kind == Q.BF16:
-        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(-1))
+        raw = _mapped(tensor.data.reshape(-1).view(np.uint8), align=2)
         return Weight(raw.view(torch.bfloat16).reshape(shape), DType.bfloat16, shape)
     try:
         values = gguf.quants.dequantize(tensor.data, kind)
@@ -508,34 +737,37 @@ def _gguf_rope_freqs(tensor: Any, hp: _HParams, path: Path) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def _file_cache_key(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+def _gguf_tokenizer(path: Path, key: str, check: Callable[[Any], None]) -> Any:
+    """The GGUF's tokenizer: the cache entry ``cache_dir()/tokenizers/<key>`` when there is a sound
+    one; else transformers' conversion of the metadata (slow), ``check``ed, then turned into a
+    ``Tokenizer`` (checked equal to transformers' on probe texts) and cached. Should transformers'
+    tokenizer not convert exactly, it is returned as it is and nothing is cached.
 
-
-def _gguf_tokenizer(path: Path) -> Any:
-    """The GGUF's tokenizer converted by transformers (slow), cached under
-    ``cache_dir()/tokenizers/<hash of path, size, mtime>``."""
-    from transformers import AutoTokenizer
-
-    cached = cache_dir() / "tokenizers" / _file_cache_key(path)
-    if (cached / "tokenizer_config.json").is_file():
+    Raises ModelLoadError: transformers cannot build the tokenizer, or ``check`` fails.
+    """
+    entry = cache_dir() / "tokenizers" / key
+    if entry.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
-        except Exception as exc:  # a damaged cache entry: convert again
-            logger.warning("ignoring damaged tokenizer cache %s (%s)", cached, exc)
-            shutil.rmtree(cached, ignore_errors=True)
+            tokenizer = Tokenizer.load(entry)
+        except ValueError as exc:  # a damaged entry: convert again
+            logger.warning("ignoring damaged tokenizer cache entry %s (%s)", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            check(tokenizer)
+            return tokenizer
     logger.info("converting the tokenizer of %s (cached afterwards)", path.name)
     with _foreign_errors(f"{path}: cannot build the tokenizer from the GGUF metadata"):
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+        from transformers import AutoTokenizer
+
+        converted = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    check(converted)
     try:
-        tokenizer.save_pretrained(str(staging))
-        os.replace(staging, cached)
-    except OSError as exc:  # another process got there first, or the cache is read-only
-        logger.debug("tokenizer cache not written: %s", exc)
-        shutil.rmtree(staging, ignore_errors=True)
+        tokenizer = Tokenizer.from_transformers(converted)
+    except ValueError as exc:
+        logger.warning("%s: using transformers' tokenizer as it is, not cached (%s)", path, exc)
+        return converted
+    if not _atomic_save(tokenizer, entry):
+        logger.debug("tokenizer cache entry %s not written", entry)
     return tokenizer
 
 
@@ -552,23 +784,34 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
     display = _hf_to_gguf_name
     vocab, tied = _check_table(path, hp, table, None, display)
     _gguf_check_tokens(reader, vocab, path)
-    hf_config = _gguf_hf_config(reader, path)
-    _check_arch(hf_config.model_type, path)
+    key = _gguf_cache_key(reader)
+    cached = _read_config_cache(key)
+    if cached is None:
+        hf_config = _gguf_hf_config(reader, path)
+        fields = config_fields(hf_config)
+    else:
+        fields, rope = cached
     # the same checks on the config as transformers built it (names as in transformers)
-    hf_hp = _hf_hparams(f"{path} (as read by transformers)", lambda k: getattr(hf_config, k, None))
-    _check_table(f"{path} (as read by transformers)", hf_hp, table, hf_config.tie_word_embeddings, display)
+    _check_arch(fields.get("model_type"), path)
+    origin = f"{path} (as read by transformers)"
+    hf_hp = _hf_hparams(origin, fields.get)
+    _check_table(origin, hf_hp, table, fields.get("tie_word_embeddings"), display)
+    if cached is None:
+        rope = _rope_table(hf_config, path)
     rope_freqs = _gguf_rope_freqs(rope_freqs_tensor, hp, path) if rope_freqs_tensor is not None else None
     permute_qk = arch == "llama"  # llama.cpp permutes llama only
     weights = _read_gguf_weights(reader, table, hp, permute_qk, progress, path, allow_nonfinite)
     weights = _check_weights(weights, table, tied, path)
-    tokenizer = _gguf_tokenizer(path)
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
-    _check_tokenizer(tokenizer, vocab, "token_embd.weight", path, tolerated=lambda i: i >= n_tokens)
-    eos = (_as_id_list(hf_config.eos_token_id) + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eos_token_id"))
+    n_tokens = _gguf_token_count(reader, path) or 0
+    tokenizer = _gguf_tokenizer(path, key, lambda tok: _check_tokenizer(tok, vocab, "token_embd.weight", path,
+                                                                          tolerated=lambda i: i >= n_tokens))
+    eos = (_as_id_list(fields.get("eos_token_id")) + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eos_token_id"))
            + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eot_token_id"))
            + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eom_token_id")) + _as_id_list(tokenizer.eos_token_id))
-    bos = hf_config.bos_token_id if hf_config.bos_token_id is not None else tokenizer.bos_token_id
-    config = _model_config(hf_config, weights, bos, eos, path)
+    bos = fields.get("bos_token_id")
+    config = _model_config(fields, rope, weights, bos if bos is not None else tokenizer.bos_token_id, eos, path)
+    if cached is None:  # every check has passed: keep what transformers derived
+        _write_config_cache(key, fields, rope)
     if rope_freqs is not None:  # llama.cpp's per-frequency divisors (e.g. Llama 3.1 files)
         config.inv_freq = config.inv_freq / rope_freqs
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path, format="gguf")

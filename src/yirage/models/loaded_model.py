@@ -1,14 +1,16 @@
 """What ``load_model`` returns, and what both loaders build it with.
 
 ``LoadedModel`` holds a ``ModelConfig``, the weights as ``Weight`` records under their Hugging Face
-names, and the tokenizer. ``_model_config`` turns a transformers config (already checked by
-``checks.py``) into a ``ModelConfig``; its RoPE frequencies are computed by transformers' own RoPE
-init functions from the transformers config (``rope_parameters``), so every RoPE scaling type
-transformers supports comes out right. ``_progress_bar`` shows the loaders' tensor reading on
-stderr.
+names, and the tokenizer. ``_model_config`` turns the fields of a transformers config
+(``config_fields``, already checked by ``checks.py``) and a RoPE table into a ``ModelConfig``; the
+RoPE table (``rope_parameters``) comes from transformers' own RoPE init functions applied to the
+transformers config (``rope_parameters``/``rope_scaling``), so every RoPE scaling type transformers
+supports comes out right; a loader may hand in a table it cached (GGUF files do), which is checked
+the same way. ``_progress_bar`` shows the loaders' tensor reading on stderr.
 
 This module never opens a model file (``gguf_file.py`` and ``safetensors_dir.py`` do), and never
-builds compute graphs, runs a model, picks a backend or moves tensors off the CPU.
+builds compute graphs, runs a model, picks a backend or moves tensors off the CPU; it imports
+transformers only in ``rope_parameters``.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class ModelConfig:
     transformers applies to cos/sin (1.0 except for yarn/longrope), both from transformers' RoPE
     init function for ``rope_type``. ``eos_token_ids`` is every id that ends generation, de-duplicated.
     Every size here is validated against the weights (``vocab_size`` is the embedding's row count,
-    and every token id the tokenizer produces is below it).
+    and every token id the tokenizer produces is below it). ``hf_config``: the fields of the
+    transformers config it was built from (``config_fields``: name -> JSON value).
     """
 
     arch: str
@@ -59,7 +62,7 @@ class ModelConfig:
     attention_scaling: float
     rope_type: str = "default"
     sliding_window: int | None = None
-    hf_config: Any = field(default=None, repr=False)
+    hf_config: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -74,7 +77,9 @@ class Weight:
 
 @dataclass
 class LoadedModel:
-    """A model read from disk: config, weights keyed by Hugging Face name, tokenizer."""
+    """A model read from disk: config, weights keyed by Hugging Face name, tokenizer (yirage's
+    ``tokenizer.Tokenizer``; transformers' own tokenizer in the rare case that it does not convert
+    exactly, see ``Tokenizer.from_transformers``)."""
 
     config: ModelConfig
     weights: dict[str, Weight] = field(repr=False)
@@ -126,44 +131,69 @@ def _dedupe(ids: list[int]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def _model_config(hf_config: Any, weights: dict[str, Weight], bos_token_id: int | None,
-                  eos_token_ids: list[int], origin: Any) -> ModelConfig:
-    arch = hf_config.model_type
-    num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+# the transformers config attributes yirage reads (checks._hf_hparams and _model_config)
+CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                 "rope_theta", "rope_parameters", "rope_scaling", "sliding_window", "use_sliding_window",
+                 "hidden_act", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+
+
+def config_fields(hf_config: Any) -> dict[str, Any]:
+    """The attributes of a transformers config that yirage reads (``CONFIG_FIELDS``), as
+    ``getattr(hf_config, name, None)`` gives them: what ``checks._hf_hparams`` checks and
+    ``_model_config`` uses, and what a GGUF loader caches (JSON values)."""
+    return {name: getattr(hf_config, name, None) for name in CONFIG_FIELDS}
+
+
+def _rope_table(hf_config: Any, origin: Any) -> tuple[torch.Tensor, float, str]:
+    """``rope_parameters(hf_config)`` with errors naming ``origin``."""
     try:
-        inv_freq, attention_scaling, rope_type = rope_parameters(hf_config)
+        return rope_parameters(hf_config)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{origin}: {exc}") from exc
+
+
+def _model_config(fields: dict[str, Any], rope: tuple[torch.Tensor, float, str], weights: dict[str, Weight],
+                  bos_token_id: int | None, eos_token_ids: list[int], origin: Any) -> ModelConfig:
+    """The ``ModelConfig`` of checked config ``fields`` (``config_fields``) and the RoPE table
+    ``rope`` = (inv_freq, attention_scaling, rope_type) of ``rope_parameters`` or a cache.
+
+    Raises ModelLoadError: the RoPE table has the wrong shape (partial rotary), non-finite or
+    non-positive frequencies or scaling; a special id is outside the embedding rows.
+    """
+    arch = fields["model_type"]
+    num_heads = fields["num_attention_heads"]
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // num_heads
+    inv_freq, attention_scaling, rope_type = rope
     if tuple(inv_freq.shape) != (head_dim // 2,):
         raise ModelLoadError(f"{origin}: RoPE table has shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},): "
                              "partial rotary embeddings are not supported")
     if not (bool(torch.isfinite(inv_freq).all()) and bool((inv_freq > 0).all())):
         raise ModelLoadError(f"{origin}: the RoPE parameters give non-finite or non-positive frequencies "
-                             f"({rope_type}: {getattr(hf_config, 'rope_parameters', None)})")
+                             f"({rope_type}: {fields.get('rope_parameters')})")
     if not (math.isfinite(attention_scaling) and attention_scaling > 0):
         raise ModelLoadError(f"{origin}: the RoPE parameters give attention scaling {attention_scaling}, "
                              "which must be finite and > 0")
-    vocab = int(hf_config.vocab_size)
+    vocab = int(fields["vocab_size"])
     for what, ids in (("bos_token_id", _as_id_list(bos_token_id)), ("eos_token_id", eos_token_ids)):
         for token in ids:
             if not 0 <= token < vocab:
                 raise ModelLoadError(f"{origin}: {what} = {token} must be in [0, {vocab}): the embedding "
                                      f"has {vocab} rows")
-    sliding = getattr(hf_config, "sliding_window", None)
-    if arch == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+    sliding = fields.get("sliding_window")
+    if arch == "qwen2" and not fields.get("use_sliding_window"):
         sliding = None
     return ModelConfig(
         arch=arch,
         vocab_size=vocab,
-        hidden_size=int(hf_config.hidden_size),
-        intermediate_size=int(hf_config.intermediate_size),
-        num_layers=int(hf_config.num_hidden_layers),
+        hidden_size=int(fields["hidden_size"]),
+        intermediate_size=int(fields["intermediate_size"]),
+        num_layers=int(fields["num_hidden_layers"]),
         num_heads=int(num_heads),
-        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+        num_kv_heads=int(fields.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
-        rms_norm_eps=float(hf_config.rms_norm_eps),
-        max_position_embeddings=int(hf_config.max_position_embeddings),
+        rms_norm_eps=float(fields["rms_norm_eps"]),
+        max_position_embeddings=int(fields["max_position_embeddings"]),
         tie_word_embeddings="lm_head.weight" not in weights,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         bos_token_id=bos_token_id,
@@ -172,13 +202,17 @@ def _model_config(hf_config: Any, weights: dict[str, Weight], bos_token_id: int 
         attention_scaling=attention_scaling,
         rope_type=rope_type,
         sliding_window=int(sliding) if sliding else None,
-        hf_config=hf_config,
+        hf_config=dict(fields),
     )
 
 
 @contextmanager
 def _progress_bar(enabled: bool, total: int, description: str) -> Iterator[Any]:
-    """A rich progress bar on stderr (only when stderr is a terminal); yields ``advance()``."""
+    """A rich progress bar on stderr (only when stderr is a terminal); yields ``advance()``.
+    Disabled, it does not import rich."""
+    if not enabled:
+        yield lambda: None
+        return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

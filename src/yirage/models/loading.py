@@ -1,8 +1,10 @@
 """Read a decoder-only LLM (Llama, Qwen2, Mistral) from a GGUF file or a safetensors checkpoint.
 
 ``load_model(spec)`` resolves ``spec`` (``registry.resolve_model``) and returns a ``LoadedModel``:
-a ``ModelConfig``, the weights as ``Weight`` records under their Hugging Face names, and a
-transformers tokenizer with its chat template. Both formats come out in the same layout:
+a ``ModelConfig``, the weights as ``Weight`` records under their Hugging Face names, and the
+tokenizer with its chat template (``tokenizer.Tokenizer``: the ``tokenizers`` library plus
+transformers' settings, made from transformers' tokenizer and checked equal to it). Both formats
+come out in the same layout:
 
 - projections are ``[out_features, in_features]`` (``torch.nn.functional.linear`` convention);
 - q/k projections are in Hugging Face order for ``rotate_half`` RoPE (llama.cpp's interleaving
@@ -18,8 +20,10 @@ The work is split into modules (this one only dispatches):
   from a checked transformers config, RoPE frequencies from transformers' own init functions;
 - ``checks.py``: the validation both formats share (hyper-parameters, tensor table, NaN/inf, tokenizer);
 - ``gguf_file.py``: GGUF files (the bounds-checked reader, GGUF names and types, the q/k
-  un-permutation, the tokenizer conversion);
-- ``safetensors_dir.py``: Hugging Face directories (config.json, safetensors shards, tokenizer files).
+  un-permutation, the tokenizer conversion, and the cache of what transformers derives from a
+  file's metadata, so that a file seen before loads without importing transformers);
+- ``safetensors_dir.py``: Hugging Face directories (config.json, safetensors shards, tokenizer files);
+- ``tokenizer.py``: the ``Tokenizer`` both return (encode, decode, chat templates).
 
 Validation: native kernels later index tables with sizes taken from the config, so a file is
 checked completely before anything is built from it, in this order, and the first problem is one

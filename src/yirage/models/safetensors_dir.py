@@ -6,7 +6,9 @@ safetensors headers (one file, or the shards ``model.safetensors.index.json`` na
 table (``_safetensors_table``), checked before any tensor is read; float32/float16/bfloat16 tensors
 keep their dtype, others are refused; names saved from the bare base model get the ``model.``
 prefix. The token ids the tokenizer files define are checked against the embedding rows
-(``_hf_tokenizer_file_ids``).
+(``_hf_tokenizer_file_ids``). The tokenizer transformers loads is handed out as yirage's
+``tokenizer.Tokenizer`` when that is exactly the same tokenizer (``Tokenizer.from_transformers``),
+so that GGUF and Hugging Face models have one tokenizer class; otherwise transformers' own.
 
 This module must never open a file outside the model's directory that a model file names (shards
 named by the index go through ``registry.model_file``), and never read a tensor's data before the
@@ -22,8 +24,9 @@ from ..dtypes import as_dtype
 from ..errors import ModelLoadError
 from .checks import (_TensorInfo, _check_arch, _check_table, _check_tokenizer, _check_weights, _foreign_errors,
                      _hf_hparams, _is_int, _nonfinite, _read_json, _report_nonfinite, _show)
-from .loaded_model import LoadedModel, Weight, _as_id_list, _model_config, _progress_bar
+from .loaded_model import LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table, config_fields
 from .registry import model_file
+from .tokenizer import Tokenizer
 
 
 _ST_FLOAT = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
@@ -179,10 +182,10 @@ def _load_safetensors(directory: Path, progress: bool, allow_nonfinite: bool = F
         hf_config = AutoConfig.from_pretrained(str(directory))
     except Exception as exc:
         raise ModelLoadError(f"{directory}: cannot read config.json ({exc})") from exc
-    _check_arch(getattr(hf_config, "model_type", None), directory)
-    hf_hp = _hf_hparams(f"{config_json} (as read by transformers)", lambda k: getattr(hf_config, k, None))
-    vocab, tied = _check_table(directory, hf_hp, table, getattr(hf_config, "tie_word_embeddings", None),
-                               lambda n: n)
+    fields = config_fields(hf_config)
+    _check_arch(fields["model_type"], directory)
+    hf_hp = _hf_hparams(f"{config_json} (as read by transformers)", fields.get)
+    vocab, tied = _check_table(directory, hf_hp, table, fields["tie_word_embeddings"], lambda n: n)
     file_ids = _hf_tokenizer_file_ids(directory, vocab)
     weights = _read_safetensors(handles, table, progress, directory, allow_nonfinite)
     weights = _check_weights(weights, table, tied, directory)
@@ -190,13 +193,18 @@ def _load_safetensors(directory: Path, progress: bool, allow_nonfinite: bool = F
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     _check_tokenizer(tokenizer, vocab, "model.embed_tokens.weight", directory,
                      tolerated=(lambda i: False) if file_ids is None else (lambda i: i not in file_ids))
+    try:  # the same tokenizer class as GGUF models get, where it is exactly transformers' tokenizer
+        tokenizer = Tokenizer.from_transformers(tokenizer)
+    except ValueError as exc:
+        logger.info("%s: keeping transformers' tokenizer (%s)", directory, exc)
     eos: list[int] = []
     if (directory / "generation_config.json").is_file():
         try:
             eos += _as_id_list(GenerationConfig.from_pretrained(str(directory)).eos_token_id)
         except Exception as exc:
             logger.warning("ignoring unreadable generation_config.json in %s (%s)", directory, exc)
-    eos += _as_id_list(getattr(hf_config, "eos_token_id", None)) + _as_id_list(tokenizer.eos_token_id)
-    bos = getattr(hf_config, "bos_token_id", None)
-    config = _model_config(hf_config, weights, bos if bos is not None else tokenizer.bos_token_id, eos, directory)
+    eos += _as_id_list(fields["eos_token_id"]) + _as_id_list(tokenizer.eos_token_id)
+    bos = fields["bos_token_id"]
+    config = _model_config(fields, _rope_table(hf_config, directory), weights,
+                           bos if bos is not None else tokenizer.bos_token_id, eos, directory)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=directory, format="safetensors")
