@@ -18,6 +18,7 @@ executor runs its torch reference on the same device.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 from ..dtypes import DType
@@ -148,6 +149,10 @@ class TritonInterpreterBackend(TritonBackend):
     device_type = "cpu"
 
     def unavailable_reason(self) -> str | None:
+        # the environment first: importing Triton costs ~0.3 s that a CPU-only 'auto' must not pay
+        if os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("1", "true", "yes", "on", "y"):
+            return ("TRITON_INTERPRET=1 is not set (set it before starting Python to run Triton "
+                    "kernels on the CPU with Triton's interpreter; for testing, slow)")
         missing = triton_missing_reason()
         if missing:
             return missing
