@@ -166,7 +166,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
 # Each returns a list of TaskOp stages (library.cpp yr_task_*) with the work cut for
 # ``num_workers`` workers, or None for the cases that only have a launch above.
 _TASK_BYTES = 32 * 1024   # weight bytes per GEMV task at least (a task costs ~1 us to hand out)
-_GEMV_ROWS = 4            # library.cpp GEMV_ROWS: slices are whole row groups
+_GEMV_ROWS = 8            # library.cpp GEMV_ROWS (8 with AVX-512, 4 otherwise): slices are whole row groups
 
 
 def _fn(name: str) -> int:

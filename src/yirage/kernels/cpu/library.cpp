@@ -437,23 +437,59 @@ inline void gemv_f32_rows(const float* x, const float* w, int64_t K, const float
     }
 }
 
-constexpr int GEMV_ROWS = 4;   // weight rows per step: each x vector is loaded once for them
+// Weight rows per GEMV step: each x vector is loaded once for them, and as many independent
+// accumulator chains keep the FMA pipes busy. With AVX-512 (32 vector registers) 8 rows
+// measured 1.2-1.5x the GB/s of 4 (benchmarks/kernels_cpu.py, AMD EPYC); 16 spills.
+// AVX2 has 16 registers: 4.
+#if defined(YR_AVX512)
+constexpr int GEMV_ROWS = 8;
+#else
+constexpr int GEMV_ROWS = 4;
+#endif
+// Software prefetch distance of the GEMV loops, in weight rows. A row of a decode GEMV is a
+// few hundred bytes, too short a stream for the hardware prefetcher to reach full speed:
+// asking for the rows PREFETCH_ROWS ahead keeps enough DRAM reads in flight
+// (benchmarks/kernels_cpu.py "cold": about 1.5x more GB/s from DRAM on one core).
+constexpr int64_t PREFETCH_ROWS = 16;
 
-// Runs rows(n0, r) over groups of GEMV_ROWS weight rows. The static schedule gives each
-// thread one contiguous, equal slice of N (the same on every call: warm in its cache).
+// Prefetches rows [n, min(n + GEMV_ROWS, end)) of a weight with rb bytes per row.
+inline void prefetch_rows(const void* w, int64_t rb, int64_t n, int64_t end) {
+#if defined(__GNUC__)
+    if (n >= end) return;
+    const char* p = static_cast<const char*>(w) + n * rb;
+    const int64_t bytes = std::min<int64_t>(GEMV_ROWS, end - n) * rb;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+#else
+    (void)w; (void)rb; (void)n; (void)end;
+#endif
+}
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+#if defined(__GNUC__)
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+#else
+    (void)p; (void)bytes;
+#endif
+}
+
+// Runs rows(n0, r) over groups of GEMV_ROWS weight rows (w: the weight, rb bytes per row,
+// for prefetching). The static schedule gives each thread one contiguous, equal slice of N.
 template <typename RowsFn>
-void gemv_groups(int64_t N, int64_t macs, RowsFn rows) {
+void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
     const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
 #pragma omp parallel for schedule(static) if (macs >= PAR_MIN_MACS)
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n0 = g * GEMV_ROWS;
+        prefetch_rows(w, rb, n0 + PREFETCH_ROWS, N);
         rows(n0, (int)std::min<int64_t>(GEMV_ROWS, N - n0));
     }
 }
 
-// Calls fn<R>() with R = r (1..4): turns the row count of a group into a template argument.
+// Calls fn<R>() with R = r (1..8): turns the row count of a group into a template argument.
 #define YR_DISPATCH_ROWS(r, CALL) \
-    switch (r) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
+    switch (r) { case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; \
+                 case 5: CALL(5); break; case 4: CALL(4); break; case 3: CALL(3); break; \
+                 case 2: CALL(2); break; default: CALL(1); }
 
 // =================================================================================
 // Packed GEMM (prefill). PR weight rows are packed into a panel P[k][PR] (row n0+j of W
@@ -712,7 +748,7 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
         for (int j = 0; j < QK; ++j) s += x[i * QK + j];
         sx[i] = s;
     }
-    gemv_groups(N, M * N * K, [&](int64_t n0, int r) {
+    gemv_groups(N, M * N * K, w, rb, [&](int64_t n0, int r) {
         for (int64_t m = 0; m < M; ++m) {   // the group's weights stay in L1 across the x rows
 #define YR_CALL(R) gemv_q4_1_rows<R>(x + m * K, sx + m * nb, w + n0 * rb, rb, nb, \
                                      bias ? bias + n0 : nullptr, y + m * N + n0)
@@ -732,7 +768,7 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
         });
         return;
     }
-    gemv_groups(N, M * N * K, [&](int64_t n0, int r) {
+    gemv_groups(N, M * N * K, w, rb, [&](int64_t n0, int r) {
         for (int64_t m = 0; m < M; ++m) {
 #define YR_CALL(R) gemv_q8_0_rows<R>(x + m * K, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, \
                                      y + m * N + n0)
@@ -751,7 +787,7 @@ void yr_linear_f32(const float* x, const float* w, const float* bias, float* y,
         });
         return;
     }
-    gemv_groups(N, M * N * K, [&](int64_t n0, int r) {
+    gemv_groups(N, M * N * K, w, K * (int64_t)sizeof(float), [&](int64_t n0, int r) {
         for (int64_t m = 0; m < M; ++m) {
 #define YR_CALL(R) gemv_f32_rows<R>(x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, y + m * N + n0)
             YR_DISPATCH_ROWS(r, YR_CALL)
@@ -892,8 +928,11 @@ void yr_argmax(const float* x, int64_t* out, int64_t R, int64_t D) {
 namespace {
 
 template <typename RowsFn>
-inline void gemv_range(int64_t lo, int64_t hi, RowsFn rows) {
-    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) rows(n0, (int)std::min<int64_t>(GEMV_ROWS, hi - n0));
+inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn rows) {
+    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) {
+        prefetch_rows(w, rb, n0 + PREFETCH_ROWS, hi);
+        rows(n0, (int)std::min<int64_t>(GEMV_ROWS, hi - n0));
+    }
 }
 
 inline float float_arg(int64_t bits) {
@@ -921,7 +960,7 @@ void yr_task_linear_q4_1(const int64_t* a, int64_t lo, int64_t hi) {
         for (int j = 0; j < QK; ++j) s += x[i * QK + j];
         sx[i] = s;
     }
-    gemv_range(lo, hi, [&](int64_t n0, int r) {
+    gemv_range(lo, hi, w, rb, [&](int64_t n0, int r) {
         for (int64_t m = 0; m < M; ++m) {
 #define YR_CALL(R) gemv_q4_1_rows<R>(x + m * K, sx + m * nb, w + n0 * rb, rb, nb, \
                                      bias ? bias + n0 : nullptr, y + m * N + n0)
@@ -938,7 +977,7 @@ void yr_task_linear_q8_0(const int64_t* a, int64_t lo, int64_t hi) {
     const float* bias = YR_ARG(2, const float*);
     float* y = YR_ARG(3, float*);
     const int64_t M = a[4], N = a[5], K = a[6], rb = K / QK * Q8_0_BYTES, nb = K / QK;
-    gemv_range(lo, hi, [&](int64_t n0, int r) {
+    gemv_range(lo, hi, w, rb, [&](int64_t n0, int r) {
         for (int64_t m = 0; m < M; ++m) {
 #define YR_CALL(R) gemv_q8_0_rows<R>(x + m * K, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, \
                                      y + m * N + n0)
@@ -955,7 +994,7 @@ void yr_task_linear_f32(const int64_t* a, int64_t lo, int64_t hi) {
     const float* bias = YR_ARG(2, const float*);
     float* y = YR_ARG(3, float*);
     const int64_t M = a[4], N = a[5], K = a[6];
-    gemv_range(lo, hi, [&](int64_t n0, int r) {
+    gemv_range(lo, hi, w, K * (int64_t)sizeof(float), [&](int64_t n0, int r) {
         for (int64_t m = 0; m < M; ++m) {
 #define YR_CALL(R) gemv_f32_rows<R>(x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, y + m * N + n0)
             YR_DISPATCH_ROWS(r, YR_CALL)
@@ -1016,6 +1055,8 @@ void yr_task_attention_append(const int64_t* a, int64_t, int64_t) {
 
 // a = {q, k_cache, v_cache, start_pos, part, T, Hq, Hkv, Dh, max_seq, scale bits, splits};
 // [lo, hi): pairs kvh * splits + s, for every query t and every q head of KV head kvh.
+// Per (t, group): the scores of the group's heads over the split's keys, one vectorized
+// exp pass per head (max subtracted), then each value row read once for all the heads.
 void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
     const float* q = YR_ARG(0, const float*);
     const float* k_cache = YR_ARG(1, const float*);
@@ -1027,31 +1068,55 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
     if (p0 < 0 || p0 > max_seq - T) return;   // the append task reported it
     const int64_t kv_row = Hkv * Dh, group = Hq / Hkv;
     const int64_t chunk = ((p0 + T + S - 1) / S + 15) / 16 * 16;   // keys per split
+    const int64_t stride = chunk + VL;                              // scores per head in scratch
     static thread_local std::vector<float> score_buf;
-    float* sc = scratch(score_buf, (size_t)(chunk + VL));
+    float* sc = scratch(score_buf, (size_t)(group * stride));
     for (int64_t pair = lo; pair < hi; ++pair) {
         const int64_t kvh = pair / S, s = pair % S;
         for (int64_t t = 0; t < T; ++t) {
-            const int64_t j0 = s * chunk, j1 = std::min(p0 + t + 1, (s + 1) * chunk);
-            for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-                float* pr = part + ((t * Hq + h) * S + s) * (Dh + 2);
-                float* o = pr + 2;
-                std::fill(o, o + Dh, 0.0f);
-                if (j1 <= j0) { pr[0] = -INFINITY; pr[1] = 0.0f; continue; }
-                const float* qv = q + (t * Hq + h) * Dh;
+            const int64_t j0 = s * chunk, j1 = std::min(p0 + t + 1, (s + 1) * chunk), n = j1 - j0;
+            const int64_t h0 = kvh * group;
+            for (int64_t g = 0; g < group; ++g) {
+                float* pr = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2);
+                std::fill(pr + 2, pr + 2 + Dh, 0.0f);
+                pr[0] = -INFINITY;
+                pr[1] = 0.0f;
+            }
+            if (n <= 0) continue;
+            const float* kbase = k_cache + kvh * Dh;
+            const float* vbase = v_cache + kvh * Dh;
+            for (int64_t g = 0; g < group; ++g) {
+                const float* qv = q + (t * Hq + h0 + g) * Dh;
+                float* sg = sc + g * stride;
                 float mx = -INFINITY;
-                for (int64_t j = j0; j < j1; ++j) {
-                    sc[j - j0] = scale * dot(qv, k_cache + j * kv_row + kvh * Dh, Dh);
-                    mx = std::max(mx, sc[j - j0]);
+                for (int64_t j = 0; j < n; ++j) {
+                    if (g == 0 && j + 16 < n) prefetch_bytes(kbase + (j0 + j + 16) * kv_row, Dh * 4);
+                    sg[j] = scale * dot(qv, kbase + (j0 + j) * kv_row, Dh);
+                    mx = std::max(mx, sg[j]);
                 }
-                float sum = 0.0f;
-                for (int64_t j = j0; j < j1; ++j) {
-                    const float e = std::exp(sc[j - j0] - mx);
-                    sum += e;
-                    axpy(e, v_cache + j * kv_row + kvh * Dh, o, Dh);
+                const float neg_mx = -mx;
+                const vf vneg = vbroadcast(&neg_mx);
+                vf vs = vzero();
+                int64_t j = 0;
+                for (; j + VL <= n; j += VL) {
+                    const vf e = vexp(vadd(vload(sg + j), vneg));
+                    vstore(sg + j, e);
+                    vs = vadd(vs, e);
                 }
+                float sum = vsum(vs);
+                for (; j < n; ++j) {
+                    sg[j] = std::exp(sg[j] - mx);
+                    sum += sg[j];
+                }
+                float* pr = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2);
                 pr[0] = mx;
                 pr[1] = sum;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                if (j + 16 < n) prefetch_bytes(vbase + (j0 + j + 16) * kv_row, Dh * 4);
+                const float* vp = vbase + (j0 + j) * kv_row;
+                for (int64_t g = 0; g < group; ++g)
+                    axpy(sc[g * stride + j], vp, part + ((t * Hq + h0 + g) * S + s) * (Dh + 2) + 2, Dh);
             }
         }
     }
