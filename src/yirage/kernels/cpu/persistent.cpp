@@ -19,8 +19,9 @@
 // - The caller's thread is worker 0; workers 1..N-1 are std::threads that live as long as the
 //   pool and sleep (futex) between steps. A step ends when every active worker has found
 //   the task list exhausted; there is no barrier between ops.
-// - Adaptive width: every PROBE_EVERY steps the pool times PROBE_STEPS steps with each
-//   candidate number of active workers (N, N-1, 1) and keeps the fastest. With one core
+// - Adaptive width: now and then (every 256 steps, the interval doubling up to 4096 while
+//   the choice holds) the pool times PROBE_STEPS steps with each candidate number of active
+//   workers (N, N-1, 1) and keeps the fastest in total. With one core
 //   taken by another process a pool of 2 therefore falls back to 1 worker instead of
 //   stalling on the descheduled one (a task held by a preempted thread blocks its
 //   dependants for a whole scheduler time slice, several milliseconds).
@@ -65,8 +66,9 @@ typedef void (*TaskFn)(const int64_t* args, int64_t lo, int64_t hi);
 
 constexpr int64_t SPIN_NS = 20000;     // spin this long before yielding
 constexpr int64_t YIELD_NS = 200000;   // then yield this long before sleeping
-constexpr int PROBE_STEPS = 3;         // steps timed per candidate width
-constexpr int64_t PROBE_EVERY = 256;   // steps between two probes
+constexpr int PROBE_STEPS = 8;         // steps timed per candidate width (their total counts)
+constexpr int64_t PROBE_EVERY = 256;   // steps between two probes; doubled (up to
+constexpr int64_t PROBE_EVERY_MAX = 4096;  // this) while the choice does not change
 
 inline int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -166,6 +168,7 @@ struct Pool {
     int probe_idx = -1;                    // -1: not probing
     int probe_left = 0;
     int64_t until_probe = 0;
+    int64_t probe_every = PROBE_EVERY;
     int chosen = 1;
 };
 
@@ -235,7 +238,7 @@ int pick_width(Pool* pool) {
     if (pool->probe_idx < 0 && pool->until_probe <= 0) {   // start a probe
         pool->probe_idx = 0;
         pool->probe_left = PROBE_STEPS;
-        std::fill(pool->best_ns.begin(), pool->best_ns.end(), INT64_MAX);
+        std::fill(pool->best_ns.begin(), pool->best_ns.end(), 0);
     }
     return pool->probe_idx >= 0 ? pool->candidates[pool->probe_idx] : pool->chosen;
 }
@@ -245,9 +248,8 @@ void record(Pool* pool, int64_t ns) {
         --pool->until_probe;
         return;
     }
-    int64_t& b = pool->best_ns[pool->probe_idx];
-    b = std::min(b, ns);
-    if (--pool->probe_left > 0) return;
+    pool->best_ns[pool->probe_idx] += ns;   // the total, not the best: a worker sharing a busy
+    if (--pool->probe_left > 0) return;     // core has fast steps now and then, slow ones mostly
     if (++pool->probe_idx < (int)pool->candidates.size()) {
         pool->probe_left = PROBE_STEPS;
         return;
@@ -255,9 +257,11 @@ void record(Pool* pool, int64_t ns) {
     size_t best = 0;
     for (size_t c = 1; c < pool->candidates.size(); ++c)
         if (pool->best_ns[c] < pool->best_ns[best] * 0.97) best = c;   // prefer more workers on a tie
+    pool->probe_every = pool->candidates[best] == pool->chosen
+                            ? std::min(PROBE_EVERY_MAX, pool->probe_every * 2) : PROBE_EVERY;
     pool->chosen = pool->candidates[best];
     pool->probe_idx = -1;
-    pool->until_probe = PROBE_EVERY;
+    pool->until_probe = pool->probe_every;
 }
 
 }  // namespace
