@@ -66,7 +66,8 @@ typedef void (*TaskFn)(const int64_t* args, int64_t lo, int64_t hi);
 
 constexpr int64_t SPIN_NS = 20000;     // spin this long before yielding
 constexpr int64_t YIELD_NS = 200000;   // then yield this long before sleeping
-constexpr int PROBE_STEPS = 8;         // steps timed per candidate width (their total counts)
+constexpr int PROBE_STEPS = 8;         // steps timed per candidate width (their mean counts;
+                                       // the first probe takes half, a hopeless width stops at 2)
 constexpr int64_t PROBE_EVERY = 256;   // steps between two probes; doubled (up to
 constexpr int64_t PROBE_EVERY_MAX = 4096;  // this) while the choice does not change
 
@@ -164,7 +165,10 @@ struct Pool {
     // adaptive width
     bool adaptive = true;
     std::vector<int> candidates;
-    std::vector<int64_t> best_ns;
+    std::vector<int64_t> best_ns;          // per candidate: total ns of its probe steps
+    std::vector<int64_t> probe_n;          // per candidate: its probe steps so far
+    int probe_steps = PROBE_STEPS;
+    bool probed = false;
     int probe_idx = -1;                    // -1: not probing
     int probe_left = 0;
     int64_t until_probe = 0;
@@ -237,10 +241,17 @@ int pick_width(Pool* pool) {
     if (!pool->adaptive || pool->candidates.size() < 2) return pool->nworkers;
     if (pool->probe_idx < 0 && pool->until_probe <= 0) {   // start a probe
         pool->probe_idx = 0;
-        pool->probe_left = PROBE_STEPS;
+        pool->probe_steps = pool->probed ? PROBE_STEPS : PROBE_STEPS / 2;   // the first one is short
+        pool->probe_left = pool->probe_steps;
         std::fill(pool->best_ns.begin(), pool->best_ns.end(), 0);
+        std::fill(pool->probe_n.begin(), pool->probe_n.end(), 0);
     }
     return pool->probe_idx >= 0 ? pool->candidates[pool->probe_idx] : pool->chosen;
+}
+
+// Mean step time of candidate c in the current probe.
+double probe_mean(const Pool* pool, size_t c) {
+    return pool->probe_n[c] ? (double)pool->best_ns[c] / (double)pool->probe_n[c] : 1e300;
 }
 
 void record(Pool* pool, int64_t ns) {
@@ -248,18 +259,24 @@ void record(Pool* pool, int64_t ns) {
         --pool->until_probe;
         return;
     }
-    pool->best_ns[pool->probe_idx] += ns;   // the total, not the best: a worker sharing a busy
-    if (--pool->probe_left > 0) return;     // core has fast steps now and then, slow ones mostly
+    const size_t c = (size_t)pool->probe_idx;
+    pool->best_ns[c] += ns;   // the mean, not the best step: a worker sharing a busy core has
+    ++pool->probe_n[c];       // fast steps now and then, slow ones mostly
+    double best_mean = 1e300;
+    for (size_t d = 0; d < c; ++d) best_mean = std::min(best_mean, probe_mean(pool, d));
+    const bool hopeless = pool->probe_n[c] >= 2 && probe_mean(pool, c) > 1.5 * best_mean;   // stop early
+    if (--pool->probe_left > 0 && !hopeless) return;
     if (++pool->probe_idx < (int)pool->candidates.size()) {
-        pool->probe_left = PROBE_STEPS;
+        pool->probe_left = pool->probe_steps;
         return;
     }
     size_t best = 0;
-    for (size_t c = 1; c < pool->candidates.size(); ++c)
-        if (pool->best_ns[c] < pool->best_ns[best] * 0.97) best = c;   // prefer more workers on a tie
+    for (size_t d = 1; d < pool->candidates.size(); ++d)
+        if (probe_mean(pool, d) < probe_mean(pool, best) * 0.97) best = d;   // prefer more workers on a tie
     pool->probe_every = pool->candidates[best] == pool->chosen
                             ? std::min(PROBE_EVERY_MAX, pool->probe_every * 2) : PROBE_EVERY;
     pool->chosen = pool->candidates[best];
+    pool->probed = true;
     pool->probe_idx = -1;
     pool->until_probe = pool->probe_every;
 }
@@ -280,7 +297,8 @@ void* yr_pk_pool_create(int64_t num_workers, int64_t adaptive) {
     for (int c : {pool->nworkers, pool->nworkers - 1, 1})
         if (c >= 1 && std::find(pool->candidates.begin(), pool->candidates.end(), c) == pool->candidates.end())
             pool->candidates.push_back(c);
-    pool->best_ns.assign(pool->candidates.size(), INT64_MAX);
+    pool->best_ns.assign(pool->candidates.size(), 0);
+    pool->probe_n.assign(pool->candidates.size(), 0);
     pool->go.reset(new Word[pool->nworkers]);
     for (int i = 1; i < pool->nworkers; ++i) pool->threads.emplace_back(worker_main, pool, i);
     return pool;
