@@ -40,8 +40,14 @@ demo: setup
 test: setup-test
 	$(PY) -m pytest -q
 
-bench: setup-test
-	$(PY) benchmarks/decode.py
+# llama-cpp-python (the bench extra) compiles llama.cpp for about 10 minutes: only make bench
+# installs it, never make test. BENCH_ARGS="--no-transformers --scenario busy" tunes the run.
+$(VENV)/.setup-bench: pyproject.toml $(VENV)/.setup-test
+	$(PIP) install -e ".[test,bench]"
+	touch $@
+
+bench: $(VENV)/.setup-bench
+	$(PY) benchmarks/decode.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
