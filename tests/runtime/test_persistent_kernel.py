@@ -260,3 +260,29 @@ def test_llm_persistent_and_plan_generate_the_same_tokens(save_tiny_model, tmp_p
     assert ra.token_ids == rb.token_ids and len(ra.token_ids) > 0
     with pytest.raises(yr.GenerationError, match="profiler_tensor"):
         a.write_trace(tmp_path / "t.json")
+
+
+def test_a_forked_child_runs_on_its_own_workers(save_tiny_model, tmp_path):
+    """A fork has none of the parent's worker threads: the child must not wait for them."""
+    import os
+
+    _, loaded = _tiny_reference(save_tiny_model, "llama", tmp_path)
+    mpk = LlamaModel(loaded, Backend.CPU, max_seq_length=32).decode_kernel(num_workers=2)
+    want = mpk.run_step(5, 0)[1].clone()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the step ran and agrees
+        code = 1
+        try:
+            code = 0 if int(mpk.run_step(5, 0)[1][0]) == int(want[0]) else 2
+        finally:
+            os._exit(code)
+    import time
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child hung on the parent's worker pool")

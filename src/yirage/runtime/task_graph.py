@@ -108,6 +108,8 @@ class WorkerPool:
         if not isinstance(num_workers, int) or not 1 <= num_workers <= 1024:
             raise GraphError(f"num_workers must be an integer in 1..1024, got {num_workers!r}")
         self.num_workers = num_workers
+        self.adaptive = bool(adaptive)
+        self.pid = os.getpid()  # the threads exist in this process only (not in a fork's child)
         self.lib = scheduler()
         self.handle = self.lib.yr_pk_pool_create(num_workers, int(adaptive))
         if not self.handle:
@@ -127,6 +129,10 @@ class WorkerPool:
 
 
 _pools: dict[tuple[int, bool], WorkerPool] = {}
+if hasattr(os, "register_at_fork"):
+    # A forked child has none of the parent's worker threads: it must never run on (or join)
+    # the parent's pools; it makes its own on first use (see TaskGraphPlan._live_pool).
+    os.register_at_fork(after_in_child=_pools.clear)
 
 
 def default_num_workers() -> int:
@@ -141,7 +147,7 @@ def default_num_workers() -> int:
 def get_pool(num_workers: int | None = None, adaptive: bool = True) -> WorkerPool:
     """The process's shared pool of ``num_workers`` (default: ``default_num_workers()``)."""
     key = (num_workers or default_num_workers(), bool(adaptive))
-    if key not in _pools:
+    if key not in _pools or _pools[key].pid != os.getpid():
         _pools[key] = WorkerPool(*key)
     return _pools[key]
 
@@ -288,8 +294,16 @@ class TaskGraphPlan(Plan):
         return segments
 
     # ---- running ------------------------------------------------------------------------
+    def _live_pool(self) -> WorkerPool:
+        """The plan's pool, or after a fork (the parent's threads are gone in the child) a
+        pool of this process with the same settings."""
+        if self.pool.pid != os.getpid():
+            self.pool = get_pool(self.pool.num_workers, self.pool.adaptive)
+        return self.pool
+
     def _run_segments(self) -> None:
-        lib, pool = self.pool.lib, self.pool
+        pool = self._live_pool()
+        lib = pool.lib
         with pool._lock:
             for seg in self._segments:
                 if isinstance(seg, _Segment):
@@ -346,9 +360,9 @@ class TaskGraphPlan(Plan):
         if len(self._segments) != 1 or not isinstance(self._segments[0], _Segment):
             raise GraphError("the decode loop needs every op of the step in the task graph; this step "
                              f"has {len(self._segments)} segments")
-        with self.pool._lock:
-            ran = int(self.pool.lib.yr_pk_run(self.pool.handle, self._segments[0].handle, max_steps,
-                                              meta.data_ptr()))
+        pool = self._live_pool()
+        with pool._lock:
+            ran = int(pool.lib.yr_pk_run(pool.handle, self._segments[0].handle, max_steps, meta.data_ptr()))
         if self._status is not None and bool(self._status[:, 0].any()):
             self._raise_index_error()
         return ran
