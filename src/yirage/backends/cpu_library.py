@@ -223,25 +223,24 @@ def _rope_task(node, graph, args, out, status, num_workers):
 
 
 def _attention_task(node, graph, args, out, status, num_workers):
-    """Flash-decoding (Dao et al. 2023): the cached positions are cut into ``splits``
-    slices, each a task computing the partial softmax of every query head over its keys
-    (reading whole, contiguous cache rows); a second op merges the slices. Splits are sized
-    for the cache's length (>= 128 positions each at full length) and so that every worker
-    gets about 4 tasks."""
+    """Flash-decoding (Dao et al. 2023): the keys of each KV head are cut into ``splits``
+    slices, each a task computing a partial softmax for the head's query group; a second op
+    merges the slices. Splits are sized for the cache's length (>= 256 keys each) and so
+    that every worker gets about 4 tasks."""
     q, k, v, kc, vc, pos = args
     if q.dtype != torch.float32:
         return None
     T, Hq, Dh = q.shape
     Hkv, S = k.shape[1], kc.shape[0]
-    splits = max(1, min(-(-S // 128), 4 * num_workers))
+    splits = max(1, min(-(-S // 256), -(-4 * num_workers // Hkv)))
     part = torch.empty((T, Hq, splits, Dh + 2), dtype=torch.float32)
     append = task_op("attention append", _fn("yr_task_attention_append"),
                      (k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), T, Hkv, Dh, S,
                       _ptr(status)), [(0, 1)])
-    partial = task_op(f"attention {splits} KV splits", _fn("yr_task_attention_partial"),
+    partial = task_op(f"attention {Hkv} kv heads x {splits} splits", _fn("yr_task_attention_partial"),
                       (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), part.data_ptr(), T, Hq, Hkv,
                        Dh, S, _float_bits(node.attrs["scale"]), splits),
-                      [(i, i + 1) for i in range(splits)], keep=[part])
+                      [(i, i + 1) for i in range(Hkv * splits)], keep=[part])
     combine = task_op("attention combine", _fn("yr_task_attention_combine"),
                       (part.data_ptr(), out.data_ptr(), T, Hq, Dh, splits),
                       split_range(T * Hq, num_workers if T * Hq * splits * Dh >= 65536 else 1), keep=[part])

@@ -1054,11 +1054,9 @@ void yr_task_attention_append(const int64_t* a, int64_t, int64_t) {
 }
 
 // a = {q, k_cache, v_cache, start_pos, part, T, Hq, Hkv, Dh, max_seq, scale bits, splits};
-// [lo, hi): KV splits s; a task covers every query t and every head for the keys of its
-// split, so that it streams whole cache rows (all KV heads of a position are contiguous).
-// Per (t, KV head): the scores of the head's query group over the split's keys, one
-// vectorized exp pass per query head (max subtracted), then each value row read once for
-// the group.
+// [lo, hi): pairs kvh * splits + s, for every query t and every q head of KV head kvh.
+// Per (t, group): the scores of the group's heads over the split's keys, one vectorized
+// exp pass per head (max subtracted), then each value row read once for all the heads.
 void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
     const float* q = YR_ARG(0, const float*);
     const float* k_cache = YR_ARG(1, const float*);
@@ -1073,8 +1071,8 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t stride = chunk + VL;                              // scores per head in scratch
     static thread_local std::vector<float> score_buf;
     float* sc = scratch(score_buf, (size_t)(group * stride));
-    for (int64_t pair = lo * Hkv; pair < hi * Hkv; ++pair) {
-        const int64_t s = pair / Hkv, kvh = pair % Hkv;
+    for (int64_t pair = lo; pair < hi; ++pair) {
+        const int64_t kvh = pair / S, s = pair % S;
         for (int64_t t = 0; t < T; ++t) {
             const int64_t j0 = s * chunk, j1 = std::min(p0 + t + 1, (s + 1) * chunk), n = j1 - j0;
             const int64_t h0 = kvh * group;
