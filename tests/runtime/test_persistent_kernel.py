@@ -53,10 +53,11 @@ def test_linear_rmsnorm_argmax_match_the_reference(workers, quant):
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("pos", [0, 5, 300, 700])
-def test_flash_decoding_attention_matches_the_reference(workers, pos):
+@pytest.mark.parametrize("Dh", [16, 24, 64, 128])  # vector paths of 1, 2, 4 and 8 registers, and none
+def test_flash_decoding_attention_matches_the_reference(workers, pos, Dh):
     """Decode attention split over the KV length (several splits at max_seq 1024) with GQA."""
     torch.manual_seed(pos)
-    S, Hq, Hkv, Dh = 1024, 6, 2, 16
+    S, Hq, Hkv = 1024, 6, 2
     g = yr.new_kernel_graph()
     q, k, v = g.new_input((1, Hq, Dh)), g.new_input((1, Hkv, Dh)), g.new_input((1, Hkv, Dh))
     kc, vc = g.new_input((S, Hkv, Dh)), g.new_input((S, Hkv, Dh))

@@ -935,6 +935,37 @@ inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn
     }
 }
 
+// o[0 : NV*VL] = sum_j p[j] * v[j * ld + 0 : NV*VL], the accumulator kept in NV registers
+// (accumulating in memory serializes the rows on store-to-load forwarding), with the rows
+// 16 ahead prefetched.
+template <int NV>
+inline void weighted_rows(const float* p, const float* v, int64_t ld, int64_t n, float* o) {
+    vf acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = vzero();
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * 4);
+        const vf pj = vbroadcast(p + j);
+        const float* vj = v + j * ld;
+        for (int i = 0; i < NV; ++i) acc[i] = vfma(pj, vload(vj + i * VL), acc[i]);
+    }
+    for (int i = 0; i < NV; ++i) vstore(o + i * VL, acc[i]);
+}
+
+// s[j] = scale * (q . k[j * ld + 0 : NV*VL]) for j < n, q kept in NV registers, the rows 16
+// ahead prefetched.
+template <int NV>
+inline void row_dots(const float* q, const float* k, int64_t ld, int64_t n, float scale, float* s) {
+    vf qr[NV];
+    for (int i = 0; i < NV; ++i) qr[i] = vload(q + i * VL);
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * 4);
+        const float* kj = k + j * ld;
+        vf acc = vmul(qr[0], vload(kj));
+        for (int i = 1; i < NV; ++i) acc = vfma(qr[i], vload(kj + i * VL), acc);
+        s[j] = scale * vsum(acc);
+    }
+}
+
 inline float float_arg(int64_t bits) {
     const uint32_t u = (uint32_t)bits;
     float f;
@@ -1088,12 +1119,16 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
             for (int64_t g = 0; g < group; ++g) {
                 const float* qv = q + (t * Hq + h0 + g) * Dh;
                 float* sg = sc + g * stride;
-                float mx = -INFINITY;
-                for (int64_t j = 0; j < n; ++j) {
-                    if (g == 0 && j + 16 < n) prefetch_bytes(kbase + (j0 + j + 16) * kv_row, Dh * 4);
-                    sg[j] = scale * dot(qv, kbase + (j0 + j) * kv_row, Dh);
-                    mx = std::max(mx, sg[j]);
+                const float* k0 = kbase + j0 * kv_row;
+                switch (Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0) {
+                    case 8: row_dots<8>(qv, k0, kv_row, n, scale, sg); break;
+                    case 4: row_dots<4>(qv, k0, kv_row, n, scale, sg); break;
+                    case 2: row_dots<2>(qv, k0, kv_row, n, scale, sg); break;
+                    default:
+                        for (int64_t j = 0; j < n; ++j) sg[j] = scale * dot(qv, k0 + j * kv_row, Dh);
                 }
+                float mx = -INFINITY;
+                for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
                 const float neg_mx = -mx;
                 const vf vneg = vbroadcast(&neg_mx);
                 vf vs = vzero();
@@ -1112,11 +1147,17 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
                 pr[0] = mx;
                 pr[1] = sum;
             }
-            for (int64_t j = 0; j < n; ++j) {
-                if (j + 16 < n) prefetch_bytes(vbase + (j0 + j + 16) * kv_row, Dh * 4);
-                const float* vp = vbase + (j0 + j) * kv_row;
-                for (int64_t g = 0; g < group; ++g)
-                    axpy(sc[g * stride + j], vp, part + ((t * Hq + h0 + g) * S + s) * (Dh + 2) + 2, Dh);
+            for (int64_t g = 0; g < group; ++g) {
+                float* o = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2) + 2;
+                const float* pg = sc + g * stride;
+                const float* v0 = vbase + j0 * kv_row;
+                switch (Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0) {
+                    case 8: weighted_rows<8>(pg, v0, kv_row, n, o); break;
+                    case 4: weighted_rows<4>(pg, v0, kv_row, n, o); break;
+                    case 2: weighted_rows<2>(pg, v0, kv_row, n, o); break;
+                    default:
+                        for (int64_t j = 0; j < n; ++j) axpy(pg[j], v0 + j * kv_row, o, Dh);
+                }
             }
         }
     }
