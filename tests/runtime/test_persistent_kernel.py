@@ -53,7 +53,7 @@ def test_linear_rmsnorm_argmax_match_the_reference(workers, quant):
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("pos", [0, 5, 300, 700])
-@pytest.mark.parametrize("Dh", [16, 24, 64, 128])  # vector paths of 1, 2, 4 and 8 registers, and none
+@pytest.mark.parametrize("Dh", [16, 24, 32, 64, 128])  # AVX-512: scalar-loop paths (16, 24), 2, 4, 8 registers
 def test_flash_decoding_attention_matches_the_reference(workers, pos, Dh):
     """Decode attention split over the KV length (several splits at max_seq 1024) with GQA."""
     torch.manual_seed(pos)
