@@ -723,6 +723,12 @@ inline void rope_row(const float* x, const float* cos_table, const float* sin_ta
 
 }  // namespace
 
+namespace {
+// Defined with the task kernels below (it shares their register-tiled helpers).
+void attention_prefill_tiled(const float* q, const float* k_cache, const float* v_cache, int64_t p0,
+                             float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale);
+}  // namespace
+
 extern "C" {
 
 // =================================================================================
@@ -862,6 +868,10 @@ void yr_attention(const float* q, const float* k, const float* v, float* k_cache
     const int64_t kv_row = Hkv * Dh;   // floats per cache position
     std::memcpy(k_cache + p0 * kv_row, k, (size_t)(T * kv_row) * sizeof(float));
     std::memcpy(v_cache + p0 * kv_row, v, (size_t)(T * kv_row) * sizeof(float));
+    if (T > 1) {   // prefill: in tiles
+        attention_prefill_tiled(q, k_cache, v_cache, p0, out, T, Hq, Hkv, Dh, scale);
+        return;
+    }
     const int64_t group = Hq / Hkv;
     const int64_t work = T * Hq * (p0 + T) * Dh;
     (void)work;  // read by the OpenMP if clause only
@@ -963,6 +973,100 @@ inline void row_dots(const float* q, const float* k, int64_t ld, int64_t n, floa
         vf acc = vmul(qr[0], vload(kj));
         for (int i = 1; i < NV; ++i) acc = vfma(qr[i], vload(kj + i * VL), acc);
         s[j] = scale * vsum(acc);
+    }
+}
+
+// o = c * o + sum_j p[j] * v[j * ld + 0 : NV*VL] (the online-softmax update), in registers.
+template <int NV>
+inline void weighted_rows_acc(const float* p, const float* v, int64_t ld, int64_t n, float c, float* o) {
+    vf acc[NV];
+    const vf cv = vbroadcast(&c);
+    for (int i = 0; i < NV; ++i) acc[i] = vmul(cv, vload(o + i * VL));
+    for (int64_t j = 0; j < n; ++j) {
+        const vf pj = vbroadcast(p + j);
+        const float* vj = v + j * ld;
+        for (int i = 0; i < NV; ++i) acc[i] = vfma(pj, vload(vj + i * VL), acc[i]);
+    }
+    for (int i = 0; i < NV; ++i) vstore(o + i * VL, acc[i]);
+}
+
+// Causal GQA prefill attention in tiles (FlashAttention's online softmax, Dao et al. 2022):
+// a task is (KV head, tile of PQ queries) and covers the query heads of that KV head's group,
+// so each tile of PK cached keys and values is read from memory once and reused from L1 by
+// every query row of the task. Keys are visited tile by tile with a running max, sum and
+// output per query row; causal: query t sees keys 0 .. p0+t. The caches already hold the
+// new keys and values (yr_attention appends them first).
+void attention_prefill_tiled(const float* q, const float* k_cache, const float* v_cache, int64_t p0,
+                             float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale) {
+    constexpr int64_t PQ = 16, PK = 64;
+    const int64_t group = Hq / Hkv, kv_row = Hkv * Dh, qtiles = (T + PQ - 1) / PQ;
+    const int nv = Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < Hkv * qtiles; ++task) {
+        const int64_t qt = qtiles - 1 - task / Hkv, kvh = task % Hkv;   // longest (last) tiles first
+        const int64_t t0 = qt * PQ, t1 = std::min(T, t0 + PQ), rows = (t1 - t0) * group;
+        static thread_local std::vector<float> buf;
+        float* S = scratch(buf, (size_t)(rows * (PK + VL) + rows * Dh + 2 * rows));
+        float* O = S + rows * (PK + VL);
+        float* M = O + rows * Dh;
+        float* L = M + rows;
+        std::fill(O, O + rows * Dh, 0.0f);
+        std::fill(M, M + rows, -INFINITY);
+        std::fill(L, L + rows, 0.0f);
+        const float* kb = k_cache + kvh * Dh;
+        const float* vb = v_cache + kvh * Dh;
+        for (int64_t j0 = 0; j0 < p0 + t1; j0 += PK) {
+            for (int64_t r = 0; r < rows; ++r) {
+                const int64_t t = t0 + r / group, h = kvh * group + r % group;
+                const int64_t n = std::min(PK, p0 + t + 1 - j0);   // causal
+                if (n <= 0) continue;
+                const float* qv = q + (t * Hq + h) * Dh;
+                float* sr = S + r * (PK + VL);
+                float* o = O + r * Dh;
+                const float* k0 = kb + j0 * kv_row;
+                const float* v0 = vb + j0 * kv_row;
+                switch (nv) {
+                    case 8: row_dots<8>(qv, k0, kv_row, n, scale, sr); break;
+                    case 4: row_dots<4>(qv, k0, kv_row, n, scale, sr); break;
+                    case 2: row_dots<2>(qv, k0, kv_row, n, scale, sr); break;
+                    default:
+                        for (int64_t j = 0; j < n; ++j) sr[j] = scale * dot(qv, k0 + j * kv_row, Dh);
+                }
+                float mx = M[r];
+                for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sr[j]);
+                const float c = M[r] == -INFINITY ? 0.0f : std::exp(M[r] - mx);
+                const float neg_mx = -mx;
+                const vf vneg = vbroadcast(&neg_mx);
+                vf vs = vzero();
+                int64_t j = 0;
+                for (; j + VL <= n; j += VL) {
+                    const vf e = vexp(vadd(vload(sr + j), vneg));
+                    vstore(sr + j, e);
+                    vs = vadd(vs, e);
+                }
+                float sum = vsum(vs);
+                for (; j < n; ++j) {
+                    sr[j] = std::exp(sr[j] - mx);
+                    sum += sr[j];
+                }
+                L[r] = L[r] * c + sum;
+                M[r] = mx;
+                switch (nv) {
+                    case 8: weighted_rows_acc<8>(sr, v0, kv_row, n, c, o); break;
+                    case 4: weighted_rows_acc<4>(sr, v0, kv_row, n, c, o); break;
+                    case 2: weighted_rows_acc<2>(sr, v0, kv_row, n, c, o); break;
+                    default:
+                        for (int64_t d = 0; d < Dh; ++d) o[d] *= c;
+                        for (int64_t jj = 0; jj < n; ++jj) axpy(sr[jj], v0 + jj * kv_row, o, Dh);
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t = t0 + r / group, h = kvh * group + r % group;
+            const float inv = 1.0f / L[r];
+            float* dst = out + (t * Hq + h) * Dh;
+            for (int64_t d = 0; d < Dh; ++d) dst[d] = O[r * Dh + d] * inv;
+        }
     }
 }
 
