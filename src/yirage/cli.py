@@ -316,6 +316,8 @@ def main() -> None:
         if _state["interrupted"]:
             _interrupted()
         raise  # not the user's doing: a bug in yirage, with its traceback
+    if _state["interrupted"]:  # a library swallowed the KeyboardInterrupt (e.g. in a finalizer)
+        _interrupted()
     _exit(status if isinstance(status, int) else 0)
 
 
