@@ -67,7 +67,8 @@ typedef void (*TaskFn)(const int64_t* args, int64_t lo, int64_t hi);
 constexpr int64_t SPIN_NS = 20000;     // spin this long before yielding
 constexpr int64_t YIELD_NS = 200000;   // then yield this long before sleeping
 constexpr int PROBE_STEPS = 8;         // steps timed per candidate width (their mean counts;
-                                       // the first probe takes half, a hopeless width stops at 2)
+                                       // the first probe takes half; a width whose steps are
+                                       // 1.5x slower than the best so far stops at once)
 constexpr int64_t PROBE_EVERY = 256;   // steps between two probes; doubled (up to
 constexpr int64_t PROBE_EVERY_MAX = 4096;  // this) while the choice does not change
 
@@ -165,6 +166,7 @@ struct Pool {
     // adaptive width
     bool adaptive = true;
     std::vector<int> candidates;
+    std::vector<int> order;                // the current probe's widths, the chosen one first
     std::vector<int64_t> best_ns;          // per candidate: total ns of its probe steps
     std::vector<int64_t> probe_n;          // per candidate: its probe steps so far
     int probe_steps = PROBE_STEPS;
@@ -239,14 +241,17 @@ void step(Pool* pool, Graph* g, int width) {
 // The width for the next step, and whether this step is a probe to time.
 int pick_width(Pool* pool) {
     if (!pool->adaptive || pool->candidates.size() < 2) return pool->nworkers;
-    if (pool->probe_idx < 0 && pool->until_probe <= 0) {   // start a probe
+    if (pool->probe_idx < 0 && pool->until_probe <= 0) {   // start a probe: the current width first
+        pool->order.assign(1, pool->chosen);                // (the others can then stop early)
+        for (int c : pool->candidates)
+            if (c != pool->chosen) pool->order.push_back(c);
         pool->probe_idx = 0;
         pool->probe_steps = pool->probed ? PROBE_STEPS : PROBE_STEPS / 2;   // the first one is short
         pool->probe_left = pool->probe_steps;
         std::fill(pool->best_ns.begin(), pool->best_ns.end(), 0);
         std::fill(pool->probe_n.begin(), pool->probe_n.end(), 0);
     }
-    return pool->probe_idx >= 0 ? pool->candidates[pool->probe_idx] : pool->chosen;
+    return pool->probe_idx >= 0 ? pool->order[pool->probe_idx] : pool->chosen;
 }
 
 // Mean step time of candidate c in the current probe.
@@ -264,18 +269,20 @@ void record(Pool* pool, int64_t ns) {
     ++pool->probe_n[c];       // fast steps now and then, slow ones mostly
     double best_mean = 1e300;
     for (size_t d = 0; d < c; ++d) best_mean = std::min(best_mean, probe_mean(pool, d));
-    const bool hopeless = pool->probe_n[c] >= 2 && probe_mean(pool, c) > 1.5 * best_mean;   // stop early
+    const bool hopeless = probe_mean(pool, c) > 1.5 * best_mean;   // stop early: a step that slow
     if (--pool->probe_left > 0 && !hopeless) return;
-    if (++pool->probe_idx < (int)pool->candidates.size()) {
+    if (++pool->probe_idx < (int)pool->order.size()) {
         pool->probe_left = pool->probe_steps;
         return;
     }
     size_t best = 0;
-    for (size_t d = 1; d < pool->candidates.size(); ++d)
-        if (probe_mean(pool, d) < probe_mean(pool, best) * 0.97) best = d;   // prefer more workers on a tie
-    pool->probe_every = pool->candidates[best] == pool->chosen
+    for (size_t d = 1; d < pool->order.size(); ++d) {
+        const double m = probe_mean(pool, d), mb = probe_mean(pool, best);
+        if (m < mb * 0.97 || (m < mb * 1.03 && pool->order[d] > pool->order[best])) best = d;  // ties: more workers
+    }
+    pool->probe_every = pool->order[best] == pool->chosen
                             ? std::min(PROBE_EVERY_MAX, pool->probe_every * 2) : PROBE_EVERY;
-    pool->chosen = pool->candidates[best];
+    pool->chosen = pool->order[best];
     pool->probed = true;
     pool->probe_idx = -1;
     pool->until_probe = pool->probe_every;
@@ -292,8 +299,10 @@ void* yr_pk_pool_create(int64_t num_workers, int64_t adaptive) {
     if (num_workers < 1 || num_workers > 1024) return nullptr;
     Pool* pool = new Pool();
     pool->nworkers = (int)num_workers;
-    pool->chosen = pool->nworkers;
     pool->adaptive = adaptive != 0;
+    // Adaptive pools start by timing one worker, so that a wider step slowed by a busy core
+    // is dropped after one step of the first probe.
+    pool->chosen = pool->adaptive ? 1 : pool->nworkers;
     for (int c : {pool->nworkers, pool->nworkers - 1, 1})
         if (c >= 1 && std::find(pool->candidates.begin(), pool->candidates.end(), c) == pool->candidates.end())
             pool->candidates.push_back(c);
