@@ -307,3 +307,45 @@ def test_tiled_prefill_attention_matches_the_reference(T, pos, Dh):
     ref = g.interpret([t.clone() for t in tensors])[0]
     got = g.compile("cpu")(tensors)[0]
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def _dags(draw):
+    """Random op DAGs: per op a task count (1-6) and dependencies on earlier ops."""
+    n = draw(st.integers(1, 24))
+    ops = []
+    for o in range(n):
+        deps = sorted(draw(st.sets(st.integers(0, o - 1), max_size=min(o, 4)))) if o else []
+        ops.append((draw(st.integers(1, 6)), deps, draw(st.sampled_from([0, 50, 2000]))))
+    return ops
+
+
+@settings(max_examples=60, deadline=None)
+@given(dag=_dags(), workers=st.integers(1, 4), adaptive=st.booleans(), steps=st.integers(1, 3))
+def test_scheduler_runs_every_task_once_after_its_dependencies(dag, workers, adaptive, steps):
+    """The scheduler (kernels/cpu/persistent.cpp) on random DAGs: every task of a step runs
+    exactly once, and never before all tasks of the ops it depends on have finished."""
+    from yirage.runtime.task_graph import _Segment, task_op
+
+    lib = scheduler()
+    fn = ctypes.cast(lib.yr_pk_test_task, ctypes.c_void_p).value
+    count = torch.zeros(len(dag), dtype=torch.int64)
+    need = torch.tensor([t for t, _, _ in dag], dtype=torch.int64)
+    violations = torch.zeros(1, dtype=torch.int64)
+    keep = []
+    ops = []
+    for o, (tasks, deps, spin) in enumerate(dag):
+        d = torch.tensor(deps or [0], dtype=torch.int64)
+        keep.append(d)
+        ops.append(task_op(f"op{o}", fn, (count.data_ptr(), need.data_ptr(), o, len(deps), d.data_ptr(),
+                                          violations.data_ptr(), spin), [(i, i + 1) for i in range(tasks)]))
+    seg = _Segment(ops, [set(deps) for _, deps, _ in dag])
+    pool = get_pool(workers, adaptive)
+    for _ in range(steps):
+        count.zero_()
+        assert lib.yr_pk_run(pool.handle, seg.handle, 1, None) == 1
+        assert count.tolist() == need.tolist()
+    assert int(violations[0]) == 0

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "yr_pk_graph_set_profiler": ((_P, _P, _I), None),
     "yr_pk_graph_profiled": ((_P,), _I),
     "yr_pk_run": ((_P, _P, _I, _P), _I),
+    "yr_pk_test_task": ((_P, _I, _I), None),
 }
 #: Columns of a profiler row (``profiler_tensor`` int64 [capacity, 6]).
 PROFILE_FIELDS = ("worker", "step", "task", "start_ns", "end_ns", "op")

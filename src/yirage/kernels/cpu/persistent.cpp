@@ -427,4 +427,21 @@ int64_t yr_pk_run(void* p, void* gp, int64_t max_steps, const int64_t* meta) {
     return ran;
 }
 
+// A task for testing the scheduler (tests/runtime/test_persistent_kernel.py): a = {count*,
+// need*, op, n_deps, deps*, violations*, spin}: counts one violation for every dependency
+// op whose count has not reached its need when the task starts, spins `spin` iterations,
+// then adds 1 to count[op].
+void yr_pk_test_task(const int64_t* a, int64_t, int64_t) {
+    int64_t* count = reinterpret_cast<int64_t*>(a[0]);
+    const int64_t* need = reinterpret_cast<const int64_t*>(a[1]);
+    const int64_t* deps = reinterpret_cast<const int64_t*>(a[4]);
+    int64_t* violations = reinterpret_cast<int64_t*>(a[5]);
+    for (int64_t d = 0; d < a[3]; ++d)
+        if (__atomic_load_n(&count[deps[d]], __ATOMIC_ACQUIRE) < need[deps[d]])
+            __atomic_fetch_add(violations, 1, __ATOMIC_RELAXED);
+    volatile int64_t sink = 0;
+    for (int64_t i = 0; i < a[6]; ++i) sink = sink + i;
+    __atomic_fetch_add(&count[a[2]], 1, __ATOMIC_RELEASE);
+}
+
 }  // extern "C"
