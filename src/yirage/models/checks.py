@@ -9,11 +9,13 @@ expected:
   ``_int_field``, ``_positive_float``, ``_finite_float``): layers, heads, KV heads, head dim,
   hidden, intermediate, vocab, context, sliding window, RMSNorm eps, RoPE theta/scaling, for type,
   range and consistency with each other, before transformers builds a config from them; the
-  architecture (``_check_arch``, ``SUPPORTED_ARCHS``);
+  architecture (``_check_arch``, ``SUPPORTED_ARCHS``: Llama, Qwen2, Mistral and Qwen3, which is
+  Qwen2 without q/k/v biases unless ``attention_bias``, with a per-head RMSNorm on q and k and an
+  explicit ``head_dim``; Yang et al. 2025, transformers' ``modeling_qwen3.py``);
 - the tensor table, before any tensor data is read (``_check_table``): the layer count equals the
   blocks present, the vocab the embedding rows, every tensor has the shape the config implies
-  (``_expected_shapes``), none is missing or unsupported; after reading, every weight came out as
-  the table said (``_check_weights``);
+  (``_expected_shapes``; Qwen3's ``q_norm``/``k_norm`` are [head dim]), none is missing or
+  unsupported; after reading, every weight came out as the table said (``_check_weights``);
 - the values: NaN/inf in float weights or in the fp16 block scales of Q8_0/Q4_1 tensors
   (``_nonfinite``), refused unless ``allow_nonfinite`` (then a warning: ``_report_nonfinite``);
 - the tokenizer (``_check_tokenizer``): every token id it can produce and its special ids index a
@@ -50,7 +52,12 @@ from ..errors import ModelLoadError
 if TYPE_CHECKING:  # annotations only: loaded_model.py imports this module
     from .loaded_model import Weight
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3")
+
+# Architectures whose attention has a per-head RMSNorm on q and k (weights ``self_attn.q_norm`` and
+# ``self_attn.k_norm``, shape [head_dim], applied after the projection and before RoPE): Qwen3
+# (Yang et al. 2025, the Qwen3 technical report; transformers' ``modeling_qwen3.py``).
+QK_NORM_ARCHS = ("qwen3",)
 
 
 def _check_arch(model_type: Any, origin: Any) -> str:
@@ -260,9 +267,10 @@ class _TensorInfo:
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _expected_shapes(hp: _HParams, vocab: int, tied: bool,
-                     attention_bias: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+def _expected_shapes(hp: _HParams, vocab: int, tied: bool, attention_bias: bool,
+                     qk_norm: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every weight name a supported model must have: (logical shape, which fields imply it).
+    ``qk_norm``: the per-head q/k RMSNorm weights of Qwen3 ([head dim] each).
     Loops over ``hp.layers``, which the caller has checked against the blocks present."""
     n = hp.names
     h, inter, heads, kv, hd = hp.hidden, hp.intermediate, hp.heads, hp.kv_heads, hp.head_dim
@@ -289,15 +297,25 @@ def _expected_shapes(hp: _HParams, vocab: int, tied: bool,
             shapes.update({p + "self_attn.q_proj.bias": ((heads * hd,), q_why),
                            p + "self_attn.k_proj.bias": ((kv * hd,), kv_why),
                            p + "self_attn.v_proj.bias": ((kv * hd,), kv_why)})
+        if qk_norm:
+            hd_why = f"head dim {hd} ({n.get('head_dim') or n['hidden'] + ' / ' + n['heads']})"
+            shapes.update({p + "self_attn.q_norm.weight": ((hd,), hd_why),
+                           p + "self_attn.k_norm.weight": ((hd,), hd_why)})
     return shapes
 
 
 def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: bool | None,
-                 display: Callable[[str], str]) -> tuple[int, bool]:
+                 display: Callable[[str], str], arch: str | None = None,
+                 attention_bias: bool | None = None) -> tuple[int, bool]:
     """Check the tensor table (HF name -> info, data not read yet) against ``hp``; (vocab, tied).
 
     ``tie``: the config's tie_word_embeddings (None: unknown yet). ``display`` names a tensor as
-    the file does. The layer count must equal the blocks present before anything loops over it.
+    the file does. ``arch``: the checked architecture; Qwen3 (``QK_NORM_ARCHS``) must have the
+    per-head ``self_attn.q_norm``/``k_norm`` weights [head dim], the others must not. ``attention_bias``:
+    the config's flag; for Qwen3 it must be false (true adds an o_proj bias, which is not supported)
+    and then there must be no q/k/v biases (None: unknown, and for the other architectures, whose
+    configs may not say: the table decides whether q/k/v biases are expected). The layer
+    count must equal the blocks present before anything loops over it.
     """
     n = hp.names
     present = {int(m.group(1)) for name in table if (m := _LAYER.match(name))}
@@ -326,12 +344,28 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
     if tie is False and not has_head:
         raise ModelLoadError(f"{origin}: config says embeddings are not tied but there is no lm_head weight "
                              f"({display('lm_head.weight')})")
+    qk_norm = arch in QK_NORM_ARCHS
     bias = "model.layers.0.self_attn.q_proj.bias" in table
-    expected = _expected_shapes(hp, vocab, tied, bias)
-    extra = sorted(display(k) for k in set(table) - set(expected) if not (k == "lm_head.weight" and tied))
+    if qk_norm and attention_bias is not None:
+        if not isinstance(attention_bias, bool):
+            raise ModelLoadError(f"{origin}: attention_bias = {_show(attention_bias)} must be true or false")
+        if attention_bias:  # transformers' Qwen3Attention then biases o_proj too
+            raise ModelLoadError(f"{origin}: attention_bias = true is not supported for {arch} (it adds a bias to "
+                                 "o_proj as well as q/k/v; yirage supports q/k/v biases only)")
+        bias = False
+    expected = _expected_shapes(hp, vocab, tied, bias, qk_norm)
+    extra = sorted(k for k in set(table) - set(expected) if not (k == "lm_head.weight" and tied))
     if extra:
-        raise ModelLoadError(f"{origin}: unsupported tensors {extra[:4]}{' ...' if len(extra) > 4 else ''} "
-                             "(yirage supports q/k/v biases only, no o_proj/MLP biases)")
+        shown = sorted(display(k) for k in extra)
+        listed = f"{shown[:4]}{' ...' if len(shown) > 4 else ''}"
+        if any(k.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) for k in extra):
+            why = (f"per-head q/k norms belong to {', '.join(QK_NORM_ARCHS)}, not to architecture "
+                   f"{_show(arch)}" if arch is not None else "per-head q/k norms are not expected here")
+        elif qk_norm and not bias and any(re.search(r"self_attn\.[qkv]_proj\.bias$", k) for k in extra):
+            why = "the config says attention_bias = false, so there must be no q/k/v biases"
+        else:
+            why = "yirage supports q/k/v biases only, no o_proj/MLP biases"
+        raise ModelLoadError(f"{origin}: unsupported tensors {listed} ({why})")
     missing = [display(k) for k in expected if k not in table]
     if missing:
         raise ModelLoadError(f"{origin}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")

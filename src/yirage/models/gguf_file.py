@@ -14,10 +14,12 @@ In the order ``_load_gguf`` runs them:
   tensor data stays mapped (a copy-on-write numpy memmap), not read;
 - the hyper-parameters by their GGUF names (``_gguf_hparams``), the tensor table with each tensor's
   type checked against its role (``_gguf_table``) and the tokenizer metadata (``_gguf_check_tokens``);
-  then the config transformers builds from the metadata (``_gguf_hf_config``) is checked again
+  then the config transformers builds from the metadata (``_gguf_hf_config``, with ``head_dim``
+  from ``<arch>.attention.key_length`` where transformers' mapping omits it, as for qwen3) is checked again
   (``checks._hf_hparams``, ``checks._check_table``) and its RoPE table computed
   (``loaded_model.rope_parameters``);
-- the tensors under Hugging Face names (``gguf_to_hf_name``): ``Q8_0``/``Q4_1`` stay
+- the tensors under Hugging Face names (``gguf_to_hf_name``; Qwen3's per-head q/k RMSNorm weights
+  ``attn_q_norm``/``attn_k_norm`` are ``self_attn.q_norm``/``k_norm``): ``Q8_0``/``Q4_1`` stay
   block-quantized (raw block bytes in a ``uint8`` tensor of ``dtype.storage_shape(logical_shape)``),
   F32/F16/BF16 stay as they are, the legacy and K-quant types (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) are
   dequantized to float32 (IQ and other types are refused); llama.cpp's interleaving permutation of
@@ -81,6 +83,7 @@ _GGUF_BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's per-head q/k RMSNorm
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GGUF_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -539,7 +542,7 @@ def _gguf_check_tokens(reader: Any, rows: int, path: Path) -> None:
                                  f"{rows} rows{'' if count is None else f', tokenizer.ggml.tokens {count} entries'})")
 
 
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 _TRANSFORMERS_VERSION: str | None = None
 
 
@@ -651,6 +654,9 @@ def _gguf_hf_config_uncached(reader: Any, path: Path) -> Any:
                              f"{exc})") from exc
     model_type = _check_arch(config.pop("model_type", arch), path)
     config.pop("_model_name_or_path", None)
+    key_length = _gguf_field(reader, f"{arch}.attention.key_length")
+    if config.get("head_dim") is None and key_length is not None:  # transformers' qwen3 mapping omits it
+        config["head_dim"] = int(key_length)  # (Qwen3Config's default, 128, is not every file's head dim)
     scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
     factor = _gguf_field(reader, f"{arch}.rope.scaling.factor")
     if scaling in ("linear", "yarn") and factor and float(factor) != 1.0:
@@ -777,12 +783,12 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
     arch = _gguf_field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(f"{path}: general.architecture is {'missing' if arch is None else _show(arch)}; "
-                             "it must name the architecture (llama, qwen2, mistral)")
+                             f"it must name the architecture ({', '.join(SUPPORTED_ARCHS)})")
     _check_arch(arch, path)
     hp = _gguf_hparams(reader, arch, path)
     table, rope_freqs_tensor = _gguf_table(reader, path)
     display = _hf_to_gguf_name
-    vocab, tied = _check_table(path, hp, table, None, display)
+    vocab, tied = _check_table(path, hp, table, None, display, arch=arch)
     _gguf_check_tokens(reader, vocab, path)
     key = _gguf_cache_key(reader)
     cached = _read_config_cache(key)
@@ -795,11 +801,12 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
     _check_arch(fields.get("model_type"), path)
     origin = f"{path} (as read by transformers)"
     hf_hp = _hf_hparams(origin, fields.get)
-    _check_table(origin, hf_hp, table, fields.get("tie_word_embeddings"), display)
+    _check_table(origin, hf_hp, table, fields.get("tie_word_embeddings"), display, arch=fields.get("model_type"),
+                 attention_bias=fields.get("attention_bias"))
     if cached is None:
         rope = _rope_table(hf_config, path)
     rope_freqs = _gguf_rope_freqs(rope_freqs_tensor, hp, path) if rope_freqs_tensor is not None else None
-    permute_qk = arch == "llama"  # llama.cpp permutes llama only
+    permute_qk = arch == "llama"  # llama.cpp permutes llama only (not qwen2/qwen3, nor their q/k norms)
     weights = _read_gguf_weights(reader, table, hp, permute_qk, progress, path, allow_nonfinite)
     weights = _check_weights(weights, table, tied, path)
     n_tokens = _gguf_token_count(reader, path) or 0

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) expressed as kernel graphs.
+"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral, Qwen3) expressed as kernel graphs.
 
 One graph covers one forward step over ``T`` new tokens at positions
 ``start_pos .. start_pos+T-1`` (prefill: T = prompt length; decode: T = 1) and returns the
@@ -7,6 +7,7 @@ logits of the last token [1, vocab] (float32) and their argmax [1] (int64):
     h = embedding(ids)
     per layer:  n = RMSNorm(h) * w_attn_norm                      (fused kernel)
                 q, k, v = linear(n, Wq/Wk/Wv [+ bias, Qwen2])     (GEMV/GEMM)
+                q, k = RMSNorm_head(q) * w_q_norm, RMSNorm_head(k) * w_k_norm   (Qwen3 only)
                 q, k = RoPE(q), RoPE(k)                            (rotate-half, HF layout)
                 a = attention(q, k, v, KV cache, start_pos)        (causal, GQA)
                 h = h + linear(a, Wo);  n = RMSNorm(h) * w_mlp_norm    (fused kernel)
@@ -16,6 +17,12 @@ logits of the last token [1, vocab] (float32) and their argmax [1] (int64):
 References: Touvron et al. 2023 (Llama), Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021
 (RoPE), Ainslie et al. 2023 (GQA), Shazeer 2020 (SwiGLU); transformers' modeling_llama.py
 is the numerical reference the tests compare against.
+
+Qwen3 (Yang et al. 2025, the Qwen3 technical report; transformers' modeling_qwen3.py) is Qwen2
+without q/k/v biases (unless its config's ``attention_bias``) plus a per-head RMSNorm on q and k:
+each head's q and k vector (``head_dim`` wide; Qwen3's config gives ``head_dim`` explicitly and it
+may differ from hidden / heads) is RMS-normalised with ``rms_norm_eps`` and scaled by the weights
+``self_attn.q_norm`` / ``self_attn.k_norm`` [head_dim] after the projection, before RoPE.
 
 This module builds graphs and owns the KV cache tensors; it must never launch kernels
 itself (the executor does) or parse model files (models/loading.py does).
@@ -105,6 +112,9 @@ class LlamaModel:
             q = g.reshape(proj(n, f"{p}.self_attn.q_proj"), (T, hq, Dh))
             k = g.reshape(proj(n, f"{p}.self_attn.k_proj"), (T, hkv, Dh))
             v = g.reshape(proj(n, f"{p}.self_attn.v_proj"), (T, hkv, Dh))
+            if f"{p}.self_attn.q_norm.weight" in self.weights:  # Qwen3: per-head RMSNorm of q and k
+                q = g.mul(g.rms_norm(q, (Dh,), eps), weight(f"{p}.self_attn.q_norm.weight"))
+                k = g.mul(g.rms_norm(k, (Dh,), eps), weight(f"{p}.self_attn.k_norm.weight"))
             q, k = g.rope(q, cos, sin, start), g.rope(k, cos, sin, start)
             kc, vc = inp(self.k_cache[i], name=f"k_cache.{i}"), inp(self.v_cache[i], name=f"v_cache.{i}")
             a = g.attention(q, k, v, kc, vc, start)
@@ -124,7 +134,8 @@ class LlamaModel:
                       adaptive_workers: bool = True) -> PersistentKernel:
         """The decode step (T = 1) built with ``yr.PersistentKernel``'s layers and compiled:
         the same computation as ``build_graph(1)`` (``run_step(token, pos)`` returns the
-        logits [1, vocab] and the argmax [1]); on the CPU one task graph per step."""
+        logits [1, vocab] and the argmax [1]); on the CPU one task graph per step. Qwen3's
+        per-head q/k RMSNorm is ``attention_layer``'s ``q_norm``/``k_norm``."""
         cfg = self.cfg
         H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         dt = self.dtype
@@ -156,8 +167,12 @@ class LlamaModel:
             mpk.rmsnorm_linear_layer(h, W(f"{p}.input_layernorm.weight"), [W(x + ".weight") for x in projs], qkv,
                                      eps=eps, bias=biases if any(b is not None for b in biases) else None)
             a = act(f"{p}.attn", hq * Dh)
+            q_norm = k_norm = None
+            if f"{p}.self_attn.q_norm.weight" in self.weights:  # Qwen3: per-head RMSNorm of q and k
+                q_norm, k_norm = W(f"{p}.self_attn.q_norm.weight"), W(f"{p}.self_attn.k_norm.weight")
             mpk.attention_layer(tuple(qkv), mpk.attach_input(self.k_cache[i], f"k_cache.{i}"),
-                                mpk.attach_input(self.v_cache[i], f"v_cache.{i}"), None, None, cos, sin, a)
+                                mpk.attach_input(self.v_cache[i], f"v_cache.{i}"), q_norm, k_norm, cos, sin, a,
+                                eps=eps)
             h_attn = act(f"{p}.h_attn", H)
             mpk.linear_with_residual_layer(a, W(f"{p}.self_attn.o_proj.weight"), h, h_attn)
             gate_up = [act(f"{p}.{x}", cfg.intermediate_size) for x in ("gate", "up")]

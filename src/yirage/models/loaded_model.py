@@ -29,7 +29,7 @@ from .checks import _show
 from .registry import ModelFormat
 
 _ROTARY_CLASS = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding",
-                 "mistral": "MistralRotaryEmbedding"}
+                 "mistral": "MistralRotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
 
 
 @dataclass
@@ -42,6 +42,11 @@ class ModelConfig:
     Every size here is validated against the weights (``vocab_size`` is the embedding's row count,
     and every token id the tokenizer produces is below it). ``hf_config``: the fields of the
     transformers config it was built from (``config_fields``: name -> JSON value).
+    ``head_dim`` is the config's ``head_dim`` when it gives one (Qwen3's may differ from
+    ``hidden_size // num_heads``), else ``hidden_size // num_heads``. ``qk_norm``: the attention has
+    a per-head RMSNorm on q and k after the projections, before RoPE (Qwen3: weights
+    ``self_attn.q_norm``/``k_norm`` [head_dim], eps ``rms_norm_eps``; Yang et al. 2025, transformers'
+    ``modeling_qwen3.py``).
     """
 
     arch: str
@@ -61,6 +66,7 @@ class ModelConfig:
     inv_freq: torch.Tensor = field(repr=False)
     attention_scaling: float
     rope_type: str = "default"
+    qk_norm: bool = False
     sliding_window: int | None = None
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -135,7 +141,7 @@ def _dedupe(ids: list[int]) -> list[int]:
 CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
                  "rope_theta", "rope_parameters", "rope_scaling", "sliding_window", "use_sliding_window",
-                 "hidden_act", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+                 "hidden_act", "bos_token_id", "eos_token_id", "tie_word_embeddings", "attention_bias")
 
 
 def config_fields(hf_config: Any) -> dict[str, Any]:
@@ -181,7 +187,7 @@ def _model_config(fields: dict[str, Any], rope: tuple[torch.Tensor, float, str],
                 raise ModelLoadError(f"{origin}: {what} = {token} must be in [0, {vocab}): the embedding "
                                      f"has {vocab} rows")
     sliding = fields.get("sliding_window")
-    if arch == "qwen2" and not fields.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and not fields.get("use_sliding_window"):
         sliding = None
     return ModelConfig(
         arch=arch,
@@ -196,6 +202,7 @@ def _model_config(fields: dict[str, Any], rope: tuple[torch.Tensor, float, str],
         max_position_embeddings=int(fields["max_position_embeddings"]),
         tie_word_embeddings="lm_head.weight" not in weights,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
         bos_token_id=bos_token_id,
         eos_token_ids=_dedupe(eos_token_ids),
         inv_freq=inv_freq,

@@ -22,8 +22,8 @@ from typing import Any
 from ..config import logger
 from ..dtypes import as_dtype
 from ..errors import ModelLoadError
-from .checks import (_TensorInfo, _check_arch, _check_table, _check_tokenizer, _check_weights, _foreign_errors,
-                     _hf_hparams, _is_int, _nonfinite, _read_json, _report_nonfinite, _show)
+from .checks import (QK_NORM_ARCHS, _TensorInfo, _check_arch, _check_table, _check_tokenizer, _check_weights,
+                     _foreign_errors, _hf_hparams, _is_int, _nonfinite, _read_json, _report_nonfinite, _show)
 from .loaded_model import LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table, config_fields
 from .registry import model_file
 from .tokenizer import Tokenizer
@@ -177,7 +177,9 @@ def _load_safetensors(directory: Path, progress: bool, allow_nonfinite: bool = F
     config_json = directory / "config.json"
     hp = _hf_hparams(config_json, raw.get)
     handles, table = _safetensors_table(directory)
-    _check_table(directory, hp, table, raw.get("tie_word_embeddings"), lambda n: n)
+    arch = raw.get("model_type")
+    _check_table(directory, hp, table, raw.get("tie_word_embeddings"), lambda n: n, arch=arch,
+                 attention_bias=raw.get("attention_bias", False) if arch in QK_NORM_ARCHS else None)
     try:
         hf_config = AutoConfig.from_pretrained(str(directory))
     except Exception as exc:
@@ -185,7 +187,8 @@ def _load_safetensors(directory: Path, progress: bool, allow_nonfinite: bool = F
     fields = config_fields(hf_config)
     _check_arch(fields["model_type"], directory)
     hf_hp = _hf_hparams(f"{config_json} (as read by transformers)", fields.get)
-    vocab, tied = _check_table(directory, hf_hp, table, fields["tie_word_embeddings"], lambda n: n)
+    vocab, tied = _check_table(directory, hf_hp, table, fields["tie_word_embeddings"], lambda n: n,
+                               arch=fields["model_type"], attention_bias=fields["attention_bias"])
     file_ids = _hf_tokenizer_file_ids(directory, vocab)
     weights = _read_safetensors(handles, table, progress, directory, allow_nonfinite)
     weights = _check_weights(weights, table, tied, directory)
