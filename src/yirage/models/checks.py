@@ -11,10 +11,12 @@ expected:
   range and consistency with each other, before transformers builds a config from them; the
   architecture (``_check_arch``, ``SUPPORTED_ARCHS``: Llama, Qwen2, Mistral and Qwen3, which is
   Qwen2 without q/k/v biases unless ``attention_bias``, with a per-head RMSNorm on q and k and an
-  explicit ``head_dim``; Yang et al. 2025, transformers' ``modeling_qwen3.py``);
+  explicit ``head_dim``; Yang et al. 2025, transformers' ``modeling_qwen3.py``; and Phi-3, a Llama
+  decoder with fused projections, ``FUSED_PROJ_ARCHS``);
 - the tensor table, before any tensor data is read (``_check_table``): the layer count equals the
   blocks present, the vocab the embedding rows, every tensor has the shape the config implies
-  (``_expected_shapes``; Qwen3's ``q_norm``/``k_norm`` are [head dim]), none is missing or
+  (``_expected_shapes``; Qwen3's ``q_norm``/``k_norm`` are [head dim], Phi-3's fused ``qkv_proj``
+  [(heads + 2 KV heads) × head dim, hidden] and ``gate_up_proj`` [2 × intermediate, hidden]), none is missing or
   unsupported; after reading, every weight came out as the table said (``_check_weights``);
 - the values: NaN/inf in float weights or in the fp16 block scales of Q8_0/Q4_1 tensors
   (``_nonfinite``), refused unless ``allow_nonfinite`` (then a warning: ``_report_nonfinite``);
@@ -52,12 +54,20 @@ from ..errors import ModelLoadError
 if TYPE_CHECKING:  # annotations only: loaded_model.py imports this module
     from .loaded_model import Weight
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 
 # Architectures whose attention has a per-head RMSNorm on q and k (weights ``self_attn.q_norm`` and
 # ``self_attn.k_norm``, shape [head_dim], applied after the projection and before RoPE): Qwen3
 # (Yang et al. 2025, the Qwen3 technical report; transformers' ``modeling_qwen3.py``).
 QK_NORM_ARCHS = ("qwen3",)
+
+# Architectures whose checkpoints fuse the attention and MLP input projections: Phi-3 (Abdin et al.
+# 2024, the Phi-3 technical report; transformers' ``modeling_phi3.py``) is a Llama decoder whose
+# ``self_attn.qkv_proj.weight`` [(heads + 2 KV heads) × head dim, hidden] holds q, then k, then v
+# rows, and whose ``mlp.gate_up_proj.weight`` [2 × intermediate, hidden] holds the gate rows, then
+# the up rows; no biases. The loaders check the fused tensors and then split them into the
+# Llama names as row views (``loaded_model._split_fused``).
+FUSED_PROJ_ARCHS = ("phi3",)
 
 
 def _check_arch(model_type: Any, origin: Any) -> str:
@@ -268,9 +278,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _expected_shapes(hp: _HParams, vocab: int, tied: bool, attention_bias: bool,
-                     qk_norm: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+                     qk_norm: bool = False, fused: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every weight name a supported model must have: (logical shape, which fields imply it).
-    ``qk_norm``: the per-head q/k RMSNorm weights of Qwen3 ([head dim] each).
+    ``qk_norm``: the per-head q/k RMSNorm weights of Qwen3 ([head dim] each). ``fused``: Phi-3's
+    ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` in place of q/k/v_proj and gate/up_proj.
     Loops over ``hp.layers``, which the caller has checked against the blocks present."""
     n = hp.names
     h, inter, heads, kv, hd = hp.hidden, hp.intermediate, hp.heads, hp.kv_heads, hp.head_dim
@@ -293,6 +304,13 @@ def _expected_shapes(hp: _HParams, vocab: int, tied: bool, attention_bias: bool,
             p + "mlp.gate_proj.weight": ((inter, h), ff_why), p + "mlp.up_proj.weight": ((inter, h), ff_why),
             p + "mlp.down_proj.weight": ((h, inter), ff_why),
         })
+        if fused:
+            for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                del shapes[p + part + ".weight"]
+            shapes[p + "self_attn.qkv_proj.weight"] = (
+                ((heads + 2 * kv) * hd, h),
+                f"({n['heads']} = {heads} + 2 × {n.get('kv_heads', n['heads'])} = {kv}) × head dim {hd}; {hid}")
+            shapes[p + "mlp.gate_up_proj.weight"] = ((2 * inter, h), f"2 × {n['intermediate']} = {inter}; {hid}")
         if attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": ((heads * hd,), q_why),
                            p + "self_attn.k_proj.bias": ((kv * hd,), kv_why),
@@ -311,7 +329,9 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
 
     ``tie``: the config's tie_word_embeddings (None: unknown yet). ``display`` names a tensor as
     the file does. ``arch``: the checked architecture; Qwen3 (``QK_NORM_ARCHS``) must have the
-    per-head ``self_attn.q_norm``/``k_norm`` weights [head dim], the others must not. ``attention_bias``:
+    per-head ``self_attn.q_norm``/``k_norm`` weights [head dim], the others must not; Phi-3
+    (``FUSED_PROJ_ARCHS``) must have the fused ``self_attn.qkv_proj``/``mlp.gate_up_proj`` weights
+    and no separate q/k/v or gate/up projections and no biases. ``attention_bias``:
     the config's flag; for Qwen3 it must be false (true adds an o_proj bias, which is not supported)
     and then there must be no q/k/v biases (None: unknown, and for the other architectures, whose
     configs may not say: the table decides whether q/k/v biases are expected). The layer
@@ -345,7 +365,8 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
         raise ModelLoadError(f"{origin}: config says embeddings are not tied but there is no lm_head weight "
                              f"({display('lm_head.weight')})")
     qk_norm = arch in QK_NORM_ARCHS
-    bias = "model.layers.0.self_attn.q_proj.bias" in table
+    fused = arch in FUSED_PROJ_ARCHS
+    bias = "model.layers.0.self_attn.q_proj.bias" in table and not fused
     if qk_norm and attention_bias is not None:
         if not isinstance(attention_bias, bool):
             raise ModelLoadError(f"{origin}: attention_bias = {_show(attention_bias)} must be true or false")
@@ -353,7 +374,7 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
             raise ModelLoadError(f"{origin}: attention_bias = true is not supported for {arch} (it adds a bias to "
                                  "o_proj as well as q/k/v; yirage supports q/k/v biases only)")
         bias = False
-    expected = _expected_shapes(hp, vocab, tied, bias, qk_norm)
+    expected = _expected_shapes(hp, vocab, tied, bias, qk_norm, fused)
     extra = sorted(k for k in set(table) - set(expected) if not (k == "lm_head.weight" and tied))
     if extra:
         shown = sorted(display(k) for k in extra)
@@ -363,6 +384,9 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
                    f"{_show(arch)}" if arch is not None else "per-head q/k norms are not expected here")
         elif qk_norm and not bias and any(re.search(r"self_attn\.[qkv]_proj\.bias$", k) for k in extra):
             why = "the config says attention_bias = false, so there must be no q/k/v biases"
+        elif fused:
+            why = (f"architecture {arch} has fused self_attn.qkv_proj and mlp.gate_up_proj weights and no biases, "
+                   "not separate q/k/v or gate/up projections")
         else:
             why = "yirage supports q/k/v biases only, no o_proj/MLP biases"
         raise ModelLoadError(f"{origin}: unsupported tensors {listed} ({why})")

@@ -31,6 +31,9 @@ In the order ``_load_gguf`` runs them:
 - the tokenizer: transformers' conversion of the GGUF metadata, as yirage's ``tokenizer.Tokenizer``
   (``_gguf_tokenizer``).
 
+Phi-3 GGUF files (``phi3``: llama.cpp's fused ``attn_qkv`` and gate+up ``ffn_up``, ``rope_factors_*``)
+are refused with a clear error (``checks.FUSED_PROJ_ARCHS``); Phi-3 loads from safetensors directories.
+
 The cache. What transformers derives from the metadata is kept under ``cache_dir()``, so that a
 file seen before loads without importing transformers (about 4 s) or parsing the file a second
 time: the config fields and RoPE table (``gguf-config/<key>.json``, ``_read_config_cache``) and the
@@ -70,8 +73,8 @@ import torch
 from ..config import cache_dir, logger
 from ..dtypes import DType
 from ..errors import ModelLoadError
-from .checks import (SUPPORTED_ARCHS, _HParams, _TensorInfo, _check_arch, _check_table, _check_tokenizer,
-                     _check_weights, _foreign_errors, _hf_hparams, _hparams, _int_field, _nonfinite,
+from .checks import (FUSED_PROJ_ARCHS, SUPPORTED_ARCHS, _HParams, _TensorInfo, _check_arch, _check_table,
+                     _check_tokenizer, _check_weights, _foreign_errors, _hf_hparams, _hparams, _int_field, _nonfinite,
                      _positive_float, _report_nonfinite, _show)
 from .loaded_model import (CONFIG_FIELDS, LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table,
                            config_fields)
@@ -653,6 +656,8 @@ def _gguf_hf_config_uncached(reader: Any, path: Path) -> Any:
         raise ModelLoadError(f"{path}: transformers cannot read the GGUF metadata ({type(exc).__name__}: "
                              f"{exc})") from exc
     model_type = _check_arch(config.pop("model_type", arch), path)
+    if model_type in FUSED_PROJ_ARCHS:
+        raise ModelLoadError(f"{path}: architecture {model_type} is not supported in GGUF files yet")
     config.pop("_model_name_or_path", None)
     key_length = _gguf_field(reader, f"{arch}.attention.key_length")
     if config.get("head_dim") is None and key_length is not None:  # transformers' qwen3 mapping omits it
@@ -785,6 +790,10 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
         raise ModelLoadError(f"{path}: general.architecture is {'missing' if arch is None else _show(arch)}; "
                              f"it must name the architecture ({', '.join(SUPPORTED_ARCHS)})")
     _check_arch(arch, path)
+    if arch in FUSED_PROJ_ARCHS:
+        raise ModelLoadError(f"{path}: architecture {arch} is not supported in GGUF files yet (llama.cpp's fused "
+                             "attn_qkv and gate+up ffn_up tensors are not mapped); load the model's Hugging Face "
+                             "safetensors directory instead")
     hp = _gguf_hparams(reader, arch, path)
     table, rope_freqs_tensor = _gguf_table(reader, path)
     display = _hf_to_gguf_name

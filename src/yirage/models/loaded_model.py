@@ -6,7 +6,8 @@ names, and the tokenizer. ``_model_config`` turns the fields of a transformers c
 RoPE table (``rope_parameters``) comes from transformers' own RoPE init functions applied to the
 transformers config (``rope_parameters``/``rope_scaling``), so every RoPE scaling type transformers
 supports comes out right; a loader may hand in a table it cached (GGUF files do), which is checked
-the same way. ``_progress_bar`` shows the loaders' tensor reading on stderr.
+the same way. ``_split_fused`` turns Phi-3's fused projections into the Llama names (row views, no
+copy). ``_progress_bar`` shows the loaders' tensor reading on stderr.
 
 This module never opens a model file (``gguf_file.py`` and ``safetensors_dir.py`` do), and never
 builds compute graphs, runs a model, picks a backend or moves tensors off the CPU; it imports
@@ -29,7 +30,8 @@ from .checks import _show
 from .registry import ModelFormat
 
 _ROTARY_CLASS = {"llama": "LlamaRotaryEmbedding", "qwen2": "Qwen2RotaryEmbedding",
-                 "mistral": "MistralRotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding"}
+                 "mistral": "MistralRotaryEmbedding", "qwen3": "Qwen3RotaryEmbedding",
+                 "phi3": "Phi3RotaryEmbedding"}
 
 
 @dataclass
@@ -125,6 +127,33 @@ def rope_parameters(hf_config: Any) -> tuple[torch.Tensor, float, str]:
     return inv_freq.to(torch.float32).contiguous(), float(attention_scaling), rope_type
 
 
+def _split_fused(weights: dict[str, Weight], num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int) -> dict[str, Weight]:
+    """Replace Phi-3's fused projections by the Llama names, in place; returns ``weights``.
+
+    Phi-3 (Abdin et al. 2024, the Phi-3 technical report; transformers' ``modeling_phi3.py``) stores
+    ``self_attn.qkv_proj.weight`` [(heads + 2 KV heads) × head dim, hidden] (q rows, then k, then v:
+    ``Phi3Attention`` slices its output that way) and ``mlp.gate_up_proj.weight`` [2 × intermediate,
+    hidden] (gate rows, then up: ``Phi3MLP`` chunks its output in two). Each becomes
+    ``self_attn.q_proj/k_proj/v_proj.weight`` and ``mlp.gate_proj/up_proj.weight`` as row slices of
+    the fused storage: views, nothing is copied (a block-quantized weight's storage is ``uint8``
+    [rows, bytes per row], so a row slice is a view there too). The shapes were checked
+    (``checks._check_table``) before this is called.
+    """
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    for name in [k for k in weights if k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        fused = weights.pop(name)
+        stem = name[: -len("qkv_proj.weight" if name.endswith("qkv_proj.weight") else "gate_up_proj.weight")]
+        if name.endswith("qkv_proj.weight"):
+            parts = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
+        else:
+            parts = (("gate_proj", 0, intermediate), ("up_proj", intermediate, 2 * intermediate))
+        for part, start, stop in parts:
+            weights[f"{stem}{part}.weight"] = Weight(fused.data[start:stop], fused.dtype,
+                                                     (stop - start, *fused.shape[1:]))
+    return weights
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -171,6 +200,11 @@ def _model_config(fields: dict[str, Any], rope: tuple[torch.Tensor, float, str],
     num_heads = fields["num_attention_heads"]
     head_dim = fields.get("head_dim") or fields["hidden_size"] // num_heads
     inv_freq, attention_scaling, rope_type = rope
+    if arch == "phi3" and rope_type != "default":
+        # longrope (Phi-3 "su"/"yarn" configs): transformers switches from the short to the long
+        # factors once the sequence passes original_max_position_embeddings; one fixed table cannot
+        raise ModelLoadError(f"{origin}: RoPE type {_show(rope_type)} is not supported for phi3 (only the default "
+                             "RoPE: longrope switches frequency tables with the sequence length)")
     if tuple(inv_freq.shape) != (head_dim // 2,):
         raise ModelLoadError(f"{origin}: RoPE table has shape {tuple(inv_freq.shape)}, expected ({head_dim // 2},): "
                              "partial rotary embeddings are not supported")

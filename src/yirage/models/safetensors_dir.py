@@ -5,10 +5,12 @@ a ``LoadedModel``: ``_load_safetensors``, which ``load_model`` calls for a direc
 safetensors headers (one file, or the shards ``model.safetensors.index.json`` names) give the tensor
 table (``_safetensors_table``), checked before any tensor is read; float32/float16/bfloat16 tensors
 keep their dtype, others are refused; names saved from the bare base model get the ``model.``
-prefix. The token ids the tokenizer files define are checked against the embedding rows
-(``_hf_tokenizer_file_ids``). The tokenizer transformers loads is handed out as yirage's
-``tokenizer.Tokenizer`` when that is exactly the same tokenizer (``Tokenizer.from_transformers``),
-so that GGUF and Hugging Face models have one tokenizer class; otherwise transformers' own.
+prefix; Phi-3's fused ``qkv_proj``/``gate_up_proj`` are checked as such and then split into the Llama
+names as row views (``loaded_model._split_fused``). The token ids the tokenizer files define are
+checked against the embedding rows (``_hf_tokenizer_file_ids``). The tokenizer transformers loads is
+handed out as yirage's ``tokenizer.Tokenizer`` when that is exactly the same tokenizer
+(``Tokenizer.from_transformers``), so that GGUF and Hugging Face models have one tokenizer class;
+otherwise transformers' own.
 
 This module must never open a file outside the model's directory that a model file names (shards
 named by the index go through ``registry.model_file``), and never read a tensor's data before the
@@ -22,9 +24,11 @@ from typing import Any
 from ..config import logger
 from ..dtypes import as_dtype
 from ..errors import ModelLoadError
-from .checks import (QK_NORM_ARCHS, _TensorInfo, _check_arch, _check_table, _check_tokenizer, _check_weights,
-                     _foreign_errors, _hf_hparams, _is_int, _nonfinite, _read_json, _report_nonfinite, _show)
-from .loaded_model import LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table, config_fields
+from .checks import (FUSED_PROJ_ARCHS, QK_NORM_ARCHS, _TensorInfo, _check_arch, _check_table, _check_tokenizer,
+                     _check_weights, _foreign_errors, _hf_hparams, _is_int, _nonfinite, _read_json, _report_nonfinite,
+                     _show)
+from .loaded_model import (LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table, _split_fused,
+                           config_fields)
 from .registry import model_file
 from .tokenizer import Tokenizer
 
@@ -192,6 +196,8 @@ def _load_safetensors(directory: Path, progress: bool, allow_nonfinite: bool = F
     file_ids = _hf_tokenizer_file_ids(directory, vocab)
     weights = _read_safetensors(handles, table, progress, directory, allow_nonfinite)
     weights = _check_weights(weights, table, tied, directory)
+    if fields["model_type"] in FUSED_PROJ_ARCHS:  # Phi-3: q/k/v and gate/up as row views of the fused weights
+        _split_fused(weights, hf_hp.heads, hf_hp.kv_heads, hf_hp.head_dim, hf_hp.intermediate)
     with _foreign_errors(f"{directory}: cannot load the tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     _check_tokenizer(tokenizer, vocab, "model.embed_tokens.weight", directory,
