@@ -218,13 +218,16 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
         if system and not has_template:
             raise GenerationError("--system needs a model with a chat template")
         chat = messages if has_template and not no_chat else prompt
+        _check_interrupted()
         stream = llm.generate(chat, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, stream=True, chat=not no_chat)
         for piece in stream:
+            _check_interrupted()
             if not as_json:
                 _out(piece, nl=False)
     except YirageError as e:
         _fail(str(e))
+    _check_interrupted()
     result = stream.result
     if trace_path is not None:
         try:
@@ -238,6 +241,13 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
         _out()
         click.echo(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, "
                    f"ttft {result.prefill_s:.2f} s, decode {result.decode_tokens_per_s:.1f} tokens/s]", err=True)
+
+
+def _check_interrupted() -> None:
+    """Raise KeyboardInterrupt if a Ctrl-C came but a library swallowed its exception (the
+    handler ran): the command stops at the next check instead of finishing its work."""
+    if _state["interrupted"]:
+        raise KeyboardInterrupt
 
 
 def _trace_buffer(max_new_tokens: int):
