@@ -88,3 +88,25 @@ def save_tiny_model(tiny_tokenizer):
         tok.save_pretrained(directory)
         return hf
     return make
+
+
+@pytest.fixture
+def matches_transformers():
+    """``check(llm, hf)``: a 7-token prefill and 3 greedy decode steps of the ``yr.LLM`` equal
+    the transformers model ``hf``'s full-sequence logits (atol/rtol 1e-4), and each step's
+    argmax output is the argmax of its logits."""
+    def check(llm, hf, ids=(5, 17, 299, 42, 8, 100, 3), steps: int = 3):
+        seq = list(ids)
+        logits, _ = llm.steps.run(list(ids), 0)
+        got = [logits[0].to("cpu", copy=True)]
+        for _ in range(steps):
+            nxt = int(got[-1].argmax())
+            seq.append(nxt)
+            logits, argmax = llm.steps.run([nxt], len(seq) - 1)
+            assert int(argmax[0]) == int(logits[0].argmax())
+            got.append(logits[0].to("cpu", copy=True))
+        with torch.inference_mode():
+            ref = hf(torch.tensor([seq])).logits[0]
+        for i, g in enumerate(got):
+            torch.testing.assert_close(g, ref[len(ids) - 1 + i], atol=1e-4, rtol=1e-4)
+    return check

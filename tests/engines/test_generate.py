@@ -70,27 +70,14 @@ def test_bad_generation_arguments(smollm):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiny_random_models_match_transformers_logits(kind, backend, tmp_path, save_tiny_model):
+def test_tiny_random_models_match_transformers_logits(kind, backend, tmp_path, save_tiny_model, matches_transformers):
     """safetensors path, on every backend here (the Triton kernels included): prefill and
     3 decode steps vs transformers' full-sequence logits."""
     hf = save_tiny_model(kind, tmp_path)
     llm = yr.LLM(str(tmp_path), backend=backend, max_seq_length=64)
     if kind == "qwen2":
         assert llm.config.attention_bias
-    ids = [5, 17, 299, 42, 8, 100, 3]
-    seq = list(ids)
-    logits, _ = llm.steps.run(ids, 0)
-    got = [logits[0].to("cpu", copy=True)]
-    for _ in range(3):
-        nxt = int(got[-1].argmax())
-        seq.append(nxt)
-        logits, argmax = llm.steps.run([nxt], len(seq) - 1)
-        assert int(argmax[0]) == int(logits[0].argmax())
-        got.append(logits[0].to("cpu", copy=True))
-    with torch.inference_mode():
-        ref = hf(torch.tensor([seq])).logits[0]
-    for i, g in enumerate(got):
-        torch.testing.assert_close(g, ref[len(ids) - 1 + i], atol=1e-4, rtol=1e-4)
+    matches_transformers(llm, hf)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(None, 0.9), (40, None), (40, 0.5), (None, 0.05)])

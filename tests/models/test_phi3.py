@@ -40,27 +40,14 @@ def _save_phi3(directory, tiny_tokenizer, **changes):
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("persistent", [True, False])
-def test_tiny_phi3_matches_transformers_logits(tiny_tokenizer, tmp_path, tied, persistent):
+def test_tiny_phi3_matches_transformers_logits(tiny_tokenizer, tmp_path, tied, persistent, matches_transformers):
     """Prefill of 7 tokens and 3 decode steps vs transformers' full-sequence logits."""
     hf = _save_phi3(tmp_path, tiny_tokenizer, tie_word_embeddings=tied)
     llm = yr.LLM(str(tmp_path), backend="cpu", max_seq_length=64, persistent=persistent, num_workers=2)
     cfg = llm.config
     assert (cfg.arch, cfg.head_dim, cfg.qk_norm, cfg.attention_bias) == ("phi3", 16, False, False)
     assert cfg.tie_word_embeddings == tied and llm.persistent == persistent
-    ids = [5, 17, 299, 42, 8, 100, 3]
-    seq = list(ids)
-    logits, _ = llm.steps.run(ids, 0)
-    got = [logits[0].to("cpu", copy=True)]
-    for _ in range(3):
-        nxt = int(got[-1].argmax())
-        seq.append(nxt)
-        logits, argmax = llm.steps.run([nxt], len(seq) - 1)
-        assert int(argmax[0]) == int(logits[0].argmax())
-        got.append(logits[0].to("cpu", copy=True))
-    with torch.inference_mode():
-        ref = hf(torch.tensor([seq])).logits[0]
-    for i, g in enumerate(got):
-        torch.testing.assert_close(g, ref[len(ids) - 1 + i], atol=1e-4, rtol=1e-4)
+    matches_transformers(llm, hf)
 
 
 def test_phi3_split_weights_are_views(tiny_tokenizer, tmp_path):

@@ -219,6 +219,25 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
     for (; k < n; ++k) y[k] += alpha * x[k];
 }
 
+// s[j] = exp(s[j] - mx) for j < n (vectorized); returns their sum (the softmax denominator).
+inline float exp_shifted_sum(float* s, int64_t n, float mx) {
+    const float neg_mx = -mx;
+    const vf vneg = vbroadcast(&neg_mx);
+    vf vs = vzero();
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) {
+        const vf e = vexp(vadd(vload(s + j), vneg));
+        vstore(s + j, e);
+        vs = vadd(vs, e);
+    }
+    float sum = vsum(vs);
+    for (; j < n; ++j) {
+        s[j] = std::exp(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+
 // =================================================================================
 // Block dequantization (bitwise equal to gguf.quants.dequantize)
 // =================================================================================
@@ -889,21 +908,7 @@ void yr_attention(const float* q, const float* k, const float* v, float* k_cache
             s[j] = scale * dot(qv, kc + j * kv_row, Dh);
             mx = std::max(mx, s[j]);
         }
-        // s[j] = exp(s[j] - max), vectorized; sum in float.
-        const float neg_mx = -mx;
-        const vf vneg_mx = vbroadcast(&neg_mx);
-        vf vsum_acc = vzero();
-        int64_t j = 0;
-        for (; j + VL <= L; j += VL) {
-            const vf e = vexp(vadd(vload(s + j), vneg_mx));
-            vstore(s + j, e);
-            vsum_acc = vadd(vsum_acc, e);
-        }
-        float sum = vsum(vsum_acc);
-        for (; j < L; ++j) {
-            s[j] = std::exp(s[j] - mx);
-            sum += s[j];
-        }
+        const float sum = exp_shifted_sum(s, L, mx);
         float* o = out + th * Dh;
         std::fill(o, o + Dh, 0.0f);
         for (int64_t jj = 0; jj < L; ++jj) axpy(s[jj], vc + jj * kv_row, o, Dh);
@@ -945,22 +950,6 @@ inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn
     }
 }
 
-// o[0 : NV*VL] = sum_j p[j] * v[j * ld + 0 : NV*VL], the accumulator kept in NV registers
-// (accumulating in memory serializes the rows on store-to-load forwarding), with the rows
-// 16 ahead prefetched.
-template <int NV>
-inline void weighted_rows(const float* p, const float* v, int64_t ld, int64_t n, float* o) {
-    vf acc[NV];
-    for (int i = 0; i < NV; ++i) acc[i] = vzero();
-    for (int64_t j = 0; j < n; ++j) {
-        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * 4);
-        const vf pj = vbroadcast(p + j);
-        const float* vj = v + j * ld;
-        for (int i = 0; i < NV; ++i) acc[i] = vfma(pj, vload(vj + i * VL), acc[i]);
-    }
-    for (int i = 0; i < NV; ++i) vstore(o + i * VL, acc[i]);
-}
-
 // s[j] = scale * (q . k[j * ld + 0 : NV*VL]) for j < n, q kept in NV registers, the rows 16
 // ahead prefetched.
 template <int NV>
@@ -976,18 +965,48 @@ inline void row_dots(const float* q, const float* k, int64_t ld, int64_t n, floa
     }
 }
 
-// o = c * o + sum_j p[j] * v[j * ld + 0 : NV*VL] (the online-softmax update), in registers.
+// o = c * o + sum_j p[j] * v[j * ld + 0 : NV*VL] (the online-softmax update; c = 0 with o
+// zeroed for a plain weighted sum), the accumulator kept in NV registers (accumulating in
+// memory serializes the rows on store-to-load forwarding), the rows 16 ahead prefetched.
 template <int NV>
 inline void weighted_rows_acc(const float* p, const float* v, int64_t ld, int64_t n, float c, float* o) {
     vf acc[NV];
     const vf cv = vbroadcast(&c);
     for (int i = 0; i < NV; ++i) acc[i] = vmul(cv, vload(o + i * VL));
     for (int64_t j = 0; j < n; ++j) {
+        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * 4);
         const vf pj = vbroadcast(p + j);
         const float* vj = v + j * ld;
         for (int i = 0; i < NV; ++i) acc[i] = vfma(pj, vload(vj + i * VL), acc[i]);
     }
     for (int i = 0; i < NV; ++i) vstore(o + i * VL, acc[i]);
+}
+
+// Register width of a head of Dh floats for row_dots / weighted_rows (0: no register path).
+inline int head_vectors(int64_t Dh) { return Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0; }
+
+// row_dots with the register width nv = head_vectors(Dh), or the plain loop.
+inline void head_dots(int nv, const float* q, const float* k, int64_t ld, int64_t n, int64_t Dh, float scale,
+                      float* s) {
+    switch (nv) {
+        case 8: row_dots<8>(q, k, ld, n, scale, s); break;
+        case 4: row_dots<4>(q, k, ld, n, scale, s); break;
+        case 2: row_dots<2>(q, k, ld, n, scale, s); break;
+        default: for (int64_t j = 0; j < n; ++j) s[j] = scale * dot(q, k + j * ld, Dh);
+    }
+}
+
+// o = c * o + sum_j p[j] * v[j * ld : +Dh], with the register width nv = head_vectors(Dh).
+inline void head_weighted(int nv, const float* p, const float* v, int64_t ld, int64_t n, int64_t Dh, float c,
+                          float* o) {
+    switch (nv) {
+        case 8: weighted_rows_acc<8>(p, v, ld, n, c, o); break;
+        case 4: weighted_rows_acc<4>(p, v, ld, n, c, o); break;
+        case 2: weighted_rows_acc<2>(p, v, ld, n, c, o); break;
+        default:
+            for (int64_t d = 0; d < Dh; ++d) o[d] *= c;
+            for (int64_t j = 0; j < n; ++j) axpy(p[j], v + j * ld, o, Dh);
+    }
 }
 
 // Causal GQA prefill attention in tiles (FlashAttention's online softmax, Dao et al. 2022):
@@ -1000,7 +1019,7 @@ void attention_prefill_tiled(const float* q, const float* k_cache, const float* 
                              float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale) {
     constexpr int64_t PQ = 16, PK = 64;
     const int64_t group = Hq / Hkv, kv_row = Hkv * Dh, qtiles = (T + PQ - 1) / PQ;
-    const int nv = Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0;
+    const int nv = head_vectors(Dh);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < Hkv * qtiles; ++task) {
         const int64_t qt = qtiles - 1 - task / Hkv, kvh = task % Hkv;   // longest (last) tiles first
@@ -1025,40 +1044,13 @@ void attention_prefill_tiled(const float* q, const float* k_cache, const float* 
                 float* o = O + r * Dh;
                 const float* k0 = kb + j0 * kv_row;
                 const float* v0 = vb + j0 * kv_row;
-                switch (nv) {
-                    case 8: row_dots<8>(qv, k0, kv_row, n, scale, sr); break;
-                    case 4: row_dots<4>(qv, k0, kv_row, n, scale, sr); break;
-                    case 2: row_dots<2>(qv, k0, kv_row, n, scale, sr); break;
-                    default:
-                        for (int64_t j = 0; j < n; ++j) sr[j] = scale * dot(qv, k0 + j * kv_row, Dh);
-                }
+                head_dots(nv, qv, k0, kv_row, n, Dh, scale, sr);
                 float mx = M[r];
                 for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sr[j]);
                 const float c = M[r] == -INFINITY ? 0.0f : std::exp(M[r] - mx);
-                const float neg_mx = -mx;
-                const vf vneg = vbroadcast(&neg_mx);
-                vf vs = vzero();
-                int64_t j = 0;
-                for (; j + VL <= n; j += VL) {
-                    const vf e = vexp(vadd(vload(sr + j), vneg));
-                    vstore(sr + j, e);
-                    vs = vadd(vs, e);
-                }
-                float sum = vsum(vs);
-                for (; j < n; ++j) {
-                    sr[j] = std::exp(sr[j] - mx);
-                    sum += sr[j];
-                }
-                L[r] = L[r] * c + sum;
+                L[r] = L[r] * c + exp_shifted_sum(sr, n, mx);
                 M[r] = mx;
-                switch (nv) {
-                    case 8: weighted_rows_acc<8>(sr, v0, kv_row, n, c, o); break;
-                    case 4: weighted_rows_acc<4>(sr, v0, kv_row, n, c, o); break;
-                    case 2: weighted_rows_acc<2>(sr, v0, kv_row, n, c, o); break;
-                    default:
-                        for (int64_t d = 0; d < Dh; ++d) o[d] *= c;
-                        for (int64_t jj = 0; jj < n; ++jj) axpy(sr[jj], v0 + jj * kv_row, o, Dh);
-                }
+                head_weighted(nv, sr, v0, kv_row, n, Dh, c, o);
             }
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -1223,30 +1215,10 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
             for (int64_t g = 0; g < group; ++g) {
                 const float* qv = q + (t * Hq + h0 + g) * Dh;
                 float* sg = sc + g * stride;
-                const float* k0 = kbase + j0 * kv_row;
-                switch (Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0) {
-                    case 8: row_dots<8>(qv, k0, kv_row, n, scale, sg); break;
-                    case 4: row_dots<4>(qv, k0, kv_row, n, scale, sg); break;
-                    case 2: row_dots<2>(qv, k0, kv_row, n, scale, sg); break;
-                    default:
-                        for (int64_t j = 0; j < n; ++j) sg[j] = scale * dot(qv, k0 + j * kv_row, Dh);
-                }
+                head_dots(head_vectors(Dh), qv, kbase + j0 * kv_row, kv_row, n, Dh, scale, sg);
                 float mx = -INFINITY;
                 for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-                const float neg_mx = -mx;
-                const vf vneg = vbroadcast(&neg_mx);
-                vf vs = vzero();
-                int64_t j = 0;
-                for (; j + VL <= n; j += VL) {
-                    const vf e = vexp(vadd(vload(sg + j), vneg));
-                    vstore(sg + j, e);
-                    vs = vadd(vs, e);
-                }
-                float sum = vsum(vs);
-                for (; j < n; ++j) {
-                    sg[j] = std::exp(sg[j] - mx);
-                    sum += sg[j];
-                }
+                const float sum = exp_shifted_sum(sg, n, mx);
                 float* pr = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2);
                 pr[0] = mx;
                 pr[1] = sum;
@@ -1254,14 +1226,7 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
             for (int64_t g = 0; g < group; ++g) {
                 float* o = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2) + 2;
                 const float* pg = sc + g * stride;
-                const float* v0 = vbase + j0 * kv_row;
-                switch (Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0) {
-                    case 8: weighted_rows<8>(pg, v0, kv_row, n, o); break;
-                    case 4: weighted_rows<4>(pg, v0, kv_row, n, o); break;
-                    case 2: weighted_rows<2>(pg, v0, kv_row, n, o); break;
-                    default:
-                        for (int64_t j = 0; j < n; ++j) axpy(pg[j], v0 + j * kv_row, o, Dh);
-                }
+                head_weighted(head_vectors(Dh), pg, vbase + j0 * kv_row, kv_row, n, Dh, 0.0f, o);  // o is zero
             }
         }
     }
