@@ -68,13 +68,17 @@ class CompiledGraph:
                 raise GraphError(f"input {i} is on {x.device}, but backend '{self.impl.name.value}' "
                                  f"runs on {dev.type}: move it with .to('{dev.type}')")
 
-    def plan(self, inputs: Sequence[torch.Tensor]) -> "Plan":
-        """Bind ``inputs`` (contiguous, on the backend's device) and allocate buffers."""
+    def check_bindable(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``check`` plus contiguity (a plan binds its inputs in place); returns them as a list."""
         self.check(inputs)
         for i, x in enumerate(inputs):
             if not x.is_contiguous():
                 raise GraphError(f"plan: input {i} must be contiguous (call .contiguous() first)")
-        return Plan(self, list(inputs))
+        return list(inputs)
+
+    def plan(self, inputs: Sequence[torch.Tensor]) -> "Plan":
+        """Bind ``inputs`` (contiguous, on the backend's device) and allocate buffers."""
+        return Plan(self, self.check_bindable(inputs))
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run once; non-contiguous inputs are copied first (KV caches must be contiguous,

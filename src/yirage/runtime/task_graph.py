@@ -371,9 +371,5 @@ class TaskGraphPlan(Plan):
 
 def compiled_task_graph(cg, inputs: Sequence[torch.Tensor], pool: WorkerPool) -> TaskGraphPlan:
     """``TaskGraphPlan`` of ``cg`` bound to ``inputs`` (checked like ``CompiledGraph.plan``)."""
-    cg.check(inputs)
-    for i, x in enumerate(inputs):
-        if not x.is_contiguous():
-            raise GraphError(f"input {i} must be contiguous (call .contiguous() first)")
-    return TaskGraphPlan(cg, list(inputs), pool)
+    return TaskGraphPlan(cg, cg.check_bindable(inputs), pool)
 

@@ -504,6 +504,15 @@ void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows
     }
 }
 
+// Runs rows(n0, r) over the row groups of [lo, hi) on the calling thread (a task's slice).
+template <typename RowsFn>
+inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn rows) {
+    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) {
+        prefetch_rows(w, rb, n0 + PREFETCH_ROWS, hi);
+        rows(n0, (int)std::min<int64_t>(GEMV_ROWS, hi - n0));
+    }
+}
+
 // Calls fn<R>() with R = r (1..8): turns the row count of a group into a template argument.
 #define YR_DISPATCH_ROWS(r, CALL) \
     switch (r) { case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; \
@@ -746,6 +755,61 @@ namespace {
 // Defined with the task kernels below (it shares their register-tiled helpers).
 void attention_prefill_tiled(const float* q, const float* k_cache, const float* v_cache, int64_t p0,
                              float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale);
+// GEMV (M < GEMM_MIN_M rows of x) for each weight format: y[m, n] for the weight rows that
+// groups(w, row_bytes, rows) hands to rows(n0, r): all of N under OpenMP (gemv_groups, the
+// yr_linear_* launches) or one task's slice (gemv_range, the yr_task_linear_* tasks).
+template <typename Groups>
+void gemv_q4_1(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+               Groups groups) {
+    const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
+    // sx[m][b] = sum of x row m over block b, for the m * sum(x) term.
+    static thread_local std::vector<float> sx_buf;
+    float* sx = scratch(sx_buf, (size_t)(M * nb + 1));
+    for (int64_t i = 0; i < M * nb; ++i) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; ++j) s += x[i * QK + j];
+        sx[i] = s;
+    }
+    groups(w, rb, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {   // the group's weights stay in L1 across the x rows
+#define YR_CALL(R) gemv_q4_1_rows<R>(x + m * K, sx + m * nb, w + n0 * rb, rb, nb, \
+                                     bias ? bias + n0 : nullptr, y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+template <typename Groups>
+void gemv_q8_0(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+               Groups groups) {
+    const int64_t nb = K / QK, rb = nb * Q8_0_BYTES;
+    groups(w, rb, [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) gemv_q8_0_rows<R>(x + m * K, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, \
+                                     y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+template <typename Groups>
+void gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+              Groups groups) {
+    groups(w, K * (int64_t)sizeof(float), [&](int64_t n0, int r) {
+        for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) gemv_f32_rows<R>(x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, y + m * N + n0)
+            YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+        }
+    });
+}
+
+// The two ways of handing out row groups (see gemv_q4_1).
+#define YR_ALL_GROUPS [&](const void* wp, int64_t rowb, auto rows) { gemv_groups(N, M * N * K, wp, rowb, rows); }
+#define YR_TASK_GROUPS [&](const void* wp, int64_t rowb, auto rows) { gemv_range(lo, hi, wp, rowb, rows); }
+
 }  // namespace
 
 extern "C" {
@@ -765,22 +829,7 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
         });
         return;
     }
-    // sx[m][b] = sum of x row m over block b, for the m * sum(x) term.
-    static thread_local std::vector<float> sx_buf;
-    float* sx = scratch(sx_buf, (size_t)(M * nb + 1));
-    for (int64_t i = 0; i < M * nb; ++i) {
-        float s = 0.0f;
-        for (int j = 0; j < QK; ++j) s += x[i * QK + j];
-        sx[i] = s;
-    }
-    gemv_groups(N, M * N * K, w, rb, [&](int64_t n0, int r) {
-        for (int64_t m = 0; m < M; ++m) {   // the group's weights stay in L1 across the x rows
-#define YR_CALL(R) gemv_q4_1_rows<R>(x + m * K, sx + m * nb, w + n0 * rb, rb, nb, \
-                                     bias ? bias + n0 : nullptr, y + m * N + n0)
-            YR_DISPATCH_ROWS(r, YR_CALL)
-#undef YR_CALL
-        }
-    });
+    gemv_q4_1(x, w, bias, y, M, N, K, YR_ALL_GROUPS);
 }
 
 void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* y,
@@ -793,14 +842,7 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
         });
         return;
     }
-    gemv_groups(N, M * N * K, w, rb, [&](int64_t n0, int r) {
-        for (int64_t m = 0; m < M; ++m) {
-#define YR_CALL(R) gemv_q8_0_rows<R>(x + m * K, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, \
-                                     y + m * N + n0)
-            YR_DISPATCH_ROWS(r, YR_CALL)
-#undef YR_CALL
-        }
-    });
+    gemv_q8_0(x, w, bias, y, M, N, K, YR_ALL_GROUPS);
 }
 
 void yr_linear_f32(const float* x, const float* w, const float* bias, float* y,
@@ -812,13 +854,7 @@ void yr_linear_f32(const float* x, const float* w, const float* bias, float* y,
         });
         return;
     }
-    gemv_groups(N, M * N * K, w, K * (int64_t)sizeof(float), [&](int64_t n0, int r) {
-        for (int64_t m = 0; m < M; ++m) {
-#define YR_CALL(R) gemv_f32_rows<R>(x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, y + m * N + n0)
-            YR_DISPATCH_ROWS(r, YR_CALL)
-#undef YR_CALL
-        }
-    });
+    gemv_f32(x, w, bias, y, M, N, K, YR_ALL_GROUPS);
 }
 
 // =================================================================================
@@ -941,14 +977,6 @@ void yr_argmax(const float* x, int64_t* out, int64_t R, int64_t D) {
 #define YR_ARG(i, T) reinterpret_cast<T>(a[i])
 
 namespace {
-
-template <typename RowsFn>
-inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn rows) {
-    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) {
-        prefetch_rows(w, rb, n0 + PREFETCH_ROWS, hi);
-        rows(n0, (int)std::min<int64_t>(GEMV_ROWS, hi - n0));
-    }
-}
 
 // s[j] = scale * (q . k[j * ld + 0 : NV*VL]) for j < n, q kept in NV registers, the rows 16
 // ahead prefetched.
@@ -1075,59 +1103,23 @@ extern "C" {
 
 // a = {x, w, bias|0, y, M, N, K}; [lo, hi): output columns (weight rows) of y.
 void yr_task_linear_q4_1(const int64_t* a, int64_t lo, int64_t hi) {
-    const float* x = YR_ARG(0, const float*);
-    const uint8_t* w = YR_ARG(1, const uint8_t*);
-    const float* bias = YR_ARG(2, const float*);
-    float* y = YR_ARG(3, float*);
-    const int64_t M = a[4], N = a[5], K = a[6], nb = K / QK, rb = nb * Q4_1_BYTES;
-    static thread_local std::vector<float> sx_buf;
-    float* sx = scratch(sx_buf, (size_t)(M * nb + 1));
-    for (int64_t i = 0; i < M * nb; ++i) {
-        float s = 0.0f;
-        for (int j = 0; j < QK; ++j) s += x[i * QK + j];
-        sx[i] = s;
-    }
-    gemv_range(lo, hi, w, rb, [&](int64_t n0, int r) {
-        for (int64_t m = 0; m < M; ++m) {
-#define YR_CALL(R) gemv_q4_1_rows<R>(x + m * K, sx + m * nb, w + n0 * rb, rb, nb, \
-                                     bias ? bias + n0 : nullptr, y + m * N + n0)
-            YR_DISPATCH_ROWS(r, YR_CALL)
-#undef YR_CALL
-        }
-    });
+    const int64_t M = a[4], N = a[5], K = a[6];
+    gemv_q4_1(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*), YR_ARG(3, float*),
+              M, N, K, YR_TASK_GROUPS);
 }
 
 // a = {x, w, bias|0, y, M, N, K}; [lo, hi): weight rows.
 void yr_task_linear_q8_0(const int64_t* a, int64_t lo, int64_t hi) {
-    const float* x = YR_ARG(0, const float*);
-    const uint8_t* w = YR_ARG(1, const uint8_t*);
-    const float* bias = YR_ARG(2, const float*);
-    float* y = YR_ARG(3, float*);
-    const int64_t M = a[4], N = a[5], K = a[6], rb = K / QK * Q8_0_BYTES, nb = K / QK;
-    gemv_range(lo, hi, w, rb, [&](int64_t n0, int r) {
-        for (int64_t m = 0; m < M; ++m) {
-#define YR_CALL(R) gemv_q8_0_rows<R>(x + m * K, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, \
-                                     y + m * N + n0)
-            YR_DISPATCH_ROWS(r, YR_CALL)
-#undef YR_CALL
-        }
-    });
+    const int64_t M = a[4], N = a[5], K = a[6];
+    gemv_q8_0(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*), YR_ARG(3, float*),
+              M, N, K, YR_TASK_GROUPS);
 }
 
 // a = {x, w, bias|0, y, M, N, K}; [lo, hi): weight rows.
 void yr_task_linear_f32(const int64_t* a, int64_t lo, int64_t hi) {
-    const float* x = YR_ARG(0, const float*);
-    const float* w = YR_ARG(1, const float*);
-    const float* bias = YR_ARG(2, const float*);
-    float* y = YR_ARG(3, float*);
     const int64_t M = a[4], N = a[5], K = a[6];
-    gemv_range(lo, hi, w, K * (int64_t)sizeof(float), [&](int64_t n0, int r) {
-        for (int64_t m = 0; m < M; ++m) {
-#define YR_CALL(R) gemv_f32_rows<R>(x + m * K, w + n0 * K, K, bias ? bias + n0 : nullptr, y + m * N + n0)
-            YR_DISPATCH_ROWS(r, YR_CALL)
-#undef YR_CALL
-        }
-    });
+    gemv_f32(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, const float*), YR_ARG(3, float*),
+             M, N, K, YR_TASK_GROUPS);
 }
 
 // a = {ids, table, out, T, D, V, status, format (0 f32, 1 q8_0, 2 q4_1)}; [lo, hi): tokens.
