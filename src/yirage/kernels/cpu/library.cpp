@@ -37,6 +37,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -312,8 +315,7 @@ inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, in
     // the shuffle and FP units.
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[R];
-    float macc[R];
-    for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); macc[r] = 0.0f; }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         __m512 xlo = _mm512_loadu_ps(x + b * QK);          // pairs with the low nibbles
         __m512 xhi = _mm512_loadu_ps(x + b * QK + 16);     // pairs with the high nibbles
@@ -321,15 +323,15 @@ inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, in
         YR_IN_REGISTER(xhi);
         for (int r = 0; r < R; ++r) {
             const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
+            const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), iota,
+                                               _mm512_set1_ps(F16.v[load_u16(blk + 2)]));
             const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 4)));
-            __m512 t = _mm512_mul_ps(xlo, _mm512_permutexvar_ps(q, iota));
-            t = _mm512_fmadd_ps(xhi, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), t);
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), t, acc[r]);
-            macc[r] += F16.v[load_u16(blk + 2)] * sx[b];
+            acc[r] = _mm512_fmadd_ps(xlo, _mm512_permutexvar_ps(q, lut), acc[r]);
+            acc[r] = _mm512_fmadd_ps(xhi, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) {
-        const float s = vsum(acc[r]) + macc[r];
+        const float s = vsum(acc[r]);
         y[r] = bias ? s + bias[r] : s;
     }
 #elif defined(YR_AVX2)
@@ -465,23 +467,12 @@ constexpr int GEMV_ROWS = 8;
 #else
 constexpr int GEMV_ROWS = 4;
 #endif
-// Software prefetch distance of the GEMV loops, in weight rows. A row of a decode GEMV is a
+// Software prefetch distance of the GEMV loops, in bytes of weight. A row of a decode GEMV is a
 // few hundred bytes, too short a stream for the hardware prefetcher to reach full speed:
-// asking for the rows PREFETCH_ROWS ahead keeps enough DRAM reads in flight
-// (benchmarks/kernels_cpu.py "cold": about 1.5x more GB/s from DRAM on one core).
-constexpr int64_t PREFETCH_ROWS = 16;
-
-// Prefetches rows [n, min(n + GEMV_ROWS, end)) of a weight with rb bytes per row.
-inline void prefetch_rows(const void* w, int64_t rb, int64_t n, int64_t end) {
-#if defined(__GNUC__)
-    if (n >= end) return;
-    const char* p = static_cast<const char*>(w) + n * rb;
-    const int64_t bytes = std::min<int64_t>(GEMV_ROWS, end - n) * rb;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-#else
-    (void)w; (void)rb; (void)n; (void)end;
-#endif
-}
+// asking for the bytes PREFETCH_BYTES ahead keeps enough DRAM reads in flight.
+// 3-6 KB measured alike (sweeps of benchmarks/kernels_cpu.py "cold" and of the decode
+// step); the row-count distance used before got 0.6x of this (it skipped each slice's first rows).
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
 #if defined(__GNUC__)
@@ -491,25 +482,40 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 #endif
 }
 
-// Runs rows(n0, r) over groups of GEMV_ROWS weight rows (w: the weight, rb bytes per row,
-// for prefetching). The static schedule gives each thread one contiguous, equal slice of N.
+// Prefetches the weight bytes [a, b) of w, clipped to [.., end).
+inline void prefetch_span(const void* w, int64_t a, int64_t b, int64_t end) {
+    b = std::min(b, end);
+    if (a < b) prefetch_bytes(static_cast<const char*>(w) + a, b - a);
+}
+
+// Runs rows(n0, r) over the row groups of [lo, hi) (w: the weight, rb bytes per row, for
+// prefetching): the first PREFETCH_BYTES up front, then each group asks for the bytes
+// PREFETCH_BYTES past its own.
 template <typename RowsFn>
-void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
-    const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
-#pragma omp parallel for schedule(static) if (macs >= PAR_MIN_MACS)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t n0 = g * GEMV_ROWS;
-        prefetch_rows(w, rb, n0 + PREFETCH_ROWS, N);
-        rows(n0, (int)std::min<int64_t>(GEMV_ROWS, N - n0));
+inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn rows) {
+    const int64_t end = hi * rb;
+    prefetch_span(w, lo * rb, lo * rb + PREFETCH_BYTES, end);
+    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) {
+        const int64_t r = std::min<int64_t>(GEMV_ROWS, hi - n0);
+        prefetch_span(w, n0 * rb + PREFETCH_BYTES, (n0 + r) * rb + PREFETCH_BYTES, end);
+        rows(n0, (int)r);
     }
 }
 
-// Runs rows(n0, r) over the row groups of [lo, hi) on the calling thread (a task's slice).
+// Runs rows(n0, r) over groups of GEMV_ROWS weight rows: each OpenMP thread takes one
+// contiguous, equal slice of whole groups (gemv_range).
 template <typename RowsFn>
-inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn rows) {
-    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) {
-        prefetch_rows(w, rb, n0 + PREFETCH_ROWS, hi);
-        rows(n0, (int)std::min<int64_t>(GEMV_ROWS, hi - n0));
+void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
+    const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel if (macs >= PAR_MIN_MACS)
+    {
+#if defined(_OPENMP)
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        gemv_range(g0 * GEMV_ROWS, std::min(N, g1 * GEMV_ROWS), w, rb, rows);
     }
 }
 
