@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: demo test setup setup-test bench clean
+.PHONY: demo test setup setup-test bench clean models
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,7 @@ $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
 	$(PIP) install -e ".[test]"
+	$(VENV)/bin/yirage models pull gemma3-270m
 	touch $@
 
 setup: $(VENV)/.setup
@@ -39,6 +40,10 @@ demo: setup
 
 test: setup-test
 	$(PY) -m pytest -q
+
+# Every model of the registry that is not shipped with the set-up (`yirage models` lists them).
+models: setup
+	$(VENV)/bin/yirage models pull gemma3-270m
 
 # llama-cpp-python (the bench extra) compiles llama.cpp for about 10 minutes: only make bench
 # installs it, never make test. BENCH_ARGS="--no-transformers --scenario busy" tunes the run.

