@@ -6,7 +6,7 @@ thread count and greedy decoding; each side generates --tokens new tokens (fewer
 model emits EOS first: the counts are in the output); the median of --runs runs is reported
 (--transformers-runs for transformers, the slow reference).
 
-    python benchmarks/decode.py [--model smollm2-135m-instruct] [--threads=2] [--tokens 128]
+    python benchmarks/decode.py [-m smollm2-135m-instruct | gemma3-270m] [--threads=2] [--tokens 128]
                                 [--runs 3] [--transformers-runs 1] [--no-transformers]
                                 [--no-llamacpp] [--scenario idle|busy] [--prompts short,long]
 
@@ -405,7 +405,8 @@ def build(args, prompt_names: list[str], gguf_path: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("-m", "--model", default="smollm2-135m-instruct",
+                    help="a short name (yirage models), .gguf file or Hugging Face directory")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)

@@ -11,7 +11,12 @@ processes hits them alike); GB/s counts the weight bytes each one reads.
   holds in total, so weights come from DRAM as in a real decode step, where each
   layer's weights were evicted since their last use.
 
-Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4]
+``ggml_gemv``: the GEMV (M = 1) of every GGML block format (q4_1, q8_0 and the formats of
+ggml_quants.h: q4_0, q5_0, q5_1, q2_k .. q6_k) in GB/s of weight bytes, hot and cold, on 1
+and 2 threads, each beside q4_1 measured in the same rounds (``*_vs_q4_1``). Weights are
+random valid blocks (finite fp16 scales); K is a multiple of 256 (the K-quant block).
+
+Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4] [--ggml-only]
 """
 from __future__ import annotations
 
@@ -29,8 +34,12 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from yirage.backends.cpu_library import library
+from yirage.dtypes import DType
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
+GGML_SHAPES = [(2048, 2048), (640, 2048), (4096, 4096)]    # (N, K), K % 256 == 0
+GGML_FORMATS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+GGML_COLD_BYTES = 256 << 20                      # quantized bytes cycled through when cold
 PREFILL = [(64, 1536, 576), (64, 576, 1536)]     # (M, N, K)
 COLD_BYTES = 128 << 20                           # fp32 weight bytes cycled through when cold
 
@@ -94,13 +103,52 @@ def _case(lib, M: int, N: int, K: int, min_time: float, cold: bool = False) -> d
     return out
 
 
+def _random_blocks(fmt: str, rows: int, K: int, rng) -> torch.Tensor:
+    """uint8 [rows, K / per * bytes] of random valid fmt blocks: random bytes, finite fp16 scales."""
+    dt = DType(fmt)
+    per, nbytes = dt.block
+    raw = rng.integers(0, 256, size=(rows * K // per, nbytes), dtype=np.uint8)
+    for off in dt.scale_offsets:
+        raw[:, off:off + 2] = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(raw.reshape(rows, K // per * nbytes))
+
+
+def _ggml_case(lib, N: int, K: int, threads: int, min_time: float) -> dict:
+    """GB/s of the M = 1 GEMV of every format, hot and cold, all formats in the same rounds."""
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(N + K)
+    x, y = torch.randn(1, K), torch.empty(1, N)
+    hot, cold, nbytes, weights = {}, {}, {}, []     # weights: keeps every copy alive
+    for fmt in GGML_FORMATS:
+        w = _random_blocks(fmt, N, K, rng)
+        copies = [w] + [w.clone() for _ in range(max(1, GGML_COLD_BYTES // w.numel()))]
+        weights.append(copies)
+        fn = getattr(lib, f"yr_linear_{fmt}")
+        nbytes[fmt] = w.numel()
+        args = [(x.data_ptr(), c.data_ptr(), None, y.data_ptr(), 1, N, K) for c in copies]
+        hot[fmt] = (lambda f, a: lambda: f(*a))(fn, args[0])
+        cold[fmt] = (lambda f, i: lambda: f(*next(i)))(fn, itertools.cycle(args[1:]))
+    out = {"threads": threads, "N": N, "K": K}
+    for mode, fns in (("hot", hot), ("cold", cold)):
+        t = _bench(fns, min_time / 2, rounds=9)
+        gbs = {fmt: round(nbytes[fmt] / t[fmt] / 1e9, 2) for fmt in GGML_FORMATS}
+        out[f"{mode}_GB_per_s"] = gbs
+        out[f"{mode}_vs_q4_1"] = {fmt: round(g / gbs["q4_1"], 2) for fmt, g in gbs.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-time", type=float, default=0.4, help="seconds per contender and shape")
+    ap.add_argument("--ggml-only", action="store_true", help="only the per-format GEMV section")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     lib = library()
+    ggml = [_ggml_case(lib, N, K, t, args.min_time) for t in (1, 2) for N, K in GGML_SHAPES]
+    if args.ggml_only:
+        print(json.dumps({"machine": platform.processor() or platform.machine(), "ggml_gemv": ggml}, indent=1))
+        return
+    torch.set_num_threads(args.threads)
     noop = lib.yr_argmax   # R = 0: returns at once, measures the ctypes call itself
     overhead = _bench({"call": lambda: noop(0, 0, 0, 1)}, 0.2)["call"]
     result = {
@@ -111,6 +159,7 @@ def main() -> None:
         "decode_M1_hot": [_case(lib, 1, N, K, args.min_time) for N, K in SHAPES],
         "decode_M1_cold": [_case(lib, 1, N, K, args.min_time, cold=True) for N, K in SHAPES],
         "prefill_hot": [_case(lib, M, N, K, args.min_time) for M, N, K in PREFILL],
+        "ggml_gemv": ggml,
     }
     print(json.dumps(result, indent=1))
 

@@ -1,12 +1,18 @@
 """Tensor element types of the kernel-graph IR.
 
-Plain types map 1:1 to torch dtypes. Block-quantized types (``q4_1``, ``q8_0``) follow
-the GGML/GGUF block formats (llama.cpp ``ggml-common.h``): a tensor of logical shape
-``(..., K)`` is stored as ``uint8`` of shape ``(..., K // 32 * block_bytes)``.
+Plain types map 1:1 to torch dtypes. Block-quantized types follow the GGML/GGUF block
+formats (llama.cpp ``ggml/src/ggml-common.h``; values as gguf-py's ``gguf.quants.dequantize``):
+a tensor of logical shape ``(..., K)`` is stored as ``uint8`` of shape
+``(..., K // weights_per_block * block_bytes)``, K a whole number of blocks.
 
-- ``q8_0``: blocks of 32 weights: fp16 scale ``d`` then 32 int8 ``q``; w = d * q.
-- ``q4_1``: blocks of 32 weights: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles
-  (low nibbles are weights 0..15, high nibbles 16..31); w = d * q + m.
+- ``q8_0`` (32 weights, 34 bytes): fp16 scale ``d`` then 32 int8 ``q``; w = d * q.
+- ``q4_1`` (32, 20): fp16 ``d``, fp16 ``m``, 16 bytes of nibbles (low nibbles are weights
+  0..15, high nibbles 16..31); w = d * q + m.
+- ``q4_0`` (32, 18): ``d``, nibbles as q4_1; w = d * (q - 8).
+- ``q5_0`` (32, 22): ``d``, 32 bits ``qh`` (the fifth bit of weight j is bit j), nibbles; w = d * (q - 16).
+- ``q5_1`` (32, 24): ``d``, ``m``, ``qh``, nibbles; w = d * q + m.
+- K-quants, super-blocks of 256 weights with 6- or 4-bit sub-block scales: ``q2_k`` (84
+  bytes), ``q3_k`` (110), ``q4_k`` (144), ``q5_k`` (176), ``q6_k`` (210).
 
 This module must never depend on a backend.
 """
@@ -27,6 +33,14 @@ class DType(enum.Enum):
     int64 = "int64"
     q8_0 = "q8_0"
     q4_1 = "q4_1"
+    q4_0 = "q4_0"
+    q5_0 = "q5_0"
+    q5_1 = "q5_1"
+    q2_k = "q2_k"
+    q3_k = "q3_k"
+    q4_k = "q4_k"
+    q5_k = "q5_k"
+    q6_k = "q6_k"
 
     @property
     def is_quantized(self) -> bool:
@@ -48,6 +62,14 @@ class DType(enum.Enum):
             raise ValueError(f"{self.value} is not a block-quantized type")
         return _BLOCK[self]
 
+    @property
+    def scale_offsets(self) -> tuple[int, ...]:
+        """Byte offsets in a block of its fp16 scales (``d``, and ``m`` / ``dmin`` where the
+        format has one): the only bytes of a block that can hold inf or NaN."""
+        if self not in _SCALES:
+            raise ValueError(f"{self.value} is not a block-quantized type")
+        return _SCALES[self]
+
     def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of the torch storage that holds a tensor of logical ``shape``."""
         if not self.is_quantized:
@@ -64,13 +86,19 @@ _TORCH = {
     DType.bfloat16: torch.bfloat16,
     DType.int32: torch.int32,
     DType.int64: torch.int64,
-    DType.q8_0: torch.uint8,
-    DType.q4_1: torch.uint8,
 }
-_BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20)}
+#: (weights per block, bytes per block) of each block-quantized type (llama.cpp ggml-common.h)
+_BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_0: (32, 18), DType.q5_0: (32, 22),
+          DType.q5_1: (32, 24), DType.q2_k: (256, 84), DType.q3_k: (256, 110), DType.q4_k: (256, 144),
+          DType.q5_k: (256, 176), DType.q6_k: (256, 210)}
+_TORCH.update(dict.fromkeys(_BLOCK, torch.uint8))
+_SCALES = {DType.q8_0: (0,), DType.q4_1: (0, 2), DType.q4_0: (0,), DType.q5_0: (0,), DType.q5_1: (0, 2),
+           DType.q2_k: (80, 82), DType.q3_k: (108,), DType.q4_k: (0, 2), DType.q5_k: (0, 2), DType.q6_k: (208,)}
 
 float32, float16, bfloat16 = DType.float32, DType.float16, DType.bfloat16
 int32, int64, q8_0, q4_1 = DType.int32, DType.int64, DType.q8_0, DType.q4_1
+q4_0, q5_0, q5_1 = DType.q4_0, DType.q5_0, DType.q5_1
+q2_k, q3_k, q4_k, q5_k, q6_k = DType.q2_k, DType.q3_k, DType.q4_k, DType.q5_k, DType.q6_k
 
 
 def as_dtype(x: "DType | str | torch.dtype") -> DType:

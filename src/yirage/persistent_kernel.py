@@ -176,9 +176,11 @@ class PersistentKernel:
 
     def attach_input(self, torch_tensor: torch.Tensor, name: str | None = None, dtype=None) -> DTensor:
         """Use ``torch_tensor`` (row-major contiguous, on the backend's device) in place as an
-        input of the step, under ``name``. ``dtype``: ``yr.q4_1``/``yr.q8_0`` for a
-        block-quantized weight given as its raw uint8 blocks [N, K/32*bytes_per_block]
-        (the logical shape is then [N, K]); otherwise the tensor's own dtype.
+        input of the step, under ``name``. ``dtype``: a block-quantized type (``yr.q8_0``,
+        ``yr.q4_1``, ``yr.q4_0``, ``yr.q5_0``, ``yr.q5_1``, ``yr.q2_k`` .. ``yr.q6_k``; see
+        ``yirage.dtypes``) for a weight given as its raw uint8 blocks
+        [N, K/weights_per_block*bytes_per_block] (the logical shape is then [N, K]); otherwise
+        the tensor's own dtype.
 
         Returns the tensor's handle. Attaching ``meta_tensors[1]`` (tokens) gives the handle
         ``embed_layer`` reads the current token from. Raises GraphError for a non-contiguous
@@ -268,10 +270,12 @@ class PersistentKernel:
         return x if len(x.shape) == 2 else self.kn_graph.reshape(x, (1, x.shape[0]))
 
     # ---- layers (MPK names) -------------------------------------------------------------
-    def embed_layer(self, input, weight, output, grid_dim=None, block_dim=None, input_source: int = 0):
-        """output [1, H] = row ``tokens[step]`` of weight [V, H] (float32, q8_0 or q4_1,
-        decoded to float32). ``input`` is the handle of the attached tokens tensor (or an
-        attached int64 [1] tensor of token ids); ``input_source`` must be 0."""
+    def embed_layer(self, input, weight, output, grid_dim=None, block_dim=None, input_source: int = 0,
+                    scale: float | None = None):
+        """output [1, H] = row ``tokens[step]`` of weight [V, H] (float32 or a block-quantized
+        type, decoded to float32), times ``scale`` when given (Gemma 3: sqrt(H), in the output's
+        dtype). ``input`` is the handle of the attached tokens tensor (or an attached int64 [1]
+        tensor of token ids); ``input_source`` must be 0."""
         _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
         if input_source != 0:
             raise GraphError("embed_layer: input_source must be 0 (the token at the current step)")
@@ -280,6 +284,10 @@ class PersistentKernel:
             raise GraphError(f"embed_layer: input must be int64 token ids, got {ids.dtype.value}")
         h = self.kn_graph.embedding(self.kn_graph.reshape(ids, (1,)) if ids.shape != (1,) else ids,
                                     self._read(weight, "embed_layer weight"))
+        if scale is not None:
+            if isinstance(output, _Pending) and output.dtype != h.dtype and output.dtype.is_float:
+                h = self.kn_graph.cast(h, output.dtype)  # scaled in the output's dtype, as transformers does
+            h = self.kn_graph.scale(h, scale)
         return self._write(output, h, "embed_layer")
 
     def rmsnorm_layer(self, input, weight, output, grid_dim=None, block_dim=None, eps: float = 1e-6):
@@ -320,14 +328,19 @@ class PersistentKernel:
         return self._write(output, g.linear(n, self._read(weight_linear, "linear weight"), b), "rmsnorm_linear_layer")
 
     def attention_layer(self, input, k_cache, v_cache, q_norm, k_norm, cos_pos_embed, sin_pos_embed, output,
-                        grid_dim=None, block_dim=None, scale: float | None = None, eps: float = 1e-6):
+                        grid_dim=None, block_dim=None, scale: float | None = None, eps: float = 1e-6,
+                        window: int | None = None):
         """Causal GQA attention of the current token over the KV cache, with RoPE.
 
         input: the q, k, v projections, either fused [1, (Hq + 2 Hkv) Dh] (MPK's layout) or a
         tuple (q [1, Hq Dh], k [1, Hkv Dh], v [1, Hkv Dh]); k_cache, v_cache: [S, Hkv, Dh] or
         [1, S, Hkv, Dh] (written at row ``step``); q_norm, k_norm: per-head RMSNorm weights
         [Dh] (Qwen3) or None; cos/sin_pos_embed: [S, Dh] (Hugging Face rotate-half tables) or
-        [S, Dh/2], or None for no RoPE; output [1, Hq Dh]. ``scale`` defaults to Dh^-0.5."""
+        [S, Dh/2], or None for no RoPE; output [1, Hq Dh]. ``scale`` defaults to Dh^-0.5.
+        ``window``: None or 0 attends every position 0 .. step; ``W >= 1`` a sliding window, the
+        positions ``step - W < j <= step`` (transformers' sliding-window causal mask; see
+        ``KernelGraph.attention``); on the CPU the flash-decoding tasks then split and read only
+        those W positions. GraphError for a non-integer or negative window."""
         _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
         g = self.kn_graph
         kc, vc = self._read(k_cache, "k_cache"), self._read(v_cache, "v_cache")
@@ -361,7 +374,7 @@ class PersistentKernel:
         if cos_pos_embed is not None:
             cos, sin = self._rope_table(cos_pos_embed, Dh), self._rope_table(sin_pos_embed, Dh)
             q, k = g.rope(q, cos, sin, self._pos), g.rope(k, cos, sin, self._pos)
-        a = g.attention(q, k, v, kc, vc, self._pos, scale)
+        a = g.attention(q, k, v, kc, vc, self._pos, scale, window=window)
         return self._write(output, g.reshape(a, (1, Hq * Dh)), "attention_layer")
 
     def _rope_table(self, t, Dh: int) -> DTensor:
@@ -375,17 +388,25 @@ class PersistentKernel:
             return self.kn_graph.new_input(tuple(half.shape), as_dtype(half.dtype), None)
         return table
 
-    def linear_with_residual_layer(self, input, weight, residual, output, grid_dim=None, block_dim=None):
-        """output = residual + input @ weight^T."""
-        _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
+    def _with_residual(self, y: DTensor, residual, post_norm, eps: float, what: str) -> DTensor:
+        """residual + y, or residual + RMSNorm(y) * post_norm (one fused row kernel either way)."""
         g = self.kn_graph
-        y = g.linear(self._rows(self._read(input, "input")), self._read(weight, "weight"))
-        return self._write(output, g.add(self._rows(self._read(residual, "residual")), y), "linear_with_residual_layer")
+        if post_norm is not None:
+            y = g.mul(g.rms_norm(y, (y.shape[-1],), eps), self._read(post_norm, f"{what} post_norm"))
+        return g.add(self._rows(self._read(residual, "residual")), y)
 
-    def silu_mul_linear_with_residual_layer(self, input, weight, residual, output, grid_dim=None, block_dim=None):
-        """output = residual + (SiLU(gate) * up) @ weight^T (SwiGLU, Shazeer 2020); input is
-        [1, 2I] (gate then up, MPK's layout) or a tuple (gate [1, I], up [1, I])."""
+    def linear_with_residual_layer(self, input, weight, residual, output, grid_dim=None, block_dim=None,
+                                   post_norm=None, eps: float = 1e-6):
+        """output = residual + input @ weight^T; with ``post_norm`` (a weight [N]), output =
+        residual + RMSNorm(input @ weight^T) * post_norm (Gemma 3's post-attention norm, applied
+        before the residual add; RMSNorm with ``eps``)."""
         _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
+        y = self.kn_graph.linear(self._rows(self._read(input, "input")), self._read(weight, "weight"))
+        return self._write(output, self._with_residual(y, residual, post_norm, eps, "linear_with_residual_layer"),
+                           "linear_with_residual_layer")
+
+    def _gated_mlp_with_residual(self, activation: str, input, weight, residual, output, post_norm, eps: float,
+                                 what: str):
         g = self.kn_graph
         if isinstance(input, (tuple, list)):
             gate, up = (self._rows(self._read(t, "input")) for t in input)
@@ -394,9 +415,29 @@ class PersistentKernel:
             inter = x.shape[-1] // 2
             halves = g.reshape(x, (2, inter))
             gate, up = (g.reshape(g.slice_rows(halves, i, i + 1), (1, inter)) for i in (0, 1))
-        y = g.linear(g.mul(g.silu(gate), up), self._read(weight, "weight"))
-        return self._write(output, g.add(self._rows(self._read(residual, "residual")), y),
-                           "silu_mul_linear_with_residual_layer")
+        act = g.silu(gate) if activation == "silu" else g.gelu_tanh(gate)
+        y = g.linear(g.mul(act, up), self._read(weight, "weight"))
+        return self._write(output, self._with_residual(y, residual, post_norm, eps, what), what)
+
+    def silu_mul_linear_with_residual_layer(self, input, weight, residual, output, grid_dim=None, block_dim=None,
+                                            post_norm=None, eps: float = 1e-6):
+        """output = residual + (SiLU(gate) * up) @ weight^T (SwiGLU, Shazeer 2020); input is
+        [1, 2I] (gate then up, MPK's layout) or a tuple (gate [1, I], up [1, I]). ``post_norm``
+        (a weight [N]): RMSNorm (``eps``) times it on the MLP output before the residual add."""
+        _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
+        return self._gated_mlp_with_residual("silu", input, weight, residual, output, post_norm, eps,
+                                             "silu_mul_linear_with_residual_layer")
+
+    def gelu_mul_linear_with_residual_layer(self, input, weight, residual, output, grid_dim=None, block_dim=None,
+                                            post_norm=None, eps: float = 1e-6):
+        """output = residual + (GELU_tanh(gate) * up) @ weight^T, GELU with the tanh approximation
+        (``KernelGraph.gelu_tanh``; GeGLU, Shazeer 2020; Gemma 3's MLP, transformers'
+        ``gelu_pytorch_tanh``); input as ``silu_mul_linear_with_residual_layer``'s. ``post_norm``
+        (a weight [N]): output = residual + RMSNorm(MLP output) * post_norm (Gemma 3's
+        post-feedforward norm, before the residual add; RMSNorm with ``eps``)."""
+        _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
+        return self._gated_mlp_with_residual("gelu_tanh", input, weight, residual, output, post_norm, eps,
+                                             "gelu_mul_linear_with_residual_layer")
 
     def argmax_partial_layer(self, input, output, grid_dim=None, block_dim=None):
         """First half of the greedy sampler: per-chunk maxima of input [1, V]. ``output`` is

@@ -309,6 +309,121 @@ def test_tiled_prefill_attention_matches_the_reference(T, pos, Dh):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def _window_attention_graph(T, S, Hq, Hkv, Dh, window):
+    g = yr.new_kernel_graph()
+    q, k, v = g.new_input((T, Hq, Dh)), g.new_input((T, Hkv, Dh)), g.new_input((T, Hkv, Dh))
+    kc, vc = g.new_input((S, Hkv, Dh)), g.new_input((S, Hkv, Dh))
+    start = g.new_input((1,), yr.int64)
+    g.mark_output(g.attention(q, k, v, kc, vc, start, window=window))
+    return g
+
+
+def _window_reference(tensors, window):
+    """Sliding-window GQA attention by hand (SDPA with an explicit boolean mask in float64):
+    the query at position p sees keys p - W < j <= p (transformers' sliding-window causal mask)."""
+    q, k, v, kc, vc, pos = (t.clone() for t in tensors)
+    T, Hq, _ = q.shape
+    p0 = int(pos[0])
+    kc[p0:p0 + T], vc[p0:p0 + T] = k, v
+    L = p0 + T
+    j, p = torch.arange(L)[None, :], (p0 + torch.arange(T))[:, None]
+    mask = (j <= p) & (j > p - window) if window else j <= p
+    rep = Hq // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).double(), kc[:L].repeat_interleave(rep, 1).transpose(0, 1).double(),
+        vc[:L].repeat_interleave(rep, 1).transpose(0, 1).double(), attn_mask=mask, scale=q.shape[-1] ** -0.5)
+    return out.transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("window", [None, 1, 2, 7, 64, 300, 701, 5000])   # below, at and above the context
+@pytest.mark.parametrize("pos", [0, 6, 300, 700])
+@pytest.mark.parametrize("Dh,Hq,Hkv", [(16, 6, 2), (24, 4, 4), (64, 8, 2), (128, 3, 1)])
+def test_sliding_window_flash_decoding_tasks_match_the_reference(workers, window, pos, Dh, Hq, Hkv):
+    """Decode (T = 1) in a sliding window as persistent-kernel tasks (append, partial over the
+    window's KV splits, combine): equal to the op's torch reference and to a hand-written masked
+    SDPA, for windows smaller than, equal to (W = pos + 1) and larger than the context, W = 1,
+    GQA and MHA, and every register width of the kernels (Dh 16/24: scalar loops; 64, 128)."""
+    torch.manual_seed(pos * 7 + Dh)
+    S = 1024
+    g = _window_attention_graph(1, S, Hq, Hkv, Dh, window)
+    tensors = [torch.randn(1, Hq, Dh) * 2, torch.randn(1, Hkv, Dh) * 2, torch.randn(1, Hkv, Dh),
+               torch.randn(S, Hkv, Dh), torch.randn(S, Hkv, Dh), torch.tensor([pos])]
+    ref_inputs = [t.clone() for t in tensors]
+    ref = g.interpret(ref_inputs)[0]
+    torch.testing.assert_close(ref, _window_reference(tensors, window), atol=2e-5, rtol=1e-4)
+    plan = _task_plan(g, tensors, workers)
+    assert plan.segments == 1
+    got = plan.run()[0]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(tensors[3], ref_inputs[3])   # the cache keeps every row
+    if window and window <= pos:   # the window changes the result (the test can see it)
+        assert not torch.allclose(_window_reference(tensors, None), got, atol=2e-5, rtol=1e-4)
+
+
+def test_sliding_window_decode_splits_only_the_window():
+    """With a window, the flash-decoding partial op is split over the window's keys, not over
+    the cache: with 8 workers a 4096-row cache gets 16 splits per KV head, W = 64 one."""
+    S, Hq, Hkv, Dh = 4096, 4, 2, 32
+    for window, splits in [(None, 16), (64, 1)]:
+        g = _window_attention_graph(1, S, Hq, Hkv, Dh, window)
+        tensors = [torch.randn(1, Hq, Dh), torch.randn(1, Hkv, Dh), torch.randn(1, Hkv, Dh),
+                   torch.randn(S, Hkv, Dh), torch.randn(S, Hkv, Dh), torch.tensor([4000])]
+        ref = g.interpret([t.clone() for t in tensors])[0]
+        plan = _task_plan(g, tensors, 8)
+        assert any(f"{Hkv} kv heads x {splits} splits" in name for name in plan.task_names), plan.task_names
+        torch.testing.assert_close(plan.run()[0], ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 70, 300])
+@pytest.mark.parametrize("T,pos", [(2, 0), (17, 3), (100, 0), (70, 200)])
+@pytest.mark.parametrize("Dh", [16, 64])
+def test_sliding_window_tiled_prefill_matches_the_reference(T, pos, Dh, window):
+    """Prefill (T > 1: library.cpp attention_prefill_tiled, run for every T > 1) and the same
+    step as persistent-kernel tasks, in a sliding window: windows inside one 16-query tile,
+    across key tiles (64 keys) and longer than the context."""
+    torch.manual_seed(T * 1000 + Dh + window)
+    S, Hq, Hkv = 512, 6, 2
+    g = _window_attention_graph(T, S, Hq, Hkv, Dh, window)
+    tensors = [torch.randn(T, Hq, Dh) * 2, torch.randn(T, Hkv, Dh) * 2, torch.randn(T, Hkv, Dh),
+               torch.randn(S, Hkv, Dh), torch.randn(S, Hkv, Dh), torch.tensor([pos])]
+    ref = g.interpret([t.clone() for t in tensors])[0]
+    torch.testing.assert_close(ref, _window_reference(tensors, window), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(g.compile("cpu")([t.clone() for t in tensors])[0], ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(_task_plan(g, [t.clone() for t in tensors], 2).run()[0], ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_attention_layer_passes_the_window(window):
+    """``PersistentKernel.attention_layer(window=...)`` (fused qkv input, no RoPE) reaches the
+    attention op: a decode step at position 10 equals the windowed reference, and W = 3
+    differs from full attention; a bad window is a GraphError."""
+    S, Hq, Hkv, Dh, pos = 32, 4, 2, 16, 10
+    torch.manual_seed(1)
+    kc0, vc0 = torch.randn(S, Hkv, Dh), torch.randn(S, Hkv, Dh)
+    qkv = torch.randn(1, (Hq + 2 * Hkv) * Dh)
+    mpk = yr.PersistentKernel(num_workers=2, max_seq_length=S, eos_token_id=[], backend="cpu")
+    kc, vc = kc0.clone(), vc0.clone()
+    out = mpk.new_tensor((1, Hq * Dh), yr.float32, "attn")
+    x, kch, vch = mpk.attach_input(qkv, "qkv"), mpk.attach_input(kc, "k_cache"), mpk.attach_input(vc, "v_cache")
+    for bad in (-1, 2.0, True):
+        with pytest.raises(GraphError, match="window"):
+            mpk.attention_layer(x, kch, vch, None, None, None, None, out, window=bad)
+    mpk.attention_layer(x, kch, vch, None, None, None, None, out, window=window)
+    mpk.mark_output(out)
+    part = (mpk.new_tensor((1, 1), yr.float32, "vals"), mpk.new_tensor((1, 1), yr.int64, "idx"))
+    mpk.argmax_partial_layer(out, part)
+    mpk.argmax_reduce_layer(part, mpk.new_tensor((1, 1), yr.int64, "next"))
+    mpk.compile()
+    got = mpk.run_step(0, pos)[0].reshape(1, Hq, Dh)
+    heads = qkv.reshape(Hq + 2 * Hkv, Dh)
+    q, k, v = heads[:Hq][None], heads[Hq:Hq + Hkv][None], heads[Hq + Hkv:][None]
+    want = _window_reference([q, k, v, kc0, vc0, torch.tensor([pos])], window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    if window:
+        assert (want - _window_reference([q, k, v, kc0, vc0, torch.tensor([pos])], None)).abs().max() > 1e-3
+
+
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 

@@ -1,7 +1,8 @@
 """The CPU backend's library ops: GEMM/GEMV, embedding, RoPE, attention and argmax.
 
 Quantized linear layers, embeddings, RoPE, attention and argmax call the hand-written C++
-of ``yirage/kernels/cpu/library.cpp`` (built once by runtime/toolchain.py, bound through
+of ``yirage/kernels/cpu/library.cpp`` (q4_1/q8_0; the other GGML block formats of
+``GGML_FORMATS`` in its header ``ggml_quants.h``, read in place the same way; built once by runtime/toolchain.py, bound through
 ctypes with the ``SIGNATURES`` below); float matmuls use torch (BLAS). ``supports`` says
 which (op, dtype) cases have a kernel here; the executor runs every other case as the op's
 torch reference. Binders run once per plan and return a thunk; they never allocate per
@@ -24,6 +25,10 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
 
+#: GGML block formats of ggml_quants.h, each with the q4_1 entry points (yr_linear_T,
+#: yr_embedding_T, yr_task_linear_T) plus yr_task_embedding_T and yr_dequant_T.
+GGML_FORMATS = ("q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+
 #: name -> ctypes argtypes of every entry point of library.cpp (restype is always None).
 SIGNATURES: dict[str, tuple] = {
     "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
@@ -32,16 +37,22 @@ SIGNATURES: dict[str, tuple] = {
     "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
     "yr_embedding_q4_1": (_P, _P, _P, _I, _I, _I, _P),
     "yr_embedding_f32": (_P, _P, _P, _I, _I, _I, _P),
+    **{f"yr_linear_{t}": (_P, _P, _P, _P, _I, _I, _I) for t in GGML_FORMATS},
+    **{f"yr_embedding_{t}": (_P, _P, _P, _I, _I, _I, _P) for t in GGML_FORMATS},
+    **{f"yr_dequant_{t}": (_P, _P, _I) for t in GGML_FORMATS},  # src blocks, dst floats, nblocks
     # x, cos, sin, start_pos, out, T, H, Dh, S (table rows), status
     "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
     # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, status
     "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P),
+    # the same with the sliding window (0: full causal; W >= 1: keys p - W < j <= p) before status
+    "yr_attention_window": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
 }
 #: task entry points (address taken, called by the persistent kernel scheduler only)
 TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_f32", "yr_task_embedding",
                 "yr_task_rope", "yr_task_attention_append", "yr_task_attention_partial",
-                "yr_task_attention_combine", "yr_task_argmax_partial", "yr_task_argmax_reduce")
+                "yr_task_attention_combine", "yr_task_argmax_partial", "yr_task_argmax_reduce",
+                *(f"yr_task_{op}_{t}" for op in ("linear", "embedding") for t in GGML_FORMATS))
 
 
 def bind_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -73,7 +84,7 @@ def _types(node, graph):
 
 
 # ---- which cases have a kernel here -------------------------------------------------------
-_QUANT = (DType.q4_1, DType.q8_0)
+_QUANT = (DType.q4_1, DType.q8_0, *(DType(t) for t in GGML_FORMATS))
 
 
 def _linear_ok(node, graph) -> bool:
@@ -131,11 +142,12 @@ def _rope(node, graph, args, out, status):
 
 
 def _attention(node, graph, args, out, status):
+    """yr_attention_window: full causal (attrs window 0) or sliding-window GQA attention."""
     q, k, v, kc, vc, pos = args
     T, Hq, Dh = q.shape
-    fn = library().yr_attention
+    fn = library().yr_attention_window
     p = (*map(_ptr, (q, k, v, kc, vc, pos, out)), T, Hq, k.shape[1], Dh, kc.shape[0], node.attrs["scale"],
-         _ptr(status))
+         node.attrs.get("window", 0), _ptr(status))
     return lambda: fn(*p)
 
 
@@ -203,10 +215,13 @@ def _embedding_task(node, graph, args, out, status, num_workers):
     ids, table = args
     tt = graph.tensors[node.inputs[1]]
     fmt = {DType.float32: 0, DType.q8_0: 1, DType.q4_1: 2}.get(tt.dtype)
+    symbol = "yr_task_embedding"
+    if fmt is None and tt.dtype in _QUANT:   # ggml_quants.h: one entry per format (fmt unused)
+        fmt, symbol = 0, f"yr_task_embedding_{tt.dtype.value}"
     if fmt is None or out.dtype != torch.float32:
         return None
     T, (V, D) = ids.numel(), tt.shape
-    return [task_op("embedding", _fn("yr_task_embedding"),
+    return [task_op("embedding", _fn(symbol),
                     (ids.data_ptr(), table.data_ptr(), out.data_ptr(), T, D, V, _ptr(status), fmt),
                     split_range(T, num_workers if T * D >= 65536 else 1))]
 
@@ -225,21 +240,24 @@ def _rope_task(node, graph, args, out, status, num_workers):
 def _attention_task(node, graph, args, out, status, num_workers):
     """Flash-decoding (Dao et al. 2023): the keys of each KV head are cut into ``splits``
     slices, each a task computing a partial softmax for the head's query group; a second op
-    merges the slices. Splits are sized for the cache's length (>= 256 keys each) and so
-    that every worker gets about 4 tasks."""
+    merges the slices. Splits are sized for the longest range of keys a step can attend (the
+    cache's length, or ``window + T - 1`` keys with a sliding window: only those are split and
+    read) at >= 256 keys each, and so that every worker gets about 4 tasks."""
     q, k, v, kc, vc, pos = args
     if q.dtype != torch.float32:
         return None
     T, Hq, Dh = q.shape
     Hkv, S = k.shape[1], kc.shape[0]
-    splits = max(1, min(-(-S // 256), -(-4 * num_workers // Hkv)))
+    window = node.attrs.get("window", 0)
+    keys = min(S, window + T - 1) if window else S
+    splits = max(1, min(-(-keys // 256), -(-4 * num_workers // Hkv)))
     part = torch.empty((T, Hq, splits, Dh + 2), dtype=torch.float32)
     append = task_op("attention append", _fn("yr_task_attention_append"),
                      (k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), T, Hkv, Dh, S,
                       _ptr(status)), [(0, 1)])
     partial = task_op(f"attention {Hkv} kv heads x {splits} splits", _fn("yr_task_attention_partial"),
                       (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), part.data_ptr(), T, Hq, Hkv,
-                       Dh, S, _float_bits(node.attrs["scale"]), splits),
+                       Dh, S, _float_bits(node.attrs["scale"]), splits, window),
                       [(i, i + 1) for i in range(Hkv * splits)], keep=[part])
     combine = task_op("attention combine", _fn("yr_task_attention_combine"),
                       (part.data_ptr(), out.data_ptr(), T, Hq, Dh, splits),

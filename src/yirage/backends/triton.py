@@ -96,8 +96,8 @@ def _attention(node, graph, args, out, status):
     q, k, v, kc, vc, pos = args
     lib = _lib()
     workspace = lib.attention_workspace(q, kc) if q.shape[0] == 1 else None  # made once, here
-    fn, scale = lib.attention, node.attrs["scale"]
-    return lambda: fn(q, k, v, kc, vc, pos, out, scale, workspace, status=status)
+    fn, scale, window = lib.attention, node.attrs["scale"], node.attrs.get("window", 0)
+    return lambda: fn(q, k, v, kc, vc, pos, out, scale, workspace, status=status, window=window)
 
 
 def _argmax(node, graph, args, out, status):

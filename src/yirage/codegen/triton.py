@@ -78,6 +78,8 @@ _UNARY = {
     "relu": "tl.where({0} < 0.0, 0.0, {0})",  # keeps NaN, like torch.relu
     "silu": "({0} / (1.0 + tl.exp(-{0})))",
     "gelu": "(0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476)))",  # erf form (F.gelu default)
+    # F.gelu(approximate="tanh"): 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    "gelu_tanh": "({0} / (1.0 + tl.exp(-1.5957691216057308 * ({0} + 0.044715 * {0} * {0} * {0}))))",
 }
 _BINARY = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})"}
 

@@ -173,6 +173,9 @@ class LLM:
         backend: backend name, 'auto', or None (the default) for ``yr.get_backend()``:
             the ``yr.set_backend`` choice, else ``YIRAGE_BACKEND``, else 'auto'.
         max_seq_length: KV-cache capacity in tokens (prompt + generated); must be positive.
+            Capped at the model's ``max_position_embeddings`` (with a warning), not at a
+            sliding window: a sliding-window model (Mistral) keeps every position in its KV
+            cache and each query attends the window's last ``sliding_window`` positions.
         dtype: activation dtype, 'float32', 'float16' or 'bfloat16' (a name, ``yr.float16``
             or a torch dtype); None picks the backend's default: float32 on the CPU,
             bfloat16 on GPUs that have it, else float16 (the autocast practice). Float
@@ -208,12 +211,13 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name or str(loaded.path)
-        # attention here is full causal: a sliding-window model is exact only within its window
-        limits = [n for n in (self.config.max_position_embeddings, self.config.sliding_window) if n]
+        # only the position limit caps the context: a sliding-window model (Mistral) attends its
+        # window in every step (LlamaModel.layer_window), however long the KV cache
+        limits = [n for n in (self.config.max_position_embeddings,) if n]
         self.max_seq_length = min([max_seq_length, *limits])
         if self.max_seq_length < max_seq_length:
-            logger.warning("max_seq_length capped at %d by the model's context (position limit / "
-                           "sliding window)", self.max_seq_length)
+            logger.warning("max_seq_length capped at %d by the model's context (max_position_embeddings)",
+                           self.max_seq_length)
         self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype)
         if persistent is None:
             persistent = self.backend == Backend.CPU

@@ -229,8 +229,24 @@ class KernelGraph:
     def square(self, x): return self._add("square", [x])
     def neg(self, x): return self._add("neg", [x])
     def silu(self, x): return self._add("silu", [x])
-    def gelu(self, x): return self._add("gelu", [x])
     def relu(self, x): return self._add("relu", [x])
+
+    def gelu(self, x, approximate: str = "none"):
+        """GELU (Hendrycks & Gimpel 2016), as torch's ``F.gelu(x, approximate=...)``:
+        ``"none"`` is the exact erf form ``0.5 x (1 + erf(x / sqrt(2)))`` (op ``gelu``),
+        ``"tanh"`` the tanh approximation (op ``gelu_tanh``, see ``gelu_tanh``). GraphError
+        for any other ``approximate``."""
+        if approximate == "tanh":
+            return self.gelu_tanh(x)
+        if approximate != "none":
+            raise GraphError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        return self._add("gelu", [x])
+
+    def gelu_tanh(self, x):
+        """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, torch's
+        ``F.gelu(x, approximate="tanh")`` (transformers' ``gelu_pytorch_tanh``: Gemma's gated
+        MLP). Elementwise: it fuses like ``silu``."""
+        return self._add("gelu_tanh", [x])
 
     def clamp(self, x, min_val: float, max_val: float):
         """Elementwise ``min(max(x, min_val), max_val)``.
@@ -301,16 +317,30 @@ class KernelGraph:
         cos/sin [max_seq, Dh/2] (float32). Source: Su et al. 2021; transformers' Llama."""
         return self._add("rope", [x, cos, sin, start_pos])
 
-    def attention(self, q, k, v, k_cache, v_cache, start_pos, scale: float | None = None):
-        """Causal grouped-query attention over a KV cache.
+    def attention(self, q, k, v, k_cache, v_cache, start_pos, scale: float | None = None,
+                  window: int | None = None):
+        """Causal grouped-query attention over a KV cache, optionally in a sliding window.
 
         q [T, Hq, Dh]; k, v [T, Hkv, Dh]; caches [max_seq, Hkv, Dh] (updated in place at
-        rows start_pos[0] .. start_pos[0]+T-1); start_pos int64 (1,). Returns [T, Hq, Dh].
-        ``scale`` multiplies q.k (default ``Dh ** -0.5``); GraphError unless it is finite.
+        rows start_pos[0] .. start_pos[0]+T-1); start_pos int64 (1,); all one float dtype.
+        Returns [T, Hq, Dh]. ``scale`` multiplies q.k (default ``Dh ** -0.5``); GraphError
+        unless it is finite.
+
+        ``window``: None or 0 is full causal attention: the query at absolute position
+        ``p = start_pos + t`` sees keys ``j <= p``. An integer ``W >= 1`` is a sliding window:
+        it sees keys ``p - W < j <= p`` (the last W positions, itself included), exactly
+        transformers' ``masking_utils.sliding_window_causal_mask_function`` (``kv_idx <= q_idx``
+        and ``kv_idx > q_idx - sliding_window``), which Mistral, Qwen2/3 and Gemma 3's sliding
+        layers use with ``W = config.sliding_window``. The KV cache keeps every position; only
+        the range attended changes. GraphError when ``window`` is not an integer (floats and
+        bools included) or is negative.
         """
         self._check_tensors("attention", [q, k, v, k_cache, v_cache, start_pos])
         scale = _real("attention", "scale", scale) if scale is not None else q.shape[-1] ** -0.5
-        return self._add("attention", [q, k, v, k_cache, v_cache, start_pos], scale=scale)
+        w = 0 if window is None else _int("attention", "window", window)
+        if w < 0:
+            raise GraphError(f"attention: window must be None, 0 (full causal) or a positive integer, got {w}")
+        return self._add("attention", [q, k, v, k_cache, v_cache, start_pos], scale=scale, window=w)
 
     def argmax(self, x, dim: int = -1):
         """Index of the maximum over the last dim (int64); ``dim`` is an integer naming it."""

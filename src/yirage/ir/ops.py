@@ -118,9 +118,15 @@ def _binary_infer(name):
     return infer
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+    torch's ``F.gelu(x, approximate="tanh")`` (transformers' ``gelu_pytorch_tanh``, Gemma's MLP)."""
+    return F.gelu(x, approximate="tanh")
+
+
 UNARY: dict[str, Callable] = {
     "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu,
-    "gelu": F.gelu, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
+    "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
 }
 BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
@@ -212,14 +218,22 @@ def dequantize(w: torch.Tensor, dtype: DType, shape: Shape) -> torch.Tensor:
     """Float32 values of a weight; block-quantized storage is decoded per the GGML formats.
 
     Args:
-        w: storage (``uint8`` of ``dtype.storage_shape(shape)`` for q8_0/q4_1).
+        w: storage (``uint8`` of ``dtype.storage_shape(shape)`` for the block-quantized types).
         shape: logical shape; the last dim is the blocked one.
-    Returns: float32 tensor of ``shape`` (same values as ``gguf.quants.dequantize``).
+    Returns: float32 tensor of ``shape`` on w's device, bitwise the values of gguf-py's
+    ``gguf.quants.dequantize`` (llama.cpp ggml-common.h layouts): q8_0 and q4_1 decoded in torch,
+    the other types (q4_0, q5_0, q5_1, q2_k .. q6_k) by ``gguf.quants.dequantize`` itself on the CPU.
     """
     if not dtype.is_quantized:
         return w.float()
     per, nbytes = dtype.block
     blocks = w.reshape(-1, nbytes)
+    if dtype not in (DType.q8_0, DType.q4_1):
+        import gguf
+
+        kind = gguf.GGMLQuantizationType[dtype.value.upper()]
+        vals = gguf.quants.dequantize(blocks.detach().cpu().numpy(), kind)
+        return torch.from_numpy(vals.astype("float32", copy=False)).to(w.device).reshape(shape)
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()
     if dtype == DType.q8_0:
         q = blocks[:, 2:].contiguous().view(torch.int8).float()
@@ -318,13 +332,20 @@ def _attention_infer(ts, attrs):
         _fail("attention", ts, "start_pos must be an int64 tensor of shape (1,)")
     if not q.dtype.is_float or len({t.dtype for t in ts[:5]}) != 1:
         _fail("attention", ts, "q, k, v and the KV caches must share one floating-point dtype")
+    window = attrs.get("window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise GraphError(f"attention: window must be 0 (full causal) or a positive integer, got {window!r}")
     return q
 
 
-def attention_reference(q, k, v, k_cache, v_cache, start: int, scale: float) -> torch.Tensor:
+def attention_reference(q, k, v, k_cache, v_cache, start: int, scale: float, window: int = 0) -> torch.Tensor:
     """Causal GQA attention over a KV cache; writes k, v into the caches at ``start``.
 
-    Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [max_seq, Hkv, Dh]; returns [T, Hq, Dh].
+    Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [max_seq, Hkv, Dh], one float dtype
+    (computed in float32, returned in q's dtype); returns [T, Hq, Dh]. Query head h reads KV
+    head ``h // (Hq // Hkv)``. The query at position ``p = start + t`` attends keys ``j`` with
+    ``j <= p`` (``window`` 0 or None: full causal) and, for ``window = W >= 1``, also
+    ``j > p - W`` (transformers' ``masking_utils.sliding_window_causal_mask_function``).
     """
     T, hq, _ = q.shape
     _check_start("attention", start, T, k_cache.shape[0])
@@ -336,7 +357,10 @@ def attention_reference(q, k, v, k_cache, v_cache, start: int, scale: float) -> 
     keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
     scores = torch.einsum("thd,hsd->hts", q.float(), keys.float()) * scale
     S = start + T
-    causal = torch.arange(S)[None, :] <= (start + torch.arange(T))[:, None]
+    j, p = torch.arange(S)[None, :], (start + torch.arange(T))[:, None]
+    causal = j <= p
+    if window:
+        causal &= j > p - window
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.einsum("hts,hsd->thd", torch.softmax(scores, dim=-1), vals.float())
     return out.to(q.dtype)
@@ -355,7 +379,8 @@ _register("embedding", "library", 2, _embedding_infer, _embedding_ref, index_inp
 _register("rope", "library", 4, _rope_infer,
           lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])), index_input=3)
 _register("attention", "library", 6, _attention_infer,
-          lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"]), mutates=(3, 4),
+          lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"], a.get("window", 0)),
+          mutates=(3, 4),
           index_input=5)
 _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))
 

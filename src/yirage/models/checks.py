@@ -11,11 +11,14 @@ expected:
   range and consistency with each other, before transformers builds a config from them; the
   architecture (``_check_arch``, ``SUPPORTED_ARCHS``: Llama, Qwen2, Mistral and Qwen3, which is
   Qwen2 without q/k/v biases unless ``attention_bias``, with a per-head RMSNorm on q and k and an
-  explicit ``head_dim``; Yang et al. 2025, transformers' ``modeling_qwen3.py``; and Phi-3, a Llama
-  decoder with fused projections, ``FUSED_PROJ_ARCHS``);
+  explicit ``head_dim``; Yang et al. 2025, transformers' ``modeling_qwen3.py``; Phi-3, a Llama
+  decoder with fused projections, ``FUSED_PROJ_ARCHS``; and Gemma 3's text models, ``GEMMA_ARCHS``,
+  whose own config fields ``_gemma_hparams`` checks: activation, no logit soft-capping, layer
+  types, query_pre_attn_scalar, the per-layer-type RoPE parameters);
 - the tensor table, before any tensor data is read (``_check_table``): the layer count equals the
   blocks present, the vocab the embedding rows, every tensor has the shape the config implies
-  (``_expected_shapes``; Qwen3's ``q_norm``/``k_norm`` are [head dim], Phi-3's fused ``qkv_proj``
+  (``_expected_shapes``; Qwen3's and Gemma 3's ``q_norm``/``k_norm`` are [head dim], Gemma 3 has
+  ``pre_feedforward_layernorm``/``post_feedforward_layernorm`` [hidden] too, Phi-3's fused ``qkv_proj``
   [(heads + 2 KV heads) × head dim, hidden] and ``gate_up_proj`` [2 × intermediate, hidden]), none is missing or
   unsupported; after reading, every weight came out as the table said (``_check_weights``);
 - the values: NaN/inf in float weights or in the fp16 block scales of Q8_0/Q4_1 tensors
@@ -48,18 +51,29 @@ import numpy as np
 import torch
 
 from ..config import logger
-from ..dtypes import DType
 from ..errors import ModelLoadError
 
 if TYPE_CHECKING:  # annotations only: loaded_model.py imports this module
     from .loaded_model import Weight
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text")
+
+# The GGUF (llama.cpp) name of an architecture where it differs from the transformers model_type:
+# Gemma 3's text model is ``gemma3`` in GGUF files (transformers' GGUF loader maps it to gemma3_text).
+GGUF_ARCH_NAMES = {"gemma3_text": "gemma3"}
 
 # Architectures whose attention has a per-head RMSNorm on q and k (weights ``self_attn.q_norm`` and
 # ``self_attn.k_norm``, shape [head_dim], applied after the projection and before RoPE): Qwen3
-# (Yang et al. 2025, the Qwen3 technical report; transformers' ``modeling_qwen3.py``).
-QK_NORM_ARCHS = ("qwen3",)
+# (Yang et al. 2025, the Qwen3 technical report; transformers' ``modeling_qwen3.py``) and Gemma 3.
+QK_NORM_ARCHS = ("qwen3", "gemma3_text")
+
+# Gemma 3 text models (Gemma Team 2025, the Gemma 3 technical report; transformers'
+# ``modeling_gemma3.py``): a Llama-like decoder with "sandwich" norms (``post_attention_layernorm``
+# normalises the attention output before its residual add, ``pre_feedforward_layernorm`` /
+# ``post_feedforward_layernorm`` surround the MLP), RMSNorms that scale by ``1 + weight``, a GELU
+# (tanh) gated MLP, embeddings scaled by sqrt(hidden), per-head q/k norms, attention scale
+# ``query_pre_attn_scalar ** -0.5``, and per-layer sliding/full attention with two RoPE bases.
+GEMMA_ARCHS = ("gemma3_text",)
 
 # Architectures whose checkpoints fuse the attention and MLP input projections: Phi-3 (Abdin et al.
 # 2024, the Phi-3 technical report; transformers' ``modeling_phi3.py``) is a Llama decoder whose
@@ -70,11 +84,19 @@ QK_NORM_ARCHS = ("qwen3",)
 FUSED_PROJ_ARCHS = ("phi3",)
 
 
-def _check_arch(model_type: Any, origin: Any) -> str:
-    if model_type not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"{origin}: architecture {_show(model_type)} is not supported; "
-                             f"supported architectures: {', '.join(SUPPORTED_ARCHS)}")
-    return model_type
+def _check_arch(model_type: Any, origin: Any, gguf: bool = False) -> str:
+    """``model_type`` if yirage supports it, as the transformers model_type; ``gguf``: it is a GGUF
+    ``general.architecture`` (llama.cpp's names, ``GGUF_ARCH_NAMES``: ``gemma3`` is gemma3_text).
+    Raises ModelLoadError naming it and the supported list."""
+    names = {GGUF_ARCH_NAMES.get(a, a): a for a in SUPPORTED_ARCHS} if gguf else {a: a for a in SUPPORTED_ARCHS}
+    if model_type not in names:
+        hint = ""
+        if model_type == "gemma3" and not gguf:
+            hint = (" (Gemma 3's multimodal checkpoints, Gemma3ForConditionalGeneration; its text-only models, "
+                    "model_type gemma3_text, are supported)")
+        raise ModelLoadError(f"{origin}: architecture {_show(model_type)} is not supported{hint}; "
+                             f"supported architectures: {', '.join(names)}")
+    return names[model_type]
 
 
 def _show(value: Any) -> str:
@@ -242,15 +264,17 @@ _HF_NAMES = {"layers": "num_hidden_layers", "hidden": "hidden_size", "intermedia
 
 def _hf_hparams(origin: Any, get: Callable[[str], Any]) -> _HParams:
     """Hyper-parameters of a transformers config (``get`` reads a config.json key or a config
-    attribute): the rules of ``_hparams`` plus RoPE parameters, activation and special ids."""
+    attribute): the rules of ``_hparams`` plus RoPE parameters, activation and special ids, and
+    for Gemma 3 (``GEMMA_ARCHS``) the fields of ``_gemma_hparams``."""
     names = dict(_HF_NAMES)
     theta = get("rope_theta")
+    gemma = get("model_type") in GEMMA_ARCHS
     for rope_name in ("rope_parameters", "rope_scaling"):  # transformers 5 / older configs
         rope = _check_rope_params(origin, rope_name, get(rope_name))
         if theta is None and rope.get("rope_theta") is not None:
             theta, names["theta"] = rope["rope_theta"], f"{rope_name}.rope_theta"
     act = get("hidden_act")
-    if act is not None and act not in ("silu", "swish"):
+    if act is not None and act not in ("silu", "swish") and not gemma:  # Gemma reads hidden_activation
         raise ModelLoadError(f"{origin}: hidden_act = {_show(act)} is not supported; the MLP is SwiGLU (silu)")
     for key in ("bos_token_id", "eos_token_id"):
         ids = get(key)
@@ -261,7 +285,54 @@ def _hf_hparams(origin: Any, get: Callable[[str], Any]) -> _HParams:
     def lookup(key: str) -> Any:
         return theta if key == "theta" else get(_HF_NAMES[key])
 
-    return _hparams(origin, names, lookup)
+    hp = _hparams(origin, names, lookup)
+    if gemma:
+        _gemma_hparams(origin, get, hp)
+    return hp
+
+
+GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma_hparams(origin: Any, get: Callable[[str], Any], hp: _HParams) -> None:
+    """The Gemma 3 fields of a transformers config (``Gemma3TextConfig``): ``hidden_activation``
+    gelu_pytorch_tanh (the only MLP activation implemented for Gemma), no logit soft-capping
+    (``attn_logit_softcapping`` / ``final_logit_softcapping`` null, as in every Gemma 3 config:
+    soft-capping is Gemma 2's), causal attention (``use_bidirectional_attention`` false),
+    ``query_pre_attn_scalar`` and ``rope_local_base_freq`` finite numbers > 0, ``layer_types`` one
+    of 'sliding_attention' / 'full_attention' per layer (or ``sliding_window_pattern``, an integer
+    >= 1, from which transformers derives them), ``sliding_window`` >= 1, and each per-layer-type
+    entry of a nested ``rope_parameters``."""
+    act = get("hidden_activation")
+    if act is not None and act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{origin}: hidden_activation = {_show(act)} is not supported; Gemma 3's MLP is "
+                             "gelu_pytorch_tanh (GELU, tanh approximation) gated")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if get(key) is not None:
+            raise ModelLoadError(f"{origin}: {key} = {_show(get(key))} is not supported (logit soft-capping is "
+                                 "Gemma 2's; Gemma 3 configs leave it null)")
+    if get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{origin}: use_bidirectional_attention = {_show(get('use_bidirectional_attention'))} "
+                             "is not supported (yirage decodes with causal attention)")
+    _positive_float(origin, "query_pre_attn_scalar", get("query_pre_attn_scalar"), optional=True)
+    _positive_float(origin, "rope_local_base_freq", get("rope_local_base_freq"), optional=True)
+    _int_field(origin, "sliding_window_pattern", get("sliding_window_pattern"), optional=True)
+    if hp.sliding is not None and hp.sliding < 1:
+        raise ModelLoadError(f"{origin}: sliding_window = {hp.sliding} must be >= 1 (the span of the sliding "
+                             "attention layers)")
+    types = get("layer_types")
+    if types is not None:
+        if not isinstance(types, (list, tuple)) or len(types) != hp.layers:
+            raise ModelLoadError(f"{origin}: layer_types must be a list of {hp.layers} entries (one per layer, "
+                                 f"{hp.names['layers']} = {hp.layers}), got {_show(types)}")
+        for i, kind in enumerate(types):
+            if kind not in GEMMA_LAYER_TYPES:
+                raise ModelLoadError(f"{origin}: layer_types[{i}] = {_show(kind)} must be one of "
+                                     f"{', '.join(GEMMA_LAYER_TYPES)}")
+    rope = get("rope_parameters")
+    for kind in GEMMA_LAYER_TYPES:
+        if isinstance(rope, dict) and rope.get(kind) is not None:
+            _check_rope_params(origin, f"rope_parameters.{kind}", rope[kind])
 
 
 @dataclass
@@ -278,11 +349,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _expected_shapes(hp: _HParams, vocab: int, tied: bool, attention_bias: bool,
-                     qk_norm: bool = False, fused: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+                     qk_norm: bool = False, fused: bool = False,
+                     sandwich: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every weight name a supported model must have: (logical shape, which fields imply it).
-    ``qk_norm``: the per-head q/k RMSNorm weights of Qwen3 ([head dim] each). ``fused``: Phi-3's
-    ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` in place of q/k/v_proj and gate/up_proj.
-    Loops over ``hp.layers``, which the caller has checked against the blocks present."""
+    ``qk_norm``: the per-head q/k RMSNorm weights of Qwen3 and Gemma 3 ([head dim] each). ``fused``:
+    Phi-3's ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` in place of q/k/v_proj and gate/up_proj.
+    ``sandwich``: Gemma 3's ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` [hidden]
+    as well. Loops over ``hp.layers``, which the caller has checked against the blocks present."""
     n = hp.names
     h, inter, heads, kv, hd = hp.hidden, hp.intermediate, hp.heads, hp.kv_heads, hp.head_dim
     hid = f"{n['hidden']} = {h}"
@@ -315,6 +388,9 @@ def _expected_shapes(hp: _HParams, vocab: int, tied: bool, attention_bias: bool,
             shapes.update({p + "self_attn.q_proj.bias": ((heads * hd,), q_why),
                            p + "self_attn.k_proj.bias": ((kv * hd,), kv_why),
                            p + "self_attn.v_proj.bias": ((kv * hd,), kv_why)})
+        if sandwich:
+            shapes.update({p + "pre_feedforward_layernorm.weight": ((h,), hid),
+                           p + "post_feedforward_layernorm.weight": ((h,), hid)})
         if qk_norm:
             hd_why = f"head dim {hd} ({n.get('head_dim') or n['hidden'] + ' / ' + n['heads']})"
             shapes.update({p + "self_attn.q_norm.weight": ((hd,), hd_why),
@@ -328,10 +404,11 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
     """Check the tensor table (HF name -> info, data not read yet) against ``hp``; (vocab, tied).
 
     ``tie``: the config's tie_word_embeddings (None: unknown yet). ``display`` names a tensor as
-    the file does. ``arch``: the checked architecture; Qwen3 (``QK_NORM_ARCHS``) must have the
+    the file does. ``arch``: the checked architecture; Qwen3 and Gemma 3 (``QK_NORM_ARCHS``) must have the
     per-head ``self_attn.q_norm``/``k_norm`` weights [head dim], the others must not; Phi-3
     (``FUSED_PROJ_ARCHS``) must have the fused ``self_attn.qkv_proj``/``mlp.gate_up_proj`` weights
-    and no separate q/k/v or gate/up projections and no biases. ``attention_bias``:
+    and no separate q/k/v or gate/up projections and no biases; Gemma 3 (``GEMMA_ARCHS``) must have
+    the feed-forward pre/post norms, the others must not. ``attention_bias``:
     the config's flag; for Qwen3 it must be false (true adds an o_proj bias, which is not supported)
     and then there must be no q/k/v biases (None: unknown, and for the other architectures, whose
     configs may not say: the table decides whether q/k/v biases are expected). The layer
@@ -374,7 +451,7 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
             raise ModelLoadError(f"{origin}: attention_bias = true is not supported for {arch} (it adds a bias to "
                                  "o_proj as well as q/k/v; yirage supports q/k/v biases only)")
         bias = False
-    expected = _expected_shapes(hp, vocab, tied, bias, qk_norm, fused)
+    expected = _expected_shapes(hp, vocab, tied, bias, qk_norm, fused, sandwich=arch in GEMMA_ARCHS)
     extra = sorted(k for k in set(table) - set(expected) if not (k == "lm_head.weight" and tied))
     if extra:
         shown = sorted(display(k) for k in extra)
@@ -384,6 +461,10 @@ def _check_table(origin: Any, hp: _HParams, table: dict[str, _TensorInfo], tie: 
                    f"{_show(arch)}" if arch is not None else "per-head q/k norms are not expected here")
         elif qk_norm and not bias and any(re.search(r"self_attn\.[qkv]_proj\.bias$", k) for k in extra):
             why = "the config says attention_bias = false, so there must be no q/k/v biases"
+        elif any(k.endswith(("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"))
+                 for k in extra):
+            why = (f"feed-forward pre/post norms belong to {', '.join(GEMMA_ARCHS)}, not to architecture "
+                   f"{_show(arch)}")
         elif fused:
             why = (f"architecture {arch} has fused self_attn.qkv_proj and mlp.gate_up_proj weights and no biases, "
                    "not separate q/k/v or gate/up projections")
@@ -417,17 +498,17 @@ def _check_weights(weights: dict[str, Weight], table: dict[str, _TensorInfo], ti
 
 def _nonfinite(weight: Weight) -> str | None:
     """What is not finite in ``weight`` (None: all finite). Float tensors: every value
-    (``torch.isfinite``). Q8_0/Q4_1: the fp16 block scales (``d``, and ``m`` of Q4_1), read from the
-    raw blocks as 16-bit patterns (exponent all ones = inf/NaN); the int8/int4 quants themselves
-    cannot be non-finite. The scale check runs in numpy: single-threaded, it takes ~25 ms for the
+    (``torch.isfinite``). Block-quantized types: the fp16 block scales (``d``, and ``m`` / ``dmin``
+    where the format has one; ``DType.scale_offsets``), read from the raw blocks as 16-bit patterns
+    (exponent all ones = inf/NaN); the integer quants themselves cannot be non-finite. The scale check runs in numpy: single-threaded, it takes ~25 ms for the
     default model's 92 MiB, where torch's thread pool measured anywhere from 30 ms to 1.5 s on a
     busy 2-core machine."""
     data = weight.data
     if not weight.dtype.is_quantized:
         return None if bool(torch.isfinite(data).all()) else "NaN or inf values"
     per, nbytes = weight.dtype.block
-    scales = 1 if weight.dtype == DType.q8_0 else 2
-    halves = data.numpy().reshape(-1).view(np.uint16).reshape(-1, nbytes // 2)[:, :scales]
+    offsets = [o // 2 for o in weight.dtype.scale_offsets]   # every format's scales lie at even offsets
+    halves = data.numpy().reshape(-1).view(np.uint16).reshape(-1, nbytes // 2)[:, offsets]
     if int((halves & 0x7FFF).max(initial=0)) < 0x7C00:
         return None
     bad = int(((halves & 0x7C00) == 0x7C00).any(axis=1).sum())

@@ -18,11 +18,14 @@ In the order ``_load_gguf`` runs them:
   from ``<arch>.attention.key_length`` where transformers' mapping omits it, as for qwen3) is checked again
   (``checks._hf_hparams``, ``checks._check_table``) and its RoPE table computed
   (``loaded_model.rope_parameters``);
-- the tensors under Hugging Face names (``gguf_to_hf_name``; Qwen3's per-head q/k RMSNorm weights
-  ``attn_q_norm``/``attn_k_norm`` are ``self_attn.q_norm``/``k_norm``): ``Q8_0``/``Q4_1`` stay
-  block-quantized (raw block bytes in a ``uint8`` tensor of ``dtype.storage_shape(logical_shape)``),
-  F32/F16/BF16 stay as they are, the legacy and K-quant types (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) are
-  dequantized to float32 (IQ and other types are refused); llama.cpp's interleaving permutation of
+- the tensors under Hugging Face names (``gguf_to_hf_name``; Qwen3's and Gemma 3's per-head q/k RMSNorm
+  weights ``attn_q_norm``/``attn_k_norm`` are ``self_attn.q_norm``/``k_norm``; for Gemma 3, GGUF
+  architecture ``gemma3`` = transformers' ``gemma3_text``, ``ffn_norm`` is ``pre_feedforward_layernorm``
+  and ``post_attention_norm``/``post_ffw_norm`` the post-attention/feed-forward norms, and every norm
+  weight, which llama.cpp stores as ``1 + weight``, gets 1 subtracted as transformers' GGUF loader
+  does): the GGML block formats (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) stay block-quantized (raw
+  block bytes in a ``uint8`` tensor of ``dtype.storage_shape(logical_shape)``, read in place by the
+  kernels), F32/F16/BF16 stay as they are (IQ and other types are refused); llama.cpp's interleaving permutation of
   llama ``attn_q``/``attn_k`` rows is undone (``reverse_llama_permute``) so q/k are in Hugging Face
   order for ``rotate_half`` RoPE; ``rope_freqs.weight`` divides the RoPE frequencies. Kept and
   float tensors are not copied: they are tensors over the file mapped copy-on-write, so a loaded
@@ -36,7 +39,8 @@ are refused with a clear error (``checks.FUSED_PROJ_ARCHS``); Phi-3 loads from s
 
 The cache. What transformers derives from the metadata is kept under ``cache_dir()``, so that a
 file seen before loads without importing transformers (about 4 s) or parsing the file a second
-time: the config fields and RoPE table (``gguf-config/<key>.json``, ``_read_config_cache``) and the
+time: the config fields and RoPE table(s) (``gguf-config/<key>.json``, ``_read_config_cache``; Gemma 3's
+sliding layers have a second table) and the
 converted tokenizer (``tokenizers/<key>/``, ``tokenizer.Tokenizer.save``). ``<key>``
 (``_gguf_cache_key``) is a SHA-256 of the file's header, every byte before the tensor data (the
 metadata and the tensor table, which is all that config and tokenizer are made from), with the
@@ -73,11 +77,11 @@ import torch
 from ..config import cache_dir, logger
 from ..dtypes import DType
 from ..errors import ModelLoadError
-from .checks import (FUSED_PROJ_ARCHS, SUPPORTED_ARCHS, _HParams, _TensorInfo, _check_arch, _check_table,
-                     _check_tokenizer, _check_weights, _foreign_errors, _hf_hparams, _hparams, _int_field, _nonfinite,
-                     _positive_float, _report_nonfinite, _show)
-from .loaded_model import (CONFIG_FIELDS, LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table,
-                           config_fields)
+from .checks import (FUSED_PROJ_ARCHS, GEMMA_ARCHS, GGUF_ARCH_NAMES, SUPPORTED_ARCHS, _HParams, _TensorInfo,
+                     _check_arch, _check_table, _check_tokenizer, _check_weights, _foreign_errors, _hf_hparams,
+                     _hparams, _int_field, _nonfinite, _positive_float, _report_nonfinite, _show)
+from .loaded_model import (CONFIG_FIELDS, LoadedModel, Weight, _as_id_list, _local_rope_table, _model_config,
+                           _progress_bar, _rope_table, config_fields)
 from .tokenizer import Tokenizer, _atomic_save
 
 
@@ -89,35 +93,47 @@ _GGUF_BLOCK = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's per-head q/k RMSNorm
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 (GGUF architecture ``gemma3``): llama.cpp's ``ffn_norm`` is the pre-feedforward norm, and
+# the attention/MLP outputs have norms of their own (as gguf-py's tensor_mapping names them)
+_GGUF_BLOCK_ARCH = {"gemma3": {**_GGUF_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
+                               "post_attention_norm": "post_attention_layernorm",
+                               "post_ffw_norm": "post_feedforward_layernorm"}}
 _GGUF_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_TOP = {v: k for k, v in _GGUF_TOP.items()}
 _HF_BLOCK = {v: k for k, v in _GGUF_BLOCK.items()}
+_HF_BLOCK_ARCH = {arch: {v: k for k, v in names.items()} for arch, names in _GGUF_BLOCK_ARCH.items()}
 _HF_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
-# GGUF tensor types by role: kept as they are, or dequantized to float32 (numpy, gguf.quants)
+# GGUF tensor types yirage reads, all as they are stored (no copy, no dequantization at load):
+# float types, and the GGML block formats the kernels read in place (DType of the same name)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_KEPT_TYPES = _FLOAT_TYPES + ("Q8_0", "Q4_1")
-_DEQUANTIZED_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_BLOCK_TYPES = ("Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_KEPT_TYPES = _FLOAT_TYPES + _BLOCK_TYPES
 _GGUF_INT_VALUES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
 _GGUF_NUMBER_VALUES = _GGUF_INT_VALUES + ("FLOAT32", "FLOAT64")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """Hugging Face name of a GGUF tensor name (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None for tensors yirage does not use."""
+    ``model.layers.3.self_attn.q_proj.weight``); None for tensors yirage does not use. ``arch``:
+    the GGUF architecture (``gemma3``: ``ffn_norm`` is ``pre_feedforward_layernorm``,
+    ``post_attention_norm`` / ``post_ffw_norm`` are ``post_attention_layernorm`` /
+    ``post_feedforward_layernorm``)."""
     m = _GGUF_BLOCK_NAME.match(name)
     if m:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_GGUF_BLOCK[part]}.{kind}" if part in _GGUF_BLOCK else None
+        block = _GGUF_BLOCK_ARCH.get(arch, _GGUF_BLOCK)
+        return f"model.layers.{layer}.{block[part]}.{kind}" if part in block else None
     stem, _, kind = name.rpartition(".")
     return f"{_GGUF_TOP[stem]}.{kind}" if stem in _GGUF_TOP and kind in ("weight", "bias") else None
 
 
-def _hf_to_gguf_name(name: str) -> str:
+def _hf_to_gguf_name(name: str, arch: str = "llama") -> str:
     """The GGUF name of a Hugging Face weight name (for messages); the name itself if unknown."""
     m = _HF_LAYER_NAME.match(name)
-    if m and m.group(2) in _HF_BLOCK:
-        return f"blk.{m.group(1)}.{_HF_BLOCK[m.group(2)]}.{m.group(3)}"
+    block = _HF_BLOCK_ARCH.get(arch, _HF_BLOCK)
+    if m and m.group(2) in block:
+        return f"blk.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     stem, _, kind = name.rpartition(".")
     return f"{_HF_TOP[stem]}.{kind}" if stem in _HF_TOP else name
 
@@ -494,10 +510,11 @@ def _gguf_hparams(reader: Any, arch: str, path: Path) -> _HParams:
     return _hparams(path, names, values.get)
 
 
-def _gguf_table(reader: Any, path: Path) -> tuple[dict[str, _TensorInfo], Any]:
+def _gguf_table(reader: Any, path: Path, arch: str = "llama") -> tuple[dict[str, _TensorInfo], Any]:
     """The tensors yirage uses (HF name -> info) and ``rope_freqs.weight`` (or None), each type
-    checked against its role: norms and biases float; matrices float, Q8_0/Q4_1 (kept) or a
-    type gguf dequantizes exactly (legacy and K-quants)."""
+    checked against its role: norms and biases float; matrices float or a GGML block format of
+    ``_BLOCK_TYPES`` (legacy and K-quants, read in place); any other type (IQ*, TQ*, ...) is one
+    ModelLoadError naming the tensor, its type and the supported types."""
     table: dict[str, _TensorInfo] = {}
     rope_freqs = None
     for tensor in reader.tensors:
@@ -508,7 +525,7 @@ def _gguf_table(reader: Any, path: Path) -> tuple[dict[str, _TensorInfo], Any]:
                 raise ModelLoadError(f"{path}: tensor rope_freqs.weight has type {kind}; it must be F32, F16 or BF16")
             rope_freqs = tensor
             continue
-        name = gguf_to_hf_name(tensor.name)
+        name = gguf_to_hf_name(tensor.name, arch)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
@@ -517,10 +534,9 @@ def _gguf_table(reader: Any, path: Path) -> tuple[dict[str, _TensorInfo], Any]:
                 role = "bias" if name.endswith(".bias") else "norm weight"
                 raise ModelLoadError(f"{path}: tensor {tensor.name} has type {kind}; a {role} must be "
                                      f"{', '.join(_FLOAT_TYPES)}")
-        elif kind not in _KEPT_TYPES + _DEQUANTIZED_TYPES:
+        elif kind not in _KEPT_TYPES:
             raise ModelLoadError(f"{path}: tensor {tensor.name} has type {kind}, which yirage does not support; "
-                                 f"supported: {', '.join(_KEPT_TYPES)} (used as stored) and "
-                                 f"{', '.join(_DEQUANTIZED_TYPES)} (dequantized to float32)")
+                                 f"supported types: {', '.join(_KEPT_TYPES)}")
         table[name] = _TensorInfo(tensor.name, shape, kind)
     return table, rope_freqs
 
@@ -545,7 +561,7 @@ def _gguf_check_tokens(reader: Any, rows: int, path: Path) -> None:
                                  f"{rows} rows{'' if count is None else f', tokenizer.ggml.tokens {count} entries'})")
 
 
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4  # 4: Gemma 3 fields and the sliding layers' RoPE table
 _TRANSFORMERS_VERSION: str | None = None
 
 
@@ -578,10 +594,11 @@ def _config_cache_path(key: str) -> Path:
     return cache_dir() / "gguf-config" / f"{key}.json"
 
 
-def _read_config_cache(key: str) -> tuple[dict, tuple[torch.Tensor, float, str]] | None:
-    """The cached (config fields, RoPE table) of ``key``; None when there is no entry, or when it is
-    damaged (unreadable, another format, checksum or structure wrong: logged, then rebuilt). The
-    values are checked by the caller exactly as a fresh conversion's are."""
+def _read_config_cache(key: str) -> tuple[dict, tuple[torch.Tensor, float, str], Any] | None:
+    """The cached (config fields, RoPE table, sliding layers' RoPE table or None) of ``key``; None
+    when there is no entry, or when it is damaged (unreadable, another format, checksum or
+    structure wrong: logged, then rebuilt). The values are checked by the caller exactly as a
+    fresh conversion's are."""
     path = _config_cache_path(key)
     try:
         text = path.read_text(encoding="utf-8")
@@ -596,25 +613,37 @@ def _read_config_cache(key: str) -> tuple[dict, tuple[torch.Tensor, float, str]]
             raise ValueError("another format")
         if body.pop("sha256", None) != _checksum(body):
             raise ValueError("checksum mismatch")
-        fields, rope = body["fields"], body["rope"]
+        fields = body["fields"]
         if not isinstance(fields, dict) or set(fields) != set(CONFIG_FIELDS):
             raise ValueError("config fields missing")
-        inv_freq, scaling, rope_type = rope["inv_freq"], rope["attention_scaling"], rope["rope_type"]
-        if not (isinstance(inv_freq, list) and all(type(v) in (int, float) for v in inv_freq)
-                and type(scaling) in (int, float) and isinstance(rope_type, str)):
-            raise ValueError("RoPE table malformed")
+        rope = _cached_rope(body["rope"])
+        local_rope = _cached_rope(body["local_rope"]) if body["local_rope"] is not None else None
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         logger.warning("ignoring damaged config cache entry %s (%s)", path, exc)
         return None
-    return fields, (torch.tensor(inv_freq, dtype=torch.float32), float(scaling), rope_type)
+    return fields, rope, local_rope
 
 
-def _write_config_cache(key: str, fields: dict, rope: tuple[torch.Tensor, float, str]) -> None:
-    """Keep ``fields`` and ``rope`` as the entry of ``key`` (atomically; skipped, with a debug
-    line, when the directory is not writable or a value has no JSON form)."""
-    inv_freq, scaling, rope_type = rope
-    body = {"format": _CACHE_FORMAT, "fields": fields,
-            "rope": {"inv_freq": inv_freq.tolist(), "attention_scaling": scaling, "rope_type": rope_type}}
+def _cached_rope(rope: Any) -> tuple[torch.Tensor, float, str]:
+    """A RoPE table of a cache entry; ValueError when it is malformed."""
+    inv_freq, scaling, rope_type = rope["inv_freq"], rope["attention_scaling"], rope["rope_type"]
+    if not (isinstance(inv_freq, list) and all(type(v) in (int, float) for v in inv_freq)
+            and type(scaling) in (int, float) and isinstance(rope_type, str)):
+        raise ValueError("RoPE table malformed")
+    return torch.tensor(inv_freq, dtype=torch.float32), float(scaling), rope_type
+
+
+def _write_config_cache(key: str, fields: dict, rope: tuple[torch.Tensor, float, str],
+                        local_rope: tuple[torch.Tensor, float, str] | None = None) -> None:
+    """Keep ``fields``, ``rope`` and ``local_rope`` (Gemma 3's sliding layers' table, or None) as
+    the entry of ``key`` (atomically; skipped, with a debug line, when the directory is not
+    writable or a value has no JSON form)."""
+
+    def table(r: tuple[torch.Tensor, float, str]) -> dict:
+        return {"inv_freq": r[0].tolist(), "attention_scaling": r[1], "rope_type": r[2]}
+
+    body = {"format": _CACHE_FORMAT, "fields": fields, "rope": table(rope),
+            "local_rope": table(local_rope) if local_rope is not None else None}
     path = _config_cache_path(key)
     try:
         body["sha256"] = _checksum(body)
@@ -650,9 +679,7 @@ def _gguf_hf_config_uncached(reader: Any, path: Path) -> Any:
     try:
         config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     except Exception as exc:
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelLoadError(f"{path}: architecture {_show(arch)} is not supported; "
-                                 f"supported architectures: {', '.join(SUPPORTED_ARCHS)}") from exc
+        _check_arch(arch, path, gguf=True)
         raise ModelLoadError(f"{path}: transformers cannot read the GGUF metadata ({type(exc).__name__}: "
                              f"{exc})") from exc
     model_type = _check_arch(config.pop("model_type", arch), path)
@@ -688,33 +715,37 @@ def _mapped(array: np.ndarray, align: int = 1) -> torch.Tensor:
 
 
 def _gguf_tensor(tensor: Any) -> Weight:
-    """A GGUF tensor as a Weight: Q8_0/Q4_1 raw blocks, F32/F16/BF16 as is (all of these over the
-    mapped file, not copied), the types of ``_DEQUANTIZED_TYPES`` dequantized (the caller has
-    checked the type and layout)."""
+    """A GGUF tensor as a Weight, over the mapped file (not copied): the block formats of
+    ``_BLOCK_TYPES`` as their raw blocks (uint8 of ``dtype.storage_shape(shape)``, DType of the
+    same name: q8_0, q4_1, q4_0, q5_0, q5_1, q2_k .. q6_k), F32/F16/BF16 as they are. The caller
+    has checked the type (``_gguf_table``) and the layout (``_check_gguf_layout``: rows a whole
+    number of blocks, the data inside the file); another type raises ModelLoadError."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     kind = tensor.tensor_type
-    if kind in (Q.Q8_0, Q.Q4_1):
-        dtype = DType.q8_0 if kind == Q.Q8_0 else DType.q4_1
+    if kind.name in _BLOCK_TYPES:
+        dtype = DType(kind.name.lower())
         return Weight(_mapped(tensor.data.reshape(dtype.storage_shape(shape))), dtype, shape)
     if kind in (Q.F32, Q.F16):
         return Weight(_mapped(tensor.data.reshape(shape)), DType.float32 if kind == Q.F32 else DType.float16, shape)
     if kind == Q.BF16:
         raw = _mapped(tensor.data.reshape(-1).view(np.uint8), align=2)
         return Weight(raw.view(torch.bfloat16).reshape(shape), DType.bfloat16, shape)
-    try:
-        values = gguf.quants.dequantize(tensor.data, kind)
-    except NotImplementedError as exc:
-        raise ModelLoadError(f"GGUF tensor {tensor.name} has type {kind.name}, which cannot be dequantized") from exc
-    return Weight(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape)), DType.float32, shape)
+    raise ModelLoadError(f"GGUF tensor {tensor.name} has type {kind.name}, which yirage does not support; "
+                         f"supported types: {', '.join(_KEPT_TYPES)}")
 
 
 def _read_gguf_weights(reader: Any, table: dict[str, _TensorInfo], hp: _HParams, permute_qk: bool,
-                       progress: bool, path: Path, allow_nonfinite: bool) -> dict[str, Weight]:
+                       progress: bool, path: Path, allow_nonfinite: bool, norm_shift: float = 0.0) -> dict[str, Weight]:
     """The checked tensors under HF names (q/k rows un-permuted when ``permute_qk``); NaN/inf
-    refused (or warned about, ``allow_nonfinite``)."""
+    refused (or warned about, ``allow_nonfinite``). ``norm_shift``: subtracted from every norm
+    weight (``...norm.weight``, float32 copies): llama.cpp's converter stores Gemma's RMSNorm
+    weights as ``1 + weight`` (its ``norm_shift``), transformers' GGUF loader
+    (``Gemma2TensorProcessor``, used for gemma3) subtracts 1 again, and so does this, in float32 as
+    transformers does, so that the weights are the checkpoint's (``ModelConfig.norm_weight_offset``
+    adds the 1 back at run time, exactly as transformers' ``Gemma3RMSNorm``)."""
     weights: dict[str, Weight] = {}
     bad: list[str] = []
     used = {info.name: name for name, info in table.items()}
@@ -730,6 +761,8 @@ def _read_gguf_weights(reader: Any, table: dict[str, _TensorInfo], hp: _HParams,
                     n = hp.heads if ".q_proj." in name else hp.kv_heads
                     rows = reverse_llama_permute(weight.data.numpy(), n)
                     weight = Weight(torch.from_numpy(np.ascontiguousarray(rows)), weight.dtype, weight.shape)
+                if norm_shift and name.endswith("norm.weight"):
+                    weight = Weight(weight.data.float() - norm_shift, DType.float32, weight.shape)
                 weights[name] = weight
             advance()
     _report_nonfinite(bad, path, allow_nonfinite)
@@ -788,16 +821,20 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
     arch = _gguf_field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(f"{path}: general.architecture is {'missing' if arch is None else _show(arch)}; "
-                             f"it must name the architecture ({', '.join(SUPPORTED_ARCHS)})")
-    _check_arch(arch, path)
+                             f"it must name the architecture "
+                             f"({', '.join(GGUF_ARCH_NAMES.get(a, a) for a in SUPPORTED_ARCHS)})")
+    model_type = _check_arch(arch, path, gguf=True)  # the transformers name (gemma3 -> gemma3_text)
     if arch in FUSED_PROJ_ARCHS:
         raise ModelLoadError(f"{path}: architecture {arch} is not supported in GGUF files yet (llama.cpp's fused "
                              "attn_qkv and gate+up ffn_up tensors are not mapped); load the model's Hugging Face "
                              "safetensors directory instead")
     hp = _gguf_hparams(reader, arch, path)
-    table, rope_freqs_tensor = _gguf_table(reader, path)
-    display = _hf_to_gguf_name
-    vocab, tied = _check_table(path, hp, table, None, display, arch=arch)
+    table, rope_freqs_tensor = _gguf_table(reader, path, arch)
+
+    def display(name: str) -> str:
+        return _hf_to_gguf_name(name, arch)
+
+    vocab, tied = _check_table(path, hp, table, None, display, arch=model_type)
     _gguf_check_tokens(reader, vocab, path)
     key = _gguf_cache_key(reader)
     cached = _read_config_cache(key)
@@ -805,7 +842,7 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
         hf_config = _gguf_hf_config(reader, path)
         fields = config_fields(hf_config)
     else:
-        fields, rope = cached
+        fields, rope, local_rope = cached
     # the same checks on the config as transformers built it (names as in transformers)
     _check_arch(fields.get("model_type"), path)
     origin = f"{path} (as read by transformers)"
@@ -813,10 +850,11 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
     _check_table(origin, hf_hp, table, fields.get("tie_word_embeddings"), display, arch=fields.get("model_type"),
                  attention_bias=fields.get("attention_bias"))
     if cached is None:
-        rope = _rope_table(hf_config, path)
+        rope, local_rope = _rope_table(hf_config, path), _local_rope_table(hf_config, path)
     rope_freqs = _gguf_rope_freqs(rope_freqs_tensor, hp, path) if rope_freqs_tensor is not None else None
     permute_qk = arch == "llama"  # llama.cpp permutes llama only (not qwen2/qwen3, nor their q/k norms)
-    weights = _read_gguf_weights(reader, table, hp, permute_qk, progress, path, allow_nonfinite)
+    norm_shift = 1.0 if model_type in GEMMA_ARCHS else 0.0  # llama.cpp stores Gemma norms as 1 + weight
+    weights = _read_gguf_weights(reader, table, hp, permute_qk, progress, path, allow_nonfinite, norm_shift)
     weights = _check_weights(weights, table, tied, path)
     n_tokens = _gguf_token_count(reader, path) or 0
     tokenizer = _gguf_tokenizer(path, key, lambda tok: _check_tokenizer(tok, vocab, "token_embd.weight", path,
@@ -825,9 +863,10 @@ def _load_gguf(path: Path, progress: bool, allow_nonfinite: bool = False) -> Loa
            + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eot_token_id"))
            + _as_id_list(_gguf_field(reader, "tokenizer.ggml.eom_token_id")) + _as_id_list(tokenizer.eos_token_id))
     bos = fields.get("bos_token_id")
-    config = _model_config(fields, rope, weights, bos if bos is not None else tokenizer.bos_token_id, eos, path)
+    config = _model_config(fields, rope, weights, bos if bos is not None else tokenizer.bos_token_id, eos, path,
+                           local_rope=local_rope)
     if cached is None:  # every check has passed: keep what transformers derived
-        _write_config_cache(key, fields, rope)
+        _write_config_cache(key, fields, rope, local_rope)
     if rope_freqs is not None:  # llama.cpp's per-frequency divisors (e.g. Llama 3.1 files)
         config.inv_freq = config.inv_freq / rope_freqs
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path, format="gguf")

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral, Qwen3) expressed as kernel graphs.
+"""A Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral, Qwen3, Gemma 3) expressed as kernel graphs.
 
 One graph covers one forward step over ``T`` new tokens at positions
 ``start_pos .. start_pos+T-1`` (prefill: T = prompt length; decode: T = 1) and returns the
@@ -9,7 +9,7 @@ logits of the last token [1, vocab] (float32) and their argmax [1] (int64):
                 q, k, v = linear(n, Wq/Wk/Wv [+ bias, Qwen2])     (GEMV/GEMM)
                 q, k = RMSNorm_head(q) * w_q_norm, RMSNorm_head(k) * w_k_norm   (Qwen3 only)
                 q, k = RoPE(q), RoPE(k)                            (rotate-half, HF layout)
-                a = attention(q, k, v, KV cache, start_pos)        (causal, GQA)
+                a = attention(q, k, v, KV cache, start_pos)        (causal, GQA; sliding window: layer_window)
                 h = h + linear(a, Wo);  n = RMSNorm(h) * w_mlp_norm    (fused kernel)
                 h = h + linear(silu(linear(n, Wg)) * linear(n, Wu), Wd)   (SwiGLU)
     logits = linear(RMSNorm(h[-1]) * w_norm, W_lm_head or W_embed (tied))
@@ -23,6 +23,21 @@ without q/k/v biases (unless its config's ``attention_bias``) plus a per-head RM
 each head's q and k vector (``head_dim`` wide; Qwen3's config gives ``head_dim`` explicitly and it
 may differ from hidden / heads) is RMS-normalised with ``rms_norm_eps`` and scaled by the weights
 ``self_attn.q_norm`` / ``self_attn.k_norm`` [head_dim] after the projection, before RoPE.
+
+Gemma 3 text models (Gemma Team 2025, the Gemma 3 technical report; transformers'
+modeling_gemma3.py, ``Gemma3ForCausalLM``) differ where ``ModelConfig`` says so:
+
+    h = embedding(ids) * sqrt(hidden)             (embed_scale, in the activation dtype)
+    per layer:  n = RMSNorm(h) * (1 + w_input)    (every Gemma RMSNorm scales by 1 + w: the
+                                                   weights are stored here as 1 + w, float32 sums)
+                q, k = RMSNorm_head(q) * (1 + w_q_norm), ... (1 + w_k_norm)  (before RoPE)
+                q, k = RoPE(q), RoPE(k)           (sliding layers: base rope_local_base_freq,
+                                                   local_cos/local_sin; full layers: rope_theta)
+                a = attention(..., scale = query_pre_attn_scalar^-0.5, window = layer_window(i))
+                h = h + RMSNorm(linear(a, Wo)) * (1 + w_post_attn)       (before the residual add)
+                n = RMSNorm(h) * (1 + w_pre_ff)
+                h = h + RMSNorm(linear(gelu_tanh(linear(n, Wg)) * linear(n, Wu), Wd)) * (1 + w_post_ff)
+    logits = linear(RMSNorm(h[-1]) * (1 + w_norm), W_embed)             (tied, unscaled)
 
 This module builds graphs and owns the KV cache tensors; it must never launch kernels
 itself (the executor does) or parse model files (models/loading.py does).
@@ -48,7 +63,11 @@ class LlamaModel:
             cache are stored in it; norms, softmax and GEMM accumulation compute in float32.
 
     Block-quantized weights (q4_1, q8_0) stay in their blocks and are decoded inside the
-    GEMV/GEMM kernels; RoPE tables stay float32.
+    GEMV/GEMM kernels; RoPE tables stay float32 ([max_seq_length, head_dim / 2]: ``cos``/``sin``,
+    and Gemma 3's sliding layers' ``local_cos``/``local_sin``). Gemma's norm weights
+    (``cfg.norm_weight_offset``) are stored as ``1 + w`` computed in float32, exactly as
+    transformers' ``Gemma3RMSNorm`` computes ``1.0 + weight.float()``, then cast to ``dtype``
+    (exact for float32; for float16/bfloat16 rounded like the activations).
     """
 
     def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32):
@@ -59,20 +78,50 @@ class LlamaModel:
         self.dtype = dtype
         self.device = get_backend_impl(backend).torch_device
         self.weights: dict[str, tuple[torch.Tensor, DType, tuple]] = {}
+        offset = cfg.norm_weight_offset
         for name, w in loaded.weights.items():
             data, wtype = w.data, w.dtype
+            if offset and name.endswith("norm.weight"):  # Gemma: RMSNorm scales by (1 + w), as transformers
+                data = data.float() + offset             # computes it: in float32 (a new tensor, not in place)
             if not wtype.is_quantized:
                 data, wtype = data.to(dtype.torch_dtype), dtype
             self.weights[name] = (data.contiguous().to(self.device), wtype, tuple(w.shape))
-        pos = torch.arange(max_seq_length, dtype=torch.float32)[:, None]
-        freqs = pos * cfg.inv_freq.float()[None, :]
-        self.cos = (freqs.cos() * cfg.attention_scaling).to(self.device)
-        self.sin = (freqs.sin() * cfg.attention_scaling).to(self.device)
+        self.cos, self.sin = self._rope_cos_sin(cfg.inv_freq, cfg.attention_scaling)
+        self.local_cos = self.local_sin = None  # Gemma 3's sliding layers: their own RoPE base
+        if cfg.local_inv_freq is not None:
+            self.local_cos, self.local_sin = self._rope_cos_sin(cfg.local_inv_freq, cfg.local_attention_scaling)
+        # Gemma: embeddings times sqrt(hidden), a float32 scalar cast to the activation dtype (transformers'
+        # Gemma3TextScaledWordEmbedding: embed_scale.to(weight.dtype))
+        self.embed_scale = (float(torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype.torch_dtype))
+                            if cfg.embed_scale is not None else None)
         shape = (max_seq_length, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype.torch_dtype, device=self.device)
                         for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype.torch_dtype, device=self.device)
                         for _ in range(cfg.num_layers)]
+
+    def _rope_cos_sin(self, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [max_seq_length, head_dim // 2] float32 of a RoPE table, on the device."""
+        freqs = torch.arange(self.max_seq_length, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+        return (freqs.cos() * scaling).to(self.device), (freqs.sin() * scaling).to(self.device)
+
+    def layer_uses_local_rope(self, i: int) -> bool:
+        """Layer ``i`` rotates q/k with the sliding layers' RoPE table (``local_cos``/``local_sin``,
+        base ``rope_local_base_freq``): Gemma 3's 'sliding_attention' layers."""
+        return self.local_cos is not None and self.cfg.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i``'s attention (``KernelGraph.attention``'s ``window``:
+        the query at position p attends keys p - W < j <= p, transformers' sliding-window causal
+        mask), or None for full causal attention. Mistral: ``config.sliding_window`` in every
+        layer; Qwen2/Qwen3 only with ``use_sliding_window`` (the loader leaves ``sliding_window``
+        None otherwise); a config's per-layer ``layer_types`` ('sliding_attention' /
+        'full_attention'), when the loader keeps it, picks the layers."""
+        window = self.cfg.sliding_window or None
+        types = (self.cfg.hf_config or {}).get("layer_types")
+        if window and types:
+            return window if types[i] == "sliding_attention" else None
+        return window
 
     def build_graph(self, T: int) -> tuple[KNGraph, list[torch.Tensor]]:
         """The forward graph for T new tokens, and the tensors for every input except
@@ -92,6 +141,9 @@ class LlamaModel:
         ids = g.new_input((T,), DType.int64, "ids")
         start = g.new_input((1,), DType.int64, "start_pos")
         cos, sin = inp(self.cos, name="rope_cos"), inp(self.sin, name="rope_sin")
+        if self.local_cos is not None:  # Gemma 3's sliding layers
+            local_cos = inp(self.local_cos, name="rope_cos_local")
+            local_sin = inp(self.local_sin, name="rope_sin_local")
         H, Dh, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
 
@@ -106,22 +158,34 @@ class LlamaModel:
         h = g.embedding(ids, embed)
         if h.dtype != self.dtype:  # a quantized table decodes to float32
             h = g.cast(h, self.dtype)
+        if self.embed_scale is not None:  # Gemma: times sqrt(hidden)
+            h = g.scale(h, self.embed_scale)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
             n = norm(h, f"{p}.input_layernorm.weight")
             q = g.reshape(proj(n, f"{p}.self_attn.q_proj"), (T, hq, Dh))
             k = g.reshape(proj(n, f"{p}.self_attn.k_proj"), (T, hkv, Dh))
             v = g.reshape(proj(n, f"{p}.self_attn.v_proj"), (T, hkv, Dh))
-            if f"{p}.self_attn.q_norm.weight" in self.weights:  # Qwen3: per-head RMSNorm of q and k
+            if f"{p}.self_attn.q_norm.weight" in self.weights:  # Qwen3, Gemma 3: per-head RMSNorm of q and k
                 q = g.mul(g.rms_norm(q, (Dh,), eps), weight(f"{p}.self_attn.q_norm.weight"))
                 k = g.mul(g.rms_norm(k, (Dh,), eps), weight(f"{p}.self_attn.k_norm.weight"))
-            q, k = g.rope(q, cos, sin, start), g.rope(k, cos, sin, start)
+            rc, rs = (local_cos, local_sin) if self.layer_uses_local_rope(i) else (cos, sin)
+            q, k = g.rope(q, rc, rs, start), g.rope(k, rc, rs, start)
             kc, vc = inp(self.k_cache[i], name=f"k_cache.{i}"), inp(self.v_cache[i], name=f"v_cache.{i}")
-            a = g.attention(q, k, v, kc, vc, start)
-            h = g.add(h, proj(g.reshape(a, (T, hq * Dh)), f"{p}.self_attn.o_proj"))
-            n = norm(h, f"{p}.post_attention_layernorm.weight")
+            a = g.attention(q, k, v, kc, vc, start, cfg.attention_scale, window=self.layer_window(i))
+            o = proj(g.reshape(a, (T, hq * Dh)), f"{p}.self_attn.o_proj")
+            if cfg.sandwich_norms:  # Gemma: the attention output normalised before the residual add
+                h = g.add(h, norm(o, f"{p}.post_attention_layernorm.weight"))
+                n = norm(h, f"{p}.pre_feedforward_layernorm.weight")
+            else:
+                h = g.add(h, o)
+                n = norm(h, f"{p}.post_attention_layernorm.weight")
             gate, up = proj(n, f"{p}.mlp.gate_proj"), proj(n, f"{p}.mlp.up_proj")
-            h = g.add(h, proj(g.mul(g.silu(gate), up), f"{p}.mlp.down_proj"))
+            gated = g.gelu_tanh(gate) if cfg.hidden_act == "gelu_pytorch_tanh" else g.silu(gate)
+            m = proj(g.mul(gated, up), f"{p}.mlp.down_proj")
+            if cfg.sandwich_norms:  # Gemma: the MLP output normalised before the residual add
+                m = norm(m, f"{p}.post_feedforward_layernorm.weight")
+            h = g.add(h, m)
         last = norm(h if T == 1 else g.slice_rows(h, T - 1, T), "model.norm.weight")
         head = embed if "lm_head.weight" not in self.weights else weight("lm_head.weight")
         logits = g.linear(last, head)
@@ -135,7 +199,11 @@ class LlamaModel:
         """The decode step (T = 1) built with ``yr.PersistentKernel``'s layers and compiled:
         the same computation as ``build_graph(1)`` (``run_step(token, pos)`` returns the
         logits [1, vocab] and the argmax [1]); on the CPU one task graph per step. Qwen3's
-        per-head q/k RMSNorm is ``attention_layer``'s ``q_norm``/``k_norm``."""
+        and Gemma 3's per-head q/k RMSNorm is ``attention_layer``'s ``q_norm``/``k_norm``; Gemma 3's
+        post-attention / post-feedforward norms are the ``post_norm`` of
+        ``linear_with_residual_layer`` / ``gelu_mul_linear_with_residual_layer`` (fused with the
+        residual add and the next RMSNorm into one row kernel), its embedding scale
+        ``embed_layer``'s ``scale``."""
         cfg = self.cfg
         H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         dt = self.dtype
@@ -157,8 +225,12 @@ class LlamaModel:
             return mpk.new_tensor((1, n), dtype, name)
 
         h = act("h.embed", H)
-        mpk.embed_layer(mpk.input_token, W("model.embed_tokens.weight"), h)
+        mpk.embed_layer(mpk.input_token, W("model.embed_tokens.weight"), h, scale=self.embed_scale)
         cos, sin = mpk.attach_input(self.cos, "rope_cos"), mpk.attach_input(self.sin, "rope_sin")
+        if self.local_cos is not None:  # Gemma 3's sliding layers
+            local = (mpk.attach_input(self.local_cos, "rope_cos_local"),
+                     mpk.attach_input(self.local_sin, "rope_sin_local"))
+        sandwich = cfg.sandwich_norms
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
             qkv = [act(f"{p}.{x}", n * Dh) for x, n in (("q", hq), ("k", hkv), ("v", hkv))]
@@ -168,18 +240,25 @@ class LlamaModel:
                                      eps=eps, bias=biases if any(b is not None for b in biases) else None)
             a = act(f"{p}.attn", hq * Dh)
             q_norm = k_norm = None
-            if f"{p}.self_attn.q_norm.weight" in self.weights:  # Qwen3: per-head RMSNorm of q and k
+            if f"{p}.self_attn.q_norm.weight" in self.weights:  # Qwen3, Gemma 3: per-head RMSNorm of q and k
                 q_norm, k_norm = W(f"{p}.self_attn.q_norm.weight"), W(f"{p}.self_attn.k_norm.weight")
+            rc, rs = local if self.layer_uses_local_rope(i) else (cos, sin)
             mpk.attention_layer(tuple(qkv), mpk.attach_input(self.k_cache[i], f"k_cache.{i}"),
-                                mpk.attach_input(self.v_cache[i], f"v_cache.{i}"), q_norm, k_norm, cos, sin, a,
-                                eps=eps)
+                                mpk.attach_input(self.v_cache[i], f"v_cache.{i}"), q_norm, k_norm, rc, rs, a,
+                                scale=cfg.attention_scale, eps=eps, window=self.layer_window(i))
             h_attn = act(f"{p}.h_attn", H)
-            mpk.linear_with_residual_layer(a, W(f"{p}.self_attn.o_proj.weight"), h, h_attn)
+            post_attn = W(f"{p}.post_attention_layernorm.weight") if sandwich else None  # Gemma: before the add
+            mpk.linear_with_residual_layer(a, W(f"{p}.self_attn.o_proj.weight"), h, h_attn, post_norm=post_attn,
+                                           eps=eps)
             gate_up = [act(f"{p}.{x}", cfg.intermediate_size) for x in ("gate", "up")]
-            mpk.rmsnorm_linear_layer(h_attn, W(f"{p}.post_attention_layernorm.weight"),
+            mlp_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+            mpk.rmsnorm_linear_layer(h_attn, W(f"{p}.{mlp_norm}.weight"),
                                      [W(f"{p}.mlp.gate_proj.weight"), W(f"{p}.mlp.up_proj.weight")], gate_up, eps=eps)
             h = act(f"{p}.h_out", H)
-            mpk.silu_mul_linear_with_residual_layer(tuple(gate_up), W(f"{p}.mlp.down_proj.weight"), h_attn, h)
+            mlp = (mpk.gelu_mul_linear_with_residual_layer if cfg.hidden_act == "gelu_pytorch_tanh"
+                   else mpk.silu_mul_linear_with_residual_layer)
+            post_ff = W(f"{p}.post_feedforward_layernorm.weight") if sandwich else None  # Gemma: before the add
+            mlp(tuple(gate_up), W(f"{p}.mlp.down_proj.weight"), h_attn, h, post_norm=post_ff, eps=eps)
         last = act("final_norm", H)
         mpk.rmsnorm_layer(h, W("model.norm.weight"), last, eps=eps)
         head = W("lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight")

@@ -6,8 +6,9 @@ safetensors headers (one file, or the shards ``model.safetensors.index.json`` na
 table (``_safetensors_table``), checked before any tensor is read; float32/float16/bfloat16 tensors
 keep their dtype, others are refused; names saved from the bare base model get the ``model.``
 prefix; Phi-3's fused ``qkv_proj``/``gate_up_proj`` are checked as such and then split into the Llama
-names as row views (``loaded_model._split_fused``). The token ids the tokenizer files define are
-checked against the embedding rows (``_hf_tokenizer_file_ids``). The tokenizer transformers loads is
+names as row views (``loaded_model._split_fused``). Gemma 3's norm weights are kept as the checkpoint
+holds them (``weight``; scaled by ``1 + weight`` at run time: ``ModelConfig.norm_weight_offset``). The
+token ids the tokenizer files define are checked against the embedding rows (``_hf_tokenizer_file_ids``). The tokenizer transformers loads is
 handed out as yirage's ``tokenizer.Tokenizer`` when that is exactly the same tokenizer
 (``Tokenizer.from_transformers``), so that GGUF and Hugging Face models have one tokenizer class;
 otherwise transformers' own.
@@ -27,8 +28,8 @@ from ..errors import ModelLoadError
 from .checks import (FUSED_PROJ_ARCHS, QK_NORM_ARCHS, _TensorInfo, _check_arch, _check_table, _check_tokenizer,
                      _check_weights, _foreign_errors, _hf_hparams, _is_int, _nonfinite, _read_json, _report_nonfinite,
                      _show)
-from .loaded_model import (LoadedModel, Weight, _as_id_list, _model_config, _progress_bar, _rope_table, _split_fused,
-                           config_fields)
+from .loaded_model import (LoadedModel, Weight, _as_id_list, _local_rope_table, _model_config, _progress_bar,
+                           _rope_table, _split_fused, config_fields)
 from .registry import model_file
 from .tokenizer import Tokenizer
 
@@ -215,5 +216,6 @@ def _load_safetensors(directory: Path, progress: bool, allow_nonfinite: bool = F
     eos += _as_id_list(fields["eos_token_id"]) + _as_id_list(tokenizer.eos_token_id)
     bos = fields["bos_token_id"]
     config = _model_config(fields, _rope_table(hf_config, directory), weights,
-                           bos if bos is not None else tokenizer.bos_token_id, eos, directory)
+                           bos if bos is not None else tokenizer.bos_token_id, eos, directory,
+                           local_rope=_local_rope_table(hf_config, directory))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=directory, format="safetensors")

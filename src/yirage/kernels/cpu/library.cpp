@@ -1,6 +1,6 @@
 // yirage CPU library kernels for LLM inference: linear layers on GGML-quantized weights
 // (q4_1, q8_0) and on fp32 weights, embedding lookups, rotary position embedding (RoPE),
-// causal grouped-query attention (GQA) with a KV cache, and argmax.
+// causal grouped-query attention (GQA) with a KV cache (full or in a sliding window), and argmax.
 //
 // Built by yirage/runtime/toolchain.py (-O3 -march=native -fopenmp) and bound through
 // ctypes by yirage/backends/cpu_library.py, whose SIGNATURES table lists every
@@ -758,9 +758,15 @@ inline void rope_row(const float* x, const float* cos_table, const float* sin_ta
 }  // namespace
 
 namespace {
+// The first key position the query at absolute position p attends: p - W + 1 (clamped at 0)
+// in a sliding window of W >= 1 positions, 0 for full causal attention (W = 0). A query sees
+// keys first_key(p, W) .. p, i.e. p - W < j <= p: transformers' sliding-window causal mask
+// (masking_utils.sliding_window_causal_mask_function: kv_idx > q_idx - W and kv_idx <= q_idx).
+inline int64_t first_key(int64_t p, int64_t W) { return W > 0 ? std::max<int64_t>(0, p - W + 1) : 0; }
 // Defined with the task kernels below (it shares their register-tiled helpers).
 void attention_prefill_tiled(const float* q, const float* k_cache, const float* v_cache, int64_t p0,
-                             float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale);
+                             float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale,
+                             int64_t window);
 // GEMV (M < GEMM_MIN_M rows of x) for each weight format: y[m, n] for the weight rows that
 // groups(w, row_bytes, rows) hands to rows(n0, r): all of N under OpenMP (gemv_groups, the
 // yr_linear_* launches) or one task's slice (gemv_range, the yr_task_linear_* tasks).
@@ -910,17 +916,19 @@ void yr_rope(const float* x, const float* cos_table, const float* sin_table, con
 }
 
 // =================================================================================
-// Causal grouped-query attention with a KV cache.
+// Causal grouped-query attention with a KV cache, full or in a sliding window.
 // q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; caches: [max_seq, Hkv, Dh]; out: [T, Hq, Dh].
 // Appends k, v at positions p0 .. p0+T-1 (p0 = start_pos[0], which must satisfy
 // 0 <= p0 <= max_seq - T: else nothing is read or written and the call reports it), then
-// query t (position p0+t) of head h attends keys 0 .. p0+t of kv head h / (Hq / Hkv):
-// out = softmax(scale * q.k) @ v, max subtracted first.
+// query t (position p = p0+t) of head h attends keys first_key(p, window) .. p of kv head
+// h / (Hq / Hkv) (window 0: keys 0 .. p; window W >= 1: p - W < j <= p):
+// out = softmax(scale * q.k) @ v, max subtracted first. Work is O(min(p, window)) per query.
+// yr_attention is yr_attention_window with window 0.
 // =================================================================================
 
-void yr_attention(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
-                  const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
-                  int64_t max_seq, float scale, int64_t* status) {
+void yr_attention_window(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
+                         const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
+                         int64_t max_seq, float scale, int64_t window, int64_t* status) {
     const int64_t p0 = start_pos[0];
     if (p0 < 0 || p0 > max_seq - T) {
         report(status, p0, 0, max_seq - T + 1);
@@ -930,21 +938,22 @@ void yr_attention(const float* q, const float* k, const float* v, float* k_cache
     std::memcpy(k_cache + p0 * kv_row, k, (size_t)(T * kv_row) * sizeof(float));
     std::memcpy(v_cache + p0 * kv_row, v, (size_t)(T * kv_row) * sizeof(float));
     if (T > 1) {   // prefill: in tiles
-        attention_prefill_tiled(q, k_cache, v_cache, p0, out, T, Hq, Hkv, Dh, scale);
+        attention_prefill_tiled(q, k_cache, v_cache, p0, out, T, Hq, Hkv, Dh, scale, window);
         return;
     }
     const int64_t group = Hq / Hkv;
-    const int64_t work = T * Hq * (p0 + T) * Dh;
+    const int64_t work = T * Hq * (p0 + T - first_key(p0, window)) * Dh;
     (void)work;  // read by the OpenMP if clause only
 #pragma omp parallel for schedule(dynamic, 1) if (work >= PAR_MIN_MACS / 4)
     for (int64_t th = 0; th < T * Hq; ++th) {
         static thread_local std::vector<float> score_buf;
         const int64_t t = th / Hq, h = th % Hq, kvh = h / group;
-        const int64_t L = p0 + t + 1;                // keys 0 .. p0+t
+        const int64_t j0 = first_key(p0 + t, window);   // keys j0 .. p0+t
+        const int64_t L = p0 + t + 1 - j0;
         float* s = scratch(score_buf, (size_t)(std::max<int64_t>(max_seq, L) + VL));
         const float* qv = q + th * Dh;
-        const float* kc = k_cache + kvh * Dh;
-        const float* vc = v_cache + kvh * Dh;
+        const float* kc = k_cache + kvh * Dh + j0 * kv_row;
+        const float* vc = v_cache + kvh * Dh + j0 * kv_row;
         float mx = -INFINITY;
         for (int64_t j = 0; j < L; ++j) {
             s[j] = scale * dot(qv, kc + j * kv_row, Dh);
@@ -957,6 +966,12 @@ void yr_attention(const float* q, const float* k, const float* v, float* k_cache
         const float inv = 1.0f / sum;
         for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
     }
+}
+
+void yr_attention(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
+                  const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
+                  int64_t max_seq, float scale, int64_t* status) {
+    yr_attention_window(q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, 0, status);
 }
 
 // =================================================================================
@@ -1047,10 +1062,13 @@ inline void head_weighted(int nv, const float* p, const float* v, int64_t ld, in
 // a task is (KV head, tile of PQ queries) and covers the query heads of that KV head's group,
 // so each tile of PK cached keys and values is read from memory once and reused from L1 by
 // every query row of the task. Keys are visited tile by tile with a running max, sum and
-// output per query row; causal: query t sees keys 0 .. p0+t. The caches already hold the
-// new keys and values (yr_attention appends them first).
+// output per query row; query t sees keys first_key(p0+t, window) .. p0+t (causal, and in a
+// sliding window of `window` positions when window > 0: the key tiles then start at the
+// tile's first visible key, so a task reads about window + PQ keys, not p0 + t). The caches
+// already hold the new keys and values (yr_attention_window appends them first).
 void attention_prefill_tiled(const float* q, const float* k_cache, const float* v_cache, int64_t p0,
-                             float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale) {
+                             float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale,
+                             int64_t window) {
     constexpr int64_t PQ = 16, PK = 64;
     const int64_t group = Hq / Hkv, kv_row = Hkv * Dh, qtiles = (T + PQ - 1) / PQ;
     const int nv = head_vectors(Dh);
@@ -1068,16 +1086,17 @@ void attention_prefill_tiled(const float* q, const float* k_cache, const float* 
         std::fill(L, L + rows, 0.0f);
         const float* kb = k_cache + kvh * Dh;
         const float* vb = v_cache + kvh * Dh;
-        for (int64_t j0 = 0; j0 < p0 + t1; j0 += PK) {
+        for (int64_t j0 = first_key(p0 + t0, window); j0 < p0 + t1; j0 += PK) {
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t t = t0 + r / group, h = kvh * group + r % group;
-                const int64_t n = std::min(PK, p0 + t + 1 - j0);   // causal
+                const int64_t a = std::max(j0, first_key(p0 + t, window));   // sliding window
+                const int64_t n = std::min(j0 + PK, p0 + t + 1) - a;          // causal
                 if (n <= 0) continue;
                 const float* qv = q + (t * Hq + h) * Dh;
                 float* sr = S + r * (PK + VL);
                 float* o = O + r * Dh;
-                const float* k0 = kb + j0 * kv_row;
-                const float* v0 = vb + j0 * kv_row;
+                const float* k0 = kb + a * kv_row;
+                const float* v0 = vb + a * kv_row;
                 head_dots(nv, qv, k0, kv_row, n, Dh, scale, sr);
                 float mx = M[r];
                 for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sr[j]);
@@ -1178,8 +1197,12 @@ void yr_task_attention_append(const int64_t* a, int64_t, int64_t) {
     std::memcpy(YR_ARG(3, float*) + p0 * row, YR_ARG(1, const float*), (size_t)(T * row) * sizeof(float));
 }
 
-// a = {q, k_cache, v_cache, start_pos, part, T, Hq, Hkv, Dh, max_seq, scale bits, splits};
+// a = {q, k_cache, v_cache, start_pos, part, T, Hq, Hkv, Dh, max_seq, scale bits, splits, window};
 // [lo, hi): pairs kvh * splits + s, for every query t and every q head of KV head kvh.
+// The keys any query attends, first_key(p0, window) .. p0+T-1 (all of 0 .. p0+T-1 for
+// window 0; the last window + T - 1 positions in a sliding window, so decode reads O(window)
+// keys), are cut into `splits` slices; query t uses the part of a slice inside its own range
+// first_key(p0+t, window) .. p0+t.
 // Per (t, group): the scores of the group's heads over the split's keys, one vectorized
 // exp pass per head (max subtracted), then each value row read once for all the heads.
 void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
@@ -1188,18 +1211,20 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
     const float* v_cache = YR_ARG(2, const float*);
     const int64_t p0 = YR_ARG(3, const int64_t*)[0];
     float* part = YR_ARG(4, float*);
-    const int64_t T = a[5], Hq = a[6], Hkv = a[7], Dh = a[8], max_seq = a[9], S = a[11];
+    const int64_t T = a[5], Hq = a[6], Hkv = a[7], Dh = a[8], max_seq = a[9], S = a[11], window = a[12];
     const float scale = float_arg(a[10]);
     if (p0 < 0 || p0 > max_seq - T) return;   // the append task reported it
     const int64_t kv_row = Hkv * Dh, group = Hq / Hkv;
-    const int64_t chunk = ((p0 + T + S - 1) / S + 15) / 16 * 16;   // keys per split
+    const int64_t base = first_key(p0, window);                           // first key any query sees
+    const int64_t chunk = ((p0 + T - base + S - 1) / S + 15) / 16 * 16;   // keys per split
     const int64_t stride = chunk + VL;                              // scores per head in scratch
     static thread_local std::vector<float> score_buf;
     float* sc = scratch(score_buf, (size_t)(group * stride));
     for (int64_t pair = lo; pair < hi; ++pair) {
         const int64_t kvh = pair / S, s = pair % S;
         for (int64_t t = 0; t < T; ++t) {
-            const int64_t j0 = s * chunk, j1 = std::min(p0 + t + 1, (s + 1) * chunk), n = j1 - j0;
+            const int64_t j0 = std::max(base + s * chunk, first_key(p0 + t, window));
+            const int64_t j1 = std::min(p0 + t + 1, base + (s + 1) * chunk), n = j1 - j0;
             const int64_t h0 = kvh * group;
             for (int64_t g = 0; g < group; ++g) {
                 float* pr = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2);
@@ -1292,3 +1317,7 @@ void yr_task_argmax_reduce(const int64_t* a, int64_t lo, int64_t hi) {
 #undef YR_ARG
 
 }  // extern "C"
+
+// GGML's other block formats (Q4_0, Q5_0, Q5_1, Q2_K .. Q6_K): dequantization, GEMV and GEMM
+// read in place (see the header).
+#include "ggml_quants.h"

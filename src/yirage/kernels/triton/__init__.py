@@ -11,8 +11,8 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
 - :func:`matmul` (matmul.py): ``torch.matmul`` with broadcast batch dims.
 - :func:`embedding` (embedding.py): row gather from a float or q8_0/q4_1 table.
 - :func:`rope` (rope.py): rotate-half RoPE at positions ``start_pos[0] + t``.
-- :func:`attention`, :func:`attention_workspace` (attention.py): causal GQA over a KV cache;
-  flash-decoding for T == 1, FlashAttention for T > 1.
+- :func:`attention`, :func:`attention_workspace` (attention.py): causal GQA over a KV cache,
+  full or in a sliding window (``window``); flash-decoding for T == 1, FlashAttention for T > 1.
 - :func:`argmax` (argmax.py): first index of the row maximum, NaN wins.
 
 The main kernels are autotuned (keys: the shape arguments) on a GPU; under

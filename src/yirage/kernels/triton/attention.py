@@ -1,5 +1,11 @@
-"""Causal grouped-query attention over a KV cache (the semantics of
-``yirage.ir.ops.attention_reference``).
+"""Causal grouped-query attention over a KV cache, full or in a sliding window (the semantics
+of ``yirage.ir.ops.attention_reference``).
+
+Sliding window ``W >= 1``: the query at absolute position ``p`` attends keys ``p - W < j <= p``
+(transformers' ``masking_utils.sliding_window_causal_mask_function``); ``W = 0`` is full
+causal. The host passes the kernels ``WINDOW = W`` if ``0 < W < max_seq`` else ``max_seq``,
+which every query (``p < max_seq``) reads as full causal, so the kernels have one rule:
+``j > p - WINDOW``.
 
 Every call first copies this step's k, v into the caches at rows ``start_pos .. start_pos+T-1``
 (a small kernel; the attention kernels then read keys only from the caches), then:
@@ -9,12 +15,14 @@ Every call first copies this step's k, v into the caches at rows ``start_pos .. 
   (kv head, chunk) handles all query heads of the GQA group at once (K/V read once per
   group), writing a partial max, sum and unnormalised value vector to a workspace; a reduce
   kernel per query head rescales and combines the partials. The grid is fixed by ``max_seq``
-  (chunks past the current length do no work and are ignored by the reduce), so with the
-  position in a device tensor the launch can be captured in a CUDA graph.
+  (chunks past the current length, or before the window's first key, do no work and are
+  ignored by the reduce), so with the position in a device tensor the launch can be captured
+  in a CUDA graph.
 - T > 1 (prefill, also chunked prefill at ``start_pos > 0``): FlashAttention forward
   (Dao et al. 2022; Dao 2023 FlashAttention-2 loop order): one program per (query tile,
   query head) streams key tiles with an online softmax and the causal mask
-  ``key <= start_pos + t``; the kv head is ``h // (Hq // Hkv)``.
+  ``start_pos + t - WINDOW < key <= start_pos + t``, starting at the tile's first visible key;
+  the kv head is ``h // (Hq // Hkv)``.
 
 Scores and softmax are fp32 (max subtracted; exp2 with log2(e) folded into the scale);
 ``q @ k^T`` and ``p @ v`` use ``tl.dot`` with fp32 accumulation (IEEE products for fp32, p
@@ -143,16 +151,19 @@ _DECODE_CONFIGS = [
 @autotune(configs=_DECODE_CONFIGS, key=["Dh", "G", "CHUNK", "NCH"], prune=_prune_decode)
 @triton.jit
 def _decode_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
-                           Hkv, G, Dh, max_seq, CHUNK, NCH,
+                           Hkv, G, Dh, max_seq, CHUNK, NCH, WINDOW,
                            UPCAST: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_S: tl.constexpr):
-    """Grid (Hkv, NCH): partial softmax stats of the G query heads of one kv head over one chunk."""
+    """Grid (Hkv, NCH): partial softmax stats of the G query heads of one kv head over the
+    part of one chunk inside the window (keys start_pos - WINDOW < j <= start_pos)."""
     kvh = tl.program_id(0)
     c = tl.program_id(1)
     p0, ok = _start_ok(pos_ptr, max_seq - 1)
-    L = tl.where(ok, p0 + 1, 0)                      # keys 0 .. start_pos; none if out of range
-    lo = c.to(tl.int64) * CHUNK
-    hi = tl.minimum(lo + CHUNK, L)
+    L = tl.where(ok, p0 + 1, 0)                      # keys .. start_pos; none if out of range
+    first = tl.maximum(L - WINDOW, 0)                # first key in the window
+    c_lo = c.to(tl.int64) * CHUNK
+    lo = tl.maximum(c_lo, first)
+    hi = tl.minimum(c_lo + CHUNK, L)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
@@ -181,16 +192,17 @@ def _decode_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr
         acc = mma(cast_rtne(p, vc_ptr.dtype.element_ty), v, acc * alpha[:, None], UPCAST)
         m_i = m_new
     ws = h.to(tl.int64) * NCH + c
-    live = g_mask & (tl.full([BLOCK_G], 0, tl.int64) + lo < L)
+    live = g_mask & (tl.full([BLOCK_G], 0, tl.int64) + lo < hi)
     tl.store(m_ptr + ws, m_i, mask=live)
     tl.store(l_ptr + ws, l_i, mask=live)
     tl.store(acc_ptr + ws[:, None] * Dh + offs_d[None, :], acc, mask=live[:, None] & d_mask[None, :])
 
 
 @triton.jit
-def _decode_reduce_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, Dh, max_seq, CHUNK, NCH,
+def _decode_reduce_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, Dh, max_seq, CHUNK, NCH, WINDOW,
                           BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (Hq,): out[0, h] = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over live chunks.
+    """Grid (Hq,): out[0, h] = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over live chunks
+    (those holding a key start_pos - WINDOW < j <= start_pos).
 
     A start_pos outside [0, max_seq) reads no chunk and leaves out as it was.
     """
@@ -198,17 +210,18 @@ def _decode_reduce_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, Dh, max_seq, 
     p0, ok = _start_ok(pos_ptr, max_seq - 1)
     L = tl.where(ok, p0 + 1, 0)
     n = tl.minimum((L + CHUNK - 1) // CHUNK, NCH)
+    c_first = tl.maximum(L - WINDOW, 0) // CHUNK      # the chunk of the window's first key
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < Dh
     mx = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    for c0 in range(0, n, BLOCK_C):
+    for c0 in range(c_first, n, BLOCK_C):
         cm = (c0 + offs_c) < n
         mx = tl.maximum(mx, tl.load(m_ptr + h * NCH + c0 + offs_c, mask=cm, other=float("-inf")))
     top = tl.max(mx, axis=0)
     l_sum = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-    for c0 in range(0, n, BLOCK_C):
+    for c0 in range(c_first, n, BLOCK_C):
         offs = c0 + offs_c
         cm = offs < n
         w = tl.where(cm, tl.exp2(tl.load(m_ptr + h * NCH + offs, mask=cm, other=float("-inf")) - top), 0.0)
@@ -244,9 +257,10 @@ def _prune_prefill(configs, args):
 
 @autotune(configs=_PREFILL_CONFIGS, key=["T_KEY", "Dh", "G"], prune=_prune_prefill)
 @triton.jit
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY, Hq, Hkv, G, Dh, max_seq,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY, Hq, Hkv, G, Dh, max_seq, WINDOW,
                     UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_M), Hq): FlashAttention forward for one query tile of one head.
+    """Grid (cdiv(T, BLOCK_M), Hq): FlashAttention forward for one query tile of one head
+    (query at position p sees keys p - WINDOW < j <= p).
 
     A start_pos outside [0, max_seq - T] reads no cache row and leaves out as it was.
     """
@@ -262,21 +276,24 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY,
     q_off = (offs_m.to(tl.int64)[:, None] * Hq + h) * Dh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = p0 + offs_m                                   # absolute position of each query
-    # keys this tile can see: 0 .. p0 + last query of the tile (inside the cache when ok)
+    # keys this tile can see: first key of its first query's window .. p0 + its last query
+    # (inside the cache when ok); the key tiles start at a multiple of BLOCK_N
     hi = tl.where(ok, tl.minimum(p0 + (pid_m + 1) * BLOCK_M, p0 + T), 0)
+    lo = tl.maximum(p0 + pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
     row = Hkv * Dh
     kc_base = kc_ptr + kvh * Dh
     vc_base = vc_ptr + kvh * Dh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, hi, BLOCK_N):
+    for s0 in range(lo, hi, BLOCK_N):
         offs_s = s0 + tl.arange(0, BLOCK_N)
         s_mask = offs_s < hi
         k = tl.load(kc_base + offs_s.to(tl.int64)[None, :] * row + offs_d[:, None],
                     mask=d_mask[:, None] & s_mask[None, :], other=0.0)             # [BLOCK_D, BLOCK_N]
         qk = mma(q, k, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST) * qk_scale
-        visible = s_mask[None, :] & (offs_s[None, :] <= q_pos[:, None])
+        visible = (s_mask[None, :] & (offs_s[None, :] <= q_pos[:, None])
+                   & (offs_s[None, :] > q_pos[:, None] - WINDOW))
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet
@@ -294,11 +311,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               start_pos: torch.Tensor, out: torch.Tensor, scale: float,
-              workspace: AttentionWorkspace | None = None, status: torch.Tensor | None = None) -> None:
+              workspace: AttentionWorkspace | None = None, status: torch.Tensor | None = None,
+              window: int = 0) -> None:
     """Causal GQA attention over a KV cache, as ``yirage.ir.ops.attention_reference``.
 
     Writes ``k_cache[p0:p0+T] = k``, ``v_cache[p0:p0+T] = v`` (p0 = ``start_pos[0]``), then
-    ``out[t, h] = softmax_s(scale * q[t, h] . k_cache[s, h // (Hq // Hkv)], s <= p0 + t) @ v_cache``.
+    ``out[t, h] = softmax_s(scale * q[t, h] . k_cache[s, h // (Hq // Hkv)], lo <= s <= p0 + t) @ v_cache``
+    with ``lo = 0`` for ``window`` 0 and ``lo = p0 + t - window + 1`` for a sliding window.
 
     Args:
         q: ``[T, Hq, Dh]``; k, v: ``[T, Hkv, Dh]``; k_cache, v_cache: ``[max_seq, Hkv, Dh]``;
@@ -314,11 +333,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             start_pos sets it to ``[1, start_pos, 0, max_seq - T + 1]`` unless already flagged
             (one writer, elected by ``atomic_cas`` on ``status[0]``, in the cache-write kernel).
             Without it the check still guards every access, unreported.
+        window: 0 (full causal) or ``W >= 1``: the query at position p attends keys
+            ``p - W < j <= p`` (transformers' sliding-window causal mask).
 
-    Memory traffic: writes T rows of each cache; decode reads the first p0+1 cache rows once
-    per kv head, writes/reads ``Hq * chunks * (Dh + 2)`` fp32 partials; prefill reads the
-    visible cache rows once per (query tile, query head). No host sync; nothing allocated
-    when a workspace is given.
+    Memory traffic: writes T rows of each cache; decode reads the cache rows of the window
+    (the first p0+1 when full causal) once per kv head, writes/reads ``Hq * chunks * (Dh + 2)``
+    fp32 partials; prefill reads the visible cache rows (from the window's first key of each
+    query tile) once per (query tile, query head). No host sync; nothing allocated when a
+    workspace is given.
 
     Raises:
         ValueError: shape/dtype mismatches, a workspace made for other shapes, or a bad ``status``.
@@ -345,9 +367,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                          f"{tuple(start_pos.shape)}")
     if out.shape != q.shape:
         raise ValueError(f"attention: out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"attention: window must be 0 or a positive int, got {window!r}")
     if T == 0 or hq == 0 or dh == 0:
         return
     max_seq = k_cache.shape[0]
+    wk = window if 0 < window < max_seq else max_seq   # 0 or >= max_seq: every key j <= p is in it
     G = hq // hkv
     qk_scale = float(scale) * _LOG2E
     BLOCK_D = max(16, triton.next_power_of_2(dh))
@@ -366,13 +391,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                              f"max_seq={max_seq} (chunk {ws.chunk})")
         BLOCK_G = max(16, triton.next_power_of_2(G))
         _decode_partial_kernel[(hkv, n)](q, k_cache, v_cache, start_pos, ws.m, ws.l, ws.acc, qk_scale,
-                                         hkv, G, dh, max_seq, ws.chunk, n,
+                                         hkv, G, dh, max_seq, ws.chunk, n, wk,
                                          UPCAST=upcast, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
         BLOCK_C = min(triton.next_power_of_2(n), max(1, 8192 // BLOCK_D))
-        _decode_reduce_kernel[(hq,)](start_pos, ws.m, ws.l, ws.acc, out, dh, max_seq, ws.chunk, n,
+        _decode_reduce_kernel[(hq,)](start_pos, ws.m, ws.l, ws.acc, out, dh, max_seq, ws.chunk, n, wk,
                                      BLOCK_C=BLOCK_C, BLOCK_D=BLOCK_D, num_warps=4)
     else:
         grid = lambda META: (triton.cdiv(T, META["BLOCK_M"]), hq)  # noqa: E731
         _prefill_kernel[grid](q, k_cache, v_cache, start_pos, out, qk_scale, T, pow2_bucket(T), hq, hkv, G, dh,
-                              max_seq, UPCAST=upcast, BLOCK_D=BLOCK_D)
+                              max_seq, wk, UPCAST=upcast, BLOCK_D=BLOCK_D)
 
