@@ -29,6 +29,46 @@ def backend(request):
     return request.param
 
 
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_LIB_VARIANT_FLAGS = {"avx2": ["-march=native", "-mno-avx512f"], "scalar": ["-march=x86-64"]}
+_LIB_VARIANTS: dict = {}
+
+
+@pytest.fixture(params=["native", "avx2", "scalar"])
+def lib(request):
+    """The C++ kernel library (kernels/cpu/library.cpp and its headers) as each build the CPU
+    backend may select: native (AVX-512 here), AVX2 (-mno-avx512f) and the portable scalar path
+    (-march=x86-64), so that every ``#if`` branch is tested; each built once per session."""
+    import platform
+
+    from yirage.backends.cpu_library import bind_signatures, library
+    from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
+
+    name = request.param
+    if name != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("ISA variants are only built on x86-64")
+    if name == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("CPU lacks AVX2/FMA/F16C")
+    if name not in _LIB_VARIANTS:
+        if name == "native":
+            _LIB_VARIANTS[name] = library()
+        else:
+            flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[name]
+            _LIB_VARIANTS[name] = bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
+    return _LIB_VARIANTS[name]
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """yr.LLM on the default model (CPU), loaded once per test session."""

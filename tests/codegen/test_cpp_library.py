@@ -9,8 +9,6 @@ reference weights from ``gguf.quants.dequantize``.
 from __future__ import annotations
 
 import math
-import platform
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from yirage.backends.cpu_library import SIGNATURES, bind_signatures, library
-from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
+from yirage.backends.cpu_library import SIGNATURES, library
 
 QUANT = {"q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
@@ -30,51 +27,7 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 # Builds of the library
 # ---------------------------------------------------------------------------------------
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
-_VARIANT_FLAGS = {
-    "avx2": ["-march=native", "-mno-avx512f"],
-    "scalar": ["-march=x86-64"],
-}
-
-
-def _variant_skip(name: str) -> str | None:
-    if name == "native":
-        return None
-    if not _X86:
-        return "ISA variants are only built on x86-64"
-    if name == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        return "CPU lacks AVX2/FMA/F16C"
-    return None
-
-
-@pytest.fixture(scope="session")
-def _variant_cache():
-    return {}
-
-
-@pytest.fixture(params=["native", "avx2", "scalar"])
-def lib(request, _variant_cache):
-    name = request.param
-    reason = _variant_skip(name)
-    if reason:
-        pytest.skip(reason)
-    if name not in _variant_cache:
-        if name == "native":
-            _variant_cache[name] = library()
-        else:
-            flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _VARIANT_FLAGS[name]
-            _variant_cache[name] = bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
-    return _variant_cache[name]
+# The ``lib`` fixture (native, AVX2 and scalar builds of the library) is in tests/conftest.py.
 
 
 def test_signatures_are_bound():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import platform
 import string
 from pathlib import Path
 
@@ -22,11 +21,10 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.backends.cpu_library import GGML_FORMATS, bind_signatures, library
+from yirage.backends.cpu_library import GGML_FORMATS, library
 from yirage.dtypes import DType
 from yirage.errors import ModelLoadError
 from yirage.ir.ops import dequantize
-from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
 
 Q = gguf.GGMLQuantizationType
 QTYPE = {f: Q[f.upper()] for f in GGML_FORMATS}
@@ -37,35 +35,7 @@ GEMM_MIN_M = 6      # library.cpp: packed GEMM from this many x rows
 # Builds of the library (as tests/codegen/test_cpp_library.py)
 # ---------------------------------------------------------------------------------------
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
-_VARIANT_FLAGS = {"avx2": ["-march=native", "-mno-avx512f"], "scalar": ["-march=x86-64"]}
-_LIBS: dict[str, ctypes.CDLL] = {}
-
-
-@pytest.fixture(params=["native", "avx2", "scalar"])
-def lib(request):
-    name = request.param
-    if name != "native" and not _X86:
-        pytest.skip("ISA variants are only built on x86-64")
-    if name == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        pytest.skip("CPU lacks AVX2/FMA/F16C")
-    if name not in _LIBS:
-        if name == "native":
-            _LIBS[name] = library()
-        else:
-            flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _VARIANT_FLAGS[name]
-            _LIBS[name] = bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
-    return _LIBS[name]
+# The ``lib`` fixture (native, AVX2 and scalar builds of the library) is in tests/conftest.py.
 
 
 # ---------------------------------------------------------------------------------------
