@@ -27,16 +27,16 @@
 // - AVX-512: the 16 (or 32, or 4/8 repeated) possible values of a sub-block are built with one
 //   FMA into a lookup table and the quants index it with vpermps (_mm512_permutexvar_ps) or,
 //   for 5-bit quants, vpermt2ps (_mm512_permutex2var_ps), as in library.cpp's q4_1 kernel;
-//   Q6_K (64 values per 16 weights) converts int8 quants assembled 64 at a time with byte ops;
+//   Q5_K and Q6_K convert quants assembled 64 at a time with byte ops (int8 -> float);
 // - AVX2: quants are widened to int32, converted and scaled (one FMA or multiply);
 // - scalar: the formulas of gguf-py, one weight at a time.
 //
 // The GEMV (gemv_rows_fmt, M < GEMM_MIN_M) reads GEMV_ROWS weight rows at a time, as library.cpp's:
 // blocks of 32 block by block with the block's x in registers for all the rows (Q5_0 with its
 // own `dot`: constant tables, d applied once per block); the AVX-512 K-quants chunk by chunk
-// (64 weights, visit_chunk), the rows' next blocks prepared (scales decoded into a small
-// buffer) while the current ones are read; the others row by row. Rows are prefetched from
-// the loop (prefetch_rows). The GEMM packs panels dequantized by the visitor (pack_fmt, for
+// (64 weights, visit_chunk, or the format's dot_chunk), the rows' next blocks prepared (scales,
+// and for some the quants, decoded into a small buffer) while the current ones are read; the
+// others row by row. Rows are prefetched from the loop (prefetch_rows). The GEMM packs panels dequantized by the visitor (pack_fmt, for
 // library.cpp's linear_packed). Measured with benchmarks/kernels_cpu.py (ggml_gemv).
 //
 // Rules: as library.cpp (no allocation of caller memory, no torch/Python, run-time indices
@@ -353,7 +353,8 @@ struct Chunked : Prepared<F> {
 
 // Q2_K: p = {dl[16] = d * scale_i, nml[16] = -(dmin * min_i)}; each sub-block's 4 values
 // dl*q - ml (q < 4) repeat 4 times in a 16-entry table, so index bits 2-3 don't matter.
-// Vector i of chunk c is sub-block 4c + i.
+// Vector i of chunk c is sub-block 4c + i. (Measured slower: the quants placed when the block
+// is prepared, as Q3_K's, 0.87x; the min as an FMA of x instead of the table's addend, 0.95x.)
 struct Q2_K : Chunked<Q2_K> {
     static constexpr int64_t QB = QK_K, BYTES = Q2_K_BYTES;
     static constexpr int PREP = 32;
@@ -380,33 +381,61 @@ struct Q2_K : Chunked<Q2_K> {
     }
 };
 
-// Q3_K: p = dl[16] = d * (scale_i - 32). Table index = low 2 bits | high bit << 2 (bit 3 free:
-// the 8 values repeat), value = dl * (index - 4). Vector i of chunk c is sub-block 4c + i.
+// The 32 bytes at src -> dword j = bytes {src[j], src[16 + j], src[j], src[16 + j]} (Q3_K's
+// chunk layout: byte k of dword j = weight 16k + j of the chunk): one vpermb with AVX512-VBMI,
+// else byte and word unpacks.
+inline __m512i bytes_j_16j(const uint8_t* src) {
+#if defined(__AVX512VBMI__)
+    const __m512i j = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(0x01010101));
+    return _mm512_permutexvar_epi8(_mm512_add_epi8(j, _mm512_set1_epi32(0x10001000)),
+                                   _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)src)));
+#else
+    const __m128i lo = _mm_loadu_si128((const __m128i*)src), hi = _mm_loadu_si128((const __m128i*)(src + 16));
+    const __m128i u0 = _mm_unpacklo_epi8(lo, hi), u1 = _mm_unpackhi_epi8(lo, hi);   // words {j, 16 + j}
+    __m512i r = _mm512_castsi128_si512(_mm_unpacklo_epi16(u0, u0));
+    r = _mm512_inserti32x4(r, _mm_unpackhi_epi16(u0, u0), 1);
+    r = _mm512_inserti32x4(r, _mm_unpacklo_epi16(u1, u1), 2);
+    return _mm512_inserti32x4(r, _mm_unpackhi_epi16(u1, u1), 3);
+#endif
+}
+
+// Q3_K: p = {dl[16] = d * (scale_i - 32), then the 256 table indices as bytes}: index = low 2
+// bits | high bit << 2 (bit 3 free: the 8 values repeat), value = dl * (index - 4). The
+// indices are assembled when the block is prepared, 64 bytes (a chunk) per vector op, in the
+// order read back: byte k of dword j of chunk c is weight 64c + 16k + j, so that vector k of
+// the chunk is the chunk's 64 bytes shifted right by 8k, read by vpermps as they are (it reads
+// the low 4 bits of each dword): no byte -> dword widening per vector. (Shuffles, vpmovzxbd
+// and vpermps alike, measured the scarce resource: 2 per 16 weights before, 1 + 3/16 now;
+// 1.15-1.2x the GB/s hot, 1.05x from DRAM.)
+// Weight 64c + 16k + j is 128h + 32s + l with h = c / 2, s = 2(c % 2) + k / 2, l = 16(k % 2) + j:
+// the bytes qs[32h + l] and hmask[l] are placed with vpermb (once per block), then shifted by
+// 16-bit lanes (s differs between the two words of a dword) and merged.
 struct Q3_K : Chunked<Q3_K> {
     static constexpr int64_t QB = QK_K, BYTES = Q3_K_BYTES;
-    static constexpr int PREP = 16;
+    static constexpr int PREP = 16 + 64;
     static inline void prepare(const uint8_t* b, float* p) {
         _mm512_store_ps(p, _mm512_mul_ps(_mm512_set1_ps(half_cvt(b + 108)),
                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3_k_scale_bytes(b + 96)))));
+        uint8_t* out = reinterpret_cast<uint8_t*>(p + 16);
+        const __m512i hm = bytes_j_16j(b), q[2] = {bytes_j_16j(b + 32), bytes_j_16j(b + 64)};
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+            const int h = c / 2, s = 2 * (c % 2), hb = 4 * h + s;    // s, hb: the low word; + 1: the high word
+            const __m512i lo = _mm512_srlv_epi16(q[h], _mm512_set1_epi32(((2 * s + 2) << 16) | (2 * s)));
+            const __m512i hi = hb >= 2 ? _mm512_srlv_epi16(hm, _mm512_set1_epi32(((hb - 1) << 16) | (hb - 2)))
+                                       : _mm512_sllv_epi16(hm, _mm512_set1_epi32((1 << 16) | 2));
+            _mm512_store_si512((void*)(out + 64 * c), _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(4), 0xD8));
+        }
     }
     template <class V>
-    static inline void visit_chunk(const uint8_t* b, const float* p, int c, V&& v) {
+    static inline void visit_chunk(const uint8_t*, const float* p, int c, V&& v) {
         const __m512 pat = _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
-        const __m512i m4 = _mm512_set1_epi32(4);
-        const int h = c / 2, s = 2 * (c % 2), hbit = 4 * h + s;   // high bits: bit 4h + s of hmask[l]
-        const __m512i q0 = _mm512_srli_epi32(u8x16(b + 32 + 32 * h), 2 * s);
-        const __m512i q1 = _mm512_srli_epi32(u8x16(b + 48 + 32 * h), 2 * s);
-        // hmask bit hbit moved to bit 2 (a rotation covers hbit < 2 and hbit >= 2 alike)
-        const __m512i rot = _mm512_set1_epi32((hbit - 2) & 31);
-        const __m512i h0 = _mm512_rorv_epi32(u8x16(b), rot), h1 = _mm512_rorv_epi32(u8x16(b + 16), rot);
-        const auto val = [&](int i, __m512i q, __m512i hh) {
-            return _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(q, hh, m4, 0xD8),
-                                         _mm512_mul_ps(_mm512_set1_ps(p[4 * c + i]), pat));
-        };
-        v(0, val(0, q0, h0));
-        v(1, val(1, q1, h1));
-        v(2, val(2, _mm512_srli_epi32(q0, 2), _mm512_srli_epi32(h0, 1)));
-        v(3, val(3, _mm512_srli_epi32(q1, 2), _mm512_srli_epi32(h1, 1)));
+        const __m512i q = _mm512_load_si512((const void*)(reinterpret_cast<const uint8_t*>(p + 16) + 64 * c));
+        v(0, _mm512_permutexvar_ps(q, _mm512_mul_ps(_mm512_set1_ps(p[4 * c]), pat)));
+        v(1, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 8), _mm512_mul_ps(_mm512_set1_ps(p[4 * c + 1]), pat)));
+        v(2, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 16), _mm512_mul_ps(_mm512_set1_ps(p[4 * c + 2]), pat)));
+        v(3, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 24), _mm512_mul_ps(_mm512_set1_ps(p[4 * c + 3]), pat)));
     }
 };
 
@@ -445,12 +474,12 @@ inline void k_scales_f32_x4(const uint8_t* b, int64_t rb, float* p, int stride) 
 // Q4_K: sub-block i's 16 values d*sc*q - dmin*min in one table (an FMA). Chunk c holds
 // sub-blocks 2c (low nibbles of qs[32c ..]) and 2c + 1 (their high nibbles).
 // prepare_rows of Q4_K/Q5_K (R <= 8 rows): 4 rows at a time, then one by one.
-template <int R>
+template <int R, int STRIDE = 16>
 inline void k_scales_rows(const uint8_t* b, int64_t rb, float* p) {
     static_assert(R <= 8, "GEMV_ROWS <= 8");
-    if constexpr (R >= 4) k_scales_f32_x4(b, rb, p, 16);
-    if constexpr (R == 8) k_scales_f32_x4(b + 4 * rb, rb, p + 4 * 16, 16);
-    for (int r = R / 4 * 4; r < R; ++r) k_scales_f32(b + r * rb, p + r * 16);
+    if constexpr (R >= 4) k_scales_f32_x4(b, rb, p, STRIDE);
+    if constexpr (R == 8) k_scales_f32_x4(b + 4 * rb, rb, p + 4 * STRIDE, STRIDE);
+    for (int r = R / 4 * 4; r < R; ++r) k_scales_f32(b + r * rb, p + r * STRIDE);
 }
 
 struct Q4_K : Chunked<Q4_K> {
@@ -472,29 +501,63 @@ struct Q4_K : Chunked<Q4_K> {
     }
 };
 
-// Q5_K: 32-entry tables (two FMAs per sub-block); the fifth bit (bit i of qh[l] for sub-block
-// i), moved to bit 4 of the index, picks the table half (vpermt2ps).
+// Q5_K: the 256 5-bit quants are assembled 64 at a time with byte operations when the block
+// is prepared (p = {d * sc_i, dmin * min_i (16 floats), then the quants as bytes}): chunk c's
+// 64 bytes are the low (sub-block 2c) then high (2c + 1) nibbles of qs[32c ..], bit 4 of each
+// from bit 2c / 2c + 1 of qh[l] (a rotation of qh's dwords). Each 16 weights: bytes -> int32 ->
+// float, w = (d * sc) * q - dmin * min (one FMA: the product is exact). The GEMV (dot_chunk)
+// applies the scale and the min once per sub-block instead: sc * (x . q) - min * sum(x).
+// Measured 1.15-1.3x the GB/s (hot and from DRAM, 1 thread) of 32-entry tables indexed with
+// vpermt2ps and the fifth bit merged per vector (whose table FMAs also each needed a broadcast
+// of their own: two scalars per table). Q3_K's layout (no widening, bytes taken by shifts and
+// masks) measured slower here (0.85x): with int -> float conversions the integer ops, not
+// the shuffles, are the bottleneck; so did words of two quants widened at once (0.92x).
 struct Q5_K : Chunked<Q5_K> {
     static constexpr int64_t QB = QK_K, BYTES = Q5_K_BYTES;
-    static constexpr int PREP = 16;
-    static inline void prepare(const uint8_t* b, float* p) { k_scales_f32(b, p); }
+    static constexpr int PREP = 16 + 64;
+    static inline void prepare_quants(const uint8_t* b, float* p) {
+        uint8_t* out = reinterpret_cast<uint8_t*>(p + 16);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));
+        const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+            const __m512i qs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 48 + 32 * c)));
+            const __m512i rot = _mm512_inserti64x4(_mm512_set1_epi32((4 - 2 * c) & 31),
+                                                   _mm256_set1_epi32((3 - 2 * c) & 31), 1);
+            const __m512i q = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(qs, shr), _mm512_rolv_epi32(qh, rot),
+                                                        _mm512_set1_epi8(0x10), 0xD8);
+            _mm512_store_si512((void*)(out + 64 * c), _mm512_and_si512(q, _mm512_set1_epi8(31)));
+        }
+    }
+    static inline void prepare(const uint8_t* b, float* p) {
+        k_scales_f32(b, p);
+        prepare_quants(b, p);
+    }
     template <int R>
-    static inline void prepare_rows(const uint8_t* b, int64_t rb, float* p) { k_scales_rows<R>(b, rb, p); }
+    static inline void prepare_rows(const uint8_t* b, int64_t rb, float* p) {
+        k_scales_rows<R, PREP>(b, rb, p);
+        for (int r = 0; r < R; ++r) prepare_quants(b + r * rb, p + r * PREP);
+    }
     template <class V>
-    static inline void visit_chunk(const uint8_t* b, const float* p, int c, V&& v) {
-        const __m512 iota = iota16(), iota_hi = _mm512_add_ps(iota16(), _mm512_set1_ps(16));
-        const __m512i q0 = u8x16(b + 48 + 32 * c), q1 = u8x16(b + 64 + 32 * c);
-        // bit 2c of qh moved to bit 4 (a rotation), then bit 2c + 1 one shift later
-        const __m512i rot = _mm512_set1_epi32((2 * c - 4) & 31);
-        const __m512i h0 = _mm512_rorv_epi32(u8x16(b + 16), rot), h1 = _mm512_rorv_epi32(u8x16(b + 32), rot);
+    static inline void visit_chunk(const uint8_t*, const float* p, int c, V&& v) {
+        const uint8_t* q = reinterpret_cast<const uint8_t*>(p + 16) + 64 * c;
         const __m512 sa = _mm512_set1_ps(p[2 * c]), ma = _mm512_set1_ps(p[8 + 2 * c]);
         const __m512 sb = _mm512_set1_ps(p[2 * c + 1]), mb = _mm512_set1_ps(p[9 + 2 * c]);
-        const __m512 la = _mm512_fmsub_ps(sa, iota, ma), ha = _mm512_fmsub_ps(sa, iota_hi, ma);
-        const __m512 lb = _mm512_fmsub_ps(sb, iota, mb), hb = _mm512_fmsub_ps(sb, iota_hi, mb);
-        v(0, _mm512_permutex2var_ps(la, take_bit4(q0, h0), ha));
-        v(1, _mm512_permutex2var_ps(la, take_bit4(q1, h1), ha));
-        v(2, _mm512_permutex2var_ps(lb, take_bit4(_mm512_srli_epi32(q0, 4), _mm512_srli_epi32(h0, 1)), hb));
-        v(3, _mm512_permutex2var_ps(lb, take_bit4(_mm512_srli_epi32(q1, 4), _mm512_srli_epi32(h1, 1)), hb));
+        v(0, _mm512_fmsub_ps(sa, _mm512_cvtepi32_ps(u8x16(q)), ma));
+        v(1, _mm512_fmsub_ps(sa, _mm512_cvtepi32_ps(u8x16(q + 16)), ma));
+        v(2, _mm512_fmsub_ps(sb, _mm512_cvtepi32_ps(u8x16(q + 32)), mb));
+        v(3, _mm512_fmsub_ps(sb, _mm512_cvtepi32_ps(u8x16(q + 48)), mb));
+    }
+    // GEMV: x . w over the chunk's sub-blocks a = 2c, b = 2c + 1 as sc * (x . q) - min * sum(x)
+    // (xa, xb: the sums x0 + x1, x2 + x3 of the chunk, shared by the rows): every scale and
+    // min is a broadcast operand ({1to16}) of an FMA, none needs its own broadcast.
+    static inline void dot_chunk(const float* p, int c, __m512 x0, __m512 x1, __m512 x2, __m512 x3, __m512 xa,
+                                 __m512 xb, __m512& a0, __m512& a1) {
+        const uint8_t* q = reinterpret_cast<const uint8_t*>(p + 16) + 64 * c;
+        const __m512 ta = _mm512_fmadd_ps(x1, _mm512_cvtepi32_ps(u8x16(q + 16)), _mm512_mul_ps(x0, _mm512_cvtepi32_ps(u8x16(q))));
+        const __m512 tb = _mm512_fmadd_ps(x3, _mm512_cvtepi32_ps(u8x16(q + 48)), _mm512_mul_ps(x2, _mm512_cvtepi32_ps(u8x16(q + 32))));
+        a0 = _mm512_fnmadd_ps(_mm512_set1_ps(p[8 + 2 * c]), xa, _mm512_fmadd_ps(_mm512_set1_ps(p[2 * c]), ta, a0));
+        a1 = _mm512_fnmadd_ps(_mm512_set1_ps(p[9 + 2 * c]), xb, _mm512_fmadd_ps(_mm512_set1_ps(p[2 * c + 1]), tb, a1));
     }
 };
 
@@ -812,6 +875,12 @@ struct HasChunks { static constexpr bool value = false; };
 template <class F>
 struct HasChunks<F, decltype((void)F::CHUNKS)> { static constexpr bool value = true; };
 
+// Whether a chunked F has its own GEMV chunk product (dot_chunk: scales applied per sub-block).
+template <class F, class = void>
+struct HasDotChunk { static constexpr bool value = false; };
+template <class F>
+struct HasDotChunk<F, decltype((void)&F::dot_chunk)> { static constexpr bool value = true; };
+
 // GEMV of R rows of a chunked format: chunk by chunk (64 weights), each chunk's 4 x vectors in
 // registers for all R rows and two accumulators per row, as the blocks of 32 are read; the
 // rows' next blocks are prepared (scales decoded) while the current ones are read.
@@ -835,6 +904,14 @@ inline void gemv_rows_chunked(const float* x, const uint8_t* w, int64_t rb, int6
             YR_IN_REGISTER(x1);
             YR_IN_REGISTER(x2);
             YR_IN_REGISTER(x3);
+            if constexpr (HasDotChunk<F>::value) {
+                vf xa = vadd(x0, x1), xb = vadd(x2, x3);
+                YR_IN_REGISTER(xa);
+                YR_IN_REGISTER(xb);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) F::dot_chunk(pb + r * F::PREP, c, x0, x1, x2, x3, xa, xb, acc[r][0], acc[r][1]);
+                continue;
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 vf a0 = acc[r][0], a1 = acc[r][1];
