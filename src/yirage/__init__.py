@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    **dict.fromkeys(["DType", "bfloat16", "float16", "float32", "int32", "int64", "q4_1", "q8_0", "q4_0", "q5_0",
+    **dict.fromkeys(["DType", "bfloat16", "float16", "float32", "int8", "int32", "int64", "q4_1", "q8_0", "q4_0", "q5_0",
                      "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"], "yirage.dtypes"),
     **dict.fromkeys(["BackendUnavailableError", "CacheError", "GenerationError", "GraphError",
                      "IndexOutOfRangeError", "ModelLoadError", "ToolchainError", "YirageError"],
@@ -26,9 +26,11 @@ _EXPORTS = {
                      "get_backend_info", "get_memory_info", "is_backend_available", "set_backend"],
                     "yirage.backends"),
     "DTensor": "yirage.ir.graph",
+    **dict.fromkeys(["TBGraph", "STensor", "new_threadblock_graph"], "yirage.ir.threadblock"),
     **dict.fromkeys(["KNGraph", "new_kernel_graph"], "yirage.kernel"),
     "PersistentKernel": "yirage.persistent_kernel",
     **dict.fromkeys(["LLM", "GenerationResult"], "yirage.engines.generate"),
+    "EmbeddingModel": "yirage.engines.embed",
 }
 _ALIASES = {
     # The runnable kernel graph (``yr.new_kernel_graph()`` returns one); the IR class it

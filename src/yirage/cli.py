@@ -1,4 +1,5 @@
-"""The ``yirage`` command line: ``yirage info``, ``yirage generate`` and ``yirage models [pull NAME]``.
+"""The ``yirage`` command line: ``yirage info``, ``yirage generate``, ``yirage embed`` and
+``yirage models [pull NAME]``.
 
 Every failure the user can cause (bad model, backend, prompt or numbers, a chat template
 that fails, Ctrl-C, a closed stdout) prints at most one line, ``yirage: error: ...``, on
@@ -243,6 +244,78 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
                    f"ttft {result.prefill_s:.2f} s, decode {result.decode_tokens_per_s:.1f} tokens/s]", err=True)
 
 
+def _read_sentences(source: str) -> list[str]:
+    """The lines of ``source`` (a file path, or '-' for stdin) as UTF-8 text, one sentence per line
+    (the line break removed; empty lines are empty sentences). GenerationError for a file that
+    cannot be read or bytes that are not UTF-8."""
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(source, "rb") as f:
+                data = f.read()
+    except OSError as e:
+        raise GenerationError(f"cannot read {source}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GenerationError(f"{'stdin' if source == '-' else source} is not UTF-8 text (byte 0x{data[e.start]:02x} "
+                              f"at offset {e.start}): pass UTF-8 text, one sentence per line") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
+@cli.command()
+@click.argument("source", default="-", metavar="[FILE|-]")
+@click.option("-m", "--model", default="all-minilm-l6-v2", show_default=True,
+              help="Embedding model: short name, sentence-transformers directory or hub id.")
+@click.option("--backend", default=None, help="cpu, cuda, rocm, xpu, mps or auto (default: YIRAGE_BACKEND or auto).")
+@click.option("--int8", is_flag=True, help="int8 linear layers (per-channel weights, per-token activations): faster, cosine ~0.99+ to float32.")
+@click.option("--normalize", is_flag=True, help="L2-normalize every vector.")
+@click.option("--batch-size", type=int, default=32, show_default=True, help="A positive integer.")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "npy"]), default="jsonl", show_default=True,
+              help="jsonl: one JSON array per line; npy: one float32 [n, dim] array (needs -o).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write here instead of stdout.")
+def embed(source, model, backend, int8, normalize, batch_size, fmt, output) -> None:
+    """Embed sentences, one per line of FILE (or stdin with '-', the default): one vector per line
+    (JSON lines) or an .npy file. Progress goes to stderr."""
+    try:
+        if batch_size < 1:
+            raise GenerationError(f"--batch-size must be a positive integer, got {batch_size}")
+        if fmt == "npy" and output is None:
+            raise GenerationError("--format npy writes a binary file: give it with -o FILE")
+        sentences = _read_sentences(source)
+        from .engines.embed import EmbeddingModel
+
+        m = EmbeddingModel(model, backend=backend, quantization="int8" if int8 else None)
+        vectors = m.encode(sentences, batch_size=batch_size, normalize_embeddings=normalize,
+                           show_progress_bar=True)
+    except YirageError as e:
+        _fail(str(e))
+    _check_interrupted()
+    click.echo(f"[{len(sentences)} sentences, dim {vectors.shape[1]}]", err=True)
+    if fmt == "npy":
+        import numpy as np
+
+        try:
+            np.save(output, vectors, allow_pickle=False)
+        except OSError as e:
+            _fail(f"cannot write {output}: {e.strerror or e}")
+        return
+    text = "".join(json.dumps(v) + "\n" for v in vectors.tolist())
+    if output is None:
+        _out(text, nl=False)
+        return
+    try:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        _fail(f"cannot write {output}: {e.strerror or e}")
+
+
 @cli.group(invoke_without_command=True)
 @click.pass_context
 def models(ctx) -> None:
@@ -256,10 +329,10 @@ def models(ctx) -> None:
     from .models.registry import model_entries
 
     table = Table(title="yirage models (-m NAME)")
-    for col in ("name", "architecture", "parameters", "quant types", "size", "license", "installed"):
+    for col in ("name", "kind", "architecture", "parameters", "quant types", "size", "license", "installed"):
         table.add_column(col)
     for e in model_entries():
-        table.add_row(e.name, e.architecture, f"{e.params / 1e6:.0f}M", ", ".join(e.quant_types),
+        table.add_row(e.name, e.kind, e.architecture, f"{e.params / 1e6:.0f}M", ", ".join(e.quant_types),
                       f"{e.size_bytes / 2**20:.0f} MiB", e.license,
                       "yes" if e.installed() else f"no: yirage models pull {e.name}")
     console = Console()

@@ -31,6 +31,7 @@ class DType(enum.Enum):
     bfloat16 = "bfloat16"
     int32 = "int32"
     int64 = "int64"
+    int8 = "int8"  # per-channel int8 weights (linear_w8a8)
     q8_0 = "q8_0"
     q4_1 = "q4_1"
     q4_0 = "q4_0"
@@ -86,6 +87,7 @@ _TORCH = {
     DType.bfloat16: torch.bfloat16,
     DType.int32: torch.int32,
     DType.int64: torch.int64,
+    DType.int8: torch.int8,
 }
 #: (weights per block, bytes per block) of each block-quantized type (llama.cpp ggml-common.h)
 _BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_0: (32, 18), DType.q5_0: (32, 22),
@@ -96,7 +98,7 @@ _SCALES = {DType.q8_0: (0,), DType.q4_1: (0, 2), DType.q4_0: (0,), DType.q5_0: (
            DType.q2_k: (80, 82), DType.q3_k: (108,), DType.q4_k: (0, 2), DType.q5_k: (0, 2), DType.q6_k: (208,)}
 
 float32, float16, bfloat16 = DType.float32, DType.float16, DType.bfloat16
-int32, int64, q8_0, q4_1 = DType.int32, DType.int64, DType.q8_0, DType.q4_1
+int32, int64, int8, q8_0, q4_1 = DType.int32, DType.int64, DType.int8, DType.q8_0, DType.q4_1
 q4_0, q5_0, q5_1 = DType.q4_0, DType.q5_0, DType.q5_1
 q2_k, q3_k, q4_k, q5_k, q6_k = DType.q2_k, DType.q3_k, DType.q4_k, DType.q5_k, DType.q6_k
 

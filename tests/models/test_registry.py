@@ -25,7 +25,13 @@ def test_models_lists_every_short_name_with_what_it_is(tmp_path):
         assert e.name in p.stdout and e.license.split()[0] in p.stdout
     # an empty cache: the chunk-assembled model is not installed yet, and the row says how
     assert "yirage models pull gemma3-270m" in p.stdout
-    assert set(registry.list_models()) == {e.name for e in registry.model_entries()}
+    # resolve_model's short names are the LLMs; embedding models are listed too, marked as such
+    assert set(registry.list_models()) == {e.name for e in registry.model_entries() if e.kind == "llm"}
+    assert "all-minilm-l6-v2" in p.stdout and "embedding" in p.stdout
+    assert registry.model_entry("all-minilm-l6-v2").kind == "embedding"
+    assert registry.resolve_embedding_model("all-minilm-l6-v2").joinpath("modules.json").is_file()
+    with pytest.raises(ModelLoadError, match="unknown model 'all-minilm-l6-v2'"):
+        registry.resolve_model("all-minilm-l6-v2")
 
 
 def test_pull_unknown_name_is_one_line():

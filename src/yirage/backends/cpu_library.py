@@ -1,4 +1,6 @@
-"""The CPU backend's library ops: GEMM/GEMV, embedding, RoPE, attention and argmax.
+"""The CPU backend's library ops: GEMM/GEMV, embedding, RoPE, attention and argmax, and the
+encoder ops of the embedding engine (attention_bidir, attention_varlen: torch's fused
+scaled_dot_product_attention; linear_w8a8: per-token int8 quantization + torch._int_mm).
 
 Quantized linear layers, embeddings, RoPE, attention and argmax call the hand-written C++
 of ``yirage/kernels/cpu/library.cpp`` (q4_1/q8_0; the other GGML block formats of
@@ -18,8 +20,10 @@ from typing import Callable
 import torch
 
 from ..dtypes import DType
+from ..ir.ops import check_offsets
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
+from .cpu_threadblock import bind_customized, customized_ok
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -151,6 +155,85 @@ def _attention(node, graph, args, out, status):
     return lambda: fn(*p)
 
 
+def _attention_bidir(node, graph, args, out, status):
+    """Encoder attention with a key-padding mask: torch's fused scaled_dot_product_attention
+    (flash-attention CPU kernel) over views of the packed qkv, written into ``out``."""
+    qkv, mask = args
+    B, S, three_hd = qkv.shape
+    h = node.attrs["num_heads"]
+    dh = three_hd // (3 * h)
+    q, k, v = qkv.view(B, S, 3, h, dh).permute(2, 0, 3, 1, 4)  # [B, H, S, Dh] views
+    bias = mask.view(B, 1, 1, S)
+    o4 = out.view(B, S, h, dh)
+    scale = node.attrs["scale"]
+
+    def run():
+        o4.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+                 .transpose(1, 2))
+    return run
+
+
+def _linear_w8a8(node, graph, args, out, status):
+    """W8A8 linear (ir.ops.linear_w8a8_reference): per-token int8 quantization of x into
+    buffers allocated here once, torch._int_mm (int8 GEMM, VNNI where the CPU has it) into an
+    int32 accumulator, then the scales and bias applied in place on ``out``."""
+    x, w_t, w_scale = args[0], args[1], args[2]
+    bias = args[3] if len(args) == 4 else None
+    K, N = w_t.shape
+    M = x.numel() // K
+    x2, o2 = x.view(M, K), out.view(M, N)
+    tmp = torch.empty((M, K), dtype=torch.float32)
+    sx = torch.empty((M, 1), dtype=torch.float32)
+    qx = torch.empty((M, K), dtype=torch.int8)
+    acc = torch.empty((M, N), dtype=torch.int32)
+
+    def run():
+        torch.abs(x2, out=tmp)
+        torch.amax(tmp, dim=1, keepdim=True, out=sx)
+        sx.div_(127.0)
+        sx.masked_fill_(sx == 0, 1.0)
+        torch.div(x2, sx, out=tmp)
+        tmp.round_().clamp_(-127, 127)
+        qx.copy_(tmp)
+        torch._int_mm(qx, w_t, out=acc)
+        torch.mul(acc, sx, out=o2)
+        o2.mul_(w_scale)
+        if bias is not None:
+            o2.add_(bias)
+    return run
+
+
+def _attention_varlen(node, graph, args, out, status):
+    """Attention over packed sentences: the offsets are read at run time; each run of
+    consecutive sentences of one length (the engine sorts them by length) is one call of
+    torch's fused scaled_dot_product_attention over views of qkv, written into ``out``."""
+    qkv, offsets = args
+    T, three_hd = qkv.shape
+    h = node.attrs["num_heads"]
+    hd = three_hd // 3
+    dh = hd // h
+    scale = node.attrs["scale"]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        offs = offsets.tolist()
+        check_offsets(offs, T)
+        s, n = 0, len(offs) - 1
+        b = 0
+        while b < n:
+            L = offs[b + 1] - offs[b]
+            g = 1
+            while b + g < n and offs[b + g + 1] - offs[b + g] == L:
+                g += 1
+            e = s + g * L
+            if L:
+                q, k, v = qkv[s:e].view(g, L, 3, h, dh).permute(2, 0, 3, 1, 4)  # [g, H, L, Dh] views
+                out[s:e].view(g, L, h, dh).copy_(sdpa(q, k, v, scale=scale).transpose(1, 2))
+            s, b = e, b + g
+        out[s:].zero_()
+    return run
+
+
 def _argmax(node, graph, args, out, status):
     x = args[0]
     D = x.shape[-1]
@@ -171,6 +254,10 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rope": (_float32_first, _rope),
     "attention": (_float32_first, _attention),
     "argmax": (_float32_first, _argmax),
+    "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)
+    "attention_bidir": (_float32_first, _attention_bidir),
+    "attention_varlen": (_float32_first, _attention_varlen),
+    "linear_w8a8": (_float32_first, _linear_w8a8),
 }
 
 

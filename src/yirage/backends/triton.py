@@ -23,6 +23,7 @@ from typing import Callable
 
 from ..dtypes import DType
 from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
+from .triton_threadblock import bind_customized, customized_ok
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,6 +116,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rope": (_float_first, _rope),
     "attention": (_float_first, _attention),
     "argmax": (_float_first, _argmax),
+    "customized": (customized_ok, bind_customized),  # threadblock graphs (triton_threadblock.py)
 }
 
 

@@ -32,7 +32,7 @@ _UNARY = {
     "exp": "std::exp({0})", "sqrt": "std::sqrt({0})", "rsqrt": "(1.0f / std::sqrt({0}))",
     "square": "({0} * {0})", "neg": "(-{0})", "relu": "std::max({0}, 0.0f)",
     "silu": "({0} / (1.0f + std::exp(-{0})))",
-    "gelu": "(0.5f * {0} * (1.0f + std::erf({0} * 0.70710678118654752f)))",
+    "gelu": "(0.5f * {0} * (1.0f + yr_erf({0} * 0.70710678118654752f)))",  # yr_erf: yirage_prelude.h
     # tanh GELU as 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): silu's form
     "gelu_tanh": "({0} / (1.0f + std::exp(-1.5957691216057308f * ({0} + 0.044715f * {0} * {0} * {0}))))",
 }

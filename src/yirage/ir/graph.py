@@ -291,6 +291,22 @@ class KernelGraph:
             raise GraphError(f"rms_norm: eps must be >= 0, got {eps!r}")
         return self._add("rms_norm", [x], normalized_shape=shape, eps=e)
 
+    def layer_norm(self, x, normalized_shape: Sequence[int], weight=None, bias=None, eps: float = 1e-5):
+        """LayerNorm (Ba et al. 2016), torch's ``F.layer_norm(x, normalized_shape, weight, bias, eps)``:
+        ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing dims ``normalized_shape``
+        (biased variance, computed in float32). ``weight``/``bias`` are optional tensors of shape
+        ``normalized_shape`` and x's dtype. A row op: it fuses with the elementwise ops around it
+        (BERT's ``layer_norm(x + residual)`` is one kernel). GraphError for a bad shape, dtype or
+        ``eps`` (must be a finite number >= 0)."""
+        shape = _shape("layer_norm", "normalized_shape", normalized_shape)
+        e = _real("layer_norm", "eps", eps)
+        if e < 0:
+            raise GraphError(f"layer_norm: eps must be >= 0, got {eps!r}")
+        affine = [t for t in (weight, bias) if t is not None]
+        self._check_tensors("layer_norm", [x, *affine])
+        return self._add("layer_norm", [x, *affine], normalized_shape=shape, eps=e,
+                         has_weight=weight is not None, has_bias=bias is not None)
+
     def softmax(self, x, dim: int = -1):
         """Softmax over ``dim`` (an integer; computed in float32)."""
         return self._add("softmax", [x], dim=_int("softmax", "dim", dim))
@@ -305,6 +321,15 @@ class KernelGraph:
         self._check_tensors("linear", [x, w] + ([bias] if bias is not None else []))
         attrs = {"w_dtype": w.dtype.value, "w_shape": list(w.shape)} if w.dtype.is_quantized else {}
         return self._add("linear", [x, w] + ([bias] if bias is not None else []), **attrs)
+
+    def linear_w8a8(self, x, w_t, w_scale, bias=None):
+        """int8 linear layer: ``x`` float32 [..., K] quantized per token (row) to int8 at run time,
+        times the per-channel int8 weight ``w_t`` [K, N] (transposed: in x out features) with
+        float32 scales ``w_scale`` [N], in integer arithmetic; plus float32 ``bias`` [N]. Returns
+        float32 [..., N]; see ``ir.ops.linear_w8a8_reference``. GraphError for bad shapes/dtypes."""
+        extra = [bias] if bias is not None else []
+        self._check_tensors("linear_w8a8", [x, w_t, w_scale, *extra])
+        return self._add("linear_w8a8", [x, w_t, w_scale, *extra])
 
     def embedding(self, ids, table):
         """Rows of ``table`` [vocab, D] (float or q4_1/q8_0) at integer ``ids`` [...]: [..., D]."""
@@ -342,6 +367,21 @@ class KernelGraph:
             raise GraphError(f"attention: window must be None, 0 (full causal) or a positive integer, got {w}")
         return self._add("attention", [q, k, v, k_cache, v_cache, start_pos], scale=scale, window=w)
 
+    def attention_bidir(self, qkv, key_mask, num_heads: int, scale: float | None = None):
+        """Bidirectional multi-head attention (encoders: BERT) with a key-padding mask.
+
+        qkv [B, S, 3 * H * Dh] (q, k, v packed along the last dim, as one QKV projection makes
+        them), key_mask float32 [B, S] added to the scores of each key (0 keeps, -inf drops a
+        padding key). Returns [B, S, H * Dh]. ``scale`` multiplies q.k (default ``Dh ** -0.5``).
+        GraphError for bad shapes, a non-positive ``num_heads`` or a non-finite ``scale``."""
+        self._check_tensors("attention_bidir", [qkv, key_mask])
+        h = _int("attention_bidir", "num_heads", num_heads)
+        if h <= 0:
+            raise GraphError(f"attention_bidir: num_heads must be positive, got {h}")
+        dh = qkv.shape[-1] // (3 * h) if qkv.shape[-1] >= 3 * h else 1
+        scale = _real("attention_bidir", "scale", scale) if scale is not None else dh ** -0.5
+        return self._add("attention_bidir", [qkv, key_mask], num_heads=h, scale=scale)
+
     def argmax(self, x, dim: int = -1):
         """Index of the maximum over the last dim (int64); ``dim`` is an integer naming it."""
         return self._add("argmax", [x], dim=_int("argmax", "dim", dim))
@@ -355,6 +395,31 @@ class KernelGraph:
         integers with ``0 <= start < end <= rows`` (GraphError otherwise)."""
         return self._add("slice_rows", [x], start=_int("slice_rows", "start", start),
                          end=_int("slice_rows", "end", end))
+
+    def attention_varlen(self, qkv, offsets, num_heads: int, scale: float | None = None):
+        """Bidirectional multi-head attention over sentences packed back to back (no padding).
+
+        qkv [T, 3 * H * Dh] (q, k, v packed along the last dim); offsets int64 [B + 1]: sentence
+        b is rows offsets[b] .. offsets[b+1]-1, and each token attends only its own sentence.
+        Rows past offsets[B] (padding of a bucketed T) come out zero. Returns [T, H * Dh].
+        ``scale`` multiplies q.k (default ``Dh ** -0.5``). GraphError for bad shapes, a
+        non-positive ``num_heads`` or a non-finite ``scale``; offsets that are not 0, then
+        non-decreasing up to at most T raise IndexOutOfRangeError when the graph runs."""
+        self._check_tensors("attention_varlen", [qkv, offsets])
+        h = _int("attention_varlen", "num_heads", num_heads)
+        if h <= 0:
+            raise GraphError(f"attention_varlen: num_heads must be positive, got {h}")
+        dh = qkv.shape[-1] // (3 * h) if qkv.shape[-1] >= 3 * h else 1
+        scale = _real("attention_varlen", "scale", scale) if scale is not None else dh ** -0.5
+        return self._add("attention_varlen", [qkv, offsets], num_heads=h, scale=scale)
+
+    def customized(self, inputs: Sequence[DTensor], tb_graph) -> list[DTensor]:
+        """Run threadblock graph ``tb_graph`` (``yr.new_threadblock_graph``, ir/threadblock.py)
+        on ``inputs`` (the DTensors given to its ``new_input``, in order): Mirage's
+        ``graph.customized``. Returns one DTensor per ``tb_graph.new_output``, in order.
+        GraphError when the inputs do not match or the block graph has no output."""
+        from .threadblock import add_customized
+        return add_customized(self, inputs, tb_graph)
 
     # ---- the reference ----------------------------------------------------------------------
     def interpret(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -193,7 +193,33 @@ def _softmax_infer(ts, attrs):
     return ts[0]
 
 
+def _layer_norm_infer(ts, attrs):
+    _float("layer_norm", ts)
+    x = ts[0]
+    ns = tuple(attrs["normalized_shape"])
+    if not ns or len(ns) > len(x.shape) or tuple(x.shape[-len(ns):]) != ns:
+        _fail("layer_norm", ts, f"normalized_shape {ns} must equal the trailing dims of the input")
+    n_affine = (1 if attrs.get("has_weight") else 0) + (1 if attrs.get("has_bias") else 0)
+    if len(ts) != 1 + n_affine:
+        _fail("layer_norm", ts, f"takes x plus {n_affine} affine input(s) (weight, bias), got {len(ts) - 1}")
+    for t in ts[1:]:
+        if tuple(t.shape) != ns or t.dtype != x.dtype:
+            _fail("layer_norm", ts, f"weight and bias must have shape {ns} and x's dtype {x.dtype.value}")
+    return x
+
+
+def layer_norm_reference(args, attrs):
+    """LayerNorm (Ba et al. 2016) as ``F.layer_norm``: (x - mean) / sqrt(var + eps) * weight + bias
+    over the trailing dims ``normalized_shape`` (biased variance), in float32, cast back to x's dtype.
+    ``args`` is [x] plus weight (if ``has_weight``) and bias (if ``has_bias``)."""
+    x, rest = args[0], list(args[1:])
+    w = rest.pop(0).float() if attrs.get("has_weight") else None
+    b = rest.pop(0).float() if attrs.get("has_bias") else None
+    return F.layer_norm(x.float(), tuple(attrs["normalized_shape"]), w, b, attrs["eps"]).to(x.dtype)
+
+
 _register("reduction", "row", 1, _reduction_infer, _reduction_ref)
+_register("layer_norm", "row", -1, _layer_norm_infer, layer_norm_reference)
 _register("rms_norm", "row", 1, _rms_norm_infer, _rms_norm_ref)
 _register("softmax", "row", 1, _softmax_infer,
           lambda args, a: torch.softmax(args[0].float(), dim=a["dim"]).to(args[0].dtype))
@@ -271,6 +297,48 @@ def _linear_ref(args, attrs):
         return F.linear(x, w, args[2] if len(args) == 3 else None)
     bias = args[2].float() if len(args) == 3 else None
     return F.linear(x.float(), w.float(), bias).to(x.dtype)
+
+
+def _linear_w8a8_infer(ts, attrs):
+    x, w = ts[0], ts[1]
+    if x.dtype != DType.float32:
+        _fail("linear_w8a8", ts, f"x must be float32, got {x.dtype.value}")
+    if len(w.shape) != 2 or w.dtype != DType.int8:
+        _fail("linear_w8a8", ts, "the weight must be int8 [in_features, out_features] (transposed)")
+    K, N = w.shape
+    if x.shape[-1] != K:
+        _fail("linear_w8a8", ts, f"x's last dim {x.shape[-1]} must equal the weight's in_features {K}")
+    for t in ts[2:]:
+        if tuple(t.shape) != (N,) or t.dtype != DType.float32:
+            _fail("linear_w8a8", ts, f"weight scales and bias must be float32 ({N},)")
+    if len(ts) not in (3, 4):
+        _fail("linear_w8a8", ts, "takes x, weight, weight scales and an optional bias")
+    return TensorType((*x.shape[:-1], N), x.dtype)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each row (last dim) of float ``x``: (q int8, scale float32
+    [..., 1]) with ``x ~ q * scale``, scale = max|row| / 127 (a zero row gets scale 1), q =
+    round-half-even(x / scale) in [-127, 127]."""
+    s = x.abs().amax(dim=-1, keepdim=True).float() / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x.float() / s).clamp_(-127, 127).to(torch.int8), s
+
+
+def linear_w8a8_reference(x, w_t, w_scale, bias=None):
+    """W8A8 linear: int8 weights quantized per output channel, float32 activations quantized
+    per token (row) on the fly, integer dot products (exact int32 accumulation), then
+    ``acc * x_scale[m] * w_scale[n] + bias[n]`` in float32. ``w_t`` is int8 [K, N] (the
+    transposed weight: in_features x out_features), ``w_scale``/``bias`` float32 [N].
+    Dynamic per-token activation quantization as in LLM.int8()/SmoothQuant (Dettmers et al. 2022;
+    Xiao et al. 2023) without outlier handling."""
+    K = w_t.shape[0]
+    q, s = quantize_rows_int8(x.reshape(-1, K))
+    acc = torch.matmul(q.double(), w_t.double())  # exact (|acc| <= 127^2 K << 2^53); any device
+    y = acc.float() * s * w_scale.float()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], w_t.shape[1])
 
 
 def _embedding_infer(ts, attrs):
@@ -375,6 +443,7 @@ def _argmax_infer(ts, attrs):
 
 _register("matmul", "library", 2, _matmul_infer, lambda args, a: torch.matmul(args[0], args[1]))
 _register("linear", "library", -1, _linear_infer, _linear_ref)
+_register("linear_w8a8", "library", -1, _linear_w8a8_infer, lambda args, a: linear_w8a8_reference(*args))
 _register("embedding", "library", 2, _embedding_infer, _embedding_ref, index_input=0)
 _register("rope", "library", 4, _rope_infer,
           lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])), index_input=3)
@@ -382,6 +451,84 @@ _register("attention", "library", 6, _attention_infer,
           lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"], a.get("window", 0)),
           mutates=(3, 4),
           index_input=5)
+def _attention_bidir_infer(ts, attrs):
+    qkv, mask = ts
+    h = attrs["num_heads"]
+    if len(qkv.shape) != 3 or qkv.shape[2] % (3 * h):
+        _fail("attention_bidir", ts, f"qkv must be [B, S, 3 * H * Dh] with H = num_heads = {h}")
+    if tuple(mask.shape) != tuple(qkv.shape[:2]) or mask.dtype != DType.float32:
+        _fail("attention_bidir", ts, "key_mask must be float32 [B, S] (0 keeps a key, -inf drops it)")
+    if not qkv.dtype.is_float:
+        _fail("attention_bidir", ts, f"qkv must be floating point, got {qkv.dtype.value}")
+    return TensorType((*qkv.shape[:2], qkv.shape[2] // 3), qkv.dtype)
+
+
+def attention_bidir_reference(qkv: torch.Tensor, key_mask: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    """Bidirectional (encoder) multi-head attention with a key-padding mask (Vaswani et al. 2017;
+    BERT, Devlin et al. 2019).
+
+    qkv [B, S, 3 * H * Dh]: the packed output of one QKV projection (q, then k, then v, each
+    H heads of Dh); key_mask float32 [B, S], added to every query's scores for that key
+    (0 keeps it, -inf drops a padding key). Returns [B, S, H * Dh] in qkv's dtype (computed in
+    float32): softmax(q k^T * scale + key_mask) v per batch and head. Every query row must keep
+    at least one key (else its row is NaN).
+    """
+    B, S, three_hd = qkv.shape
+    dh = three_hd // (3 * num_heads)
+    q, k, v = qkv.float().view(B, S, 3, num_heads, dh).permute(2, 0, 3, 1, 4)  # [B, H, S, Dh] each
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + key_mask.float()[:, None, None, :]
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, H, S, Dh]
+    return out.transpose(1, 2).reshape(B, S, num_heads * dh).to(qkv.dtype)
+
+
+def _attention_varlen_infer(ts, attrs):
+    qkv, offsets = ts
+    h = attrs["num_heads"]
+    if len(qkv.shape) != 2 or qkv.shape[1] % (3 * h):
+        _fail("attention_varlen", ts, f"qkv must be [T, 3 * H * Dh] with H = num_heads = {h}")
+    if len(offsets.shape) != 1 or offsets.shape[0] < 2 or offsets.dtype != DType.int64:
+        _fail("attention_varlen", ts, "offsets must be int64 [B + 1] (the first token of each sentence, then the end)")
+    if not qkv.dtype.is_float:
+        _fail("attention_varlen", ts, f"qkv must be floating point, got {qkv.dtype.value}")
+    return TensorType((qkv.shape[0], qkv.shape[1] // 3), qkv.dtype)
+
+
+def check_offsets(offsets: list[int], T: int) -> None:
+    """IndexOutOfRangeError unless offsets start at 0, never decrease and end at most at T."""
+    prev = 0
+    for i, o in enumerate(offsets):
+        if not prev <= o <= T or (i == 0 and o != 0):
+            raise index_error("attention_varlen", o, prev, T + 1)
+        prev = o
+
+
+def attention_varlen_reference(qkv: torch.Tensor, offsets: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    """Bidirectional multi-head attention over packed sentences (no padding between them).
+
+    qkv [T, 3 * H * Dh] holds the tokens of B sentences back to back (q, k, v packed along the last
+    dim); sentence b is rows ``offsets[b] .. offsets[b+1]-1`` (offsets int64 [B + 1], from 0,
+    non-decreasing, at most T). Each token attends every token of its own sentence:
+    softmax(q k^T * scale) v per head. Rows past ``offsets[B]`` (bucket padding) are zero.
+    Returns [T, H * Dh] in qkv's dtype (computed in float32). IndexOutOfRangeError for bad offsets.
+    """
+    T, three_hd = qkv.shape
+    hd = three_hd // 3
+    dh = hd // num_heads
+    offs = [int(o) for o in offsets.tolist()]
+    check_offsets(offs, T)
+    out = torch.zeros((T, hd), dtype=torch.float32, device=qkv.device)
+    for s, e in zip(offs[:-1], offs[1:]):
+        if e > s:
+            q, k, v = qkv[s:e].float().view(e - s, 3, num_heads, dh).permute(1, 2, 0, 3)  # [H, L, Dh]
+            p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
+            out[s:e] = torch.matmul(p, v).transpose(0, 1).reshape(e - s, hd)
+    return out.to(qkv.dtype)
+
+
+_register("attention_varlen", "library", 2, _attention_varlen_infer,
+          lambda args, a: attention_varlen_reference(args[0], args[1], a["num_heads"], a["scale"]))
+_register("attention_bidir", "library", 2, _attention_bidir_infer,
+          lambda args, a: attention_bidir_reference(args[0], args[1], a["num_heads"], a["scale"]))
 _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))
 
 

@@ -3,6 +3,7 @@
 Schema: {"version": 1, "backend", "tensors": [{"shape", "dtype", "name"?}],
 "inputs": [ids], "ops": [{"op", "inputs": [ids], "attrs", "output"}], "outputs": [ids]}.
 Loading re-runs every shape rule, so a hand-edited file gets the same errors as the builder.
+A ``customized`` op's threadblock graph is stored in its attrs as ``TBGraph.to_dict()``.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def to_json(graph: KernelGraph) -> str:
 
 
 def _jsonable(attrs: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
+    return {k: list(v) if isinstance(v, tuple) else v.to_dict() if hasattr(v, "to_dict") else v
+            for k, v in attrs.items()}
 
 
 def from_json(text: str, cls: type[KernelGraph] = KernelGraph) -> KernelGraph:
@@ -46,6 +48,9 @@ def from_json(text: str, cls: type[KernelGraph] = KernelGraph) -> KernelGraph:
     g.inputs = list(doc["inputs"])
     for o in doc["ops"]:
         attrs = {k: tuple(v) if k in ("normalized_shape", "shape") else v for k, v in o["attrs"].items()}
+        if o["op"] == "customized":  # a threadblock graph (ir/threadblock.py)
+            from .threadblock import TBGraph
+            attrs["tb"] = TBGraph.from_dict(attrs["tb"], g)
         inferred = OPS[o["op"]].infer([types[i] for i in o["inputs"]], attrs)
         if inferred != types[o["output"]]:
             raise ValueError(f"{o['op']}: stored output type {types[o['output']]} != inferred {inferred}")

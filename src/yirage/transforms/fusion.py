@@ -9,6 +9,7 @@ expanded into the primitive statements below and fused greedily in topological o
 an op joins the open kernel when its shape fits, otherwise (or after any library op) a
 new kernel starts. Composite ops are expanded as
   rms_norm(x)  = x * rsqrt(sum(x*x) / D + eps)
+  layer_norm(x, w, b) = xc * rsqrt(sum(xc*xc) / D + eps) * w + b,  xc = x - sum(x) / D
   softmax(x)   = e / sum(e)  with  e = exp(x - max(x))
   reduction(x) = sum(x)
 
@@ -146,7 +147,7 @@ def input_mode(shape, S, k) -> str:
 def _row_k(node, graph) -> int | None:
     """Trailing dims a row op works on, or None if it cannot be fused (non-last dim)."""
     x = graph.tensors[node.inputs[0]]
-    if node.op == "rms_norm":
+    if node.op in ("rms_norm", "layer_norm"):
         return len(node.attrs["normalized_shape"])
     if node.attrs["dim"] % len(x.shape) == len(x.shape) - 1:
         return 1
@@ -208,6 +209,17 @@ def _emit(kern: FusedKernel, node, graph, kind: str) -> None:
         ss = kern.stmt(RS, "sum", [kern.stmt(VEC, "square", [x])])
         inv = kern.stmt(RS, "rsqrt", [kern.stmt(RS, "affine", [ss], a=1.0 / kern.D, b=a["eps"])])
         sid = kern.stmt(VEC, "mul", [x, inv])
+    elif op == "layer_norm":
+        x, affine = args[0], args[1:]
+        mean = kern.stmt(RS, "affine", [kern.stmt(RS, "sum", [x])], a=1.0 / kern.D, b=0.0)
+        xc = kern.stmt(VEC, "sub", [x, mean])
+        var = kern.stmt(RS, "affine", [kern.stmt(RS, "sum", [kern.stmt(VEC, "square", [xc])])],
+                        a=1.0 / kern.D, b=a["eps"])
+        sid = kern.stmt(VEC, "mul", [xc, kern.stmt(RS, "rsqrt", [var])])
+        if a.get("has_weight"):
+            sid = kern.stmt(VEC, "mul", [sid, affine.pop(0)])
+        if a.get("has_bias"):
+            sid = kern.stmt(VEC, "add", [sid, affine.pop(0)])
     elif op == "softmax":
         x = args[0]
         m = kern.stmt(RS, "max", [x])

@@ -1,0 +1,151 @@
+"""Embedding throughput: yirage float32 and int8 vs sentence-transformers (and ONNX Runtime if importable).
+
+Prints one JSON object: sentences/s of each side on the same 512 sentences (a fixed,
+deterministic mix of short and medium English sentences, 5 to about 60 tokens), the same
+thread count (``torch.set_num_threads`` and OMP_NUM_THREADS), the same batch size, one timed
+run per side after one warm-up run (which also compiles yirage's plans), the largest
+difference of yirage float32's vectors from sentence-transformers', and the cosine of
+yirage int8's vectors to float32's (min and mean).
+
+    python benchmarks/embed.py [-m all-minilm-l6-v2] [--threads 2] [--batch-size 32] [--n 512]
+
+ONNX Runtime runs the same model exported with ``torch.onnx.export`` (mean pooling in numpy);
+it is skipped (null in the JSON) when onnxruntime is not importable or the export fails.
+The machine may be shared with other jobs: figures are noisy; compare within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+
+def _argv_threads(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a.startswith("--threads="):
+            return a.split("=", 1)[1]
+        if a == "--threads" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "2"
+
+
+os.environ["OMP_NUM_THREADS"] = _argv_threads(sys.argv)  # before torch / libgomp start
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+_SUBJECTS = ["The committee", "A small dog", "Our new compiler", "The weather in Paris", "My neighbour's cat",
+             "This quarterly report", "The train to Berlin", "An old lighthouse", "The research team",
+             "A cup of green tea", "The city council", "Every embedding model"]
+_VERBS = ["announced", "ignored", "measured", "described", "improved", "delayed", "explained", "questioned"]
+_OBJECTS = ["the results of the experiment", "a plan for the coming winter", "the price of electricity",
+            "how the network handles long sentences", "the history of the old harbour",
+            "several unexpected problems with the schedule", "the weekly meeting",
+            "a faster way to compute sentence embeddings on ordinary CPUs"]
+_TAILS = ["", " yesterday.", " after a long discussion with everyone involved.", " in great detail.",
+          " because nobody else wanted to, and then they went home early to rest before the next day.",
+          " while the rain kept falling on the quiet streets of the town."]
+
+
+def sentences(n: int) -> list[str]:
+    """``n`` deterministic English sentences of varied length."""
+    out = []
+    for i in range(n):
+        s = f"{_SUBJECTS[i % 12]} {_VERBS[(i * 7) % 8]} {_OBJECTS[(i * 5) % 8]}{_TAILS[(i * 11) % 6]}"
+        out.append(s if s.endswith(".") else s + ".")
+    return out
+
+
+def _time(fn, texts) -> tuple[float, np.ndarray]:
+    fn(texts)  # warm-up (compiles yirage's plans, fills caches)
+    t = time.perf_counter()
+    out = fn(texts)
+    return time.perf_counter() - t, out
+
+
+def _onnx_side(path: str, texts: list[str], threads: int, batch_size: int):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None, "onnxruntime is not importable"
+    import tempfile
+
+    from transformers import AutoModel, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModel.from_pretrained(path).eval()
+        f = os.path.join(tempfile.mkdtemp(), "model.onnx")
+        dummy = tok(["a b c"], return_tensors="pt")
+        torch.onnx.export(model, (dummy["input_ids"], dummy["attention_mask"]), f,
+                          input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+                          dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"},
+                                        "last_hidden_state": {0: "b", 1: "s"}}, opset_version=17, dynamo=False)
+    except Exception as e:  # an exporter that cannot handle this model: report, do not fail the run
+        return None, f"export failed: {type(e).__name__}: {e}"
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(f, opts, providers=["CPUExecutionProvider"])
+
+    def run(batch_texts):
+        order = sorted(range(len(batch_texts)), key=lambda i: -len(batch_texts[i]))
+        out = np.empty((len(batch_texts), model.config.hidden_size), dtype=np.float32)
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            enc = tok([batch_texts[i] for i in idx], padding=True, truncation=True, max_length=256,
+                      return_tensors="np")
+            h = sess.run(None, {"input_ids": enc["input_ids"].astype(np.int64),
+                                "attention_mask": enc["attention_mask"].astype(np.int64)})[0]
+            m = enc["attention_mask"][..., None].astype(np.float32)
+            out[idx] = (h * m).sum(1) / np.clip(m.sum(1), 1e-9, None)
+        return out
+    return run, None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="all-minilm-l6-v2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--n", type=int, default=512)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import yirage as yr
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences(args.n)
+    m = yr.EmbeddingModel(args.model, backend="cpu")
+    path = str(m.spec.directory)
+    st = SentenceTransformer(path, device="cpu")
+    result = {"model": args.model, "sentences": len(texts), "threads": args.threads, "batch_size": args.batch_size,
+              "cpu": platform.processor() or platform.machine(),
+              "mean_tokens": float(np.mean([len(x) for x in m.tokenizer(texts)["input_ids"]]))}
+
+    t_yr, v_yr = _time(lambda x: m.encode(x, batch_size=args.batch_size), texts)
+    q8 = yr.EmbeddingModel(args.model, backend="cpu", quantization="int8")
+    t_q8, v_q8 = _time(lambda x: q8.encode(x, batch_size=args.batch_size), texts)
+    t_st, v_st = _time(lambda x: st.encode(x, batch_size=args.batch_size, convert_to_numpy=True), texts)
+    result["yirage_float32"] = {"seconds": t_yr, "sentences_per_s": len(texts) / t_yr,
+                                "plans": len(m._plans)}
+    cos = (v_yr * v_q8).sum(1) / (np.linalg.norm(v_yr, axis=1) * np.linalg.norm(v_q8, axis=1))
+    result["yirage_int8"] = {"seconds": t_q8, "sentences_per_s": len(texts) / t_q8, "plans": len(q8._plans),
+                             "cosine_to_float32_min": float(cos.min()), "cosine_to_float32_mean": float(cos.mean())}
+    result["sentence_transformers"] = {"seconds": t_st, "sentences_per_s": len(texts) / t_st}
+    onnx, why = _onnx_side(path, texts, args.threads, args.batch_size)
+    if onnx is None:
+        result["onnxruntime"] = None
+        result["onnxruntime_skipped"] = why
+    else:
+        t_ox, _ = _time(onnx, texts)
+        result["onnxruntime"] = {"seconds": t_ox, "sentences_per_s": len(texts) / t_ox}
+    result["speedup_yirage_float32_vs_sentence_transformers"] = t_st / t_yr
+    result["speedup_yirage_int8_vs_sentence_transformers"] = t_st / t_q8
+    result["max_abs_diff_vs_sentence_transformers"] = float(np.abs(v_yr - v_st).max())
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Threadblock graphs as kernels: one output rendered as C++ (codegen/threadblock_cpp.py, built
+and cached by source hash, runtime/toolchain.py) or as Triton (codegen/threadblock_triton.py,
+cached like the fused Triton kernels), and bound to tensors.
+
+A bound launcher is a zero-argument thunk calling ``void NAME(void** args)`` through ctypes
+with a pointer array built once. It must never allocate the tensors it is bound to.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from typing import Callable, Sequence
+
+import torch
+
+from ..codegen.threadblock_cpp import render_threadblock
+from .toolchain import load_library
+
+
+def compile_threadblock(tb, k: int):
+    """The ctypes function computing output ``k`` of threadblock graph ``tb`` (float32).
+
+    Raises ToolchainError when no compiler is installed or the build fails.
+    """
+    probe = render_threadblock(tb, k, "yr_tb")
+    name = "yr_tb_" + hashlib.sha256(probe.encode()).hexdigest()[:16]
+    source = probe.replace("void yr_tb(", f"void {name}(")
+    fn = getattr(load_library(source, symbols=(name,)), name)
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_void_p)], None
+    return fn
+
+
+def bind_threadblock(fn, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> Callable[[], None]:
+    """Thunk running ``fn`` on ``inputs`` (contiguous float32 CPU tensors) into ``out``."""
+    tensors = list(inputs) + [out]
+    ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    return lambda: fn(ptrs)
+
+
+def compile_threadblock_triton(tb, k: int):
+    """A launcher ``run(inputs, out)`` for output ``k`` of ``tb`` as a Triton kernel on the grid
+    ``tb.grid_dim`` (codegen/threadblock_triton.py; the module is cached like the fused
+    Triton kernels, runtime/triton_kernels.py). Tensors: contiguous, on one Triton device (CPU
+    tensors under ``TRITON_INTERPRET=1``).
+
+    Raises NotImplementedError for block graphs ``triton_supported`` rejects.
+    """
+    from ..codegen.threadblock_triton import render_threadblock_triton
+    from .triton_kernels import _load_module
+
+    fn = getattr(_load_module(render_threadblock_triton(tb, k, "yr_tb")), "yr_tb")
+    grid = tuple(tb.grid_dim)
+
+    def run(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        fn[grid](*inputs, out)
+    return run
