@@ -49,19 +49,25 @@ def _pull_hint(name: str) -> str:
     return f"yirage models pull {name}"
 
 
+def _package_locations(package: str, install_hint: str) -> list[Path]:
+    """The folders of the installed ``package`` (found without importing it); ModelLoadError naming
+    ``install_hint`` when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the model files come from the Python package {package!r}, which is not "
+                             f"installed; run `{install_hint}`")
+    return [Path(location) for location in spec.submodule_search_locations]
+
+
 def _gguf_in_package(package: str, install_hint: str) -> Callable[[], Path]:
     """A finder for the single ``*.gguf`` shipped inside ``package``, located without importing it."""
 
     def find() -> Path:
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"the model files come from the Python package {package!r}, which is not "
-                                 f"installed; run `{install_hint}`")
-        for location in spec.submodule_search_locations:
-            files = sorted(Path(location).glob("*.gguf"))
+        for location in _package_locations(package, install_hint):
+            files = sorted(location.glob("*.gguf"))
             if files:
                 return files[0]
         raise ModelLoadError(f"the package {package!r} is installed but holds no .gguf file; "
@@ -74,16 +80,9 @@ def _dir_in_package(package: str, subdir: str, install_hint: str) -> Callable[[]
     """A finder for the directory ``subdir`` shipped inside ``package``, located without importing it."""
 
     def find() -> Path:
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"the model files come from the Python package {package!r}, which is not "
-                                 f"installed; run `{install_hint}`")
-        for location in spec.submodule_search_locations:
-            if (Path(location) / subdir / "config.json").is_file():
-                return Path(location) / subdir
+        for location in _package_locations(package, install_hint):
+            if (location / subdir / "config.json").is_file():
+                return location / subdir
         raise ModelLoadError(f"the package {package!r} is installed but holds no {subdir}/config.json; "
                              f"reinstall it with `{install_hint}`")
 
