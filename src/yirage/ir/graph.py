@@ -374,13 +374,7 @@ class KernelGraph:
         them), key_mask float32 [B, S] added to the scores of each key (0 keeps, -inf drops a
         padding key). Returns [B, S, H * Dh]. ``scale`` multiplies q.k (default ``Dh ** -0.5``).
         GraphError for bad shapes, a non-positive ``num_heads`` or a non-finite ``scale``."""
-        self._check_tensors("attention_bidir", [qkv, key_mask])
-        h = _int("attention_bidir", "num_heads", num_heads)
-        if h <= 0:
-            raise GraphError(f"attention_bidir: num_heads must be positive, got {h}")
-        dh = qkv.shape[-1] // (3 * h) if qkv.shape[-1] >= 3 * h else 1
-        scale = _real("attention_bidir", "scale", scale) if scale is not None else dh ** -0.5
-        return self._add("attention_bidir", [qkv, key_mask], num_heads=h, scale=scale)
+        return self._packed_attention("attention_bidir", qkv, key_mask, num_heads, scale)
 
     def argmax(self, x, dim: int = -1):
         """Index of the maximum over the last dim (int64); ``dim`` is an integer naming it."""
@@ -405,13 +399,18 @@ class KernelGraph:
         ``scale`` multiplies q.k (default ``Dh ** -0.5``). GraphError for bad shapes, a
         non-positive ``num_heads`` or a non-finite ``scale``; offsets that are not 0, then
         non-decreasing up to at most T raise IndexOutOfRangeError when the graph runs."""
-        self._check_tensors("attention_varlen", [qkv, offsets])
-        h = _int("attention_varlen", "num_heads", num_heads)
+        return self._packed_attention("attention_varlen", qkv, offsets, num_heads, scale)
+
+    def _packed_attention(self, op: str, qkv, aux, num_heads, scale):
+        """The checks and attrs shared by the attention ops over packed qkv [..., 3 * H * Dh]:
+        ``num_heads`` a positive integer, ``scale`` finite (default ``Dh ** -0.5``)."""
+        self._check_tensors(op, [qkv, aux])
+        h = _int(op, "num_heads", num_heads)
         if h <= 0:
-            raise GraphError(f"attention_varlen: num_heads must be positive, got {h}")
+            raise GraphError(f"{op}: num_heads must be positive, got {h}")
         dh = qkv.shape[-1] // (3 * h) if qkv.shape[-1] >= 3 * h else 1
-        scale = _real("attention_varlen", "scale", scale) if scale is not None else dh ** -0.5
-        return self._add("attention_varlen", [qkv, offsets], num_heads=h, scale=scale)
+        scale = _real(op, "scale", scale) if scale is not None else dh ** -0.5
+        return self._add(op, [qkv, aux], num_heads=h, scale=scale)
 
     def customized(self, inputs: Sequence[DTensor], tb_graph) -> list[DTensor]:
         """Run threadblock graph ``tb_graph`` (``yr.new_threadblock_graph``, ir/threadblock.py)
