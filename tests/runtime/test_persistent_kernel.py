@@ -98,7 +98,7 @@ def test_scheduler_rejects_malformed_graphs():
     fn = ctypes.cast(lib.yr_pk_pool_width, ctypes.c_void_p).value  # any non-null address: never called
 
     def create(tasks, ops, deps):
-        t = torch.tensor(tasks, dtype=torch.int64).reshape(-1, 5)
+        t = torch.tensor([[r[0], r[1], 0, r[2], r[3], r[4], -1, 0] for r in tasks], dtype=torch.int64)
         o = torch.tensor(ops, dtype=torch.int64).reshape(-1, 3)
         d = torch.tensor(deps or [0], dtype=torch.int64)
         err = ctypes.c_int64(0)
@@ -464,3 +464,104 @@ def test_scheduler_runs_every_task_once_after_its_dependencies(dag, workers, ada
         assert lib.yr_pk_run(pool.handle, seg.handle, 1, None) == 1
         assert count.tolist() == need.tolist()
     assert int(violations[0]) == 0
+
+
+def test_a_task_held_by_a_preempted_worker_is_redone_and_its_late_result_dropped():
+    """A GEMV-like (redoable) task whose worker stalls (sleeps 2 s, as a worker preempted by
+    another process would) is redone by the other worker, so the step does not wait for it;
+    when the stalled worker wakes, its result goes to its scratch and is dropped: the
+    outputs are not written again (kernels/cpu/persistent.cpp execute/help)."""
+    import threading
+    import time
+
+    from yirage.runtime.task_graph import WorkerPool, _Segment, task_op
+
+    lib = scheduler()
+    fn = ctypes.cast(lib.yr_pk_test_redo_task, ctypes.c_void_p).value
+    n, tasks = 64, 8
+    x = torch.arange(n, dtype=torch.int64)
+    y, z = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    first_a, first_b = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    stalls = torch.zeros(1, dtype=torch.int64)
+    stall_ns, tid = 2_000_000_000, threading.get_native_id()
+    ranges = [(i * n // tasks, (i + 1) * n // tasks) for i in range(tasks)]
+
+    def op(name, src, dst, first):
+        return task_op(name, fn, (src.data_ptr(), dst.data_ptr(), first.data_ptr(), stall_ns, tid,
+                                  stalls.data_ptr(), 200_000), ranges, redo_arg=1, elem=8)
+
+    seg = _Segment([op("a", x, y, first_a), op("b", y, z, first_b)], [set(), {0}], [x, y, z])
+    pool = WorkerPool(2, adaptive=False)
+    try:
+        for _ in range(20):   # until the second worker has taken (and stalled in) a task
+            y.zero_(), z.zero_()
+            t0 = time.monotonic()
+            assert lib.yr_pk_run(pool.handle, seg.handle, 1, None) == 1
+            took = time.monotonic() - t0
+            assert y.tolist() == (2 * x + 1).tolist() and z.tolist() == (4 * x + 3).tolist()
+            if int(stalls[0]):
+                break
+        assert int(stalls[0]) >= 1, "the second worker never took a task"
+        assert took < stall_ns / 2e9, f"the step waited for the stalled worker ({took:.2f} s)"
+        x.fill_(1000)          # were the stalled worker's result written late, it would differ
+        time.sleep(stall_ns / 1e9 + 0.5)
+        assert y.tolist() == (2 * torch.arange(n) + 1).tolist()
+        assert z.tolist() == (4 * torch.arange(n) + 3).tolist()
+    finally:
+        del seg                # waits for the stalled worker, if it still runs
+        pool.close()
+
+
+@st.composite
+def _redo_chains(draw):
+    """Random DAGs of redoable ops: op o reads the output of one earlier op (or the input,
+    -1) and may also wait on others; per op a task count and a stall (ns) for the first run
+    of each of its slices on a worker thread."""
+    n = draw(st.integers(1, 10))
+    ops = []
+    for o in range(n):
+        src = draw(st.integers(-1, o - 1))
+        extra = sorted(draw(st.sets(st.integers(0, o - 1), max_size=min(o, 2)))) if o else []
+        ops.append((src, extra, draw(st.integers(1, 6)), draw(st.sampled_from([0, 0, 200_000, 2_000_000]))))
+    return ops
+
+
+@settings(max_examples=25, deadline=None)
+@given(dag=_redo_chains(), workers=st.integers(2, 4), steps=st.integers(1, 3))
+def test_redone_tasks_give_the_same_outputs_as_running_each_once(dag, workers, steps):
+    """Redoable ops whose worker threads stall at random (as preempted workers do): every
+    step's outputs equal the sequential result, whoever ran (or redid) each task."""
+    import threading
+
+    from yirage.runtime.task_graph import WorkerPool, _Segment, task_op
+
+    lib = scheduler()
+    fn = ctypes.cast(lib.yr_pk_test_redo_task, ctypes.c_void_p).value
+    n = 48
+    stalls = torch.zeros(1, dtype=torch.int64)
+    outs = [torch.zeros(n, dtype=torch.int64) for _ in dag]
+    firsts = [torch.zeros(n, dtype=torch.int64) for _ in dag]
+    pool = WorkerPool(workers, adaptive=False)
+    try:
+        for step in range(steps):
+            x = torch.arange(n, dtype=torch.int64) * (step + 1)
+            ops, deps = [], []
+            for o, (src, extra, tasks, stall) in enumerate(dag):
+                ranges = [(i * n // tasks, (i + 1) * n // tasks) for i in range(tasks)]
+                inp = x if src < 0 else outs[src]
+                ops.append(task_op(f"op{o}", fn, (inp.data_ptr(), outs[o].data_ptr(), firsts[o].data_ptr(), stall,
+                                                  threading.get_native_id(), stalls.data_ptr(), 2000),
+                                   ranges, redo_arg=1, elem=8))
+                deps.append(({src} if src >= 0 else set()) | set(extra))
+            seg = _Segment(ops, deps, [x, *outs])
+            for f in firsts:
+                f.zero_()
+            assert lib.yr_pk_run(pool.handle, seg.handle, 1, None) == 1
+            want = []
+            for src, _, _, _ in dag:
+                want.append(2 * (x if src < 0 else want[src]) + 1)
+            for o in range(len(dag)):
+                assert outs[o].tolist() == want[o].tolist(), f"op {o}"
+            del seg
+    finally:
+        pool.close()

@@ -293,9 +293,10 @@ def _linear_task(node, graph, args, out, status, num_workers):
     N, K = wt.shape
     M = x.numel() // K
     tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
+    # One token (a GEMV): each task writes y[lo:hi] only, so it may be redone elsewhere.
     return [task_op(f"linear {wt.dtype.value} {N}x{K}", _fn(fn),
                     (x.data_ptr(), w.data_ptr(), _ptr(bias) or 0, out.data_ptr(), M, N, K),
-                    split_range(N, tasks, _GEMV_ROWS))]
+                    split_range(N, tasks, _GEMV_ROWS), redo_arg=3 if M == 1 else -1, elem=4)]
 
 
 def _embedding_task(node, graph, args, out, status, num_workers):

@@ -44,6 +44,7 @@ _SIGNATURES = {
     "yr_pk_graph_profiled": ((_P,), _I),
     "yr_pk_run": ((_P, _P, _I, _P), _I),
     "yr_pk_test_task": ((_P, _I, _I), None),
+    "yr_pk_test_redo_task": ((_P, _I, _I), None),
 }
 #: Columns of a profiler row (``profiler_tensor`` int64 [capacity, 6]).
 PROFILE_FIELDS = ("worker", "step", "task", "start_ns", "end_ns", "op")
@@ -71,6 +72,12 @@ class TaskOp:
         args: int64 tensor [n], the function's argument block (pointers and sizes).
         ranges: the op's tasks, one ``(lo, hi)`` slice of its work each (at least one).
         keep: tensors that must outlive the op (scratch buffers the args point into).
+        redo_arg: -1, or (a *redoable* op) the index in ``args`` of the pointer to its only
+            output, of which each task writes elements [lo, hi) of ``elem`` bytes, reading
+            nothing it writes. The scheduler may then run a task on a second worker when the
+            first one is held up (preempted), each into its own scratch, and keep the first
+            finished: see kernels/cpu/persistent.cpp.
+        elem: bytes per output element of a redoable op (1, 2, 4 or 8).
     """
 
     name: str
@@ -78,12 +85,15 @@ class TaskOp:
     args: torch.Tensor
     ranges: list[tuple[int, int]]
     keep: list = dataclasses.field(default_factory=list)
+    redo_arg: int = -1
+    elem: int = 0
 
 
-def task_op(name: str, fn: int, args: Sequence[int], ranges: Sequence[tuple[int, int]], keep=()) -> TaskOp:
+def task_op(name: str, fn: int, args: Sequence[int], ranges: Sequence[tuple[int, int]], keep=(),
+            redo_arg: int = -1, elem: int = 0) -> TaskOp:
     """A ``TaskOp`` with its argument block built from ints (pointers, sizes)."""
     return TaskOp(name, int(fn), torch.tensor([int(a) for a in args], dtype=torch.int64),
-                  [(int(lo), int(hi)) for lo, hi in ranges], list(keep))
+                  [(int(lo), int(hi)) for lo, hi in ranges], list(keep), int(redo_arg), int(elem))
 
 
 def split_range(n: int, tasks: int, multiple: int = 1) -> list[tuple[int, int]]:
@@ -160,18 +170,22 @@ def _close_pools() -> None:
 
 
 class _Segment:
-    """Consecutive task ops compiled into one scheduler graph."""
+    """Consecutive task ops compiled into one scheduler graph. ``buffers``: the tensors the
+    ops read and write; they live as long as the graph (whose destruction first waits for
+    any worker still running a task that another worker redid)."""
 
-    def __init__(self, ops: list[TaskOp], deps: list[set[int]]):
+    def __init__(self, ops: list[TaskOp], deps: list[set[int]], buffers: Sequence[torch.Tensor] = ()):
         self.ops = ops
+        self.buffers = list(buffers)
         lib = scheduler()
         rows, op_rows, dep_list = [], [], []
         for o, op in enumerate(ops):
             op_rows.append((len(op.ranges), len(dep_list), len(dep_list) + len(deps[o])))
             dep_list.extend(sorted(deps[o]))
-            rows.extend((op.fn, op.args.data_ptr(), lo, hi, o) for lo, hi in op.ranges)
+            rows.extend((op.fn, op.args.data_ptr(), op.args.numel(), lo, hi, o, op.redo_arg, op.elem)
+                        for lo, hi in op.ranges)
         self.task_names = [op.name for op in ops for _ in op.ranges]
-        self.tasks = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
+        self.tasks = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8)
         self.op_table = torch.tensor(op_rows, dtype=torch.int64).reshape(-1, 3)
         self.dep_table = torch.tensor(dep_list or [0], dtype=torch.int64)
         err = ctypes.c_int64(0)
@@ -259,14 +273,15 @@ class TaskGraphPlan(Plan):
         deps: list[set[int]] = []
         last_writer: dict[int, int] = {}
         readers: dict[int, set[int]] = {}
+        buffers: list[torch.Tensor] = []
 
         def key(t: torch.Tensor) -> int:
             return t.untyped_storage().data_ptr()
 
         def flush():
             if ops:
-                segments.append(_Segment(list(ops), list(deps)))
-                ops.clear(), deps.clear(), last_writer.clear(), readers.clear()
+                segments.append(_Segment(list(ops), list(deps), list(buffers)))
+                ops.clear(), deps.clear(), last_writer.clear(), readers.clear(), buffers.clear()
 
         for kind, what, reads, writes in self._items:
             if kind == "host":
@@ -274,6 +289,7 @@ class TaskGraphPlan(Plan):
                 segments.append(what)
                 continue
             first = len(ops)
+            buffers.extend(reads), buffers.extend(writes)
             need: set[int] = set()
             for t in reads:
                 if key(t) in last_writer:

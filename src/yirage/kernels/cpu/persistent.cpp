@@ -14,17 +14,25 @@
 // - An op's event is the count of its finished tasks; a task whose dependencies have not
 //   all fired waits on their counters: it spins (pause) for ~20 us, then yields for ~200 us,
 //   then sleeps on a futex (woken by the finishing task, with a 1 ms timeout as a safety
-//   net). A busy core therefore costs a waiting worker no more than a few hundred
-//   microseconds of spinning.
+//   net, 50 us where it may help, see below). A busy core therefore costs a waiting worker
+//   no more than a few hundred microseconds of spinning.
 // - The caller's thread is worker 0; workers 1..N-1 are std::threads that live as long as the
-//   pool and sleep (futex) between steps. A step ends when every active worker has found
-//   the task list exhausted; there is no barrier between ops.
+//   pool and sleep (futex) between steps. A step ends when every task has been committed,
+//   not when every worker is back: there is no barrier between ops, nor at the end.
+// - Preempted workers (another process shares the core) do not hold a step up for their
+//   time slice. A waiting worker takes over tasks its claimer has not started (an atomic
+//   start flag per task and step), and *redoes* a redoable task (a GEMV slice: it writes
+//   out[lo, hi) of one output and reads nothing it writes) that has run for 3x its op's
+//   mean task time: every run of a redoable task writes into its worker's scratch, and only
+//   the first to commit (a compare-and-swap of the task's step number) copies it to the
+//   output, so a worker that resumes late only computes into its scratch and drops it.
+//   Claims carry the step number, so such a worker also never takes part in a later step
+//   with a stale claim; a graph is freed only once no worker is inside one.
 // - Adaptive width: now and then (every 256 steps, the interval doubling up to 4096 while
 //   the choice holds) the pool times PROBE_STEPS steps with each candidate number of active
-//   workers (N, N-1, 1) and keeps the fastest in total. With one core
-//   taken by another process a pool of 2 therefore falls back to 1 worker instead of
-//   stalling on the descheduled one (a task held by a preempted thread blocks its
-//   dependants for a whole scheduler time slice, several milliseconds).
+//   workers (N, N-1, 1) and keeps the fastest in total (the redo above covers GEMV slices
+//   only: a preempted worker running a norm or attention task still holds its dependants
+//   for its time slice, and where that costs more than the worker brings, fewer win).
 // - The meta loop (yr_pk_run with a meta block) runs many decode steps without returning
 //   to Python: before step s it writes ids[0] = tokens[s], start_pos[0] = s; after it,
 //   tokens[s+1] = argmax (unless s+1 is still a prompt position), step = s+1, and it
@@ -44,6 +52,10 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <set>
+#include <cstdlib>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 #if defined(__linux__)
@@ -83,9 +95,9 @@ struct alignas(64) Word {
 
 std::atomic<int32_t> g_sleepers{0};
 
-void futex_wait(std::atomic<int32_t>* w, int32_t seen) {
+void futex_wait(std::atomic<int32_t>* w, int32_t seen, int64_t timeout_ns = 1000000) {
 #if defined(__linux__)
-    struct timespec ts = {0, 1000000};  // 1 ms: a lost wake-up costs at most this
+    struct timespec ts = {0, (long)timeout_ns};  // 1 ms: a lost wake-up costs at most this
     syscall(SYS_futex, reinterpret_cast<int32_t*>(w), FUTEX_WAIT_PRIVATE, seen, &ts, nullptr, 0);
 #else
     (void)w; (void)seen;
@@ -102,67 +114,88 @@ void futex_wake(std::atomic<int32_t>* w) {
 #endif
 }
 
-// Waits until ready() holds: spin, then yield, then futex-sleep on w (whose value changes
-// whenever ready() may have become true).
-template <typename Ready>
-void wait_until(std::atomic<int32_t>* w, Ready ready) {
-    if (ready()) return;
-    const int64_t t0 = now_ns();
-    for (;;) {
-        for (int i = 0; i < 64; ++i) {
-            if (ready()) return;
-            YR_PAUSE();
-        }
-        if (now_ns() - t0 > SPIN_NS) break;
-    }
-    for (;;) {
-        if (ready()) return;
-        std::this_thread::yield();
-        if (now_ns() - t0 > SPIN_NS + YIELD_NS) break;
-    }
-    for (;;) {
-        const int32_t seen = w->load();
-        if (ready()) return;
-        g_sleepers.fetch_add(1);
-        if (!ready()) futex_wait(w, seen);
-        g_sleepers.fetch_sub(1);
-    }
+// Time in ticks for the redo bookkeeping: the TSC where there is one (a few ns to read, and
+// every task reads it twice), else the steady clock. ticks_per_us() is measured once.
+inline int64_t ticks() {
+#if defined(__x86_64__) || defined(__i386__)
+    return (int64_t)__rdtsc();
+#else
+    return now_ns();
+#endif
 }
+
+int64_t ticks_per_us() {
+    static const int64_t v = [] {
+        const int64_t n0 = now_ns(), t0 = ticks();
+        while (now_ns() - n0 < 2000000) {}
+        const int64_t dn = now_ns() - n0, dt = ticks() - t0;
+        return std::max<int64_t>(1, dt * 1000 / std::max<int64_t>(dn, 1));
+    }();
+    return v;
+}
+
+constexpr int64_t HELP_SLEEP_NS = 50000;   // a worker that may help sleeps at most this
+constexpr int MAX_REDO_ARGS = 64;      // argument block of a redoable task, at most
+constexpr int64_t REDO_MIN_US = 30;    // a task is redone once it has run 3x its op's mean
+constexpr int64_t REDO_FIRST_US = 2000;   // time plus this; before any mean is known: this
 
 struct Task {
     TaskFn fn;
     const int64_t* args;
     int64_t lo, hi;
     int32_t op;
+    int32_t nargs;      // length of args (redoable tasks)
+    int32_t redo_arg;   // -1, or the argument holding the output pointer (see yr_pk_graph_create)
+    int32_t elem;       // bytes per output element of a redoable task
+};
+
+// Per task: the epochs (step numbers) of its last commit, start and redo by a helper.
+struct alignas(64) TaskState {
+    std::atomic<int64_t> committed{-1};
+    std::atomic<int64_t> started{-1};
+    std::atomic<int64_t> start_t{0};      // ticks() when started
+    std::atomic<int64_t> helped{-1};
 };
 
 struct Op {
     int32_t ntasks;
     int32_t dep_begin, dep_end;   // into Graph::deps
+    int32_t task_begin;           // its tasks are [task_begin, task_begin + ntasks)
+    bool redoable;                // every task of it is
 };
+
+struct Pool;
 
 struct Graph {
     std::vector<Task> tasks;
     std::vector<Op> ops;
     std::vector<int32_t> deps;
-    std::unique_ptr<Word[]> done;          // per op: tasks finished in this step
-    // profiler: rows of {worker, step, task, start_ns, end_ns, 0}; null when off
+    std::unique_ptr<Word[]> done;          // per op: tasks committed in this step
+    std::unique_ptr<TaskState[]> state;    // per task
+    std::unique_ptr<std::atomic<int64_t>[]> mean_ticks;   // per op: running mean task time
+    Word finished;                         // tasks committed in this step
+    std::atomic<int64_t> next{0};          // claims: (epoch & EPOCH_MASK) << 32 | task index
+    std::atomic<int64_t> epoch{-1};        // the pool epoch of this graph's current/last step
+    std::atomic<Pool*> pool{nullptr};      // the pool that last ran it
+    // profiler: rows of {worker, step, task, start_ns, end_ns, op}; null when off
     int64_t* prof = nullptr;
     int64_t prof_cap = 0;
     std::atomic<int64_t> prof_n{0};
     int64_t steps = 0;                     // steps run so far (profiler step column)
 };
+constexpr int64_t EPOCH_MASK = 0x7fffffff;
+// Step numbers, over every pool and graph of the process (a graph's task states hold the
+// epoch of their last commit, so they must only grow, also across pools and forks).
+std::atomic<int64_t> g_epoch{0};
 
 struct Pool {
     int nworkers = 1;                      // including the caller
-    int active = 1;                        // workers taking part in the current step
+    std::atomic<int> active{1};            // workers taking part in the current step
     std::vector<std::thread> threads;
-    std::unique_ptr<Word[]> go;            // per worker: the step number it may start
-    Word exited;                           // active workers 1.. that finished the step
-    std::atomic<int32_t> next{0};          // next task to hand out
+    Word gen;                              // low bits of the current epoch (workers wait on it)
+    std::atomic<Graph*> graph{nullptr};    // the graph of the current step
+    std::atomic<int32_t> busy{0};          // workers 1.. inside a graph
     std::atomic<bool> stop{false};
-    Graph* graph = nullptr;
-    int32_t epoch = 0;
     // adaptive width
     bool adaptive = true;
     std::vector<int> candidates;
@@ -178,63 +211,235 @@ struct Pool {
     int chosen = 1;
 };
 
-void run_tasks(Pool* pool, int worker) {
-    Graph* g = pool->graph;
+// Pools not yet destroyed (a graph may outlive the pool that ran it); emptied in a forked
+// child, whose copies of the pools have no threads.
+std::mutex g_pools_mu;
+std::set<Pool*>& live_pools() {
+    static std::set<Pool*>* s = new std::set<Pool*>();
+    return *s;
+}
+void forget_pools_in_child() { live_pools().clear(); new (&g_pools_mu) std::mutex(); }
+
+// This thread's output buffer for redoable tasks (64-byte aligned, grown on demand).
+char* scratch(size_t bytes) {
+    struct Buf {
+        char* p = nullptr;
+        size_t n = 0;
+        ~Buf() { std::free(p); }
+    };
+    thread_local Buf b;
+    if (b.n < bytes) {
+        std::free(b.p);
+        b.n = (bytes + 63) / 64 * 64;
+        b.p = static_cast<char*>(std::aligned_alloc(64, b.n));
+        if (!b.p) { b.n = 0; return nullptr; }
+    }
+    return b.p;
+}
+
+bool deps_done(const Graph* g, const Op& op) {
+    for (int32_t d = op.dep_begin; d < op.dep_end; ++d) {
+        const int32_t dep = g->deps[d];
+        if (g->done[dep].v.load(std::memory_order_acquire) < g->ops[dep].ntasks) return false;
+    }
+    return true;
+}
+
+// Runs task i of g for step `E` and commits it, unless another worker committed it first.
+// A redoable task computes into this thread's scratch; only the worker that wins the commit
+// (a compare-and-swap of the task's epoch) copies it to the real output, so a worker that
+// resumes late (after a preemption, its task redone by another) never writes anything.
+void execute(Graph* g, int32_t i, int64_t E, int worker, bool helper) {
+    const Task& t = g->tasks[i];
+    TaskState& s = g->state[i];
+    if (s.committed.load(std::memory_order_acquire) >= E) return;
+    const int64_t p0 = g->prof ? now_ns() : 0;
+    const int64_t t0 = ticks();
+    if (t.redo_arg < 0) {
+        t.fn(t.args, t.lo, t.hi);
+        s.committed.store(E, std::memory_order_release);
+    } else {
+        const size_t bytes = (size_t)(t.hi - t.lo) * (size_t)t.elem;
+        char* buf = scratch(bytes);
+        if (!buf) {   // no memory for the scratch: take the commit first, then write in place
+            int64_t c = s.committed.load(std::memory_order_acquire);
+            do {
+                if (c >= E) return;
+            } while (!s.committed.compare_exchange_weak(c, E, std::memory_order_acq_rel));
+            t.fn(t.args, t.lo, t.hi);
+        } else {
+            int64_t a[MAX_REDO_ARGS];
+            std::memcpy(a, t.args, sizeof(int64_t) * (size_t)t.nargs);
+            a[t.redo_arg] = (int64_t)(reinterpret_cast<uintptr_t>(buf) - (uintptr_t)(t.lo * t.elem));
+            t.fn(a, t.lo, t.hi);
+            int64_t c = s.committed.load(std::memory_order_acquire);
+            do {
+                if (c >= E) return;          // another worker committed it: drop ours
+            } while (!s.committed.compare_exchange_weak(c, E, std::memory_order_acq_rel));
+            std::memcpy(reinterpret_cast<char*>(t.args[t.redo_arg]) + t.lo * t.elem, buf, bytes);
+        }
+    }
+    if (!helper) {   // running mean of the op's task time (racy updates are harmless)
+        std::atomic<int64_t>& m = g->mean_ticks[t.op];
+        const int64_t d = ticks() - t0, old = m.load(std::memory_order_relaxed);
+        m.store(old ? old + (d - old) / 8 : d, std::memory_order_relaxed);
+    }
+    if (g->prof) {
+        const int64_t slot = g->prof_n.fetch_add(1);
+        if (slot < g->prof_cap) {
+            int64_t* row = g->prof + slot * 6;
+            row[0] = worker; row[1] = g->steps; row[2] = i; row[3] = p0; row[4] = now_ns(); row[5] = t.op;
+        }
+    }
+    g->done[t.op].v.fetch_add(1, std::memory_order_acq_rel);
+    futex_wake(&g->done[t.op].v);
+    if (g->finished.v.fetch_add(1, std::memory_order_acq_rel) + 1 == (int32_t)g->tasks.size())
+        futex_wake(&g->finished.v);
+}
+
+// Starts task i in step E unless another worker already has (it then returns false).
+bool try_start(TaskState& s, int64_t E) {
+    int64_t v = s.started.load(std::memory_order_acquire);
+    do {
+        if (v >= E) return false;
+    } while (!s.started.compare_exchange_weak(v, E, std::memory_order_acq_rel));
+    s.start_t.store(ticks(), std::memory_order_relaxed);
+    return true;
+}
+
+// Called by a worker waiting on op o in step E, whose tasks have all been claimed. Once o's
+// dependencies are done it runs one of o's tasks that its claimer has not started yet (the
+// claimer is asleep or preempted: it will find the task taken), or redoes a redoable one
+// that has run for 3x the op's mean task time plus REDO_MIN_US (its worker was most likely
+// preempted). Returns true if it ran one.
+bool help(Graph* g, int32_t o, int64_t E, int worker) {
+    const Op& op = g->ops[o];
+    if (!deps_done(g, op)) return false;
+    const int64_t now = ticks();
+    const int64_t mean = g->mean_ticks[o].load(std::memory_order_relaxed);
+    const int64_t limit = mean ? 3 * mean + REDO_MIN_US * ticks_per_us() : REDO_FIRST_US * ticks_per_us();
+    for (int32_t i = op.task_begin; i < op.task_begin + op.ntasks; ++i) {
+        TaskState& s = g->state[i];
+        if (s.committed.load(std::memory_order_acquire) >= E) continue;
+        if (s.started.load(std::memory_order_acquire) < E) {
+            if (!try_start(s, E)) continue;
+            execute(g, i, E, worker, false);
+            return true;
+        }
+        if (!op.redoable || now - s.start_t.load(std::memory_order_relaxed) < limit) continue;
+        int64_t h = s.helped.load(std::memory_order_relaxed);
+        if (h >= E || !s.helped.compare_exchange_strong(h, E)) continue;   // one helper per task
+        execute(g, i, E, worker, true);
+        return true;
+    }
+    return false;
+}
+
+// Waits until ready() holds: spin, then yield, then futex-sleep on w (whose value changes
+// whenever ready() may have become true); helper() is called now and then (a true return
+// means it did work: the wait starts over), at least every sleep_ns.
+template <typename Ready, typename Helper>
+void wait_until(std::atomic<int32_t>* w, Ready ready, Helper helper, int64_t sleep_ns = 1000000) {
+    if (ready()) return;
+    int64_t t0 = now_ns();
+    for (;;) {
+        for (int i = 0; i < 64; ++i) {
+            if (ready()) return;
+            YR_PAUSE();
+        }
+        if (helper()) t0 = now_ns();
+        if (now_ns() - t0 > SPIN_NS) break;
+    }
+    for (;;) {
+        if (ready()) return;
+        std::this_thread::yield();
+        if (helper()) t0 = now_ns();
+        if (now_ns() - t0 > SPIN_NS + YIELD_NS) break;
+    }
+    for (;;) {
+        const int32_t seen = w->load();
+        if (ready()) return;
+        if (helper()) continue;
+        g_sleepers.fetch_add(1);
+        if (!ready()) futex_wait(w, seen, sleep_ns);
+        g_sleepers.fetch_sub(1);
+    }
+}
+
+template <typename Ready>
+void wait_until(std::atomic<int32_t>* w, Ready ready) {
+    wait_until(w, ready, [] { return false; });
+}
+
+// Claims and runs tasks of g until its task list is exhausted (or g's step E is over: a
+// worker that resumes after a preemption finds its claims stale and returns).
+void run_tasks(Graph* g, int worker) {
     const int32_t n = (int32_t)g->tasks.size();
     for (;;) {
-        const int32_t i = pool->next.fetch_add(1);
-        if (i >= n) return;
-        const Task& t = g->tasks[i];
-        const Op& op = g->ops[t.op];
+        const int64_t v = g->next.fetch_add(1, std::memory_order_acq_rel);
+        const int32_t i = (int32_t)(v & 0xffffffff);
+        const int64_t E = g->epoch.load(std::memory_order_acquire);
+        if (i >= n || (E & EPOCH_MASK) != (v >> 32)) return;   // exhausted, or a step ago
+        TaskState& s = g->state[i];
+        const Op& op = g->ops[g->tasks[i].op];
         for (int32_t d = op.dep_begin; d < op.dep_end; ++d) {
             const int32_t dep = g->deps[d];
             const int32_t need = g->ops[dep].ntasks;
             std::atomic<int32_t>* w = &g->done[dep].v;
-            wait_until(w, [w, need] { return w->load(std::memory_order_acquire) >= need; });
+            wait_until(w,
+                       [&] {
+                           return w->load(std::memory_order_acquire) >= need ||
+                                  s.started.load(std::memory_order_acquire) >= E ||   // taken
+                                  g->epoch.load(std::memory_order_acquire) != E;
+                       },
+                       [&] { return help(g, dep, E, worker); }, HELP_SLEEP_NS);
         }
-        const int64_t t0 = g->prof ? now_ns() : 0;
-        t.fn(t.args, t.lo, t.hi);
-        if (g->prof) {
-            const int64_t slot = g->prof_n.fetch_add(1);
-            if (slot < g->prof_cap) {
-                int64_t* row = g->prof + slot * 6;
-                row[0] = worker; row[1] = g->steps; row[2] = i; row[3] = t0; row[4] = now_ns(); row[5] = t.op;
-            }
-        }
-        g->done[t.op].v.fetch_add(1);
-        futex_wake(&g->done[t.op].v);
+        if (g->epoch.load(std::memory_order_acquire) != E) return;
+        if (try_start(s, E)) execute(g, i, E, worker, false);
     }
 }
 
 void worker_main(Pool* pool, int id) {
     int32_t seen = 0;
     for (;;) {
-        std::atomic<int32_t>* w = &pool->go[id].v;
+        std::atomic<int32_t>* w = &pool->gen.v;
         wait_until(w, [&] { return pool->stop.load() || w->load() != seen; });
         if (pool->stop.load()) return;
         seen = w->load();
-        run_tasks(pool, id);
-        pool->exited.v.fetch_add(1);
-        futex_wake(&pool->exited.v);
+        if (id >= pool->active.load()) continue;
+        pool->busy.fetch_add(1, std::memory_order_seq_cst);   // see yr_pk_graph_destroy
+        Graph* g = pool->graph.load(std::memory_order_seq_cst);
+        if (g) run_tasks(g, id);
+        pool->busy.fetch_sub(1, std::memory_order_seq_cst);
     }
 }
 
-// One step of graph g on the pool with `width` workers.
+// One step of graph g on the pool with `width` workers. It ends when every task has been
+// committed, not when every worker is back: a preempted worker does not hold it up.
 void step(Pool* pool, Graph* g, int width) {
+    const int64_t E = g_epoch.fetch_add(1) + 1;
     for (size_t o = 0; o < g->ops.size(); ++o) g->done[o].v.store(0, std::memory_order_relaxed);
-    pool->graph = g;
-    pool->active = width;
-    pool->next.store(0);
-    pool->exited.v.store(0);
-    ++pool->epoch;
-    for (int i = 1; i < width; ++i) {
-        pool->go[i].v.store(pool->epoch);
-        futex_wake(&pool->go[i].v);
+    g->finished.v.store(0, std::memory_order_relaxed);
+    g->pool.store(pool);
+    g->epoch.store(E, std::memory_order_seq_cst);
+    g->next.store((E & EPOCH_MASK) << 32, std::memory_order_seq_cst);
+    pool->active.store(width);
+    pool->graph.store(g, std::memory_order_seq_cst);
+    if (width > 1) {
+        pool->gen.v.store((int32_t)E, std::memory_order_seq_cst);
+        futex_wake(&pool->gen.v);
     }
-    run_tasks(pool, 0);
-    std::atomic<int32_t>* w = &pool->exited.v;
-    const int32_t need = width - 1;
-    wait_until(w, [w, need] { return w->load() >= need; });
+    run_tasks(g, 0);
+    const int32_t n = (int32_t)g->tasks.size();
+    std::atomic<int32_t>* w = &g->finished.v;
+    wait_until(w, [w, n] { return w->load(std::memory_order_acquire) >= n; },
+               [&] {
+                   for (int32_t o = 0; o < (int32_t)g->ops.size(); ++o)
+                       if (g->done[o].v.load(std::memory_order_acquire) < g->ops[o].ntasks && help(g, o, E, 0))
+                           return true;
+                   return false;
+               },
+               HELP_SLEEP_NS);
     ++g->steps;
 }
 
@@ -308,7 +513,13 @@ void* yr_pk_pool_create(int64_t num_workers, int64_t adaptive) {
             pool->candidates.push_back(c);
     pool->best_ns.assign(pool->candidates.size(), 0);
     pool->probe_n.assign(pool->candidates.size(), 0);
-    pool->go.reset(new Word[pool->nworkers]);
+    ticks_per_us();   // calibrated once, outside any step
+    static std::once_flag atfork;
+    std::call_once(atfork, [] { pthread_atfork(nullptr, nullptr, forget_pools_in_child); });
+    {
+        std::lock_guard<std::mutex> lock(g_pools_mu);
+        live_pools().insert(pool);
+    }
     for (int i = 1; i < pool->nworkers; ++i) pool->threads.emplace_back(worker_main, pool, i);
     return pool;
 }
@@ -317,13 +528,15 @@ void yr_pk_pool_destroy(void* p) {
     Pool* pool = static_cast<Pool*>(p);
     if (!pool) return;
     pool->stop.store(true);
-    for (int i = 1; i < pool->nworkers; ++i) {
-        pool->go[i].v.fetch_add(1);
-        g_sleepers.fetch_add(1);   // force the wake-up syscall
-        futex_wake(&pool->go[i].v);
-        g_sleepers.fetch_sub(1);
-    }
+    pool->gen.v.fetch_add(1);
+    g_sleepers.fetch_add(1);   // force the wake-up syscall
+    futex_wake(&pool->gen.v);
+    g_sleepers.fetch_sub(1);
     for (auto& t : pool->threads) t.join();
+    {
+        std::lock_guard<std::mutex> lock(g_pools_mu);
+        live_pools().erase(pool);
+    }
     delete pool;
 }
 
@@ -333,11 +546,15 @@ int64_t yr_pk_pool_width(void* p) {
     return pool ? pool->chosen : 0;
 }
 
-// A task graph. tasks: int64 [n_tasks, 5] rows {fn, args, lo, hi, op}; ops: int64 [n_ops, 3]
-// rows {ntasks, dep_begin, dep_end}; deps: int64 [n_deps] op ids. Tasks must be in an order
-// where every task of an op comes after every task of the ops it depends on, and each op's
-// ntasks must equal the number of its tasks. Returns null if any of this does not hold
-// (*error = 1 + the index of the failing row kind: 1 task, 2 op, 3 dep, 4 count).
+// A task graph. tasks: int64 [n_tasks, 8] rows {fn, args, nargs, lo, hi, op, redo_arg, elem};
+// ops: int64 [n_ops, 3] rows {ntasks, dep_begin, dep_end}; deps: int64 [n_deps] op ids. Tasks
+// must be in an order where every task of an op comes after every task of the ops it
+// depends on, and each op's ntasks must equal the number of its tasks.
+// A task is *redoable* when redo_arg >= 0: args (nargs <= 64 int64) holds at index redo_arg
+// the pointer of its only output, of which it writes elements [lo, hi) of elem bytes each
+// (elem 1, 2, 4 or 8), and it reads no memory it writes. The scheduler may then run it on
+// several workers (see execute, help); redo_arg = -1 otherwise (nargs and elem unused).
+// Returns null if any of this does not hold (*error: 1 task, 2 op, 3 dep, 4 count).
 void* yr_pk_graph_create(const int64_t* tasks, int64_t n_tasks, const int64_t* ops, int64_t n_ops,
                          const int64_t* deps, int64_t n_deps, int64_t* error) {
     *error = 0;
@@ -348,7 +565,7 @@ void* yr_pk_graph_create(const int64_t* tasks, int64_t n_tasks, const int64_t* o
     for (int64_t o = 0; o < n_ops; ++o) {
         const int64_t* r = ops + o * 3;
         if (r[0] < 0 || r[1] < 0 || r[2] < r[1] || r[2] > n_deps) { *error = 2; return nullptr; }
-        g->ops[o] = {(int32_t)r[0], (int32_t)r[1], (int32_t)r[2]};
+        g->ops[o] = {(int32_t)r[0], (int32_t)r[1], (int32_t)r[2], 0, r[0] > 0};
         for (int64_t d = r[1]; d < r[2]; ++d)
             if (deps[d] < 0 || deps[d] >= o) { *error = 3; return nullptr; }   // deps point backwards
     }
@@ -357,20 +574,46 @@ void* yr_pk_graph_create(const int64_t* tasks, int64_t n_tasks, const int64_t* o
     int32_t last_op = 0;
     g->tasks.resize((size_t)n_tasks);
     for (int64_t i = 0; i < n_tasks; ++i) {
-        const int64_t* r = tasks + i * 5;
-        if (r[0] == 0 || r[4] < 0 || r[4] >= n_ops || r[4] < last_op || r[3] < r[2]) { *error = 1; return nullptr; }
-        last_op = (int32_t)r[4];
-        ++seen[r[4]];
-        g->tasks[i] = {reinterpret_cast<TaskFn>(r[0]), reinterpret_cast<const int64_t*>(r[1]), r[2], r[3],
-                       (int32_t)r[4]};
+        const int64_t* r = tasks + i * 8;
+        const int64_t fn = r[0], args = r[1], nargs = r[2], lo = r[3], hi = r[4], op = r[5], redo = r[6],
+                      elem = r[7];
+        if (fn == 0 || op < 0 || op >= n_ops || op < last_op || hi < lo) { *error = 1; return nullptr; }
+        if (redo != -1 && (args == 0 || nargs < 1 || nargs > MAX_REDO_ARGS || redo < 0 || redo >= nargs ||
+                           (elem != 1 && elem != 2 && elem != 4 && elem != 8) || lo < 0 ||
+                           hi - lo > (int64_t)1 << 40)) { *error = 1; return nullptr; }
+        if (op != last_op || i == 0) g->ops[op].task_begin = (int32_t)i;
+        last_op = (int32_t)op;
+        ++seen[op];
+        g->ops[op].redoable = g->ops[op].redoable && redo >= 0;
+        g->tasks[i] = {reinterpret_cast<TaskFn>(fn), reinterpret_cast<const int64_t*>(args), lo, hi,
+                       (int32_t)op, (int32_t)(redo >= 0 ? nargs : 0), (int32_t)redo, (int32_t)(redo >= 0 ? elem : 0)};
     }
     for (int64_t o = 0; o < n_ops; ++o)
         if (seen[o] != g->ops[o].ntasks) { *error = 4; return nullptr; }
     g->done.reset(new Word[std::max<int64_t>(n_ops, 1)]);
+    g->state.reset(new TaskState[std::max<int64_t>(n_tasks, 1)]);
+    g->mean_ticks.reset(new std::atomic<int64_t>[std::max<int64_t>(n_ops, 1)]);
+    for (int64_t o = 0; o < n_ops; ++o) g->mean_ticks[o].store(0);
+    g->next.store(EPOCH_MASK << 32 | 0x7fffffff);   // exhausted until its first step
     return g.release();
 }
 
-void yr_pk_graph_destroy(void* g) { delete static_cast<Graph*>(g); }
+// Frees a graph; first waits until no worker of any pool is inside a graph (a worker preempted during a task that another worker redid may still be running
+// it into its scratch, reading the graph and the tensors it points to).
+void yr_pk_graph_destroy(void* gp) {
+    Graph* g = static_cast<Graph*>(gp);
+    if (!g) return;
+    if (g->pool.load()) {   // it ran: no worker of any pool may still be inside it
+        std::lock_guard<std::mutex> lock(g_pools_mu);
+        for (Pool* pool : live_pools()) {
+            Graph* expect = g;
+            pool->graph.compare_exchange_strong(expect, nullptr, std::memory_order_seq_cst);
+        }
+        for (Pool* pool : live_pools())
+            while (pool->busy.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
+    }
+    delete g;
+}
 
 // Profiler buffer: int64 [capacity, 6] rows {worker, step, task, start_ns, end_ns, op}
 // (steady clock); null turns profiling off. yr_pk_graph_profiled returns the rows written.
@@ -442,6 +685,29 @@ void yr_pk_test_task(const int64_t* a, int64_t, int64_t) {
     volatile int64_t sink = 0;
     for (int64_t i = 0; i < a[6]; ++i) sink = sink + i;
     __atomic_fetch_add(&count[a[2]], 1, __ATOMIC_RELEASE);
+}
+
+// A redoable task for testing (tests/runtime/test_persistent_kernel.py): a = {in*, out*,
+// first*, stall_ns, stall_tid, stalls*, spin} (int64 arrays): spins `spin` iterations, then
+// out[j] = 2 * in[j] + 1 for j in [lo, hi). The first run of the slice (first[lo] was 0) on a
+// thread other than stall_tid (the caller's Linux thread id) first sleeps stall_ns and counts
+// one stall, as a worker preempted mid-task would.
+void yr_pk_test_redo_task(const int64_t* a, int64_t lo, int64_t hi) {
+    const int64_t* in = reinterpret_cast<const int64_t*>(a[0]);
+    int64_t* out = reinterpret_cast<int64_t*>(a[1]);
+    int64_t* first = reinterpret_cast<int64_t*>(a[2]);
+    volatile int64_t sink = 0;
+    for (int64_t i = 0; i < a[6]; ++i) sink = sink + i;
+#if defined(__linux__)
+    const bool other = (int64_t)syscall(SYS_gettid) != a[4];
+#else
+    const bool other = false;
+#endif
+    if (other && __atomic_exchange_n(&first[lo], 1, __ATOMIC_ACQ_REL) == 0) {
+        __atomic_fetch_add(reinterpret_cast<int64_t*>(a[5]), 1, __ATOMIC_ACQ_REL);
+        std::this_thread::sleep_for(std::chrono::nanoseconds(a[3]));
+    }
+    for (int64_t j = lo; j < hi; ++j) out[j] = 2 * in[j] + 1;
 }
 
 }  // extern "C"
