@@ -30,9 +30,9 @@ llama.cpp comes from llama-cpp-python (the optional ``bench`` extra: ``make benc
 it compiles llama.cpp for about 10 minutes). Without it the llama.cpp side is skipped.
 
 ``--scenario busy``: a separate process spins on one core (the last one this process may use)
-while yirage and llama.cpp decode with --threads threads; the same script run as a child with
---threads=1 on the idle machine (before the spinner starts) gives "yirage, 1 thread, idle" for
-comparison.
+while yirage (its default engine) and llama.cpp decode with --threads threads; run by run,
+yirage with one worker on the idle machine runs just before, and the ratio of each such pair
+is reported (their median is issue 7's busy-core figure).
 
 If ``yr.LLM`` takes a ``persistent`` keyword, yirage is measured with persistent=True and
 persistent=False; if it takes a thread-count keyword (num_threads, threads, num_workers), it
@@ -296,6 +296,38 @@ def measure(sides: dict, prompts: dict[str, tuple[str, list[int]]], tokens: int,
     return out
 
 
+def measure_busy(sides: dict, idle_side, prompts: dict[str, tuple[str, list[int]]], tokens: int,
+                 runs: int) -> tuple[dict, dict[str, tuple[dict, dict]]]:
+    """The busy scenario, run by run: ``idle_side`` (yirage with one worker) on the idle
+    machine, then one core kept busy by another process (started for the run, given a
+    32-token generation per side to settle) while every side of ``sides`` runs. Pairing the
+    two in time keeps the machine's drift (a shared host) out of their ratio. Returns
+    (idle summary, {side: (summary, {prompt: greedy token ids of the first run})})."""
+    first_text, first_ids = next(iter(prompts.values()))
+    for side in (idle_side, *sides.values()):
+        side.run(first_text, first_ids, 4)
+    idle_raw = {p: [] for p in prompts}
+    raw = {s: {p: [] for p in prompts} for s in sides}
+    for pname, (text, ids) in prompts.items():
+        for _ in range(runs):
+            idle_raw[pname].append(idle_side.run(text, ids, tokens))
+            with BusyCore():
+                for side in sides.values():
+                    side.run(text, ids, 32)
+                for sname, side in sides.items():
+                    raw[sname][pname].append(side.run(text, ids, tokens))
+
+    def summary(side, by_prompt):
+        out, toks = dict(side.info), {}
+        for pname, rs in by_prompt.items():
+            out[pname] = _summary(len(prompts[pname][1]), [r[0] for r in rs], [r[1] for r in rs],
+                                  [len(r[2]) for r in rs], rs[0][3])
+            toks[pname] = rs[0][2]
+        return out, toks
+
+    return summary(idle_side, idle_raw)[0], {s: summary(side, raw[s]) for s, side in sides.items()}
+
+
 def bench_llamacpp(gguf_path: str, prompt_ids: dict[str, list[int]], new_tokens: int, threads: int,
                    runs: int = 3, eos_ids=frozenset(), busy: bool = False) -> tuple[dict, dict]:
     """llama.cpp alone on the same GGUF and prompt token ids: load time (the Llama
@@ -403,6 +435,50 @@ def build(args, prompt_names: list[str], gguf_path: str):
     return prompts, sides, skipped
 
 
+def busy_report(args, prompt_names: list[str], gguf_path: str, report: dict) -> None:
+    """The busy scenario (issue 7's target: yirage with --threads threads and one core busy
+    decodes at least as fast as yirage with one thread on the idle machine), measured in
+    pairs by ``measure_busy``; prints the report. yirage runs its default engine only."""
+    configs = yirage_configs()
+    name, extra = next(iter(configs.items()))
+    first = _make_llm(args.model, args.threads, extra)
+    encode = first[0].encode_prompt
+    prompts = {"short": (PROMPT, encode(PROMPT))}
+    if "long" in prompt_names:
+        text = long_prompt(encode)
+        prompts["long"] = (text, encode(text))
+    prompts = {k: v for k, v in prompts.items() if k in prompt_names}
+    eos = set(first[0].eos_token_ids)
+    sides = {name: YirageSide(args.model, args.threads, extra, first)}
+    idle_side = YirageSide(args.model, 1, extra)
+    skipped = "--no-llamacpp" if args.no_llamacpp else None
+    if skipped is None:
+        try:
+            sides["llamacpp"] = LlamaCppSide(gguf_path, args.threads, eos)
+        except ImportError:
+            skipped = LLAMACPP_MISSING
+    report["prompts"] = {k: {"tokens": len(v[1])} for k, v in prompts.items()}
+    report["busy_core"] = max(os.sched_getaffinity(0))
+    try:
+        idle, results = measure_busy(sides, idle_side, prompts, args.tokens, args.runs)
+    finally:
+        for side in (idle_side, *sides.values()):
+            side.close()
+    report["loadavg_after"] = os.getloadavg()[0]
+    report["yirage_1thread_idle"] = {name: idle}
+    report[f"yirage_{args.threads}threads_one_core_busy"] = {name: results[name][0]}
+    report[f"llamacpp_{args.threads}threads_one_core_busy"] = (results["llamacpp"][0] if "llamacpp" in results
+                                                                else {"skipped": skipped})
+    cmp = {}
+    for pname in prompts:
+        busy_runs = results[name][0][pname]["runs"]["decode_tokens_per_s"]
+        idle_runs = idle[pname]["runs"]["decode_tokens_per_s"]
+        pairs = [b / a for a, b in zip(idle_runs, busy_runs) if a > 0]
+        cmp[f"{name} {pname}"] = {"median_of_pairs": _median(pairs), "pairs": pairs}
+    report["decode_busy_over_1thread_idle (target >= 1.0)"] = cmp
+    print(json.dumps(report, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct",
@@ -429,22 +505,14 @@ def main() -> None:
               "cpus": len(os.sched_getaffinity(0)), "cpu": yr.get_backend_info("cpu").device_name,
               "loadavg_before": os.getloadavg()[0], "llm_params": sorted(_llm_params() - {"self"})}
 
-    one = None
     if args.scenario == "busy":
-        # yirage with one thread on the idle machine: a child process (OMP reads its thread
-        # count at start-up), run before the spinner exists.
-        cmd = [sys.executable, os.path.abspath(__file__), "--threads=1", "--model", args.model,
-               "--tokens", str(args.tokens), "--runs", str(args.runs), "--prompts", ",".join(prompt_names),
-               "--no-transformers", "--no-llamacpp"]
-        child = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        one = json.loads(child.stdout)["yirage"]
-        report["busy_core"] = max(os.sched_getaffinity(0))
+        busy_report(args, prompt_names, str(gguf.path), report)
+        return
 
     prompts, sides, llama_skipped = build(args, prompt_names, str(gguf.path))
     report["prompts"] = {k: {"tokens": len(v[1])} for k, v in prompts.items()}
     try:
-        results = measure(sides, prompts, args.tokens, args.runs, busy=args.scenario == "busy")
+        results = measure(sides, prompts, args.tokens, args.runs)
     finally:
         for side in sides.values():
             side.close()
@@ -457,19 +525,6 @@ def main() -> None:
     else:
         l = {"skipped": llama_skipped}
     report["loadavg_after"] = os.getloadavg()[0]
-
-    if args.scenario == "busy":
-        report["yirage_1thread_idle"] = one
-        report[f"yirage_{args.threads}threads_one_core_busy"] = ys
-        report[f"llamacpp_{args.threads}threads_one_core_busy"] = l
-        cmp = {}
-        for cfg, y in ys.items():
-            base = one.get(cfg, next(iter(one.values())))
-            for name in prompts:
-                cmp[f"{cfg} {name}"] = y[name]["decode_tokens_per_s"] / base[name]["decode_tokens_per_s"]
-        report["decode_busy_over_1thread_idle (target >= 1.0)"] = cmp
-        print(json.dumps(report, indent=2))
-        return
 
     report["yirage"] = ys
     report["llamacpp"] = l

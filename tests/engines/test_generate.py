@@ -134,3 +134,30 @@ def test_bad_dtype_is_one_clear_error(tmp_path, save_tiny_model):
 def test_cpu_defaults_to_float32(tmp_path, save_tiny_model):
     save_tiny_model("llama", tmp_path)
     assert yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16).dtype == yr.float32
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_chunked_greedy_decode_follows_transformers_to_the_cache_end(kind, tmp_path, save_tiny_model):
+    """Greedy decode on the CPU persistent kernel runs GREEDY_CHUNK steps per call (the
+    scheduler's decode loop), up to the end of the KV cache inside a chunk: every token is
+    transformers' argmax given the tokens before it (teacher-forced), and the step-by-step
+    plan (persistent=False) gives the same tokens."""
+    from yirage.engines.generate import GREEDY_CHUNK
+
+    hf = save_tiny_model(kind, tmp_path)
+    seq = 45
+    llm = yr.LLM(str(tmp_path), backend="cpu", max_seq_length=seq)
+    plain = yr.LLM(str(tmp_path), backend="cpu", max_seq_length=seq, persistent=False)
+    assert llm.steps.persistent and not plain.steps.persistent
+    text = "w5 w17 w299 w42 w8"
+    prompt = llm.encode_prompt(text, chat=False)
+    out = llm.generate(text, max_new_tokens=100, chat=False)
+    assert out.finish_reason == "length" and len(out.token_ids) == seq - len(prompt)
+    assert (seq - len(prompt) - 1) % GREEDY_CHUNK != 0   # the cache ends inside a chunk
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    top2 = torch.topk(logits, 2).values
+    decided = (top2[:, 0] - top2[:, 1]) > 1e-4        # no near-tie that float error may flip
+    assert decided.sum() >= len(out.token_ids) - 2
+    assert logits.argmax(-1)[decided].tolist() == torch.tensor(out.token_ids)[decided].tolist()
+    assert plain.generate(text, max_new_tokens=100, chat=False).token_ids == out.token_ids

@@ -9,6 +9,7 @@ This module must never build graphs or touch kernels: models/llama.py and the ru
 """
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import time
@@ -55,6 +56,9 @@ class GenerationResult:
                 "prefill_s": self.prefill_s, "decode_tokens_per_s": self.decode_tokens_per_s,
                 "prompt_tokens": self.prompt_tokens}
 
+
+#: Greedy decode steps per call of the persistent decode loop (then streamed one by one).
+GREEDY_CHUNK = 16
 
 @dataclass
 class _Sampling:
@@ -332,13 +336,26 @@ class GenerationStream:
         text, emitted, finish = "", 0, "length"
         pos, feed = 0, self.prompt_ids
         prefill_s, t_first = 0.0, t0
+        # Greedy decode on the persistent kernel runs GREEDY_CHUNK steps per call (the
+        # decode loop inside the scheduler); the tokens are then streamed one by one.
+        chunked = self.sampling.temperature == 0 and llm.steps.persistent
+        pending: collections.deque[int] = collections.deque()
         while len(out) < budget:
-            logits, argmax = llm.steps.run(feed, pos)
-            tok = self.sampling.pick(logits, argmax)
+            if not pending:
+                if chunked and out and len(feed) == 1:
+                    got = llm.steps.run_greedy(feed[0], pos, min(GREEDY_CHUNK, budget - len(out)))
+                    if not got:
+                        break
+                    pending.extend(got)
+                    pos += len(got)
+                else:
+                    logits, argmax = llm.steps.run(feed, pos)
+                    pending.append(self.sampling.pick(logits, argmax))
+                    pos += len(feed)
+            tok = pending.popleft()
             if not out:
                 t_first = time.perf_counter()
                 prefill_s = t_first - t0
-            pos += len(feed)
             feed = [tok]
             if tok in llm.eos_token_ids:
                 finish = "stop"

@@ -48,6 +48,7 @@ import torch
 
 from ..backends import Backend, get_backend_impl
 from ..dtypes import DType, as_dtype
+from ..errors import GenerationError
 from ..kernel import KNGraph
 from ..persistent_kernel import PersistentKernel
 
@@ -195,7 +196,7 @@ class LlamaModel:
 
 
     def decode_kernel(self, num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
-                      adaptive_workers: bool = True) -> PersistentKernel:
+                      adaptive_workers: bool = False) -> PersistentKernel:
         """The decode step (T = 1) built with ``yr.PersistentKernel``'s layers and compiled:
         the same computation as ``build_graph(1)`` (``run_step(token, pos)`` returns the
         logits [1, vocab] and the argmax [1]); on the CPU one task graph per step. Qwen3's
@@ -207,8 +208,9 @@ class LlamaModel:
         cfg = self.cfg
         H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         dt = self.dtype
+        meta = [torch.zeros(1, dtype=torch.int64), torch.zeros(self.max_seq_length, dtype=torch.int64)]
         mpk = PersistentKernel(num_workers=num_workers, max_seq_length=self.max_seq_length,
-                               eos_token_id=list(cfg.eos_token_ids), profiler_tensor=profiler_tensor,
+                               eos_token_id=list(cfg.eos_token_ids), meta_tensors=meta, profiler_tensor=profiler_tensor,
                                backend=self.backend.value, adaptive_workers=adaptive_workers)
         attached: dict[str, object] = {}
 
@@ -313,6 +315,22 @@ class StepRunner:
                 plan.capture()
             self.plans[T] = (plan, ids, start)
         return self.plans[T]
+
+    def run_greedy(self, token: int, start_pos: int, n: int) -> list[int]:
+        """Greedy decode of up to ``n`` tokens in one call, ``token`` first fed at position
+        ``start_pos``: the persistent kernel's decode loop (``mpk()``: on the CPU the steps
+        follow one another inside the scheduler, Python is not called between them). Returns
+        the new token ids, the last one an EOS token if one came; the KV cache then holds
+        positions start_pos .. start_pos + len - 1. Raises GenerationError without
+        ``persistent``, IndexOutOfRangeError for a token id outside the vocabulary."""
+        if not self.persistent:
+            raise GenerationError("run_greedy needs the persistent decode kernel (persistent=True)")
+        mpk = self._plan(1)
+        n = max(0, min(int(n), self.model.max_seq_length - 1 - int(start_pos)))
+        mpk.tokens[start_pos] = int(token)
+        mpk.step[0] = int(start_pos)
+        got = mpk(prompt_length=start_pos + 1, max_new_tokens=n)
+        return mpk.tokens[start_pos + 1:start_pos + 1 + got].tolist()
 
     def run(self, token_ids: list[int], start_pos: int):
         if len(token_ids) == 1 and self.persistent:

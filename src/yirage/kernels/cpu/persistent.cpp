@@ -188,6 +188,16 @@ constexpr int64_t EPOCH_MASK = 0x7fffffff;
 // epoch of their last commit, so they must only grow, also across pools and forks).
 std::atomic<int64_t> g_epoch{0};
 
+// State of the decode loop of yr_pk_run (see run_loop).
+struct Loop {
+    const int64_t* meta = nullptr;
+    int64_t max_steps = 0;
+    int64_t ran = 0;     // steps run; these fields are touched by one advancing thread at a time
+    int64_t t0 = 0;      // start of the current step (ns)
+    std::atomic<Graph*> g{nullptr};
+    std::atomic<int32_t> over{0};
+};
+
 struct Pool {
     int nworkers = 1;                      // including the caller
     std::atomic<int> active{1};            // workers taking part in the current step
@@ -196,6 +206,8 @@ struct Pool {
     std::atomic<Graph*> graph{nullptr};    // the graph of the current step
     std::atomic<int32_t> busy{0};          // workers 1.. inside a graph
     std::atomic<bool> stop{false};
+    Loop lp;                               // the decode loop (yr_pk_run with meta)
+    std::atomic<bool> loop_on{false};      // while it runs
     // adaptive width
     bool adaptive = true;
     std::vector<int> candidates;
@@ -245,6 +257,9 @@ bool deps_done(const Graph* g, const Op& op) {
     return true;
 }
 
+// The step (epoch) whose last task this thread committed; see advance().
+thread_local int64_t tl_finished_epoch = -1;
+
 // Runs task i of g for step `E` and commits it, unless another worker committed it first.
 // A redoable task computes into this thread's scratch; only the worker that wins the commit
 // (a compare-and-swap of the task's epoch) copies it to the real output, so a worker that
@@ -293,8 +308,10 @@ void execute(Graph* g, int32_t i, int64_t E, int worker, bool helper) {
     }
     g->done[t.op].v.fetch_add(1, std::memory_order_acq_rel);
     futex_wake(&g->done[t.op].v);
-    if (g->finished.v.fetch_add(1, std::memory_order_acq_rel) + 1 == (int32_t)g->tasks.size())
+    if (g->finished.v.fetch_add(1, std::memory_order_acq_rel) + 1 == (int32_t)g->tasks.size()) {
+        tl_finished_epoch = E;
         futex_wake(&g->finished.v);
+    }
 }
 
 // Starts task i in step E unless another worker already has (it then returns false).
@@ -399,6 +416,8 @@ void run_tasks(Graph* g, int worker) {
     }
 }
 
+void maybe_advance(Pool* pool);
+
 void worker_main(Pool* pool, int id) {
     int32_t seen = 0;
     for (;;) {
@@ -410,13 +429,14 @@ void worker_main(Pool* pool, int id) {
         pool->busy.fetch_add(1, std::memory_order_seq_cst);   // see yr_pk_graph_destroy
         Graph* g = pool->graph.load(std::memory_order_seq_cst);
         if (g) run_tasks(g, id);
+        maybe_advance(pool);
         pool->busy.fetch_sub(1, std::memory_order_seq_cst);
     }
 }
 
-// One step of graph g on the pool with `width` workers. It ends when every task has been
-// committed, not when every worker is back: a preempted worker does not hold it up.
-void step(Pool* pool, Graph* g, int width) {
+// Starts a step of graph g with `width` workers: resets its counters, gives it a new epoch
+// and wakes the workers (always when `wake_all`: the decode loop's caller waits like them).
+void begin_step(Pool* pool, Graph* g, int width, bool wake_all) {
     const int64_t E = g_epoch.fetch_add(1) + 1;
     for (size_t o = 0; o < g->ops.size(); ++o) g->done[o].v.store(0, std::memory_order_relaxed);
     g->finished.v.store(0, std::memory_order_relaxed);
@@ -425,10 +445,18 @@ void step(Pool* pool, Graph* g, int width) {
     g->next.store((E & EPOCH_MASK) << 32, std::memory_order_seq_cst);
     pool->active.store(width);
     pool->graph.store(g, std::memory_order_seq_cst);
-    if (width > 1) {
+    if (width > 1 || wake_all) {
         pool->gen.v.store((int32_t)E, std::memory_order_seq_cst);
         futex_wake(&pool->gen.v);
     }
+}
+
+// One step of graph g on the pool with `width` workers, driven by the caller. It ends when
+// every task has been committed, not when every worker is back: a preempted worker does not
+// hold it up.
+void step(Pool* pool, Graph* g, int width) {
+    begin_step(pool, g, width, false);
+    const int64_t E = g->epoch.load();
     run_tasks(g, 0);
     const int32_t n = (int32_t)g->tasks.size();
     std::atomic<int32_t>* w = &g->finished.v;
@@ -491,6 +519,89 @@ void record(Pool* pool, int64_t ns) {
     pool->probed = true;
     pool->probe_idx = -1;
     pool->until_probe = pool->probe_every;
+}
+
+// The decode loop of yr_pk_run with a meta block (see there). Whichever worker commits the
+// last task of a step ends it and starts the next (advance), so a caller that another
+// process preempts holds up no step; the caller works like the other workers meanwhile.
+// Its state is Pool::lp (struct Loop).
+
+// Before a step: writes its inputs; false when the loop must end (no room for a token).
+bool loop_prepare(Loop* L) {
+    const int64_t* meta = L->meta;
+    if (L->ran >= L->max_steps) return false;
+    const int64_t* tokens = reinterpret_cast<const int64_t*>(meta[0]);
+    const int64_t s = *reinterpret_cast<const int64_t*>(meta[2]);
+    if (s < 0 || s + 1 >= meta[1]) return false;
+    reinterpret_cast<int64_t*>(meta[3])[0] = tokens[s];
+    reinterpret_cast<int64_t*>(meta[4])[0] = s;
+    return true;
+}
+
+// After a step: counts it, stores its token; false when the loop ends with it (an index
+// error reported by a kernel, or an EOS token).
+bool loop_finish(Loop* L) {
+    const int64_t* meta = L->meta;
+    ++L->ran;
+    const int64_t* status = reinterpret_cast<const int64_t*>(meta[6]);
+    for (int64_t r = 0; r < meta[7]; ++r)
+        if (status[r * 4] != 0) return false;
+    int64_t* step_no = reinterpret_cast<int64_t*>(meta[2]);
+    const int64_t s = *step_no;
+    *step_no = s + 1;
+    if (s + 1 < meta[10]) return true;                      // still inside the prompt
+    const int64_t tok = reinterpret_cast<const int64_t*>(meta[5])[0];
+    reinterpret_cast<int64_t*>(meta[0])[s + 1] = tok;
+    const int64_t* eos = reinterpret_cast<const int64_t*>(meta[8]);
+    for (int64_t e = 0; e < meta[9]; ++e)
+        if (eos[e] == tok) return false;
+    return true;
+}
+
+// Called by a thread back from run_tasks: if it committed the last task of the loop's
+// current step, it ends that step and starts the next, or ends the loop.
+void maybe_advance(Pool* pool) {
+    if (tl_finished_epoch < 0 || !pool->loop_on.load(std::memory_order_acquire)) return;
+    Loop* L = &pool->lp;
+    Graph* g = L->g.load(std::memory_order_acquire);
+    const int64_t E = tl_finished_epoch;
+    tl_finished_epoch = -1;
+    if (g->epoch.load(std::memory_order_acquire) != E ||
+        g->finished.v.load(std::memory_order_acquire) < (int32_t)g->tasks.size())
+        return;   // a flag left from a step of another graph or run
+    record(pool, now_ns() - L->t0);
+    ++g->steps;
+    if (loop_finish(L) && loop_prepare(L)) {
+        const int width = pick_width(pool);
+        L->t0 = now_ns();
+        begin_step(pool, g, width, true);
+        return;
+    }
+    L->over.store(1, std::memory_order_release);
+    pool->gen.v.fetch_add(1, std::memory_order_seq_cst);   // wake the caller
+    futex_wake(&pool->gen.v);
+}
+
+int64_t run_loop(Pool* pool, Graph* g, int64_t max_steps, const int64_t* meta) {
+    Loop& L = pool->lp;
+    L.meta = meta, L.max_steps = max_steps, L.ran = 0;
+    L.g.store(g);
+    L.over.store(0);
+    if (!loop_prepare(&L)) return 0;
+    tl_finished_epoch = -1;
+    pool->loop_on.store(true, std::memory_order_seq_cst);
+    L.t0 = now_ns();
+    begin_step(pool, g, pick_width(pool), true);
+    std::atomic<int32_t>* w = &pool->gen.v;
+    for (;;) {
+        const int32_t seen = w->load(std::memory_order_acquire);
+        run_tasks(g, 0);
+        maybe_advance(pool);
+        wait_until(w, [&] { return L.over.load(std::memory_order_acquire) || w->load() != seen; });
+        if (L.over.load(std::memory_order_acquire)) break;
+    }
+    pool->loop_on.store(false, std::memory_order_seq_cst);
+    return L.ran;
 }
 
 }  // namespace
@@ -638,36 +749,13 @@ int64_t yr_pk_graph_profiled(void* gp) {
 int64_t yr_pk_run(void* p, void* gp, int64_t max_steps, const int64_t* meta) {
     Pool* pool = static_cast<Pool*>(p);
     Graph* g = static_cast<Graph*>(gp);
-    if (!meta) max_steps = std::min<int64_t>(max_steps, 1);
-    int64_t ran = 0;
-    for (; ran < max_steps; ++ran) {
-        int64_t s = 0;
-        if (meta) {
-            int64_t* tokens = reinterpret_cast<int64_t*>(meta[0]);
-            s = *reinterpret_cast<int64_t*>(meta[2]);
-            if (s < 0 || s + 1 >= meta[1]) break;          // no room for the next token
-            reinterpret_cast<int64_t*>(meta[3])[0] = tokens[s];
-            reinterpret_cast<int64_t*>(meta[4])[0] = s;
-        }
-        const int width = pick_width(pool);
-        const int64_t t0 = now_ns();
-        step(pool, g, width);
-        record(pool, now_ns() - t0);
-        if (!meta) { ++ran; break; }
-        const int64_t* status = reinterpret_cast<const int64_t*>(meta[6]);
-        bool bad = false;
-        for (int64_t r = 0; r < meta[7]; ++r) bad = bad || status[r * 4] != 0;
-        if (bad) { ++ran; break; }
-        *reinterpret_cast<int64_t*>(meta[2]) = s + 1;
-        if (s + 1 < meta[10]) continue;                    // still inside the prompt
-        const int64_t tok = reinterpret_cast<const int64_t*>(meta[5])[0];
-        reinterpret_cast<int64_t*>(meta[0])[s + 1] = tok;
-        const int64_t* eos = reinterpret_cast<const int64_t*>(meta[8]);
-        bool stop = false;
-        for (int64_t e = 0; e < meta[9]; ++e) stop = stop || eos[e] == tok;
-        if (stop) { ++ran; break; }
-    }
-    return ran;
+    if (meta) return max_steps > 0 ? run_loop(pool, g, max_steps, meta) : 0;
+    if (max_steps < 1) return 0;
+    const int width = pick_width(pool);
+    const int64_t t0 = now_ns();
+    step(pool, g, width);
+    record(pool, now_ns() - t0);
+    return 1;
 }
 
 // A task for testing the scheduler (tests/runtime/test_persistent_kernel.py): a = {count*,
