@@ -96,8 +96,10 @@ class PersistentKernel:
             into a Chrome/Perfetto trace.
         spec_decode_config: None (speculative decoding is not supported yet).
         backend: a backend name or None (``yr.get_backend()``).
-        adaptive_workers: let the CPU pool narrow itself when a core is taken by another
-            process (see kernels/cpu/persistent.cpp).
+        adaptive_workers: let the CPU pool time fewer workers now and then and keep the
+            fastest width (off by default: workers redo or take over the tasks of a
+            preempted worker, so a core taken by another process no longer stalls a step;
+            see kernels/cpu/persistent.cpp).
 
     Raises GraphError for any argument outside these ranges; BackendUnavailableError for an
     unavailable backend.
@@ -107,7 +109,7 @@ class PersistentKernel:
                  num_local_schedulers: int | None = None, num_remote_schedulers: int = 0,
                  max_seq_length: int | None = None, eos_token_id=None, meta_tensors=None,
                  profiler_tensor: torch.Tensor | None = None, spec_decode_config=None, backend=None,
-                 adaptive_workers: bool = True):
+                 adaptive_workers: bool = False):
         if world_size != 1 or mpi_rank != 0:
             raise GraphError(f"world_size={world_size!r}, mpi_rank={mpi_rank!r}: yirage's persistent kernel runs "
                              "on one device; pass world_size=1, mpi_rank=0 (multi-device is not supported yet)")

@@ -109,13 +109,13 @@ class WorkerPool:
     threads) that run task graphs; they sleep between steps.
 
     ``adaptive``: time the step with fewer workers now and then and keep the fastest width
-    (a core taken by another process then costs a step one worker, not a stall per op).
+    (off by default: a preempted worker's tasks are redone or taken over by the others).
 
     Raises GraphError if num_workers is not in 1..1024; ToolchainError if the scheduler
     cannot be built.
     """
 
-    def __init__(self, num_workers: int, adaptive: bool = True):
+    def __init__(self, num_workers: int, adaptive: bool = False):
         if not isinstance(num_workers, int) or not 1 <= num_workers <= 1024:
             raise GraphError(f"num_workers must be an integer in 1..1024, got {num_workers!r}")
         self.num_workers = num_workers
@@ -155,7 +155,7 @@ def default_num_workers() -> int:
         return os.cpu_count() or 1
 
 
-def get_pool(num_workers: int | None = None, adaptive: bool = True) -> WorkerPool:
+def get_pool(num_workers: int | None = None, adaptive: bool = False) -> WorkerPool:
     """The process's shared pool of ``num_workers`` (default: ``default_num_workers()``)."""
     key = (num_workers or default_num_workers(), bool(adaptive))
     if key not in _pools or _pools[key].pid != os.getpid():

@@ -38,6 +38,8 @@
 //   tokens[s+1] = argmax (unless s+1 is still a prompt position), step = s+1, and it
 //   stops at an EOS token, at the end of the
 //   tokens buffer, or when a kernel reported an out-of-range index in the status buffer.
+//   Whichever worker commits the last task of a step does this and starts the next step
+//   (maybe_advance), so a preempted caller holds up no step either.
 //
 // Every task function has the signature void fn(const int64_t* args, int64_t lo, int64_t hi)
 // (args: pointers and sizes as int64, [lo, hi): the slice of the op's work this task does);
