@@ -693,7 +693,7 @@ inline void gemv_rows_int(const int8_t* x1, const int8_t* x2, const float* s256,
     for (int r = 0; r < R; ++r) I::prepare_int(w + r * rb, prep[0][r], s256[0]);
     const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t b = 0; b < nb; ++b) {
-        for (int r = 0; r < R; ++r) prefetch_bytes(w + r * rb + (b + 2) * I::BYTES, I::BYTES + 64);
+        for (int r = 0; r < R; ++r) prefetch_bytes(w + r * rb + (b + 6) * I::BYTES, I::BYTES + 64);
         if (b + 1 < nb)
             for (int r = 0; r < R; ++r) I::prepare_int(w + r * rb + (b + 1) * I::BYTES, prep[(b + 1) & 1][r], s256[b + 1]);
         YR_FROM_MEMORY(prep);
