@@ -599,35 +599,45 @@ struct Q6_K : Chunked<Q6_K> {
 // =================================================================================
 // With 2-3 bits a weight, the float path (a table lookup and an FMA per 16 weights) is
 // compute-bound at about 0.45-0.55x Q4_1's GB/s. Here the quants stay bytes and meet x in
-// vpdpbusd (64 byte products a vector op). x is first split per block of 256 into two int8
-// parts: s = max|x| / 127, x1 = round(x / s), x2 = round(256 (x - s x1) / s) (saturated to
-// int8), so x = s (x1 + x2 / 256) to within s / 256 (x1: 8 bits, x2: 8 more; the error of a
-// 16-bit activation, not the 8-bit activations of llama.cpp's q8_K), and the 16 sub-block sums
-// of x are kept in float, exact, for the terms that do not depend on the quants (Q2_K's
-// minimums, Q3_K's offset of 4). A lane of vpdpbusd sums 4 neighbouring products, all of one
-// sub-block of 16, so each lane is scaled by its sub-block's scale after the product.
+// vpdpbusd (64 byte products a vector op). x is first split per block of 256 into three int8
+// parts: s = max|x| / 127, x1 = round(x / s), x2 = round(256 (x - s x1) / s), x3 likewise for
+// what x1 and x2 leave (each saturated to int8), so x = s (x1 + x2 / 256 + x3 / 65536) to
+// within s / 65536 = max|x| 2^-23 / 127: the precision of float32 at the block's largest
+// element (so results stay within float32 tolerance, unlike the 8-bit activations of
+// llama.cpp's q8_K). The 16 sub-block sums of x are kept in float for the terms that do not
+// depend on the quants (Q2_K's minimums, Q3_K's offset of 4). A lane of vpdpbusd sums 4
+// neighbouring products, all of one sub-block of 16, so each lane is scaled by its
+// sub-block's scale after the three products (combined as ((p1 << 8) + p2 << 8) + p3: at
+// most 4 * 7 * 127 * 65536 < 2^31).
 #if defined(__AVX512VNNI__)
 #define YR_INT_GEMV 1
 
-// x [K] (K a multiple of 256) -> x1, x2 [K] int8, s256 [K / 256] = s / 256, sums [K / 16].
-inline void quantize_x_int(const float* x, int64_t K, int8_t* x1, int8_t* x2, float* s256, float* sums) {
+// x [K] (K a multiple of 256) -> x1, x2, x3 [K] int8, s65536 [K / 256] = s / 65536, sums [K / 16].
+inline void quantize_x_int(const float* x, int64_t K, int8_t* x1, int8_t* x2, int8_t* x3, float* s65536,
+                           float* sums) {
     for (int64_t b = 0; b < K / QK_K; ++b) {
         const float* xb = x + b * QK_K;
         __m512 mx = _mm512_setzero_ps();
         for (int i = 0; i < 16; ++i) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
         const float m = _mm512_reduce_max_ps(mx);
         const float sc = m > 0 ? m / 127.0f : 1.0f;
-        const __m512 s = _mm512_set1_ps(sc), inv = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(256.0f / sc);
+        const __m512 s1 = _mm512_set1_ps(sc), s2 = _mm512_set1_ps(sc / 256.0f);
+        const __m512 inv1 = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(256.0f / sc),
+                     inv3 = _mm512_set1_ps(65536.0f / sc);
         for (int i = 0; i < 16; ++i) {
+            const int64_t o = b * QK_K + 16 * i;
             const __m512 v = _mm512_loadu_ps(xb + 16 * i);
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));             // round to nearest
-            const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), s, v);
-            const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(r, inv2));
-            _mm_storeu_si128((__m128i*)(x1 + b * QK_K + 16 * i), _mm512_cvtsepi32_epi8(q1));
-            _mm_storeu_si128((__m128i*)(x2 + b * QK_K + 16 * i), _mm512_cvtsepi32_epi8(q2));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv1));             // round to nearest
+            const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), s1, v);       // exact (Sterbenz)
+            const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, inv2));
+            const __m512 r2 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q2), s2, r1);
+            const __m512i q3 = _mm512_cvtps_epi32(_mm512_mul_ps(r2, inv3));
+            _mm_storeu_si128((__m128i*)(x1 + o), _mm512_cvtsepi32_epi8(q1));
+            _mm_storeu_si128((__m128i*)(x2 + o), _mm512_cvtsepi32_epi8(q2));
+            _mm_storeu_si128((__m128i*)(x3 + o), _mm512_cvtsepi32_epi8(q3));
             sums[b * 16 + i] = _mm512_reduce_add_ps(v);
         }
-        s256[b] = sc / 256.0f;
+        s65536[b] = sc / 65536.0f;
     }
 }
 
@@ -641,16 +651,16 @@ inline __m512i bytes_x2_sll(const uint8_t* p, int lo, int hi) {
                              _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1));
 }
 
-// Each format: PREP_INT floats per block, prepare_int(b, p, s256) = {scale of sub-block i
-// times s256 (16), offset of sub-block i (16): the weight is scale * u + offset}, and
+// Each format: PREP_INT floats per block, prepare_int(b, p, s) = {scale of sub-block i
+// times s = s65536 of the block (16), offset of sub-block i (16): the weight is scale * u + offset}, and
 // u_chunk(b, c) = the 64 unsigned quants u of weights 64c .. 64c + 63 in order.
 struct Q2_K_Int {
     static constexpr int64_t QB = QK_K, BYTES = Q2_K_BYTES;
     static constexpr int PREP_INT = 32;
-    static inline void prepare_int(const uint8_t* b, float* p, float s256) {
+    static inline void prepare_int(const uint8_t* b, float* p, float xscale) {
         const __m512i sc = u8x16(b);
         const float d = half_cvt(b + 80);
-        _mm512_store_ps(p, _mm512_mul_ps(_mm512_set1_ps(d * s256), _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15)))));
+        _mm512_store_ps(p, _mm512_mul_ps(_mm512_set1_ps(d * xscale), _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15)))));
         _mm512_store_ps(p + 16, _mm512_mul_ps(_mm512_set1_ps(-half_cvt(b + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4))));
     }
     // weight 128h + 32s + l: bits 2s of qs[32h + l]; chunk c = (h, s) = (c / 2, 2 (c % 2)) and s + 1
@@ -663,10 +673,10 @@ struct Q2_K_Int {
 struct Q3_K_Int {
     static constexpr int64_t QB = QK_K, BYTES = Q3_K_BYTES;
     static constexpr int PREP_INT = 32;
-    static inline void prepare_int(const uint8_t* b, float* p, float s256) {
+    static inline void prepare_int(const uint8_t* b, float* p, float xscale) {
         const float d = half_cvt(b + 108);
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3_k_scale_bytes(b + 96)));
-        _mm512_store_ps(p, _mm512_mul_ps(_mm512_set1_ps(d * s256), sc));
+        _mm512_store_ps(p, _mm512_mul_ps(_mm512_set1_ps(d * xscale), sc));
         _mm512_store_ps(p + 16, _mm512_mul_ps(_mm512_set1_ps(-4.0f * d), sc));
     }
     // weight 128h + 32s + l: u = bits 2s of qs[32h + l] | bit (4h + s) of hmask[l] << 2
@@ -685,29 +695,31 @@ template <> struct IntOf<Q3_K> { using type = Q3_K_Int; };
 
 // y[r] = x . W[r, :] (+ bias[r]) for r < R from x's int8 parts (see quantize_x_int).
 template <class I, int R>
-inline void gemv_rows_int(const int8_t* x1, const int8_t* x2, const float* s256, const float* sums,
+inline void gemv_rows_int(const int8_t* x1, const int8_t* x2, const int8_t* x3, const float* xscale, const float* sums,
                           const uint8_t* w, int64_t rb, int64_t nb, const float* bias, float* y) {
     __m512 acc[R], off[R];
     for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
     alignas(64) float prep[2][R][I::PREP_INT];
-    for (int r = 0; r < R; ++r) I::prepare_int(w + r * rb, prep[0][r], s256[0]);
+    for (int r = 0; r < R; ++r) I::prepare_int(w + r * rb, prep[0][r], xscale[0]);
     const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t b = 0; b < nb; ++b) {
         for (int r = 0; r < R; ++r) prefetch_bytes(w + r * rb + (b + 6) * I::BYTES, I::BYTES + 64);
         if (b + 1 < nb)
-            for (int r = 0; r < R; ++r) I::prepare_int(w + r * rb + (b + 1) * I::BYTES, prep[(b + 1) & 1][r], s256[b + 1]);
+            for (int r = 0; r < R; ++r) I::prepare_int(w + r * rb + (b + 1) * I::BYTES, prep[(b + 1) & 1][r], xscale[b + 1]);
         YR_FROM_MEMORY(prep);
         const float* pb = prep[b & 1][0];
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
             const __m512i xa = _mm512_loadu_si512((const void*)(x1 + b * QK_K + 64 * c));
             const __m512i xb = _mm512_loadu_si512((const void*)(x2 + b * QK_K + 64 * c));
+            const __m512i xc = _mm512_loadu_si512((const void*)(x3 + b * QK_K + 64 * c));
             const __m512i idx = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * c));
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const __m512i u = I::u_chunk(w + r * rb + b * I::BYTES, c);
                 __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xa);
                 a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), u, xb);
+                a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), u, xc);
                 const __m512 sc = _mm512_permutexvar_ps(idx, _mm512_load_ps(pb + r * I::PREP_INT));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, acc[r]);
             }
@@ -1142,16 +1154,18 @@ void gemv_fmt(const float* x, const uint8_t* w, const float* bias, float* y, int
     if constexpr (!std::is_void<typename IntOf<F>::type>::value) {
         using I = typename IntOf<F>::type;
         // x's int8 parts, once per call (the row groups may run on several threads: read only)
-        std::vector<int8_t> xq((size_t)(2 * M * K));
+        std::vector<int8_t> xq((size_t)(3 * M * K));
         std::vector<float> xf((size_t)(M * (nb + K / 16)));
-        for (int64_t m = 0; m < M; ++m)
-            quantize_x_int(x + m * K, K, xq.data() + 2 * m * K, xq.data() + 2 * m * K + K,
-                           xf.data() + m * (nb + K / 16), xf.data() + m * (nb + K / 16) + nb);
+        for (int64_t m = 0; m < M; ++m) {
+            int8_t* q = xq.data() + 3 * m * K;
+            quantize_x_int(x + m * K, K, q, q + K, q + 2 * K, xf.data() + m * (nb + K / 16),
+                           xf.data() + m * (nb + K / 16) + nb);
+        }
         groups(w, rb, [&](int64_t n0, int r) {
             for (int64_t m = 0; m < M; ++m) {
-                const int8_t* q = xq.data() + 2 * m * K;
+                const int8_t* q = xq.data() + 3 * m * K;
                 const float* f = xf.data() + m * (nb + K / 16);
-#define YR_CALL(R) gemv_rows_int<I, R>(q, q + K, f, f + nb, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, y + m * N + n0)
+#define YR_CALL(R) gemv_rows_int<I, R>(q, q + K, q + 2 * K, f, f + nb, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, y + m * N + n0)
                 YR_DISPATCH_ROWS(r, YR_CALL)
 #undef YR_CALL
             }
