@@ -56,6 +56,22 @@ class KNGraph(KernelGraph):
         """
         return self.compile(backend)(inputs)
 
+    def superoptimize(self, config=None, backend: str | None = None, warmup_iters: int = 16,
+                      profile_iters: int = 100, use_cached_graphs: bool = True, save_codes: bool = False,
+                      verbose: bool = False, time_budget_s: float = 60.0):
+        """Search equivalent µGraphs of this graph, verify each against the reference
+        interpreter, time the survivors on ``backend`` and return the fastest as a callable
+        (``opt(inputs=[...])``); Mirage's ``graph.superoptimize``. See
+        yirage/search/superoptimize.py for the candidates, the verification and the cache.
+
+        Returns a ``search.superoptimize.OptimizedGraph``. Raises GraphError for a graph
+        without outputs, non-float inputs or bad arguments; BackendUnavailableError for an
+        unavailable backend."""
+        from .search.superoptimize import superoptimize
+        return superoptimize(self, config=config, backend=backend, warmup_iters=warmup_iters,
+                             profile_iters=profile_iters, use_cached_graphs=use_cached_graphs,
+                             save_codes=save_codes, verbose=verbose, time_budget_s=time_budget_s)
+
     def to_json(self) -> str:
         """The graph as JSON (ir/serialize.py); ``KNGraph.from_json`` reads it back."""
         return to_json(self)

@@ -199,7 +199,7 @@ def test_every_block_op_cpp_equals_reference():
     tb = yr.new_threadblock_graph(grid_dim=(3, 2, 1), forloop_range=3, reduction_dimx=4)
     tX = tb.new_input(X, (0, 1, -1), 2)            # [1, 5, 8]
     tY = tb.new_input(Y, (0, 1, -1), -1)           # [1, 5, 1]
-    a = tb.sqrt(tb.add(tb.square(tX), tb.mul_scalar(tb.relu(tX), 0.5)))
+    a = tb.sqrt(tb.add(tb.square(tX), tb.add_scalar(tb.mul_scalar(tb.relu(tX), 0.5), 0.25)))
     b = tb.sub(tb.gelu(tb.clamp(tX, -1.5, 1.0)), tY)
     c = tb.div(tb.exp(tb.rms_norm(b, eps=1e-5)), tb.add(tb.reduction(tb.square(a), 2), tY))
     m, _ = tb.reduction_max(c, 1)
@@ -316,6 +316,8 @@ def test_bad_ops_and_outputs():
         tb.clamp(tX, 2.0, 1.0)
     with pytest.raises(yr.GraphError, match="scalar must be"):
         tb.mul_scalar(tX, float("inf"))
+    with pytest.raises(yr.GraphError, match="add_scalar: scalar must not be NaN"):
+        tb.add_scalar(tX, float("nan"))
     with pytest.raises(yr.GraphError, match="eps must be"):
         tb.rms_norm(tX, eps=-1.0)
     with pytest.raises(yr.GraphError, match="DTensor"):

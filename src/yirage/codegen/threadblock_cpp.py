@@ -111,11 +111,11 @@ class _Renderer:
     def op(self, ind, op) -> None:
         o, a, ins = op.outputs[0], op.attrs, op.inputs
         out = self.shape(o)
-        if op.op in _UNARY or op.op in ("clamp", "mul_scalar"):
+        if op.op in _UNARY or op.op in ("clamp", "mul_scalar", "add_scalar"):
             x = f"s{ins[0]}[i]"
             e = (_UNARY[op.op].format(x) if op.op in _UNARY else
                  f"std::min(std::max({x}, {_f(a['min_val'])}), {_f(a['max_val'])})" if op.op == "clamp"
-                 else f"({x} * {_f(a['scalar'])})")
+                 else f"({x} * {_f(a['scalar'])})" if op.op == "mul_scalar" else f"({x} + {_f(a['scalar'])})")
             self.emit(ind, "#pragma omp simd", f"for (int64_t i = 0; i < {self.numel(o)}; ++i) s{o}[i] = {e};")
         elif op.op in _BINARY:
             x, y = (f"s{i}[{_index(self.shape(i), out)}]" for i in ins)

@@ -104,6 +104,8 @@ class _Renderer:
             self.emit(ind, f"s{o} = tl.minimum(tl.maximum(s{ins[0]}, {_fl(a['min_val'])}), {_fl(a['max_val'])})")
         elif op.op == "mul_scalar":
             self.emit(ind, f"s{o} = s{ins[0]} * {_fl(a['scalar'])}")
+        elif op.op == "add_scalar":
+            self.emit(ind, f"s{o} = s{ins[0]} + {_fl(a['scalar'])}")
         elif op.op in _BINARY:
             self.emit(ind, f"s{o} = {_BINARY[op.op].format(f's{ins[0]}', f's{ins[1]}')}")
         elif op.op == "matmul":

@@ -424,3 +424,16 @@ class KernelGraph:
     def interpret(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the reference interpreter (torch eager); see ir/interpret.py."""
         return interpret(self, inputs)
+
+    # ---- drawing ----------------------------------------------------------------------------
+    def visualize(self, path) -> str:
+        """Draw the graph (and the block graph of every ``customized`` op) into file ``path``.
+
+        ``.svg``/``.png``: rendered with Graphviz when the ``graphviz`` package and the ``dot``
+        binary are available, else the DOT text is written to ``path`` with suffix ``.dot``;
+        ``.dot``/``.gv``: the DOT text. See ir/visualize.py ``render``.
+
+        Returns the path written (a str). Raises GraphError for any other suffix.
+        """
+        from .visualize import render
+        return render(self, path)

@@ -298,6 +298,13 @@ class TBGraph:
         self._check("mul_scalar", A)
         return self._op("mul_scalar", [A], [A.shape], scalar=s)
 
+    def add_scalar(self, A, scalar: float):
+        """Elementwise x + scalar (a finite real number, GraphError otherwise), e.g. the eps
+        of an RMSNorm whose mean of squares was accumulated over the for-loop."""
+        s = _real("add_scalar", "scalar", scalar)
+        self._check("add_scalar", A)
+        return self._op("add_scalar", [A], [A.shape], scalar=s)
+
     def add(self, A, B): """Elementwise A + B (torch broadcasting)."""; return self._binary("add", A, B)
     def mul(self, A, B): """Elementwise A * B (torch broadcasting)."""; return self._binary("mul", A, B)
     def div(self, A, B): """Elementwise A / B (torch broadcasting)."""; return self._binary("div", A, B)
@@ -463,6 +470,8 @@ def _eval(op: TBOp, args: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.clamp(args[0], a["min_val"], a["max_val"])]
     if op.op == "mul_scalar":
         return [args[0] * a["scalar"]]
+    if op.op == "add_scalar":
+        return [args[0] + a["scalar"]]
     if op.op == "matmul":
         return [torch.matmul(*args)]
     if op.op == "reduction":

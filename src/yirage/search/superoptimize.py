@@ -1,0 +1,315 @@
+"""``g.superoptimize()``: search equivalent µGraphs of a kernel graph, verify, time, keep the fastest.
+
+The search follows Mirage (Wu et al., "Mirage: A Multi-Level Superoptimizer for Tensor
+Programs", OSDI 2025): generate candidate programs at the kernel and block levels, prove each
+equivalent to the input before it may be timed, time the survivors on the target backend and
+keep the fastest. Here:
+
+1. Candidates. The input graph as yirage's fixed fusion compiles it (always candidate 0), and,
+   for graphs of the shared-row-matmul family (search/mugraph.py: gated MLP, RMSNorm +
+   matmul, LoRA, a matmul with an elementwise epilogue), one block graph per schedule: grid
+   partition of N, for-loop range over K, with RMSNorm's scale moved across the matmuls.
+   Schedules are tried most promising first until ``time_budget_s`` runs out.
+2. Verification. Each candidate runs on ``VERIFY_DRAWS`` independent draws of random inputs
+   (uniform in [-1, 1]) and must equal the reference interpreter (torch, float64 where the
+   ops allow, see ``_reference``) within a tolerance scaled to float32: |y - ref| <=
+   ``RTOL`` * max(1, max|ref|) at every element. False accepts: a candidate that computes a
+   different function differs from the reference at almost every input of the continuous
+   draw (its difference is a nonzero piecewise-analytic function, zero only on a set of
+   measure zero), and the differences a wrong tiling or rewrite makes (a missing block, a
+   partial sum, a misplaced scale) are of the order of the outputs, about 10^4 times the
+   tolerance; what two draws can miss is a deviation smaller than 1e-4 of the outputs'
+   magnitude on both draws, e.g. a different eps in a norm. A candidate that fails is dropped
+   and counted (``report["rejected"]``), never timed.
+3. Timing. Each survivor is bound to one set of inputs (a ``Plan``) and run ``warmup_iters``
+   times, then timed ``profile_iters`` times; the median counts.
+4. Cache. The winner (its kernel-graph JSON) is stored under ``cache_dir()/superopt``, keyed
+   by the SHA-256 of the input graph's JSON (structure, shapes, dtypes), the backend, the
+   machine (CPU model and ISA flags, or the GPU's name), torch's thread count and a format
+   version; written to a temporary file and renamed into place (atomic on POSIX), so
+   concurrent processes never read a partial entry (two searching at once both store a
+   valid winner; the last rename stays). With ``use_cached_graphs`` a hit skips the search.
+
+This module compiles and times candidates through the runtime and the backends; it sits
+below the front end (yirage/kernel.py ``KNGraph.superoptimize``) and never imports it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..backends import get_backend_impl, resolve_backend
+from ..config import cache_dir
+from ..errors import GraphError
+from ..ir.graph import KernelGraph
+from ..ir.serialize import from_json, to_json
+from ..runtime.executor import CompiledGraph
+from . import mugraph
+
+VERIFY_DRAWS = 2
+RTOL = 1e-4               # of max(1, max |reference|), float32
+CACHE_VERSION = 1
+
+
+class OptimizedGraph:
+    """The result of ``superoptimize``: call it like a kernel graph, ``opt(inputs=[...])``.
+
+    Attributes:
+        graph: the chosen kernel graph (a ``KernelGraph``; same inputs and outputs as the
+            input graph; its ``customized`` ops hold the block graphs).
+        description: what the chosen candidate is (e.g. 'fixed fusion' or 'µGraph grid=16
+            loop=8: ...').
+        report: the search: candidates generated, verified, rejected, timed, each timed
+            candidate's median seconds, the best, search seconds, whether it came from the
+            cache.
+    """
+
+    def __init__(self, graph: KernelGraph, backend: str, description: str, report: dict):
+        self.graph, self.backend, self.description, self.report = graph, backend, description, report
+        self._compiled = None
+
+    def compile(self) -> CompiledGraph:
+        """The chosen graph compiled for the backend (cached)."""
+        if self._compiled is None:
+            self._compiled = CompiledGraph(self.graph, get_backend_impl(self.backend))
+        return self._compiled
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run on ``inputs`` (as ``g(inputs=...)``); returns the outputs. GraphError for
+        inputs that do not match the graph."""
+        return self.compile()(inputs)
+
+    def visualize(self, path) -> str:
+        """Draw the chosen graph and its block graphs (see ``KernelGraph.visualize``)."""
+        return self.graph.visualize(path)
+
+
+def _machine() -> str:
+    """CPU model and the ISA flags that change generated code, or the accelerator's name."""
+    parts = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+        parts += [model, ",".join(sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "f16c"))))]
+    except OSError:
+        parts.append(platform.processor())
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name(0))
+    return "|".join(parts)
+
+
+def cache_key(graph: KernelGraph, backend: str) -> str:
+    """SHA-256 over the graph's JSON (names dropped), the backend, the machine, torch's thread
+    count and the cache format version."""
+    doc = json.loads(to_json(graph))
+    for t in doc["tensors"]:
+        t.pop("name", None)
+    doc.pop("backend", None)
+    text = json.dumps([CACHE_VERSION, doc, backend, _machine(), torch.get_num_threads()], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cache_path(key: str) -> Path:
+    return cache_dir() / "superopt" / f"{key}.json"
+
+
+def _load_cached(key: str, cls) -> tuple[KernelGraph, str, dict] | None:
+    path = _cache_path(key)
+    try:
+        doc = json.loads(path.read_text())
+        return from_json(doc["graph"], cls), doc["description"], doc["report"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None   # missing, or unreadable (an older format): search again
+
+
+def _store(key: str, graph: KernelGraph, description: str, report: dict) -> None:
+    path = _cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"graph": to_json(graph), "description": description, "report": report})
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)       # atomic: readers see the old entry or the new one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _random_inputs(graph: KernelGraph, gen: torch.Generator, device) -> list[torch.Tensor]:
+    out = []
+    for t in graph.inputs:
+        tt = graph.tensors[t]
+        if tt.dtype.is_quantized or not tt.dtype.torch_dtype.is_floating_point:
+            raise GraphError(f"superoptimize: input t{t} has dtype {tt.dtype.value}; the search draws random "
+                             "floating-point inputs and supports float graphs only")
+        x = torch.rand(tt.shape, generator=gen, dtype=torch.float32) * 2 - 1
+        out.append(x.to(device=device, dtype=tt.dtype.torch_dtype))
+    return out
+
+
+def _reference(graph: KernelGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The reference interpreter's outputs on the CPU."""
+    return [o.float().cpu() for o in graph.interpret([x.cpu() for x in inputs])]
+
+
+def verify(graph: KernelGraph, candidate: CompiledGraph, seed: int, draws: int = VERIFY_DRAWS) -> float:
+    """The largest error of ``candidate`` against ``graph``'s reference interpreter over
+    ``draws`` independent random draws, relative to max(1, max|reference|); inf if an
+    output's shape differs or is not finite where the reference is."""
+    worst = 0.0
+    for d in range(draws):
+        gen = torch.Generator().manual_seed(seed * 7919 + d)
+        xs = _random_inputs(graph, gen, candidate.impl.torch_device)
+        ref = _reference(graph, xs)
+        got = [o.float().cpu() for o in candidate(xs)]
+        if len(got) != len(ref):
+            return float("inf")
+        for a, b in zip(got, ref):
+            if a.shape != b.shape or not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+                return float("inf")
+            fin = torch.isfinite(b)
+            err = float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0
+            worst = max(worst, err / max(1.0, float(b[fin].abs().max()) if fin.any() else 1.0))
+    return worst
+
+
+def _time(candidate: CompiledGraph, inputs: list[torch.Tensor], warmup: int, iters: int) -> float:
+    """Median seconds of one run of ``candidate`` (bound once to ``inputs``)."""
+    plan = candidate.plan(inputs)
+    for _ in range(max(0, warmup)):
+        plan.run()
+    times = []
+    for _ in range(max(1, iters)):
+        t0 = time.perf_counter()
+        plan.run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _candidates(graph: KernelGraph, cls):
+    """(description, kernel graph) pairs, the fixed fusion first."""
+    yield "fixed fusion", graph
+    p = mugraph.match(graph)
+    if p is None:
+        return
+    for grid, loop in mugraph.schedules(p, torch.get_num_threads()):
+        try:
+            cand = mugraph.lower(graph, p, grid, loop, cls)
+        except GraphError:
+            continue
+        yield f"µGraph grid={grid} loop={loop}: {p.describe()}", cand
+
+
+def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, warmup_iters: int = 16,
+                  profile_iters: int = 100, use_cached_graphs: bool = True, save_codes: bool = False,
+                  verbose: bool = False, time_budget_s: float = 60.0) -> OptimizedGraph:
+    """Search, verify and time candidate programs of ``graph``; return the fastest.
+
+    Args:
+        graph: a kernel graph with at least one output; its inputs must be floating point.
+        config: Mirage's search-config name; accepted for compatibility and recorded in the
+            report (the candidate family is chosen from the graph itself).
+        backend: where candidates are compiled and timed (default: the graph's, else
+            ``yr.get_backend()``).
+        warmup_iters, profile_iters: untimed and timed runs per candidate (median counts).
+        use_cached_graphs: return the cached winner for this graph, backend and machine if
+            there is one (the search is skipped).
+        save_codes: write the winner's kernel-graph JSON and the C++ of its block graphs to
+            ``cache_dir()/superopt/<key>/``.
+        verbose: print the search's progress.
+        time_budget_s: stop generating and timing candidates after this many seconds (the
+            fixed fusion is always timed).
+
+    Returns: an ``OptimizedGraph`` (callable as ``opt(inputs=[...])``).
+    Raises: GraphError for a graph without outputs, non-float inputs or bad arguments;
+        BackendUnavailableError for an unknown or unavailable backend.
+    """
+    if not graph.outputs:
+        raise GraphError("superoptimize: the graph has no outputs (call mark_output first)")
+    for name, v in (("warmup_iters", warmup_iters), ("profile_iters", profile_iters)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (name == "profile_iters" and v < 1):
+            raise GraphError(f"superoptimize: {name} must be a non-negative integer (profile_iters >= 1), got {v!r}")
+    if isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float)) or not time_budget_s > 0:
+        raise GraphError(f"superoptimize: time_budget_s must be a positive number of seconds, got {time_budget_s!r}")
+    name = resolve_backend(backend or graph.backend).value
+    impl = get_backend_impl(name)
+    cls = type(graph)
+    say = print if verbose else (lambda *a, **k: None)
+    t_start = time.perf_counter()
+    key = cache_key(graph, name)
+    if use_cached_graphs:
+        hit = _load_cached(key, cls)
+        if hit is not None:
+            g, desc, report = hit
+            report = dict(report, cached=True)
+            say(f"[superoptimize] cache hit: {desc}")
+            return OptimizedGraph(g, name, desc, report)
+
+    gen = torch.Generator().manual_seed(0)
+    bench_inputs = _random_inputs(graph, gen, impl.torch_device)
+    report = {"config": config, "backend": name, "candidates": 0, "verified": 0, "rejected": 0, "timed": 0,
+              "times_s": {}, "cached": False}
+    best = None
+    for i, (desc, cand) in enumerate(_candidates(graph, cls)):
+        if i > 0 and time.perf_counter() - t_start > time_budget_s:
+            say(f"[superoptimize] time budget of {time_budget_s} s spent after {i} candidates")
+            break
+        report["candidates"] += 1
+        try:
+            compiled = CompiledGraph(cand, impl)
+            err = verify(graph, compiled, seed=i)
+        except GraphError as e:
+            err = float("inf")
+            say(f"[superoptimize] {desc}: cannot run ({e})")
+        if not err <= RTOL:
+            report["rejected"] += 1
+            say(f"[superoptimize] rejected {desc}: error {err:.3g} > {RTOL}")
+            continue
+        report["verified"] += 1
+        t = _time(compiled, bench_inputs, warmup_iters, profile_iters)
+        report["timed"] += 1
+        report["times_s"][desc] = t
+        if best is None or t < best[0]:
+            best = (t, desc, cand)
+        say(f"[superoptimize] {report['candidates']} generated, {report['verified']} verified, "
+            f"{report['rejected']} rejected; {desc}: {t * 1e6:.1f} us (best {best[0] * 1e6:.1f} us: {best[1]})")
+    if best is None:   # the fixed fusion failed its own check: a yirage bug, not the user's
+        raise GraphError("superoptimize: no candidate passed verification, not even the fixed fusion; "
+                         "this is a yirage bug: please report it with the graph's to_json()")
+    t_best, desc, chosen = best
+    report.update(best=desc, best_s=t_best, fixed_fusion_s=report["times_s"].get("fixed fusion"),
+                  search_s=time.perf_counter() - t_start)
+    _store(key, chosen, desc, report)
+    if save_codes:
+        _save_codes(key, chosen)
+    say(f"[superoptimize] chose {desc} in {report['search_s']:.1f} s")
+    return OptimizedGraph(chosen, name, desc, report)
+
+
+def _save_codes(key: str, graph: KernelGraph) -> Path:
+    """Write the graph's JSON and the C++ of each customized op's outputs; returns the folder."""
+    from ..codegen.threadblock_cpp import render_threadblock
+
+    folder = cache_dir() / "superopt" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "graph.json").write_text(to_json(graph))
+    seen = set()
+    for n in graph.ops:
+        if n.op == "customized" and id(n.attrs["tb"]) not in seen:
+            seen.add(id(n.attrs["tb"]))
+            tb = n.attrs["tb"]
+            for k in range(len(tb.outputs)):
+                (folder / f"tb{len(seen) - 1}_out{k}.cpp").write_text(render_threadblock(tb, k, f"yr_tb{k}"))
+    return folder

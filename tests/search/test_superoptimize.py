@@ -1,0 +1,179 @@
+"""g.superoptimize(): candidates (search/mugraph.py) equal the reference interpreter, wrong
+candidates are rejected before timing, the winner is cached on disk (search/superoptimize.py)."""
+import json
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+import yirage as yr
+from yirage.search import mugraph
+from yirage.search import superoptimize as so
+
+F32 = yr.float32
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def gated_mlp(M=4, K=96, N=48):
+    g = yr.new_kernel_graph()
+    X, W1, W3 = (g.new_input(dims=d, dtype=F32) for d in [(M, K), (K, N), (K, N)])
+    g.mark_output(g.mul(g.silu(g.matmul(X, W1)), g.matmul(X, W3)))
+    return g
+
+
+def rms_matmul(M=3, K=64, N=40, eps=1e-5):
+    g = yr.new_kernel_graph()
+    X, W = g.new_input(dims=(M, K), dtype=F32), g.new_input(dims=(K, N), dtype=F32)
+    g.mark_output(g.silu(g.matmul(g.rms_norm(X, normalized_shape=(K,), eps=eps), W)))
+    return g
+
+
+def lora(M=5, K=64, N=32, R=4):
+    g = yr.new_kernel_graph()
+    X, W, A, B = (g.new_input(dims=d, dtype=F32) for d in [(M, K), (K, N), (K, R), (R, N)])
+    g.mark_output(g.add(g.matmul(X, W), g.matmul(g.matmul(X, A), B)))
+    return g
+
+
+def _inputs(g, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(g.tensors[t].shape, generator=gen) for t in g.inputs]
+
+
+@pytest.mark.parametrize("make", [gated_mlp, rms_matmul, lora])
+def test_every_schedule_of_the_mugraph_equals_the_graph(make):
+    """mugraph.lower over every schedule: its reference (the block graph run literally) and its
+    compiled C++ equal the input graph's torch reference, with the rewrites (the norm's scale
+    moved across the matmul, LoRA's low rank summed over the loop) in place."""
+    g = make()
+    p = mugraph.match(g)
+    assert p is not None
+    xs = _inputs(g)
+    want = g.interpret(xs)
+    pairs = mugraph.schedules(p, 2)
+    assert len(pairs) >= 3
+    for grid, loop in pairs[:4]:
+        cand = mugraph.lower(g, p, grid, loop, type(g))
+        assert [n.op for n in cand.ops] == ["customized"] * len(g.outputs)
+        for got in (cand.interpret(xs), cand(xs, backend="cpu")):
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_graphs_outside_the_family_are_not_matched():
+    g = yr.new_kernel_graph()
+    X, W = g.new_input(dims=(4, 32), dtype=F32), g.new_input(dims=(32, 16), dtype=F32)
+    g.mark_output(g.softmax(g.matmul(X, W), dim=-1))
+    assert mugraph.match(g) is None
+    h = yr.new_kernel_graph()
+    X, W = h.new_input(dims=(4, 32), dtype=F32), h.new_input(dims=(32, 32), dtype=F32)
+    n = h.rms_norm(X, normalized_shape=(32,))
+    h.mark_output(h.add(h.matmul(n, W), h.matmul(X, W)))   # X used normalized and not
+    assert mugraph.match(h) is None
+
+
+def test_superoptimize_returns_a_verified_faster_or_equal_program_and_caches_it(tmp_path):
+    g = gated_mlp()
+    opt = g.superoptimize(backend="cpu", time_budget_s=20, warmup_iters=2, profile_iters=5)
+    r = opt.report
+    assert r["candidates"] == r["verified"] + r["rejected"] and r["timed"] == r["verified"] >= 2
+    assert r["best_s"] == min(r["times_s"].values()) and r["best"] == opt.description
+    assert "fixed fusion" in r["times_s"] and not r["cached"]
+    xs = _inputs(g, seed=5)
+    for a, b in zip(opt(xs), g.interpret(xs)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    files = list((tmp_path / "cache" / "superopt").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["description"] == opt.description
+    t0 = time.perf_counter()
+    again = g.superoptimize(backend="cpu")
+    assert time.perf_counter() - t0 < 1.0
+    assert again.report["cached"] and again.description == opt.description
+    for a, b in zip(again(xs), g.interpret(xs)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    # another shape is another entry
+    assert not gated_mlp(N=24).superoptimize(backend="cpu", time_budget_s=1, profile_iters=1).report["cached"]
+
+
+def test_a_wrong_candidate_is_rejected_and_never_timed(monkeypatch):
+    """A candidate computing another function (the epilogue's mul made an add) fails the
+    check: it is counted as rejected, absent from the timings, and not returned."""
+    g = gated_mlp()
+    p = mugraph.match(g)
+    wrong = mugraph.Pattern(p.x, p.rms_eps, p.matmuls, p.lora,
+                            [type(n)("add" if n.op == "mul" else n.op, n.inputs, n.attrs, n.output) for n in p.epilogue],
+                            p.M, p.K, p.N)
+    bad = mugraph.lower(g, wrong, *mugraph.schedules(p, 2)[0], type(g))
+    assert so.verify(g, so.CompiledGraph(bad, so.get_backend_impl("cpu")), seed=1) > 1e-2
+
+    def candidates(graph, cls):
+        yield "wrong", bad
+        yield "fixed fusion", graph
+
+    monkeypatch.setattr(so, "_candidates", candidates)
+    opt = g.superoptimize(backend="cpu", time_budget_s=10, profile_iters=2, use_cached_graphs=False)
+    assert opt.report["rejected"] == 1 and "wrong" not in opt.report["times_s"]
+    assert opt.description == "fixed fusion"
+
+
+def test_a_corrupt_cache_entry_means_a_new_search():
+    g = rms_matmul()
+    opt = g.superoptimize(backend="cpu", time_budget_s=3, profile_iters=2)
+    so._cache_path(so.cache_key(g, "cpu")).write_text("{not json")
+    again = g.superoptimize(backend="cpu", time_budget_s=3, profile_iters=2)
+    assert not again.report["cached"] and again.report["verified"] >= 1
+    del opt
+
+
+def _search_in_child(cache, queue):
+    import os
+    os.environ["YIRAGE_CACHE_DIR"] = cache
+    torch.set_num_threads(1)
+    opt = gated_mlp().superoptimize(backend="cpu", time_budget_s=3, profile_iters=2, use_cached_graphs=False)
+    queue.put(opt.description)
+
+
+def test_concurrent_searches_leave_a_valid_cache_entry(tmp_path):
+    cache = str(tmp_path / "shared")
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_search_in_child, args=(cache, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    descs = {q.get(timeout=5), q.get(timeout=5)}
+    files = list((tmp_path / "shared" / "superopt").glob("*.json"))
+    assert len(files) == 1 and not list((tmp_path / "shared" / "superopt").glob(".tmp-*"))
+    assert json.loads(files[0].read_text())["description"] in descs
+
+
+def test_bad_arguments_and_graphs_are_one_clear_error():
+    g = gated_mlp()
+    with pytest.raises(yr.GraphError, match="time_budget_s"):
+        g.superoptimize(backend="cpu", time_budget_s=0)
+    with pytest.raises(yr.GraphError, match="profile_iters"):
+        g.superoptimize(backend="cpu", profile_iters=0)
+    with pytest.raises(yr.GraphError, match="no outputs"):
+        yr.new_kernel_graph().superoptimize(backend="cpu")
+    h = yr.new_kernel_graph()
+    ids, table = h.new_input((3,), yr.int64), h.new_input((10, 8), F32)
+    h.mark_output(h.embedding(ids, table))
+    with pytest.raises(yr.GraphError, match="float graphs only"):
+        h.superoptimize(backend="cpu")
+
+
+def test_save_codes_and_visualize(tmp_path):
+    g = rms_matmul()
+    opt = g.superoptimize(backend="cpu", time_budget_s=5, profile_iters=2, save_codes=True)
+    folder = tmp_path / "cache" / "superopt" / so.cache_key(g, "cpu")
+    assert (folder / "graph.json").exists()
+    if opt.description != "fixed fusion":
+        assert list(folder.glob("tb*_out0.cpp"))
+    dot = opt.visualize(tmp_path / "opt.dot")
+    assert "digraph" in open(dot).read()
