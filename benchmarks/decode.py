@@ -54,21 +54,8 @@ import sys
 import time
 
 
-def _argv_threads(argv: list[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a.startswith("--threads="):
-            return a.split("=", 1)[1]
-        if a == "--threads" and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
-# OpenMP reads this when the runtime loads, so set it before torch and the kernels load.
-_threads = _argv_threads(sys.argv)
-if _threads:
-    os.environ["OMP_NUM_THREADS"] = _threads
-else:
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _threads  # noqa: E402,F401  (sets OMP_NUM_THREADS from --threads before torch loads)
 
 import torch  # noqa: E402
 

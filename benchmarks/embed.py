@@ -23,16 +23,8 @@ import sys
 import time
 
 
-def _argv_threads(argv: list[str]) -> str:
-    for i, a in enumerate(argv):
-        if a.startswith("--threads="):
-            return a.split("=", 1)[1]
-        if a == "--threads" and i + 1 < len(argv):
-            return argv[i + 1]
-    return "2"
-
-
-os.environ["OMP_NUM_THREADS"] = _argv_threads(sys.argv)  # before torch / libgomp start
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _threads  # noqa: E402,F401  (sets OMP_NUM_THREADS from --threads before torch loads)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

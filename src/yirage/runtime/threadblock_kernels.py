@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -17,11 +18,25 @@ from ..codegen.threadblock_cpp import render_threadblock
 from .toolchain import load_library
 
 
+# per block graph: {(output, ops, outputs): ctypes function}; rendering the C++ costs about
+# 0.1 ms, which a graph called again and again (a new Plan per call) must not pay each time
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def compile_threadblock(tb, k: int):
-    """The ctypes function computing output ``k`` of threadblock graph ``tb`` (float32).
+    """The ctypes function computing output ``k`` of threadblock graph ``tb`` (float32),
+    remembered per block graph (and its op and output counts, should it grow).
 
     Raises ToolchainError when no compiler is installed or the build fails.
     """
+    key = (k, len(tb.ops), len(tb.outputs))
+    built = _BUILT.setdefault(tb, {})
+    if key not in built:
+        built[key] = _compile_threadblock(tb, k)
+    return built[key]
+
+
+def _compile_threadblock(tb, k: int):
     probe = render_threadblock(tb, k, "yr_tb")
     name = "yr_tb_" + hashlib.sha256(probe.encode()).hexdigest()[:16]
     source = probe.replace("void yr_tb(", f"void {name}(")
