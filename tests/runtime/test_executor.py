@@ -1,5 +1,6 @@
 """The executor talks to a backend only through the contract (backends/base.py)."""
 import logging
+import threading
 
 import torch
 
@@ -83,3 +84,47 @@ def test_cpu_supports_its_library_kernels():
     g.mark_output(g.embedding(ids, wq))
     cpu = get_backend_impl("cpu")
     assert all(cpu.supports(n, g) for n in g.ops)
+
+
+# ---- CompiledGraph.__call__ reuses the last call's plan (runtime/executor.py) ----
+def _graph():
+    g = yr.new_kernel_graph()
+    X, W = g.new_input(dims=(4, 16)), g.new_input(dims=(16, 8))
+    g.mark_output(g.silu(g.matmul(X, W)))
+    return g
+
+
+def test_a_repeated_call_returns_new_tensors_that_later_calls_leave_alone():
+    g = _graph()
+    cg = g.compile("cpu")
+    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    first = cg([x, w])[0]
+    want_first = g.interpret([x, w])[0]
+    x.mul_(-2.0)                      # same tensors, new values: the reused plan reads them
+    second = cg([x, w])[0]
+    torch.testing.assert_close(second, g.interpret([x, w])[0])
+    torch.testing.assert_close(first, want_first)     # the first result was not overwritten
+    assert first.data_ptr() != second.data_ptr()
+    third = cg([torch.ones(4, 16), w])[0]            # other inputs: another plan
+    torch.testing.assert_close(third, g.interpret([torch.ones(4, 16), w])[0])
+
+
+def test_concurrent_calls_on_the_same_inputs_get_their_own_plans():
+    g = _graph()
+    cg = g.compile("cpu")
+    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    want = g.interpret([x, w])[0]
+    errors = []
+
+    def work():
+        for _ in range(200):
+            out = cg([x, w])[0]
+            if not torch.allclose(out, want, atol=1e-5, rtol=1e-5):
+                errors.append(out)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

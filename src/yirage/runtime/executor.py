@@ -22,6 +22,7 @@ This module must never change a graph, import a backend, or ask which backend it
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -52,6 +53,8 @@ class CompiledGraph:
         self.steps = schedule(graph)
         fused = [s for s in self.steps if isinstance(s, FusedKernel)]
         self.kernels = dict(zip(map(id, fused), self.impl.compile(fused)))
+        self._last: tuple | None = None      # (input key, Plan) of the last call, reused
+        self._last_lock = threading.Lock()
 
     @property
     def num_kernels(self) -> int:
@@ -81,10 +84,25 @@ class CompiledGraph:
         return Plan(self, self.check_bindable(inputs))
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Run once; non-contiguous inputs are copied first (KV caches must be contiguous,
-        since attention updates them in place)."""
+        """Run once and return the outputs as new tensors; non-contiguous inputs are copied
+        first (KV caches must be contiguous, since attention updates them in place).
+
+        A call with the same input tensors as the previous one (same storage, shapes,
+        dtypes) reuses its plan (buffers and bound launches: building them costs tens of
+        microseconds, as much as a small graph's run) and returns copies of its outputs; a
+        call made while another thread runs that plan gets a plan of its own."""
         self.check(inputs)
-        return Plan(self, [x.contiguous() for x in inputs]).run()
+        xs = [x.contiguous() for x in inputs]
+        key = tuple((x.data_ptr(), tuple(x.shape), x.dtype, x.device) for x in xs)
+        if not self._last_lock.acquire(blocking=False):
+            return Plan(self, xs).run()
+        try:
+            if self._last is None or self._last[0] != key:
+                self._last = None
+                self._last = (key, Plan(self, xs))
+            return [o.clone() for o in self._last[1].run()]
+        finally:
+            self._last_lock.release()
 
 
 class Plan:
