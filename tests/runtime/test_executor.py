@@ -87,7 +87,7 @@ def test_cpu_supports_its_library_kernels():
 
 
 # ---- CompiledGraph.__call__ reuses the last call's plan (runtime/executor.py) ----
-def _graph():
+def _silu_matmul_graph():
     g = yr.new_kernel_graph()
     X, W = g.new_input(dims=(4, 16)), g.new_input(dims=(16, 8))
     g.mark_output(g.silu(g.matmul(X, W)))
@@ -95,7 +95,7 @@ def _graph():
 
 
 def test_a_repeated_call_returns_new_tensors_that_later_calls_leave_alone():
-    g = _graph()
+    g = _silu_matmul_graph()
     cg = g.compile("cpu")
     x, w = torch.randn(4, 16), torch.randn(16, 8)
     first = cg([x, w])[0]
@@ -110,7 +110,7 @@ def test_a_repeated_call_returns_new_tensors_that_later_calls_leave_alone():
 
 
 def test_concurrent_calls_on_the_same_inputs_get_their_own_plans():
-    g = _graph()
+    g = _silu_matmul_graph()
     cg = g.compile("cpu")
     x, w = torch.randn(4, 16), torch.randn(16, 8)
     want = g.interpret([x, w])[0]
