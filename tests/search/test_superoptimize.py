@@ -177,3 +177,22 @@ def test_save_codes_and_visualize(tmp_path):
         assert list(folder.glob("tb*_out0.cpp"))
     dot = opt.visualize(tmp_path / "opt.dot")
     assert "digraph" in open(dot).read()
+
+
+def test_the_rmsnorm_mugraph_runs_as_triton_too():
+    """The lowered RMSNorm + matmul block graph (its eps through add_scalar) rendered as Triton
+    (under Triton's CPU interpreter where tests/conftest.py enables it) equals the reference."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ir"))
+    from test_threadblock import _check_triton, _triton_interpreting
+
+    if not _triton_interpreting():
+        pytest.skip("Triton's CPU interpreter is not available")
+    g = rms_matmul(M=3, K=64, N=32, eps=0.5)      # an eps large enough to matter
+    p = mugraph.match(g)
+    cand = mugraph.lower(g, p, 2, 2, type(g))
+    xs = _inputs(g)
+    _check_triton(cand, xs)
+    for a, b in zip(cand.interpret(xs), g.interpret(xs)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
