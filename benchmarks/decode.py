@@ -398,10 +398,13 @@ def _targets(y: dict, ratios: dict | None) -> dict:
     return t
 
 
-def build(args, prompt_names: list[str], gguf_path: str):
+def build(args, prompt_names: list[str], gguf_path: str, default_only: bool = False):
     """The first yirage load, the prompts (yirage's ids), then every side: one YirageSide per
-    config and (unless skipped) a LlamaCppSide. Returns (prompts, sides, llama.cpp skip reason)."""
+    config (only the first, yirage's default engine, with ``default_only``) and (unless
+    skipped) a LlamaCppSide. Returns (prompts, sides, llama.cpp skip reason)."""
     configs = yirage_configs()
+    if default_only:
+        configs = dict([next(iter(configs.items()))])
     first_name, first_extra = next(iter(configs.items()))
     first = _make_llm(args.model, args.threads, first_extra)
     encode = first[0].encode_prompt
@@ -426,24 +429,9 @@ def busy_report(args, prompt_names: list[str], gguf_path: str, report: dict) -> 
     """The busy scenario (issue 7's target: yirage with --threads threads and one core busy
     decodes at least as fast as yirage with one thread on the idle machine), measured in
     pairs by ``measure_busy``; prints the report. yirage runs its default engine only."""
-    configs = yirage_configs()
-    name, extra = next(iter(configs.items()))
-    first = _make_llm(args.model, args.threads, extra)
-    encode = first[0].encode_prompt
-    prompts = {"short": (PROMPT, encode(PROMPT))}
-    if "long" in prompt_names:
-        text = long_prompt(encode)
-        prompts["long"] = (text, encode(text))
-    prompts = {k: v for k, v in prompts.items() if k in prompt_names}
-    eos = set(first[0].eos_token_ids)
-    sides = {name: YirageSide(args.model, args.threads, extra, first)}
-    idle_side = YirageSide(args.model, 1, extra)
-    skipped = "--no-llamacpp" if args.no_llamacpp else None
-    if skipped is None:
-        try:
-            sides["llamacpp"] = LlamaCppSide(gguf_path, args.threads, eos)
-        except ImportError:
-            skipped = LLAMACPP_MISSING
+    prompts, sides, skipped = build(args, prompt_names, gguf_path, default_only=True)
+    name = next(iter(sides))
+    idle_side = YirageSide(args.model, 1, yirage_configs()[name])   # one worker, idle machine
     report["prompts"] = {k: {"tokens": len(v[1])} for k, v in prompts.items()}
     report["busy_core"] = max(os.sched_getaffinity(0))
     try:
