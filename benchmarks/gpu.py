@@ -105,7 +105,53 @@ def bench_graph(name: str, backend: str, dtype: yr.DType, iters: int) -> dict:
     }
     result["speedup_vs_compile"] = result["torch_compile_ms"] / result["yirage_ms"]
     result["speedup_vs_eager"] = result["torch_eager_ms"] / result["yirage_ms"]
+    if impl.torch_device.type == "cuda":
+        # Launch overhead removed on both sides: the plan's launches captured in one CUDA graph
+        # (Plan.capture) against torch.compile's mode="reduce-overhead" (CUDA graphs too).
+        plan.capture()
+        replayed = plan.run()[0]
+        reduce_overhead = torch.compile(eager, mode="reduce-overhead")
+        result["yirage_cudagraph_ms"] = time_ms(plan.run, impl.synchronize, iters)
+        result["torch_compile_reduce_overhead_ms"] = time_ms(lambda: reduce_overhead(*inputs), impl.synchronize,
+                                                             iters)
+        result["cudagraph_max_abs_diff_vs_eager"] = float((replayed.float() - ref.float()).abs().max())
+        result["cudagraph_speedup_vs_compile"] = result["torch_compile_ms"] / result["yirage_cudagraph_ms"]
+        result["cudagraph_speedup_vs_reduce_overhead"] = (result["torch_compile_reduce_overhead_ms"]
+                                                          / result["yirage_cudagraph_ms"])
     return result
+
+
+PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def bench_llm(model: str, backend: str, tokens: int, runs: int) -> dict:
+    """Greedy decode of ``tokens`` new tokens after PROMPT (chat template applied), ``runs``
+    times: yr.LLM on ``backend`` (its default dtype) and transformers eager on the same device
+    in that dtype (benchmarks/decode.py's bench_transformers, same prompt ids); tokens/s medians,
+    and how many leading greedy tokens the two sides share."""
+    from decode import _matching_prefix, bench_transformers
+
+    impl = get_backend_impl(backend)
+    t0 = time.perf_counter()
+    llm = yr.LLM(model, backend=backend, max_seq_length=512)
+    load_s = time.perf_counter() - t0
+    ids = llm.encode_prompt(PROMPT)
+    llm.generate(PROMPT, max_new_tokens=4)  # warm-up: compiles and captures outside the timings
+    prefill, decode, toks = [], [], None
+    for _ in range(runs):
+        r = llm.generate(PROMPT, max_new_tokens=tokens)
+        prefill.append(r.prefill_s)
+        decode.append(r.decode_tokens_per_s)
+        toks = toks if toks is not None else list(r.token_ids)
+    y = {"dtype": llm.dtype.value, "load_s": load_s, "prompt_tokens": len(ids),
+         "prefill_s": statistics.median(prefill), "decode_tokens_per_s": statistics.median(decode),
+         "runs_decode_tokens_per_s": [round(x, 1) for x in decode], "text": r.text[:80]}
+    t, t_toks = bench_transformers(model, {"prompt": ids}, tokens, runs, device=str(impl.torch_device),
+                                   dtype=getattr(torch, llm.dtype.value))
+    t_tok = t_toks["prompt"]
+    return {"model": model, "yirage": y, "transformers_eager": t,
+            "decode_speedup": y["decode_tokens_per_s"] / t["prompt"]["decode_tokens_per_s"],
+            "greedy_tokens_equal_prefix": _matching_prefix(toks, t_tok), "new_tokens": len(t_tok)}
 
 
 def main() -> None:
@@ -128,12 +174,7 @@ def main() -> None:
     for name in GRAPHS:
         report["graphs"][name] = bench_graph(name, args.backend, dtype, args.iters)
     if not args.skip_llm:
-        from decode import bench_transformers, bench_yirage
-        y = bench_yirage(args.model, args.tokens, args.runs, backend=args.backend)
-        t = bench_transformers(args.model, args.tokens, args.runs, device=str(impl.torch_device),
-                               dtype=getattr(torch, y["dtype"]))
-        report["llm"] = {"model": args.model, "yirage": y, "transformers_eager": t,
-                         "decode_speedup": y["decode_tokens_per_s"] / t["decode_tokens_per_s"]}
+        report["llm"] = bench_llm(args.model, args.backend, args.tokens, args.runs)
     print(json.dumps(report, indent=2))
 
 

@@ -21,6 +21,15 @@ def _seeded():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_parametrized(request, monkeypatch):
+    """A test that does not take the ``backend`` fixture is a CPU test: on a GPU machine 'auto'
+    would pick the GPU and its CPU tensors would be refused (rightly). The ``backend``-
+    parametrized tests are the ones that run on every backend present."""
+    if "backend" not in request.fixturenames and not os.environ.get("YIRAGE_BACKEND"):
+        monkeypatch.setenv("YIRAGE_BACKEND", "cpu")
+
+
 @pytest.fixture(params=[b.value for b in yr.get_available_backends()])
 def backend(request):
     """Every backend this machine can run: the CPU, the GPU backends present, and

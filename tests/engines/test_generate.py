@@ -74,7 +74,7 @@ def test_tiny_random_models_match_transformers_logits(kind, backend, tmp_path, s
     """safetensors path, on every backend here (the Triton kernels included): prefill and
     3 decode steps vs transformers' full-sequence logits."""
     hf = save_tiny_model(kind, tmp_path)
-    llm = yr.LLM(str(tmp_path), backend=backend, max_seq_length=64)
+    llm = yr.LLM(str(tmp_path), backend=backend, max_seq_length=64, dtype="float32")
     if kind == "qwen2":
         assert llm.config.attention_bias
     matches_transformers(llm, hf)

@@ -417,7 +417,15 @@ def test_attention_out_of_range(K, device, T):
         assert torch.equal(out.cpu(), torch.full((T, hq, dh), 7.0))
 
 
-def test_attention_errors(K):
+def test_attention_errors(K, device):
+    torch.set_default_device(device)
+    try:
+        _attention_errors(K)
+    finally:
+        torch.set_default_device(None)
+
+
+def _attention_errors(K):
     q, kv, cache = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(16, 2, 8)
     pos = torch.zeros(1, dtype=torch.long)
     with pytest.raises(ValueError, match="divisible"):
@@ -426,9 +434,10 @@ def test_attention_errors(K):
         K.attention(q, kv, kv, torch.zeros(16, 1, 8), cache, pos, torch.zeros_like(q), 1.0)
     with pytest.raises(ValueError, match="dtype"):
         K.attention(q.half(), kv, kv, cache, cache, pos, torch.zeros_like(q), 1.0)
+    ws = K.attention_workspace(torch.zeros(1, 2, 8), cache)
     with pytest.raises(ValueError, match="workspace"):
-        ws = K.attention_workspace(torch.zeros(1, 2, 8), cache)
-        K.attention(q, kv, kv, cache, cache, pos, torch.zeros_like(q), 1.0, ws)
+        K.attention(q, torch.ones_like(kv), kv, cache, cache, pos, torch.zeros_like(q), 1.0, ws)
+    assert not cache.any()  # refused before the KV cache was written
     with pytest.raises(ValueError, match="status"):
         K.attention(q, kv, kv, cache, cache, pos, torch.zeros_like(q), 1.0, status=torch.zeros(4))
 

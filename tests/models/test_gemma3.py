@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import yirage as yr
+from yirage.backends import get_backend_impl
 from yirage.errors import ModelLoadError
 from yirage.models.loading import gguf_to_hf_name, load_model
 from yirage.transforms.fusion import FusedKernel, schedule
@@ -134,7 +135,8 @@ def test_gelu_tanh_matches_torch(backend, shape):
     x, y = torch.randn(shape) * 4, torch.randn(shape)
     special = torch.tensor([0.0, -30.0, 30.0, 1e20, -1e20, float("inf"), -5.0])
     x.view(-1)[: min(x.numel(), special.numel())] = special[: x.numel()]
-    out, prod = g(inputs=[x, y])
+    dev = get_backend_impl(backend).torch_device
+    out, prod = (t.cpu() for t in g(inputs=[x.to(dev), y.to(dev)]))
     ref = F.gelu(x, approximate="tanh")
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(prod, ref * y, atol=1e-6, rtol=1e-5)

@@ -59,7 +59,7 @@ def test_compile_error_keeps_source(fresh_cache):
 
 def test_missing_compiler_says_how_to_install(fresh_cache):
     code = ("import yirage as yr\n"
-            "g = yr.new_kernel_graph(); x = g.new_input((2, 3)); g.mark_output(g.exp(x))\n"
+            "g = yr.new_kernel_graph(backend='cpu'); x = g.new_input((2, 3)); g.mark_output(g.exp(x))\n"
             "import torch\n"
             "try:\n    g(inputs=[torch.randn(2, 3)])\n"
             "except yr.ToolchainError as e:\n    print('ERR', e)\n")

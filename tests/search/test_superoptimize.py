@@ -110,7 +110,7 @@ def test_a_wrong_candidate_is_rejected_and_never_timed(monkeypatch):
     bad = mugraph.lower(g, wrong, *mugraph.schedules(p, 2)[0], type(g))
     assert so.verify(g, so.CompiledGraph(bad, so.get_backend_impl("cpu")), seed=1) > 1e-2
 
-    def candidates(graph, cls):
+    def candidates(graph, cls, backend):
         yield "wrong", bad
         yield "fixed fusion", graph
 
@@ -118,6 +118,45 @@ def test_a_wrong_candidate_is_rejected_and_never_timed(monkeypatch):
     opt = g.superoptimize(backend="cpu", time_budget_s=10, profile_iters=2, use_cached_graphs=False)
     assert opt.report["rejected"] == 1 and "wrong" not in opt.report["times_s"]
     assert opt.description == "fixed fusion"
+
+
+def test_a_candidate_the_backend_cannot_build_is_dropped_and_counted(monkeypatch):
+    """A µGraph the backend fails to build or launch (on an H100, Triton raised OutOfResources
+    for shared memory) is dropped with its reason in the report; the search goes on."""
+    g = gated_mlp()
+    p = mugraph.match(g)
+    cand = mugraph.lower(g, p, *mugraph.schedules(p, 2)[0], type(g))
+    real = so.CompiledGraph
+
+    class Failing(real):
+        def __init__(self, graph, impl):
+            if graph is cand:
+                raise RuntimeError("out of resource: shared memory, Required: 311296")
+            super().__init__(graph, impl)
+
+    def candidates(graph, cls, backend):
+        yield "fixed fusion", graph
+        yield "too big", cand
+
+    monkeypatch.setattr(so, "CompiledGraph", Failing)
+    monkeypatch.setattr(so, "_candidates", candidates)
+    opt = g.superoptimize(backend="cpu", time_budget_s=10, profile_iters=2, use_cached_graphs=False)
+    assert opt.report["rejected"] == 1 and "too big" not in opt.report["times_s"]
+    assert "shared memory" in opt.report["build_errors"]["too big"]
+    assert opt.description == "fixed fusion"
+
+
+def test_gpu_schedules_fit_shared_memory():
+    """With a tile limit (GPU backends), every schedule's for-loop tiles fit it, and Mirage's
+    gated MLP (X [8, 4096], W [4096, 4096] twice) still has candidates."""
+    for make, args in [(gated_mlp, dict(M=8, K=4096, N=4096)), (lora, {}), (rms_matmul, {})]:
+        p = mugraph.match(make(**args))
+        free = mugraph.schedules(p, 2)
+        fit = mugraph.schedules(p, 2, so.GPU_TILE_BYTES)
+        assert set(fit) <= set(free)
+        assert all(mugraph.tile_bytes(p, gr, lo) <= so.GPU_TILE_BYTES for gr, lo in fit)
+    assert fit and len(mugraph.schedules(mugraph.match(gated_mlp(M=8, K=4096, N=4096)), 2, so.GPU_TILE_BYTES)) >= 4
+    assert any(mugraph.tile_bytes(p, gr, lo) > 1024 for gr, lo in free)
 
 
 def test_a_corrupt_cache_entry_means_a_new_search():

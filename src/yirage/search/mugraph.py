@@ -142,13 +142,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def schedules(p: Pattern, threads: int) -> list[tuple[int, int]]:
+def tile_bytes(p: Pattern, grid: int, loop: int, elem: int = 4) -> int:
+    """Bytes of one for-loop iteration's input tiles in a block: X [M, K/loop] and a weight
+    tile [K/loop, N/grid] per matmul (the low-rank pairs' rank-R tiles are left out: small)."""
+    kt, nt = p.K // loop, p.N // grid
+    n = p.M * kt + len(p.matmuls) * kt * nt
+    return elem * n
+
+
+def schedules(p: Pattern, threads: int, max_tile_bytes: int | None = None) -> list[tuple[int, int]]:
     """(grid, loop) pairs to try, most promising first: grid splits N into tiles of 8-512
     columns (at least ``threads`` blocks where N allows), loop splits K into tiles of 32-1024
-    rows; ordered by how far they are from a tile of 64 columns x 256 rows of K."""
+    rows; ordered by how far they are from a tile of 64 columns x 256 rows of K. With
+    ``max_tile_bytes`` (GPUs: a block's tiles live in shared memory), only the pairs whose
+    :func:`tile_bytes` fit."""
     grids = [g for g in _divisors(p.N) if 8 <= p.N // g <= 512] or [1]
     loops = [f for f in _divisors(p.K) if 32 <= p.K // f <= 1024] or [1]
-    pairs = [(g, f) for g in grids for f in loops]
+    pairs = [(g, f) for g in grids for f in loops
+             if max_tile_bytes is None or tile_bytes(p, g, f) <= max_tile_bytes]
 
     def cost(gf):
         g, f = gf

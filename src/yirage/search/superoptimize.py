@@ -198,13 +198,19 @@ def _time(candidate: CompiledGraph, inputs: list[torch.Tensor], warmup: int, ite
     return statistics.median(times)
 
 
-def _candidates(graph: KernelGraph, cls):
+#: a block's for-loop tiles on a GPU backend must fit shared memory with Triton's pipelining
+#: (2-3 stages of the tiles; an H100 has 227 KiB per block): the CPU has no such bound
+GPU_TILE_BYTES = 64 * 1024
+
+
+def _candidates(graph: KernelGraph, cls, backend: str = "cpu"):
     """(description, kernel graph) pairs, the fixed fusion first."""
     yield "fixed fusion", graph
     p = mugraph.match(graph)
     if p is None:
         return
-    for grid, loop in mugraph.schedules(p, torch.get_num_threads()):
+    limit = None if backend == "cpu" else GPU_TILE_BYTES
+    for grid, loop in mugraph.schedules(p, torch.get_num_threads(), limit):
         try:
             cand = mugraph.lower(graph, p, grid, loop, cls)
         except GraphError:
@@ -263,7 +269,7 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
     report = {"config": config, "backend": name, "candidates": 0, "verified": 0, "rejected": 0, "timed": 0,
               "times_s": {}, "cached": False}
     best = None
-    for i, (desc, cand) in enumerate(_candidates(graph, cls)):
+    for i, (desc, cand) in enumerate(_candidates(graph, cls, name)):
         spent = time.perf_counter() - t_start
         if i > 0 and spent + 1.5 * spent / i > time_budget_s:   # the next one would overrun, likely
             say(f"[superoptimize] time budget of {time_budget_s} s spent after {i} candidates")
@@ -275,6 +281,12 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
         except GraphError as e:
             err = float("inf")
             say(f"[superoptimize] {desc}: cannot run ({e})")
+        except Exception as e:  # noqa: BLE001 - a µGraph the backend cannot build (e.g. Triton's
+            if cand is graph:   # OutOfResources for shared memory) is dropped; the fixed fusion's own
+                raise           # failure is the user's error, as g(inputs) would raise it
+            err = float("inf")
+            report.setdefault("build_errors", {})[desc] = f"{type(e).__name__}: {str(e)[:200]}"
+            say(f"[superoptimize] {desc}: the backend cannot build it ({type(e).__name__}: {e})")
         if not err <= RTOL:
             report["rejected"] += 1
             say(f"[superoptimize] rejected {desc}: error {err:.3g} > {RTOL}")

@@ -378,17 +378,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     BLOCK_D = max(16, triton.next_power_of_2(dh))
     upcast = dot_upcast(q)
 
+    if T == 1:  # the workspace is checked before the cache is written: a bad call changes nothing
+        ws = workspace if workspace is not None else attention_workspace(q, k_cache)
+        n = triton.cdiv(max_seq, ws.chunk)
+        if tuple(ws.acc.shape) != (hq, n, dh) or ws.m.shape != (hq, n) or ws.l.shape != (hq, n):
+            raise ValueError(f"attention: workspace {tuple(ws.acc.shape)} doesn't fit Hq={hq}, Dh={dh}, "
+                             f"max_seq={max_seq} (chunk {ws.chunk})")
+
     row = hkv * dh
     wblock = min(triton.next_power_of_2(row), 4096)
     _cache_write_kernel[(T, triton.cdiv(row, wblock))](k, v, k_cache, v_cache, start_pos, status_ptr, row,
                                                        max_seq - T, BLOCK=wblock, HAS_STATUS=has_status,
                                                        num_warps=4)
     if T == 1:
-        ws = workspace if workspace is not None else attention_workspace(q, k_cache)
-        n = triton.cdiv(max_seq, ws.chunk)
-        if tuple(ws.acc.shape) != (hq, n, dh) or ws.m.shape != (hq, n) or ws.l.shape != (hq, n):
-            raise ValueError(f"attention: workspace {tuple(ws.acc.shape)} doesn't fit Hq={hq}, Dh={dh}, "
-                             f"max_seq={max_seq} (chunk {ws.chunk})")
         BLOCK_G = max(16, triton.next_power_of_2(G))
         _decode_partial_kernel[(hkv, n)](q, k_cache, v_cache, start_pos, ws.m, ws.l, ws.acc, qk_scale,
                                          hkv, G, dh, max_seq, ws.chunk, n, wk,
