@@ -182,6 +182,17 @@ def test_attention_with_rescale_and_max(B, Sq, Dh, Skv, splits, q_blocks, F1):
     _check_triton(g, [q, k, v])
 
 
+def test_outputs_of_one_block_graph_run_as_one_kernel():
+    """The CPU binds the three outputs of the attention's first block graph as one kernel
+    (Q K^T, its max and exp computed once, not once per output), plus one for the combine."""
+    g = _attention(2, 12, 8, 30, 5, 3, 2)
+    q, k, v = _rand(2, 12, 8), _rand(2, 8, 30), _rand(2, 30, 8)
+    plan = g.compile("cpu").plan([q, k, v])
+    assert len(plan.thunks) == 2
+    for _ in range(2):   # the outputs stay right run after run (accumulators reset per run)
+        torch.testing.assert_close(plan.run()[0], torch.softmax(q @ k, dim=-1) @ v)
+
+
 def test_json_round_trip():
     g = _attention(1, 6, 4, 12, 3, 2, 2)
     back = yr.KNGraph.from_json(g.to_json())

@@ -244,7 +244,8 @@ def test_cli_trace_writes_a_perfetto_trace(save_tiny_model, tmp_path):
     assert "task events" in proc.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert names == {"worker 0", "worker 1"} or names == {"worker 0"}
+    # which workers ran tasks depends on the OS: on a loaded machine either may do them all
+    assert names and names <= {"worker 0", "worker 1"}
     assert len([e for e in events if e["ph"] == "X"]) > 0
     bad = subprocess.run([sys.executable, "-m", "yirage.cli", "generate", "-m", str(tmp_path / "m"), "--no-chat",
                           "--no-persistent", "--trace", str(trace), "w5"], capture_output=True, text=True, timeout=600)

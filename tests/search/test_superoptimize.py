@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.search import mugraph
+from yirage.search import attention, mugraph
 from yirage.search import superoptimize as so
 
 F32 = yr.float32
@@ -63,6 +63,84 @@ def test_every_schedule_of_the_mugraph_equals_the_graph(make):
         for got in (cand.interpret(xs), cand(xs, backend="cpu")):
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def gqa(B=3, G=2, D=8, T=48, Dv=8, knorm=False, scale=0.35):
+    """Mirage's GQA decode graph (benchmark/group_query_attention.py) at small odd sizes: Q
+    [B*G, D] reshaped per KV head, K given transposed; ``knorm``: QK-norm (q RMSNorm, the
+    key norm written with square/reduction/rsqrt over K^T's head dim)."""
+    g = yr.new_kernel_graph()
+    Q, Kt, V = g.new_input(dims=(B * G, D), dtype=F32), g.new_input(dims=(B, D, T), dtype=F32), \
+        g.new_input(dims=(B, T, Dv), dtype=F32)
+    q = g.reshape(Q, (B, G, D))
+    if knorm:
+        q = g.rms_norm(q, normalized_shape=(D,), eps=1e-6)
+    s = g.matmul(q, Kt)
+    if knorm:
+        s = g.mul(s, g.rsqrt(g.scale(g.reduction(g.square(Kt), -2), 1.0 / D)))
+    p = g.softmax(g.scale(s, scale), dim=-1)
+    g.mark_output(g.reshape(g.matmul(p, V), (B * G, Dv)))
+    return g
+
+
+@pytest.mark.parametrize("knorm", [False, True])
+def test_every_attention_schedule_equals_the_graph(knorm):
+    """attention.lower (flash-decoding: per-split running max and rescaled sums, then the
+    combine; the key norm computed from the K tile in the loop) over its schedules equals the
+    input graph's reference, as the block graphs' reference and as compiled C++."""
+    g = gqa(knorm=knorm)
+    p = attention.match(g)
+    assert p is not None and (p.knorm is not None) == knorm and p.scale == 0.35
+    assert (p.B, p.G, p.D, p.T, p.Dv) == (3, 2, 8, 48, 8)
+    xs = _inputs(g)
+    want = g.interpret(xs)[0]
+    pairs = attention.schedules(p, 2)
+    assert pairs and all(48 % (sp * lp) == 0 and 48 // (sp * lp) >= 32 for sp, lp in pairs)
+    pairs = attention.schedules(p, 2) + [(3, 1), (4, 3)]   # tiles below the schedules' 32 keys too
+    for splits, loop in pairs:
+        cand = attention.lower(g, p, splits, loop, type(g))
+        assert sum(n.op == "customized" for n in cand.ops) == 4   # 3 outputs of graph 1, graph 2
+        for got in (cand.interpret(xs)[0], cand(xs, backend="cpu")[0]):
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+def test_attention_candidate_runs_through_triton():
+    """The same µGraph rendered as Triton (under TRITON_INTERPRET=1 here, compiled on a GPU)."""
+    if "triton-interpret" not in [b.value for b in yr.get_available_backends()]:
+        pytest.skip("triton-interpret needs TRITON_INTERPRET=1 (no GPU here)")
+    g = gqa(knorm=True)
+    p = attention.match(g)
+    cand = attention.lower(g, p, 3, 1, type(g))
+    xs = _inputs(g, seed=2)
+    torch.testing.assert_close(cand(xs, backend="triton-interpret")[0], g.interpret(xs)[0], atol=2e-6, rtol=2e-5)
+
+
+def test_attention_variants_outside_the_pattern_are_not_matched():
+    g = gqa()
+    assert mugraph.match(g) is None and attention.match(g) is not None
+    h = yr.new_kernel_graph()   # the probabilities are an output too: they cannot stay in the block
+    Q, Kt, V = h.new_input(dims=(2, 3, 8), dtype=F32), h.new_input(dims=(2, 8, 16), dtype=F32), \
+        h.new_input(dims=(2, 16, 8), dtype=F32)
+    P = h.softmax(h.matmul(Q, Kt), dim=-1)
+    h.mark_output(h.matmul(P, V))
+    h.mark_output(P)
+    assert attention.match(h) is None
+    k = yr.new_kernel_graph()   # softmax over the query rows is not attention
+    Q, Kt, V = k.new_input(dims=(2, 3, 8), dtype=F32), k.new_input(dims=(2, 8, 16), dtype=F32), \
+        k.new_input(dims=(2, 16, 8), dtype=F32)
+    k.mark_output(k.matmul(k.softmax(k.matmul(Q, Kt), dim=1), V))
+    assert attention.match(k) is None
+
+
+def test_superoptimize_picks_among_attention_candidates():
+    g = gqa(B=2, T=256, knorm=True)
+    opt = g.superoptimize(backend="cpu", time_budget_s=15, warmup_iters=1, profile_iters=3,
+                          use_cached_graphs=False)
+    r = opt.report
+    assert r["candidates"] >= 3 and r["rejected"] == 0 and r["verified"] == r["timed"] == r["candidates"]
+    assert any(d.startswith("µGraph splits=") for d in r["times_s"])
+    xs = _inputs(g, seed=4)
+    torch.testing.assert_close(opt(xs)[0], g.interpret(xs)[0], atol=2e-6, rtol=2e-5)
 
 
 def test_graphs_outside_the_family_are_not_matched():

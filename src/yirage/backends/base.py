@@ -261,6 +261,14 @@ class BackendImpl(ABC):
         default: None (backends without a task scheduler)."""
         return None
 
+    def bind_customized_group(self, nodes, graph, args: list[torch.Tensor],
+                              outs: list[torch.Tensor]) -> Thunk | None:
+        """One thunk computing every output of one threadblock graph: ``nodes`` are its
+        ``customized`` ops in output order (all supported, sharing ``args``), ``outs`` their
+        buffers. None (the default) binds each node alone with ``bind_library_op``, which
+        recomputes the ops the outputs share once per output."""
+        return None
+
     def capture(self, run: Thunk) -> Thunk:
         """A thunk that replays the device work of ``run`` (a plan's launches) with less
         launch overhead; the default returns ``run`` itself.

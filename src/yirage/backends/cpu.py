@@ -160,6 +160,11 @@ class CPUBackend(BackendImpl):
         """The C++ library kernel (or torch BLAS for float matmuls) for ``node``."""
         return cpu_library.OPS[node.op][1](node, graph, args, out, status)
 
+    def bind_customized_group(self, nodes, graph, args, outs):
+        """All outputs of one block graph as one C++ kernel (cpu_threadblock.py)."""
+        from .cpu_threadblock import bind_customized_group
+        return bind_customized_group(nodes, graph, args, outs)
+
     def bind_library_task(self, node, graph, args, out, status, num_workers):
         """The task form of ``node`` for the CPU scheduler (``cpu_library.TASKS``), or None."""
         binder = cpu_library.TASKS.get(node.op)

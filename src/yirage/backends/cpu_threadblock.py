@@ -1,5 +1,7 @@
 """The CPU backend's ``customized`` op: a threadblock graph (ir/threadblock.py) compiled to
-C++ (codegen/threadblock_cpp.py, runtime/threadblock_kernels.py), one kernel per output.
+C++ (codegen/threadblock_cpp.py, runtime/threadblock_kernels.py): one kernel for all the
+outputs of one block graph (``bind_customized_group``; the executor groups them), else one per
+output.
 
 ``customized_ok`` says which cases have a kernel (float32, tile buffers within
 ``MAX_ARENA_FLOATS`` per thread); the executor runs every other case as the op's torch
@@ -35,3 +37,15 @@ def bind_customized(node, graph, args, out, status):
             s.copy_(a)
         run()
     return thunk
+
+
+def bind_customized_group(nodes, graph, args, outs):
+    """One thunk computing every output of one block graph (``nodes``: its ``customized`` ops,
+    in output order, sharing ``args``) into ``outs``, so that the ops they share run once; None
+    when a single kernel does not apply (then each node is bound alone)."""
+    tb = nodes[0].attrs["tb"]
+    ks = tuple(n.attrs["output"] for n in nodes)
+    if (not all(inp.dtype == DType.float32 for inp in tb.inputs) or arena_floats(tb, ks) > MAX_ARENA_FLOATS
+            or not all(a.is_contiguous() for a in args)):
+        return None
+    return bind_threadblock(compile_threadblock(tb, ks), args, outs)

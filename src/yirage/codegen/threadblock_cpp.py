@@ -1,14 +1,17 @@
-"""Renders one output of a threadblock graph (ir/threadblock.py ``TBGraph``) as C++.
+"""Renders outputs of a threadblock graph (ir/threadblock.py ``TBGraph``) as C++.
 
 ``render_threadblock(tb, k, name)`` returns a translation unit with
 ``extern "C" void NAME(void** args)``: ``args`` holds the kernel tensors of the block graph's
-inputs (in ``new_input`` order, contiguous float32) and then output ``k``. The code follows
+inputs (in ``new_input`` order, contiguous float32) and then output ``k``; with ``k`` a tuple
+of output indices, one kernel computes all of them (the ops they share run once: Mirage's
+attention block graph has three outputs from one Q K^T) and ``args`` ends with them in that
+order. The code follows
 Mirage's µGraph levels on a CPU: the grid is an OpenMP ``collapse(3)`` loop (one block per
 iteration, blocks independent), each block runs the for-loop sequentially, every block tile
 lives in a per-thread buffer (an arena allocated once per thread, sized by the tile shapes,
 so tiles stay L1/L2-resident), input tiles are copied in at each iteration, accumulators stay
 in their buffers across iterations, and the innermost loops are unit-stride ``omp simd``
-loops (matmul as rank-1 updates of an output row). Only the ops output ``k`` depends on are
+loops (matmul as rank-1 updates of an output row). Only the ops the outputs depend on are
 emitted. Meaning is ``ir.threadblock.run_threadblock``'s: tests compare the two.
 
 This module must never compile or load anything (runtime/threadblock_kernels.py does).
@@ -33,10 +36,14 @@ def _f(x: float) -> str:
     return f"{float(x)!r}f"
 
 
-def needed_ops(tb: TBGraph, k: int) -> list:
-    """The ops of ``tb`` that output ``k`` depends on, in graph order."""
+def _ks(k) -> tuple[int, ...]:
+    return tuple(k) if isinstance(k, (tuple, list)) else (k,)
+
+
+def needed_ops(tb: TBGraph, k) -> list:
+    """The ops of ``tb`` that output ``k`` (an index or a tuple of them) depends on, in graph order."""
     producer = {s: op for op in tb.ops for s in op.outputs}
-    need, stack = set(), [tb.outputs[k].sid]
+    need, stack = set(), [tb.outputs[j].sid for j in _ks(k)]
     while stack:
         op = producer.get(stack.pop())
         if op is not None and id(op) not in need:
@@ -71,10 +78,10 @@ def _index(shape, out_shape) -> str:
 
 
 class _Renderer:
-    def __init__(self, tb: TBGraph, k: int):
-        self.tb, self.k = tb, k
-        self.ops = needed_ops(tb, k)
-        used = {i for op in self.ops for i in op.inputs} | {tb.outputs[k].sid}
+    def __init__(self, tb: TBGraph, k):
+        self.tb, self.ks = tb, _ks(k)
+        self.ops = needed_ops(tb, self.ks)
+        used = {i for op in self.ops for i in op.inputs} | {tb.outputs[j].sid for j in self.ks}
         self.inputs = [(n, inp) for n, inp in enumerate(tb.inputs) if inp.sid in used]
         self.bufs = sorted(used | {s for op in self.ops for s in op.outputs})
         self.lines: list[str] = []
@@ -217,7 +224,6 @@ class _Renderer:
     # ---- the kernel -----------------------------------------------------------------------
     def render(self, name: str) -> str:
         tb, ind = self.tb, "      "
-        out = tb.outputs[self.k]
         offs, total = {}, 0
         for s in self.bufs:
             offs[s] = total
@@ -226,8 +232,9 @@ class _Renderer:
                       f'extern "C" void {name}(void** args) {{']
         for n, _ in self.inputs:
             self.emit("  ", f"const float* in{n} = static_cast<const float*>(args[{n}]);")
-        self.emit("  ", f"float* out = static_cast<float*>(args[{len(tb.inputs)}]);",
-                  "  #pragma omp parallel", "  {",
+        for j in range(len(self.ks)):
+            self.emit("  ", f"float* out{j} = static_cast<float*>(args[{len(tb.inputs) + j}]);")
+        self.emit("  ", "  #pragma omp parallel", "  {",
                   f"    std::vector<float> arena({max(total, 1)});")
         for s in self.bufs:
             self.emit("    ", f"float* s{s} = arena.data() + {offs[s]};")
@@ -255,7 +262,9 @@ class _Renderer:
         for op in self.ops:
             if op.stage == POST:
                 self.op(ind, op)
-        self.copy(ind, "out", out.dshape, out.output_map, -1, out.sid, store=True, loop=False)
+        for j, k in enumerate(self.ks):
+            out = tb.outputs[k]
+            self.copy(ind, f"out{j}", out.dshape, out.output_map, -1, out.sid, store=True, loop=False)
         self.emit("    ", "}", "  }", "}", "")
         return "\n".join(self.lines)
 
@@ -271,13 +280,14 @@ def _row_index(shape, out_shape) -> str:
     return " + ".join(terms) or "0"
 
 
-def arena_floats(tb: TBGraph, k: int) -> int:
-    """Floats of tile buffers one thread needs to run output ``k`` (its arena)."""
+def arena_floats(tb: TBGraph, k) -> int:
+    """Floats of tile buffers one thread needs to run output ``k`` (an index or a tuple of them)."""
     r = _Renderer(tb, k)
     return sum(-(-r.numel(s) // 16) * 16 for s in r.bufs)
 
 
-def render_threadblock(tb: TBGraph, k: int, name: str) -> str:
-    """C++ source of ``extern "C" void name(void** args)`` computing output ``k`` of ``tb``
-    (float32; args: every ``new_input`` tensor in order, then the output)."""
+def render_threadblock(tb: TBGraph, k, name: str) -> str:
+    """C++ source of ``extern "C" void name(void** args)`` computing output ``k`` of ``tb``, or
+    every output of the tuple ``k`` in one kernel (float32; args: every ``new_input`` tensor in
+    order, then the output(s) in ``k``'s order)."""
     return _Renderer(tb, k).render(name)

@@ -123,9 +123,14 @@ class Plan:
         self._status_nodes: list = []  # status slot -> the op it belongs to
         last_use = self._last_uses()
         keep = set(g.outputs) | set(g.inputs)
+        self._bound: set[int] = set()  # outputs already bound with a sibling (customized groups)
         for i, step in enumerate(cg.steps):
             if isinstance(step, FusedKernel):
                 self._bind_fused(step)
+            elif step.node.output in self._bound:
+                pass
+            elif step.node.op == "customized" and self._bind_customized_group(step.node):
+                pass
             else:
                 self._bind_library(step.node)
             for tid in self._reads(step):
@@ -203,6 +208,30 @@ class Plan:
             ins.append(x)
         outs = [self._alloc(tid) for _, tid, _ in k.outputs]
         self.thunks.append(self.cg.kernels[id(k)].bind(ins + outs, k.R))
+
+    def _bind_customized_group(self, node) -> bool:
+        """Bind every ``customized`` op of ``node``'s block graph (same inputs) as one kernel
+        when the backend has one (``bind_customized_group``); their outputs are allocated now.
+        False when ``node`` stands alone or the backend binds each output by itself."""
+        tb = node.attrs["tb"]
+        group = sorted((n for n in self.cg.graph.ops
+                        if n.op == "customized" and n.attrs["tb"] is tb and n.inputs == node.inputs),
+                       key=lambda n: n.attrs["output"])
+        impl, graph = self.cg.impl, self.cg.graph
+        if (len(group) < 2 or any(n.output in self.env for n in group)
+                or not all(impl.supports(n, graph) for n in group)):
+            return False
+        args = [self.env[i] for i in node.inputs]
+        outs = [self._alloc(n.output) for n in group]
+        thunk = impl.bind_customized_group(group, graph, args, outs)
+        if thunk is None:
+            for n in group:
+                self._release(n.output)
+                del self.env[n.output]
+            return False
+        self.thunks.append(thunk)
+        self._bound.update(n.output for n in group)
+        return True
 
     def _bind_library(self, node) -> None:
         if node.op in VIEW_OPS:

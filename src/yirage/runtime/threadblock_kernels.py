@@ -23,9 +23,10 @@ from .toolchain import load_library
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compile_threadblock(tb, k: int):
-    """The ctypes function computing output ``k`` of threadblock graph ``tb`` (float32),
-    remembered per block graph (and its op and output counts, should it grow).
+def compile_threadblock(tb, k):
+    """The ctypes function computing output ``k`` of threadblock graph ``tb`` (float32), or
+    every output of the tuple ``k`` in one kernel; remembered per block graph (and its op and
+    output counts, should it grow).
 
     Raises ToolchainError when no compiler is installed or the build fails.
     """
@@ -36,7 +37,7 @@ def compile_threadblock(tb, k: int):
     return built[key]
 
 
-def _compile_threadblock(tb, k: int):
+def _compile_threadblock(tb, k):
     probe = render_threadblock(tb, k, "yr_tb")
     name = "yr_tb_" + hashlib.sha256(probe.encode()).hexdigest()[:16]
     source = probe.replace("void yr_tb(", f"void {name}(")
@@ -45,9 +46,10 @@ def _compile_threadblock(tb, k: int):
     return fn
 
 
-def bind_threadblock(fn, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> Callable[[], None]:
-    """Thunk running ``fn`` on ``inputs`` (contiguous float32 CPU tensors) into ``out``."""
-    tensors = list(inputs) + [out]
+def bind_threadblock(fn, inputs: Sequence[torch.Tensor], out) -> Callable[[], None]:
+    """Thunk running ``fn`` on ``inputs`` (contiguous float32 CPU tensors) into ``out`` (a
+    tensor, or a list of them for a kernel of several outputs)."""
+    tensors = list(inputs) + (list(out) if isinstance(out, (list, tuple)) else [out])
     ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
     return lambda: fn(ptrs)
 

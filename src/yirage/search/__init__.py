@@ -1,2 +1,3 @@
-"""The superoptimizer: candidate µGraphs (mugraph.py) searched, verified and timed
-(superoptimize.py). Sits between the front end (yirage/kernel.py) and the backends."""
+"""The superoptimizer: candidate µGraphs (mugraph.py for shared-row matmuls, attention.py for
+attention) searched, verified and timed (superoptimize.py). Sits between the front end
+(yirage/kernel.py) and the backends."""

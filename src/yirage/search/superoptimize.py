@@ -8,8 +8,13 @@ keep the fastest. Here:
 1. Candidates. The input graph as yirage's fixed fusion compiles it (always candidate 0), and,
    for graphs of the shared-row-matmul family (search/mugraph.py: gated MLP, RMSNorm +
    matmul, LoRA, a matmul with an elementwise epilogue), one block graph per schedule: grid
-   partition of N, for-loop range over K, with RMSNorm's scale moved across the matmuls.
-   Schedules are tried most promising first until ``time_budget_s`` runs out.
+   partition of N, for-loop range over K, with RMSNorm's scale moved across the matmuls;
+   for attention (search/attention.py: ``softmax(c * Q K^T) V``, optionally with the key
+   norm of QK-norm attention), Mirage's flash-decoding pair of block graphs per schedule:
+   key splits over the grid, for-loop tiles, softmax's 1/sum moved across the matmul with V.
+   Schedules are tried most promising first until ``time_budget_s`` runs out. On GPU
+   backends a schedule's tiles must fit ``GPU_TILE_BYTES`` (shared memory), and a candidate
+   the backend fails to build is dropped and counted (``report["build_errors"]``).
 2. Verification. Each candidate runs on ``VERIFY_DRAWS`` independent draws of random inputs
    (uniform in [-1, 1]) and must equal the reference interpreter (torch, float64 where the
    ops allow, see ``_reference``) within a tolerance scaled to float32: |y - ref| <=
@@ -53,7 +58,7 @@ from ..errors import GraphError
 from ..ir.graph import KernelGraph
 from ..ir.serialize import from_json, to_json
 from ..runtime.executor import CompiledGraph
-from . import mugraph
+from . import attention, mugraph
 
 VERIFY_DRAWS = 2
 RTOL = 1e-4               # of max(1, max |reference|), float32
@@ -206,10 +211,19 @@ GPU_TILE_BYTES = 64 * 1024
 def _candidates(graph: KernelGraph, cls, backend: str = "cpu"):
     """(description, kernel graph) pairs, the fixed fusion first."""
     yield "fixed fusion", graph
+    limit = None if backend == "cpu" else GPU_TILE_BYTES
+    a = attention.match(graph)
+    if a is not None:
+        for splits, loop in attention.schedules(a, torch.get_num_threads(), limit):
+            try:
+                cand = attention.lower(graph, a, splits, loop, cls)
+            except GraphError:
+                continue
+            yield f"µGraph splits={splits} loop={loop}: {a.describe()}", cand
+        return
     p = mugraph.match(graph)
     if p is None:
         return
-    limit = None if backend == "cpu" else GPU_TILE_BYTES
     for grid, loop in mugraph.schedules(p, torch.get_num_threads(), limit):
         try:
             cand = mugraph.lower(graph, p, grid, loop, cls)
