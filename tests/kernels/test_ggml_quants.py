@@ -164,6 +164,52 @@ def test_linear(lib, fmt, M):
         assert_linear_close(y, x, w, bias)
 
 
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k"])
+@pytest.mark.parametrize("fill", [0x00, 0xFF])
+def test_linear_extreme_blocks(lib, fmt, fill):
+    """The integer GEMV (x split into int8 parts, int32 sums per lane) at its extremes: every
+    quant and sub-block scale byte ``fill`` (q3_k 0x00: scale -32 and q -4 everywhere, the
+    largest |weight|), x all equal (every product of a sum of one sign), and x small but for one
+    large element per block (the splits' remainders at their largest)."""
+    per, nbytes = DType(fmt).block
+    N, K = 11, 3 * per
+    raw = np.full((N * K // per, nbytes), fill, dtype=np.uint8)
+    for off in DType(fmt).scale_offsets:
+        raw[:, off:off + 2] = np.full((len(raw), 1), 0.01, dtype=np.float16).view(np.uint8)
+    w = torch.from_numpy(reference(fmt, raw).reshape(N, K).copy())
+    raw = torch.from_numpy(raw.reshape(N, K // per * nbytes).copy())
+    spiky = torch.randn(2, K, generator=torch.Generator().manual_seed(fill)) * 1e-3
+    spiky[:, ::per] = torch.tensor([[100.0], [-100.0]])
+    for x in (torch.full((1, K), 3.0), torch.full((1, K), -3.0), spiky):
+        y = torch.full((len(x), N), float("nan"))
+        getattr(lib, f"yr_linear_{fmt}")(_ptr(x), _ptr(raw), None, _ptr(y), len(x), N, K)
+        assert_linear_close(y, x, w, None)
+
+
+@pytest.fixture(scope="module")
+def lib_no_vbmi():
+    """The native build without AVX512-VBMI: the K-quants' integer GEMV of AVX512-VNNI CPUs
+    without VBMI (ggml_quants.h gemv_rows_int; with VBMI, gemv_rows_q2k/q3k run instead)."""
+    from yirage.backends.cpu_library import bind_signatures
+    from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx512_vnni" not in flags or " avx512vbmi" not in flags:
+        pytest.skip("needs a CPU with AVX512-VNNI and VBMI (the build without VBMI must differ from native)")
+    cxx = tuple(f for f in CXXFLAGS if not f.startswith("-march")) + ("-march=native", "-mno-avx512vbmi")
+    return bind_signatures(load_library(kernel_source("library.cpp"), cxx))
+
+
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k"])
+def test_linear_int_gemv_without_vbmi(lib_no_vbmi, fmt):
+    for M, N, K in ((1, 37, 768), (2, 13, 512)):
+        raw, w = weight(fmt, N, K, seed=N)
+        x, bias = torch.randn(M, K, generator=torch.Generator().manual_seed(N)), torch.randn(N)
+        y = torch.full((M, N), float("nan"))
+        getattr(lib_no_vbmi, f"yr_linear_{fmt}")(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K)
+        assert_linear_close(y, x, w, bias)
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q2_k", "q3_k"])
 @pytest.mark.parametrize("M,N,K", [(1, 1030, 2048), (2, 640, 1024), (33, 70, 512)])
 def test_linear_model_shapes(fmt, M, N, K):

@@ -61,6 +61,7 @@ constexpr int64_t Q5_K_BYTES = 176;    // {fp16 d; fp16 dmin; uint8 scales[12]; 
 constexpr int64_t Q6_K_BYTES = 210;    // {uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d}
 
 inline uint32_t load_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline uint64_t load_u64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
 
 // Makes GCC forget what an array holds, so that its elements are read back from memory. The
 // per-block scales are stored as a vector and read as scalars: without this GCC keeps them in
@@ -689,6 +690,188 @@ struct Q3_K_Int {
     }
 };
 
+// With AVX512-VBMI (the kernels used here; gemv_rows_int above is the VNNI-only fallback):
+// whole sub-blocks per lane. Each dword lane (L, d) of a vector (L: the 128-bit lane, = (h, t)
+// = (L / 2, L % 2); d < 4) always holds weights of the one sub-block 8h + 2d + t (the qs field
+// d of the 16 bytes qs[32h + 16t ..]), in every chunk c: the lane reads the field d of the
+// bytes of qs dword (L, d ^ c). For c < 2 that dword is in the lane's own qword, for c >= 2 in
+// the other one (vpshufd swaps them once per block), so one vpmultishiftqb moves the field to
+// bits 0-1 (and, for Q3_K, one more moves hmask bit 4h + d of the same bytes to bit 2). So a
+// row's int32 lanes sum the whole block (4 chunks x 3 x parts: 12 vpdpbusd, ((P1 << 8) + P2
+// << 8) + P3 <= 16 * 7 * 128 * 65793 < 2^30) and the block costs one convert and one FMA with
+// its 16 scales in lane order (decoded into a vector, widened by a zero-masked vpermb) instead
+// of Q2_K_Int's shift pair, vpermps, convert and FMA per chunk and per-block prepare. x's parts
+// are stored once per call in that order (quantize_x_lanes), with each lane's sub-block sum of
+// x as an int32 (Q3_K: q = u - 4, one vpsubd per block; Q2_K: the minimums, one FMA).
+// 1 thread, hot GB/s 14.5-15.5 -> 19.5-20.5 (Q3_K), 14.5-15.5 -> 16-18 (Q2_K); from DRAM
+// 0.74-0.78x -> 0.91-1.13x Q4_1 (Q3_K), 0.79-0.92x -> 0.95-1.2x (Q2_K) (benchmarks/kernels_cpu.py).
+// Measured and dropped: two dpbusd chains a row (latency is hidden by the 8 rows: same);
+// prefetch 6 or 10 blocks ahead (3 lines each) instead of 3 (2 lines): 0.85-0.9x at K = 4096.
+#if defined(__AVX512VBMI__)
+#define YR_KQ_LANES 1
+struct LaneTables {
+    alignas(64) uint8_t lo[2][64];   // multishift controls of the qs fields, chunk parity p
+    alignas(64) uint8_t hb[2][64];   // ... of the hmask bits (to bit 2)
+    alignas(64) uint8_t order[64];   // byte 4k: lane k's sub-block (vpermb of the 16 scales)
+    uint8_t perm[256];               // x position 64c + 16L + 4d + i -> weight of the block
+    constexpr LaneTables() : lo(), hb(), order(), perm() {
+        for (int k = 0; k < 64; ++k) {
+            const int L = k / 16, d = (k / 4) % 4, i = k % 4, h = L / 2;
+            for (int p = 0; p < 2; ++p) {
+                lo[p][k] = (uint8_t)((32 * ((d & 1) ^ p) + 8 * i + 2 * d) & 63);
+                hb[p][k] = (uint8_t)((32 * ((d & 1) ^ p) + 8 * i + 4 * h + d - 2 + 64) & 63);
+            }
+        }
+        for (int k = 0; k < 16; ++k) order[4 * k] = (uint8_t)(8 * (k / 8) + 2 * (k % 4) + (k / 4) % 2);
+        for (int k = 0; k < 256; ++k) {
+            const int c = k / 64, L = (k / 16) % 4, d = (k / 4) % 4, i = k % 4;
+            perm[k] = (uint8_t)(128 * (L / 2) + 32 * d + 16 * (L % 2) + 4 * (d ^ c) + i);
+        }
+    }
+};
+inline constexpr LaneTables LANE_TAB{};
+
+// The 12 scale bytes at s -> the 6-bit scales + 32 (0..63), of sub-block order[4k] in dword k
+// (as q3_k_scale_bytes, in 4 xmm ops: the low nibbles by a 64-bit shift, the high bit pairs
+// rotated to bits 4-5; vpermb with zero-masking orders and widens them).
+inline __m512i q3k_scale_lanes(const uint8_t* s, __m512i order) {
+    const __m128i lo = _mm_srlv_epi64(_mm_set1_epi64x((long long)load_u64(s)), _mm_setr_epi32(0, 0, 4, 0));
+    const __m128i hi = _mm_rolv_epi32(_mm_set1_epi32((int)load_u32(s + 8)), _mm_setr_epi32(4, 2, 0, 30));
+    const __m128i u = _mm_ternarylogic_epi32(_mm_and_si128(lo, _mm_set1_epi8(15)), hi, _mm_set1_epi8(0x30), 0xF8);
+    return _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, order, _mm512_castsi128_si512(u));
+}
+
+// x [K] -> xq [K / 256][3][256] (x1, x2, x3 of each block in lane order), s65536 [K / 256],
+// x4 [K / 256][16] = 4 ((X1 << 8) + X2 << 8) + X3) for the 16 weights of lane k's sub-block
+// (Xp: the sum of part p over them; |.| <= 4 * 16 * 128 * 65793 < 2^30).
+inline void quantize_x_lanes(const float* x, int64_t K, int8_t* xq, float* s65536, int32_t* x4) {
+    alignas(64) float xr[QK_K];
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < K / QK_K; ++b) {
+        const float* xb = x + b * QK_K;
+        for (int k = 0; k < QK_K; ++k) xr[k] = xb[LANE_TAB.perm[k]];
+        __m512 mx = _mm512_setzero_ps();
+        for (int i = 0; i < 16; ++i) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_load_ps(xr + 16 * i)));
+        const float m = _mm512_reduce_max_ps(mx);
+        const float sc = m > 0 ? m / 127.0f : 1.0f;
+        const __m512 s1 = _mm512_set1_ps(sc), s2 = _mm512_set1_ps(sc / 256.0f);
+        const __m512 inv1 = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(256.0f / sc),
+                     inv3 = _mm512_set1_ps(65536.0f / sc);
+        int8_t* q = xq + b * 3 * QK_K;
+        for (int i = 0; i < 16; ++i) {
+            const __m512 v = _mm512_load_ps(xr + 16 * i);
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv1));
+            const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), s1, v);
+            const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, inv2));
+            const __m512 r2 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q2), s2, r1);
+            const __m512i q3 = _mm512_cvtps_epi32(_mm512_mul_ps(r2, inv3));
+            _mm_storeu_si128((__m128i*)(q + 16 * i), _mm512_cvtsepi32_epi8(q1));
+            _mm_storeu_si128((__m128i*)(q + QK_K + 16 * i), _mm512_cvtsepi32_epi8(q2));
+            _mm_storeu_si128((__m128i*)(q + 2 * QK_K + 16 * i), _mm512_cvtsepi32_epi8(q3));
+        }
+        __m512i X = _mm512_setzero_si512();
+        for (int p = 0; p < 3; ++p) {
+            if (p) X = _mm512_slli_epi32(X, 8);
+            for (int c = 0; c < 4; ++c)
+                X = _mm512_dpbusd_epi32(X, ones, _mm512_loadu_si512((const void*)(q + p * QK_K + 64 * c)));
+        }
+        _mm512_storeu_si512((void*)(x4 + 16 * b), _mm512_slli_epi32(X, 2));
+        s65536[b] = sc / 65536.0f;
+    }
+}
+
+// y[r] = x . W[r, :] (+ bias[r]) for r < R (Q3_K rows), from quantize_x_lanes's x.
+template <int R>
+inline void gemv_rows_q3k(const int8_t* xq, const float* xscale, const int32_t* x4, const uint8_t* w, int64_t rb,
+                          int64_t nb, const float* bias, float* y) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i lo0 = _mm512_load_si512((const void*)LANE_TAB.lo[0]), lo1 = _mm512_load_si512((const void*)LANE_TAB.lo[1]);
+    const __m512i hb0 = _mm512_load_si512((const void*)LANE_TAB.hb[0]), hb1 = _mm512_load_si512((const void*)LANE_TAB.hb[1]);
+    const __m512i order = _mm512_load_si512((const void*)LANE_TAB.order);
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int r = 0; r < R; ++r) prefetch_bytes(w + r * rb + (b + 3) * Q3_K_BYTES, Q3_K_BYTES);
+        const int8_t* xb = xq + b * 3 * QK_K;
+        const __m512i xo = _mm512_loadu_si512((const void*)(x4 + 16 * b));
+        const float xs = xscale[b];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q3_K_BYTES;
+            const __m512i qs0 = _mm512_loadu_si512((const void*)(blk + 32));
+            const __m512i hm0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)blk));
+            const __m512i qs1 = _mm512_shuffle_epi32(qs0, _MM_PERM_BADC), hm1 = _mm512_shuffle_epi32(hm0, _MM_PERM_BADC);
+            const auto U = [&](__m512i qs, __m512i hm, __m512i cl, __m512i ch) {   // (field & 3) | (bit & 4)
+                return _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_multishift_epi64_epi8(cl, qs), m3),
+                                                 _mm512_multishift_epi64_epi8(ch, hm), m4, 0xF8);
+            };
+            const __m512i u[4] = {U(qs0, hm0, lo0, hb0), U(qs0, hm0, lo1, hb1), U(qs1, hm1, lo0, hb0), U(qs1, hm1, lo1, hb1)};
+            __m512i a = _mm512_setzero_si512();
+            for (int p = 0; p < 3; ++p) {
+                if (p) a = _mm512_slli_epi32(a, 8);
+                for (int c = 0; c < 4; ++c)
+                    a = _mm512_dpbusd_epi32(a, u[c], _mm512_loadu_si512((const void*)(xb + p * QK_K + 64 * c)));
+            }
+            const float dx = half_cvt(blk + 108) * xs;   // (scale + 32) dx - 32 dx: exact but the one rounding
+            const __m512 sc = _mm512_fmsub_ps(_mm512_cvtepi32_ps(q3k_scale_lanes(blk + 96, order)), _mm512_set1_ps(dx),
+                                              _mm512_set1_ps(32.0f * dx));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a, xo)), sc, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = _mm512_reduce_add_ps(acc[r]);
+        y[r] = bias ? s + bias[r] : s;
+    }
+}
+// Q2_K in the same lane order: u = the qs field alone (vpmultishiftqb and a mask), the block's
+// sum scaled by d * scale per lane, and the minimums' term -dmin * min * (x's lane sums, from
+// quantize_x_lanes's x4 / 4: one convert per block for all the rows).
+template <int R>
+inline void gemv_rows_q2k(const int8_t* xq, const float* xscale, const int32_t* x4, const uint8_t* w, int64_t rb,
+                          int64_t nb, const float* bias, float* y) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i lo0 = _mm512_load_si512((const void*)LANE_TAB.lo[0]), lo1 = _mm512_load_si512((const void*)LANE_TAB.lo[1]);
+    const __m512i order = _mm512_load_si512((const void*)LANE_TAB.order);
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m15 = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int r = 0; r < R; ++r) prefetch_bytes(w + r * rb + (b + 3) * Q2_K_BYTES, Q2_K_BYTES);
+        const int8_t* xb = xq + b * 3 * QK_K;
+        const __m512 xsum = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)(x4 + 16 * b)));   // 4 X
+        const float xs = xscale[b];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q2_K_BYTES;
+            const __m512i qs0 = _mm512_loadu_si512((const void*)(blk + 16));
+            const __m512i qs1 = _mm512_shuffle_epi32(qs0, _MM_PERM_BADC);
+            const __m512i u[4] = {_mm512_and_si512(_mm512_multishift_epi64_epi8(lo0, qs0), m3),
+                                  _mm512_and_si512(_mm512_multishift_epi64_epi8(lo1, qs0), m3),
+                                  _mm512_and_si512(_mm512_multishift_epi64_epi8(lo0, qs1), m3),
+                                  _mm512_and_si512(_mm512_multishift_epi64_epi8(lo1, qs1), m3)};
+            __m512i a = _mm512_setzero_si512();
+            for (int p = 0; p < 3; ++p) {
+                if (p) a = _mm512_slli_epi32(a, 8);
+                for (int c = 0; c < 4; ++c)
+                    a = _mm512_dpbusd_epi32(a, u[c], _mm512_loadu_si512((const void*)(xb + p * QK_K + 64 * c)));
+            }
+            const __m128i sm = _mm_loadu_si128((const __m128i*)blk);
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                0x1111111111111111ULL, order, _mm512_castsi128_si512(_mm_and_si128(sm, m15))));
+            const __m512 mn = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                0x1111111111111111ULL, order, _mm512_castsi128_si512(_mm_and_si128(_mm_srli_epi16(sm, 4), m15))));
+            const __m512 t = _mm512_mul_ps(mn, _mm512_set1_ps(-0.25f * half_cvt(blk + 82) * xs));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(half_cvt(blk + 80) * xs)),
+                                     _mm512_fmadd_ps(t, xsum, acc[r]));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = _mm512_reduce_add_ps(acc[r]);
+        y[r] = bias ? s + bias[r] : s;
+    }
+}
+#endif  // __AVX512VBMI__
+
 template <class F> struct IntOf { using type = void; };
 template <> struct IntOf<Q2_K> { using type = Q2_K_Int; };
 template <> struct IntOf<Q3_K> { using type = Q3_K_Int; };
@@ -1150,6 +1333,23 @@ template <class F, typename Groups>
 void gemv_fmt(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
               Groups groups) {
     const int64_t nb = K / F::QB, rb = nb * F::BYTES;
+#if defined(YR_KQ_LANES)
+    if constexpr (std::is_same<F, Q3_K>::value || std::is_same<F, Q2_K>::value) {
+        // x in quantize_x_lanes's lane order, once per call (read only by the row groups' threads)
+        std::vector<int8_t> xq((size_t)(3 * M * K));
+        std::vector<float> xs((size_t)(M * nb));
+        std::vector<int32_t> xo((size_t)(M * nb * 16));
+        for (int64_t m = 0; m < M; ++m) quantize_x_lanes(x + m * K, K, xq.data() + 3 * m * K, xs.data() + m * nb, xo.data() + m * nb * 16);
+        groups(w, rb, [&](int64_t n0, int r) {
+            for (int64_t m = 0; m < M; ++m) {
+#define YR_CALL(R) (std::is_same<F, Q3_K>::value ? gemv_rows_q3k<R> : gemv_rows_q2k<R>)(xq.data() + 3 * m * K, xs.data() + m * nb, xo.data() + m * nb * 16, w + n0 * rb, rb, nb, bias ? bias + n0 : nullptr, y + m * N + n0)
+                YR_DISPATCH_ROWS(r, YR_CALL)
+#undef YR_CALL
+            }
+        });
+        return;
+    }
+#endif
 #if defined(YR_INT_GEMV)
     if constexpr (!std::is_void<typename IntOf<F>::type>::value) {
         using I = typename IntOf<F>::type;
