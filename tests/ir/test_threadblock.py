@@ -191,6 +191,10 @@ def test_outputs_of_one_block_graph_run_as_one_kernel():
     assert len(plan.thunks) == 2
     for _ in range(2):   # the outputs stay right run after run (accumulators reset per run)
         torch.testing.assert_close(plan.run()[0], torch.softmax(q @ k, dim=-1) @ v)
+    if "triton-interpret" in [b.value for b in yr.get_available_backends()]:   # the same on Triton
+        plan = g.compile("triton-interpret").plan([q, k, v])
+        assert len(plan.thunks) == 2
+        torch.testing.assert_close(plan.run()[0], torch.softmax(q @ k, dim=-1) @ v)
 
 
 def test_json_round_trip():

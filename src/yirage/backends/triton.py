@@ -139,6 +139,11 @@ class TritonBackend(BackendImpl):
         """The Triton library kernel for ``node`` (yirage/kernels/triton)."""
         return OPS[node.op][1](node, graph, args, out, status)
 
+    def bind_customized_group(self, nodes, graph, args, outs):
+        """All outputs of one block graph as one Triton kernel (triton_threadblock.py)."""
+        from .triton_threadblock import bind_customized_group
+        return bind_customized_group(nodes, graph, args, outs)
+
 
 class TritonInterpreterBackend(TritonBackend):
     """Triton kernels on CPU tensors under Triton's interpreter ('triton-interpret').

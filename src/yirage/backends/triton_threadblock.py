@@ -1,5 +1,7 @@
 """The Triton backends' ``customized`` op: a threadblock graph (ir/threadblock.py) rendered as
-a Triton kernel per output (codegen/threadblock_triton.py, runtime/threadblock_kernels.py).
+one Triton kernel for all the outputs of one block graph (``bind_customized_group``; the
+executor groups them), else one per output (codegen/threadblock_triton.py,
+runtime/threadblock_kernels.py).
 
 ``customized_ok`` says which cases have a kernel (every op of the output renders, see
 ``triton_supported``); the executor runs every other case as the op's torch reference.
@@ -20,3 +22,15 @@ def bind_customized(node, graph, args, out, status):
     run = compile_threadblock_triton(node.attrs["tb"], node.attrs["output"])
     ins = list(args)
     return lambda: run(ins, out)
+
+
+def bind_customized_group(nodes, graph, args, outs):
+    """One launch computing every output of one block graph (``nodes``: its ``customized``
+    ops in output order, sharing ``args``) into ``outs``; None when it does not render."""
+    tb = nodes[0].attrs["tb"]
+    ks = tuple(n.attrs["output"] for n in nodes)
+    if not triton_supported(tb, ks):
+        return None
+    run = compile_threadblock_triton(tb, ks)
+    ins, dst = list(args), list(outs)
+    return lambda: run(ins, dst)

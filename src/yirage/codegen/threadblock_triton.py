@@ -1,8 +1,9 @@
-"""Renders one output of a threadblock graph (ir/threadblock.py ``TBGraph``) as a Triton kernel.
+"""Renders outputs of a threadblock graph (ir/threadblock.py ``TBGraph``) as a Triton kernel.
 
 ``render_threadblock_triton(tb, k, name)`` returns a Python module with one ``@triton.jit``
-function ``NAME(in0, .., inN-1, out)`` (the block graph's input tensors in ``new_input`` order,
-then output ``k``), launched on the grid ``tb.grid_dim``: ``tl.program_id(0..2)`` are the block
+function ``NAME(in0, .., inN-1, out0, ..)`` (the block graph's input tensors in ``new_input``
+order, then output ``k``, or every output of the tuple ``k``, computed by one kernel that runs
+the ops they share once), launched on the grid ``tb.grid_dim``: ``tl.program_id(0..2)`` are the block
 coordinates, the for-loop is a ``for it in range(forloop_range)`` inside the kernel, block
 matmuls are ``tl.dot`` (when every dim is at least 16, else a broadcast multiply and sum).
 
@@ -38,8 +39,8 @@ def pad(n: int) -> int:
     return 1 if n == 1 else max(16, 1 << (n - 1).bit_length())
 
 
-def triton_supported(tb: TBGraph, k: int) -> bool:
-    """Whether output ``k`` of ``tb`` can be rendered here."""
+def triton_supported(tb: TBGraph, k) -> bool:
+    """Whether output ``k`` (an index or a tuple of them) of ``tb`` can be rendered here."""
     return all(op.op not in UNSUPPORTED and op.attrs.get("acc") != "sum_todimx" for op in needed_ops(tb, k))
 
 
@@ -48,10 +49,10 @@ def _fl(x: float) -> str:
 
 
 class _Renderer:
-    def __init__(self, tb: TBGraph, k: int):
-        self.tb, self.k = tb, k
-        self.ops = needed_ops(tb, k)
-        used = {i for op in self.ops for i in op.inputs} | {tb.outputs[k].sid}
+    def __init__(self, tb: TBGraph, k):
+        self.tb, self.ks = tb, tuple(k) if isinstance(k, (tuple, list)) else (k,)
+        self.ops = needed_ops(tb, self.ks)
+        used = {i for op in self.ops for i in op.inputs} | {tb.outputs[j].sid for j in self.ks}
         self.inputs = [(n, inp) for n, inp in enumerate(tb.inputs) if inp.sid in used]
         self.lines: list[str] = []
 
@@ -161,8 +162,7 @@ class _Renderer:
     # ---- the kernel -----------------------------------------------------------------------
     def render(self, name: str) -> str:
         tb, ind = self.tb, "    "
-        out = tb.outputs[self.k]
-        args = [f"in{n}" for n in range(len(tb.inputs))] + ["out"]
+        args = [f"in{n}" for n in range(len(tb.inputs))] + [f"out{j}" for j in range(len(self.ks))]
         self.lines = ["import triton", "import triton.language as tl", "", "", "@triton.jit",
                       f"def {name}({', '.join(args)}):"]
         self.emit(ind, "b0 = tl.program_id(0)", "b1 = tl.program_id(1)", "b2 = tl.program_id(2)")
@@ -187,16 +187,18 @@ class _Renderer:
         for op in self.ops:
             if op.stage == POST:
                 self.op(ind, op)
-        shape = self.shape(out.sid)
-        m = self.mask(shape)
-        ptrs = self.pointers("out", out.dshape, out.output_map, -1, shape, False)
-        val = f"s{out.sid}.to(out.dtype.element_ty)"
-        self.emit(ind, f"tl.store({ptrs}, {val}, mask={m})" if m else f"tl.store({ptrs}, {val})")
+        for j, k in enumerate(self.ks):
+            out = tb.outputs[k]
+            shape = self.shape(out.sid)
+            m = self.mask(shape)
+            ptrs = self.pointers(f"out{j}", out.dshape, out.output_map, -1, shape, False)
+            val = f"s{out.sid}.to(out{j}.dtype.element_ty)"
+            self.emit(ind, f"tl.store({ptrs}, {val}, mask={m})" if m else f"tl.store({ptrs}, {val})")
         return "\n".join(self.lines) + "\n"
 
 
-def render_threadblock_triton(tb: TBGraph, k: int, name: str) -> str:
-    """Python source of a module defining ``@triton.jit def name(in0, .., out)`` computing output
-    ``k`` of ``tb`` on the grid ``tb.grid_dim``. NotImplementedError for ops of
+def render_threadblock_triton(tb: TBGraph, k, name: str) -> str:
+    """Python source of a module defining ``@triton.jit def name(in0, .., out0, ..)`` computing
+    output ``k`` (or every output of the tuple ``k``) of ``tb`` on the grid ``tb.grid_dim``. NotImplementedError for ops of
     ``UNSUPPORTED`` and ``sum_todimx`` (check ``triton_supported`` first)."""
     return _Renderer(tb, k).render(name)

@@ -54,8 +54,9 @@ def bind_threadblock(fn, inputs: Sequence[torch.Tensor], out) -> Callable[[], No
     return lambda: fn(ptrs)
 
 
-def compile_threadblock_triton(tb, k: int):
-    """A launcher ``run(inputs, out)`` for output ``k`` of ``tb`` as a Triton kernel on the grid
+def compile_threadblock_triton(tb, k):
+    """A launcher ``run(inputs, out)`` for output ``k`` of ``tb`` (``out`` a tensor), or for
+    every output of the tuple ``k`` in one kernel (``out`` a list), as a Triton kernel on the grid
     ``tb.grid_dim`` (codegen/threadblock_triton.py; the module is cached like the fused
     Triton kernels, runtime/triton_kernels.py). Tensors: contiguous, on one Triton device (CPU
     tensors under ``TRITON_INTERPRET=1``).
@@ -68,6 +69,6 @@ def compile_threadblock_triton(tb, k: int):
     fn = getattr(_load_module(render_threadblock_triton(tb, k, "yr_tb")), "yr_tb")
     grid = tuple(tb.grid_dim)
 
-    def run(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        fn[grid](*inputs, out)
+    def run(inputs: Sequence[torch.Tensor], out) -> None:
+        fn[grid](*inputs, *(out if isinstance(out, (list, tuple)) else [out]))
     return run
