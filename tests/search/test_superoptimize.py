@@ -143,10 +143,44 @@ def test_superoptimize_picks_among_attention_candidates():
     torch.testing.assert_close(opt(xs)[0], g.interpret(xs)[0], atol=2e-6, rtol=2e-5)
 
 
-def test_graphs_outside_the_family_are_not_matched():
+def norm_transformer(M=4, D=48):
+    """Mirage's norm_transformer.py shape (nGPT-like): O = rms(X + alpha * (rms(X W) - X))."""
+    g = yr.new_kernel_graph()
+    X, W, alpha = g.new_input(dims=(M, D), dtype=F32), g.new_input(dims=(D, D), dtype=F32), \
+        g.new_input(dims=(M, D), dtype=F32)
+    h = g.rms_norm(g.matmul(X, W), normalized_shape=(D,), eps=1e-6)
+    g.mark_output(g.rms_norm(g.add(X, g.mul(alpha, g.sub(h, X))), normalized_shape=(D,), eps=1e-6))
+    return g
+
+
+def softmax_matmul():
     g = yr.new_kernel_graph()
     X, W = g.new_input(dims=(4, 32), dtype=F32), g.new_input(dims=(32, 16), dtype=F32)
-    g.mark_output(g.softmax(g.matmul(X, W), dim=-1))
+    g.mark_output(g.softmax(g.silu(g.matmul(X, W)), dim=-1))
+    return g
+
+
+@pytest.mark.parametrize("make,rest", [(norm_transformer, 5), (softmax_matmul, 1)])
+def test_partition_block_graph_then_the_rest_equals_the_graph(make, rest):
+    """A graph whose matmuls are followed by ops the block cannot finish (a norm over all N
+    columns, a softmax) is partitioned: the matmul family as one block graph, the rest kept
+    in the kernel graph for the fixed fusion; every schedule equals the reference."""
+    g = make()
+    p = mugraph.match(g)
+    assert p is not None and len(p.rest) == rest and len(p.exports) == 1
+    xs = _inputs(g)
+    want = g.interpret(xs)[0]
+    for grid, loop in mugraph.schedules(p, 2)[:3]:
+        cand = mugraph.lower(g, p, grid, loop, type(g))
+        assert [n.op for n in cand.ops][0] == "customized" and len(cand.ops) == 1 + rest
+        for got in (cand.interpret(xs)[0], cand(xs, backend="cpu")[0]):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_graphs_outside_the_family_are_not_matched():
+    g = yr.new_kernel_graph()   # no matmul by an input weight
+    X, W = g.new_input(dims=(4, 32), dtype=F32), g.new_input(dims=(32, 16), dtype=F32)
+    g.mark_output(g.matmul(g.exp(X), g.exp(W)))
     assert mugraph.match(g) is None
     h = yr.new_kernel_graph()
     X, W = h.new_input(dims=(4, 32), dtype=F32), h.new_input(dims=(32, 32), dtype=F32)

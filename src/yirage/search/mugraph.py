@@ -16,6 +16,12 @@ by linearity). One block graph then computes the whole graph:
   sqrt(rms^2 + eps)); without it the norm would need all of K before the first product;
 - the elementwise epilogue runs once per block after the loop, on the accumulators.
 
+A graph may hold more than the family: ops that read the block's values but cannot be
+finished inside a block of N columns (a norm over the whole row, a softmax, a matmul of the
+results) stay in the kernel graph after the block graph, for the fixed fusion to compile: a
+partition of the graph into two kernels (Mirage's kernel-level search; nGPT's block, where the
+matmul becomes the block graph and the two RMSNorms and the lerp a fused row kernel).
+
 ``match(graph)`` recognizes the family (None otherwise); ``lower(graph, pattern, grid,
 loop)`` builds the rewritten kernel graph (same inputs, same outputs, one ``customized``
 op); ``schedules(pattern, threads)`` lists the (grid, loop) pairs worth timing, best guesses
@@ -46,6 +52,8 @@ class Pattern:
         lora: (A input id [K, R], B input id [R, N], result id) per low-rank product (X A) B.
         epilogue: the elementwise ops after the matmuls, in graph order.
         M, K, N: the sizes.
+        rest: the graph's other ops (kept in the kernel graph, after the block graph).
+        exports: the block's values that are graph outputs or read by ``rest``.
     """
 
     x: int
@@ -56,6 +64,8 @@ class Pattern:
     M: int = 0
     K: int = 0
     N: int = 0
+    rest: list[OpNode] = field(default_factory=list)
+    exports: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
         parts = [f"{len(self.matmuls)} matmul(s) of X [{self.M}, {self.K}] -> [.., {self.N}]"]
@@ -65,17 +75,25 @@ class Pattern:
             parts.append(f"{len(self.lora)} low-rank product(s)")
         if self.epilogue:
             parts.append("epilogue " + "+".join(n.op for n in self.epilogue))
+        if self.rest:
+            parts.append(f"then {len(self.rest)} op(s) in the fixed fusion")
         return ", ".join(parts)
 
 
 def match(graph: KernelGraph) -> Pattern | None:
-    """The graph as a ``Pattern``, or None when it is outside the family (any op other than
-    those listed in the module doc, a dtype other than float32, tensors other than 2-d, X
-    used both normalized and not, ...)."""
+    """The graph's matmul family as a ``Pattern``, or None when there is none (no matmul of a
+    2-d input X by 2-d input weights, a dtype other than float32, X used both normalized and
+    not, ...). The family is the block graph's part; ops outside it that read its values (a
+    row norm over all N, a softmax, another matmul) stay in the kernel graph (``Pattern.rest``):
+    a partition of the graph into the block graph and the fixed fusion of the rest."""
     tt = graph.tensors
     if not graph.ops or not graph.outputs or any(t.dtype != DType.float32 for t in tt):
         return None
     inputs = set(graph.inputs)
+    users: dict[int, list[OpNode]] = {}
+    for n in graph.ops:
+        for i in n.inputs:
+            users.setdefault(i, []).append(n)
     x: int | None = None
     norm: tuple[int, float] | None = None        # (id of rms_norm(X), eps)
     modes: set[bool] = set()                     # per matmul of X: reads the normalized X
@@ -83,6 +101,7 @@ def match(graph: KernelGraph) -> Pattern | None:
     inner: dict[int, int] = {}                   # id of X A (to be multiplied by B) -> A
     lora: list[tuple[int, int, int]] = []
     epilogue: list[OpNode] = []
+    rest: list[OpNode] = []
     values: set[int] = set()                     # the [M, N] values of the block
 
     def is_x(t: int) -> bool:                    # t is X (the same input every time)
@@ -95,23 +114,27 @@ def match(graph: KernelGraph) -> Pattern | None:
     for n in graph.ops:
         if n.op == "rms_norm":
             a = n.inputs[0]
-            if norm is not None or not is_x(a) or tuple(n.attrs.get("normalized_shape", ())) != (tt[a].shape[1],):
-                return None
-            norm = (n.output, float(n.attrs.get("eps", 1e-6)))
+            feeds_matmuls = all(u.op == "matmul" and u.inputs[0] == n.output and u.inputs[1] in inputs
+                                for u in users.get(n.output, ())) and n.output not in graph.outputs
+            if (norm is None and feeds_matmuls and is_x(a)
+                    and tuple(n.attrs.get("normalized_shape", ())) == (tt[a].shape[1],)):
+                norm = (n.output, float(n.attrs.get("eps", 1e-6)))
+            else:
+                rest.append(n)
         elif n.op == "matmul":
             a, w = n.inputs
-            if w not in inputs or len(tt[w].shape) != 2:
-                return None
-            if a in inner:                                        # (X A) B
+            if a in inner and w in inputs and len(tt[w].shape) == 2:   # (X A) B
                 lora.append((inner.pop(a), w, n.output))
                 values.add(n.output)
                 continue
             normalized = norm is not None and a == norm[0]
-            if not (normalized or is_x(a)) or tt[w].shape[0] != tt[x].shape[1]:
-                return None
+            if (w not in inputs or len(tt[w].shape) != 2 or not (normalized or is_x(a))
+                    or tt[w].shape[0] != tt[x].shape[1]):
+                rest.append(n)
+                continue
             modes.add(normalized)
-            users = [m for m in graph.ops if n.output in m.inputs]
-            if (not normalized and len(users) == 1 and users[0].op == "matmul" and users[0].inputs[0] == n.output
+            us = users.get(n.output, [])
+            if (not normalized and len(us) == 1 and us[0].op == "matmul" and us[0].inputs[0] == n.output
                     and n.output not in graph.outputs):
                 inner[n.output] = w
             else:
@@ -124,18 +147,20 @@ def match(graph: KernelGraph) -> Pattern | None:
             epilogue.append(n)
             values.add(n.output)
         else:
-            return None
+            rest.append(n)
     if x is None or not (matmuls or lora) or inner or len(modes) > 1 or (norm is not None and lora):
         return None
     if norm is not None and modes != {True}:
         return None                                  # the norm's output feeds no matmul
     M, K = tt[x].shape
-    if {tt[t].shape for t in values} != {(M, tt[next(iter(values))].shape[1])}:
-        return None
     N = tt[next(iter(values))].shape[1]
-    if not all(o in values for o in graph.outputs):
+    if {tt[t].shape for t in values} != {(M, N)}:
         return None
-    return Pattern(x, norm[1] if norm else None, matmuls, lora, epilogue, M, K, N)
+    exports = [t for t in sorted(values)
+               if t in graph.outputs or any(u in rest for u in users.get(t, ()))]
+    if any(t not in values and t not in {r.output for r in rest} and t not in inputs for t in graph.outputs):
+        return None
+    return Pattern(x, norm[1] if norm else None, matmuls, lora, epilogue, M, K, N, rest, exports)
 
 
 def _divisors(n: int) -> list[int]:
@@ -208,9 +233,13 @@ def lower(graph: KernelGraph, p: Pattern, grid: int, loop: int, cls=KernelGraph)
             vals[n.output] = tb.clamp(ins[0], n.attrs["min_val"], n.attrs["max_val"])
         else:
             vals[n.output] = getattr(tb, n.op)(*ins)
-    for o in graph.outputs:
+    exports = p.exports or list(graph.outputs)
+    for o in exports:
         tb.new_output(vals[o], (1, -1, -1))
     outs = g.customized([new[t] for t in dict.fromkeys(used)], tb)
-    for o in outs:
-        g.mark_output(o)
+    new.update(zip(exports, outs))
+    for n in p.rest:                       # the partition's other kernel: as the graph had it
+        new[n.output] = g._add(n.op, [new[i] for i in n.inputs], **n.attrs)
+    for o in graph.outputs:
+        g.mark_output(new[o])
     return g

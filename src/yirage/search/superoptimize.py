@@ -7,8 +7,9 @@ keep the fastest. Here:
 
 1. Candidates. The input graph as yirage's fixed fusion compiles it (always candidate 0), and,
    for graphs of the shared-row-matmul family (search/mugraph.py: gated MLP, RMSNorm +
-   matmul, LoRA, a matmul with an elementwise epilogue), one block graph per schedule: grid
-   partition of N, for-loop range over K, with RMSNorm's scale moved across the matmuls;
+   matmul, LoRA, a matmul with an elementwise epilogue; the rest of a larger graph left to
+   the fixed fusion as a second kernel), one block graph per schedule: grid partition of N,
+   for-loop range over K, with RMSNorm's scale moved across the matmuls;
    for attention (search/attention.py: ``softmax(c * Q K^T) V``, optionally with the key
    norm of QK-norm attention), Mirage's flash-decoding pair of block graphs per schedule:
    key splits over the grid, for-loop tiles, softmax's 1/sum moved across the matmul with V.
