@@ -177,6 +177,28 @@ def test_partition_block_graph_then_the_rest_equals_the_graph(make, rest):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_thread_widths_are_part_of_the_search_and_compute_the_same(monkeypatch):
+    """The search tries the top schedules on one CPU thread too (a block graph's cpu_threads,
+    rendered as OpenMP num_threads; kept through the JSON cache), and on GPU backends 8 and 2
+    warps per block; every width computes the same function."""
+    torch.set_num_threads(2)
+    g = gated_mlp()
+    descs = [d for d, _ in so._candidates(g, type(g), "cpu")]
+    assert sum("threads=1" in d for d in descs) == 3 and len(descs) > 4
+    gpu = [d for d, _ in so._candidates(g, type(g), "cuda")]
+    assert any("warps=8" in d for d in gpu) and any("warps=2" in d for d in gpu)
+    p = mugraph.match(g)
+    one = mugraph.lower(g, p, *mugraph.schedules(p, 2)[0], type(g), cpu_threads=1)
+    tb = next(n.attrs["tb"] for n in one.ops if n.op == "customized")
+    from yirage.codegen.threadblock_cpp import render_threadblock
+    assert "num_threads(1)" in render_threadblock(tb, 0, "k") and tb.to_dict()["cpu_threads"] == 1
+    assert type(tb).from_dict(tb.to_dict()).cpu_threads == 1
+    xs = _inputs(g)
+    torch.testing.assert_close(one(xs, backend="cpu")[0], g.interpret(xs)[0], atol=2e-5, rtol=2e-5)
+    with pytest.raises(yr.GraphError, match="cpu_threads"):
+        yr.new_threadblock_graph((1, 1, 1), cpu_threads=-1)
+
+
 def test_graphs_outside_the_family_are_not_matched():
     g = yr.new_kernel_graph()   # no matmul by an input weight
     X, W = g.new_input(dims=(4, 32), dtype=F32), g.new_input(dims=(32, 16), dtype=F32)

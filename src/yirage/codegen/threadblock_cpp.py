@@ -234,7 +234,8 @@ class _Renderer:
             self.emit("  ", f"const float* in{n} = static_cast<const float*>(args[{n}]);")
         for j in range(len(self.ks)):
             self.emit("  ", f"float* out{j} = static_cast<float*>(args[{len(tb.inputs) + j}]);")
-        self.emit("  ", "  #pragma omp parallel", "  {",
+        threads = f" num_threads({tb.cpu_threads})" if tb.cpu_threads else ""
+        self.emit("  ", f"  #pragma omp parallel{threads}", "  {",
                   f"    std::vector<float> arena({max(total, 1)});")
         for s in self.bufs:
             self.emit("    ", f"float* s{s} = arena.data() + {offs[s]};")

@@ -132,22 +132,29 @@ class TBGraph:
 
     Args:
         grid_dim: (x, y, z) number of blocks per grid dim (1 to 3 positive ints).
-        block_dim: (x, y, z) threads per block (recorded; CPU code ignores it).
+        block_dim: (x, y, z) threads per block: Triton launches x*y*z/32 warps per program
+            (at least 1; the default 128 is Triton's default of 4 warps); the CPU ignores it.
         forloop_range: iterations of the block's for-loop (positive int).
         reduction_dimx: the last-dim width of ``forloop_accum(x, "sum_todimx")`` (positive int).
+        cpu_threads: OpenMP threads running the grid on the CPU; 0 (default): OpenMP's default
+            (every core torch may use). A yirage addition, for the search's thread widths.
 
     Raises GraphError on non-integer or non-positive arguments.
     """
 
-    def __init__(self, grid_dim, block_dim=(128, 1, 1), forloop_range: int = 1, reduction_dimx: int = 64):
+    def __init__(self, grid_dim, block_dim=(128, 1, 1), forloop_range: int = 1, reduction_dimx: int = 64,
+                 cpu_threads: int = 0):
         op = "new_threadblock_graph"
         self.grid_dim = _dim3(op, "grid_dim", grid_dim, positive=True)
         self.block_dim = _dim3(op, "block_dim", block_dim, positive=True)
         self.forloop_range = _int(op, "forloop_range", forloop_range)
         self.reduction_dimx = _int(op, "reduction_dimx", reduction_dimx)
+        self.cpu_threads = _int(op, "cpu_threads", cpu_threads)
         if self.forloop_range < 1 or self.reduction_dimx < 1:
             raise GraphError(f"{op}: forloop_range and reduction_dimx must be positive, got "
                              f"{forloop_range!r} and {reduction_dimx!r}")
+        if self.cpu_threads < 0:
+            raise GraphError(f"{op}: cpu_threads must be >= 0 (0: OpenMP's default), got {cpu_threads!r}")
         self.tensors: list[STensor] = []
         self.inputs: list[TBInput] = []
         self.outputs: list[TBOutput] = []
@@ -407,6 +414,7 @@ class TBGraph:
         """The block graph as plain JSON data (lists, numbers, strings); ``from_dict`` reads it."""
         return {"grid_dim": list(self.grid_dim), "block_dim": list(self.block_dim),
                 "forloop_range": self.forloop_range, "reduction_dimx": self.reduction_dimx,
+                "cpu_threads": self.cpu_threads,
                 "tensors": [[list(t.shape), t.after_accum] for t in self.tensors],
                 "inputs": [[i.tid, list(i.dshape), i.dtype.value, list(i.input_map), i.forloop_dim, i.sid]
                            for i in self.inputs],
@@ -418,7 +426,8 @@ class TBGraph:
         """Rebuild a block graph from ``to_dict`` data (inputs refer to tensor ids of ``kgraph``).
         ValueError when ``d`` is malformed."""
         try:
-            tb = cls(d["grid_dim"], d["block_dim"], d["forloop_range"], d["reduction_dimx"])
+            tb = cls(d["grid_dim"], d["block_dim"], d["forloop_range"], d["reduction_dimx"],
+                     d.get("cpu_threads", 0))
             tb.tensors = [STensor(tb, n, tuple(s), bool(a)) for n, (s, a) in enumerate(d["tensors"])]
             tb.inputs = [TBInput(t, tuple(ds), DType(dt), tuple(m), f, s) for t, ds, dt, m, f, s in d["inputs"]]
             tb.outputs = [TBOutput(s, tuple(m), f, tuple(ds)) for s, m, f, ds in d["outputs"]]
@@ -434,9 +443,9 @@ class TBGraph:
 
 
 def new_threadblock_graph(grid_dim, block_dim=(128, 1, 1), forloop_range: int = 1,
-                          reduction_dimx: int = 64) -> TBGraph:
+                          reduction_dimx: int = 64, cpu_threads: int = 0) -> TBGraph:
     """Create an empty threadblock graph (Mirage's ``mi.new_threadblock_graph``); see TBGraph."""
-    return TBGraph(grid_dim, block_dim, forloop_range, reduction_dimx)
+    return TBGraph(grid_dim, block_dim, forloop_range, reduction_dimx, cpu_threads)
 
 
 # ---- the reference interpreter ------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import weakref
 from typing import Callable, Sequence
 
@@ -68,7 +69,8 @@ def compile_threadblock_triton(tb, k):
 
     fn = getattr(_load_module(render_threadblock_triton(tb, k, "yr_tb")), "yr_tb")
     grid = tuple(tb.grid_dim)
+    warps = 1 << min(5, max(0, (math.prod(tb.block_dim) // 32).bit_length() - 1))  # threads/32, a power of 2
 
     def run(inputs: Sequence[torch.Tensor], out) -> None:
-        fn[grid](*inputs, *(out if isinstance(out, (list, tuple)) else [out]))
+        fn[grid](*inputs, *(out if isinstance(out, (list, tuple)) else [out]), num_warps=warps)
     return run

@@ -183,16 +183,20 @@ def schedules(p: AttentionPattern, threads: int, max_tile_bytes: int | None = No
     return sorted(pairs, key=cost)
 
 
-def lower(graph: KernelGraph, p: AttentionPattern, splits: int, loop: int, cls=KernelGraph) -> KernelGraph:
-    """The graph with the attention replaced by the two block graphs (module doc): same
-    inputs in the same order, same outputs. GraphError (from the builders) if sizes do not divide."""
+def lower(graph: KernelGraph, p: AttentionPattern, splits: int, loop: int, cls=KernelGraph,
+          cpu_threads: int = 0, block: int = 128) -> KernelGraph:
+    """The graph with the attention replaced by the two block graphs (module doc), with
+    ``block`` threads per block (Triton: block/32 warps) and ``cpu_threads`` OpenMP threads
+    (0: all): same inputs in the same order, same outputs. GraphError (from the builders) if
+    sizes do not divide."""
     g = cls(graph.backend)
     new = {t: g.new_input(graph.tensors[t].shape, graph.tensors[t].dtype, graph.names.get(t))
            for t in graph.inputs}
     for n in graph.ops:
         if id(n) in p.chain:
             if n.output == p.out:
-                new[p.out] = _attention_blocks(g, p, new[p.q], new[p.kt], new[p.v], splits, loop)
+                new[p.out] = _attention_blocks(g, p, new[p.q], new[p.kt], new[p.v], splits, loop,
+                                               cpu_threads, block)
             continue
         new[n.output] = g._add(n.op, [new[i] for i in n.inputs], **n.attrs)
     for o in graph.outputs:
@@ -200,9 +204,9 @@ def lower(graph: KernelGraph, p: AttentionPattern, splits: int, loop: int, cls=K
     return g
 
 
-def _attention_blocks(g, p: AttentionPattern, Q, Kt, V, splits: int, loop: int):
-    t1 = new_threadblock_graph(grid_dim=(p.B, splits, 1), block_dim=(128, 1, 1), forloop_range=loop,
-                               reduction_dimx=64)
+def _attention_blocks(g, p: AttentionPattern, Q, Kt, V, splits: int, loop: int, cpu_threads: int, block: int):
+    t1 = new_threadblock_graph(grid_dim=(p.B, splits, 1), block_dim=(block, 1, 1), forloop_range=loop,
+                               reduction_dimx=64, cpu_threads=cpu_threads)
     bQ = t1.new_input(Q, (0, -1, -1), -1)
     bK = t1.new_input(Kt, (0, 2, -1), 2)
     bV = t1.new_input(V, (0, 1, -1), 1)
@@ -219,8 +223,8 @@ def _attention_blocks(g, p: AttentionPattern, Q, Kt, V, splits: int, loop: int):
         t1.new_output(o, (0, 2, -1))
     num, den, mx = g.customized([Q, Kt, V], t1)                # [B, G, Dv*splits], [B, G, splits] x2
 
-    t2 = new_threadblock_graph(grid_dim=(p.B, 1, 1), block_dim=(128, 1, 1), forloop_range=splits,
-                               reduction_dimx=64)
+    t2 = new_threadblock_graph(grid_dim=(p.B, 1, 1), block_dim=(block, 1, 1), forloop_range=splits,
+                               reduction_dimx=64, cpu_threads=cpu_threads)
     bN, bD, bM = (t2.new_input(x, (0, -1, -1), 2) for x in (num, den, mx))
     m2, d2 = t2.reduction_max(bM, 2)
     w = t2.exp(t2.sub(bM, m2))

@@ -194,15 +194,17 @@ def schedules(p: Pattern, threads: int, max_tile_bytes: int | None = None) -> li
     return sorted(pairs, key=cost)
 
 
-def lower(graph: KernelGraph, p: Pattern, grid: int, loop: int, cls=KernelGraph) -> KernelGraph:
+def lower(graph: KernelGraph, p: Pattern, grid: int, loop: int, cls=KernelGraph, cpu_threads: int = 0,
+          block: int = 128) -> KernelGraph:
     """The graph rewritten as one block graph with ``grid`` blocks over N and ``loop``
-    iterations over K (see the module doc); same inputs in the same order, same outputs.
-    GraphError (from the builders) if the sizes do not divide."""
+    iterations over K (see the module doc), ``block`` threads per block (Triton: block/32
+    warps) and ``cpu_threads`` OpenMP threads (0: all); same inputs in the same order, same
+    outputs. GraphError (from the builders) if the sizes do not divide."""
     g = cls(graph.backend)
     new = {t: g.new_input(graph.tensors[t].shape, graph.tensors[t].dtype, graph.names.get(t))
            for t in graph.inputs}
-    tb = new_threadblock_graph(grid_dim=(grid, 1, 1), block_dim=(128, 1, 1), forloop_range=loop,
-                               reduction_dimx=64)
+    tb = new_threadblock_graph(grid_dim=(grid, 1, 1), block_dim=(block, 1, 1), forloop_range=loop,
+                               reduction_dimx=64, cpu_threads=cpu_threads)
     used: list[int] = []
 
     def tb_input(t, imap, fdim):

@@ -13,7 +13,9 @@ keep the fastest. Here:
    for attention (search/attention.py: ``softmax(c * Q K^T) V``, optionally with the key
    norm of QK-norm attention), Mirage's flash-decoding pair of block graphs per schedule:
    key splits over the grid, for-loop tiles, softmax's 1/sum moved across the matmul with V.
-   Schedules are tried most promising first until ``time_budget_s`` runs out. On GPU
+   Thread widths (``_widths``): the three most promising schedules are also tried on one
+   CPU thread (OpenMP ``num_threads``), or on GPUs with 256 and 64 threads per block (8 and
+   2 warps). Schedules are tried most promising first until ``time_budget_s`` runs out. On GPU
    backends a schedule's tiles must fit ``GPU_TILE_BYTES`` (shared memory), and a candidate
    the backend fails to build is dropped and counted (``report["build_errors"]``).
 2. Verification. Each candidate runs on ``VERIFY_DRAWS`` independent draws of random inputs
@@ -209,28 +211,47 @@ def _time(candidate: CompiledGraph, inputs: list[torch.Tensor], warmup: int, ite
 GPU_TILE_BYTES = 64 * 1024
 
 
+def _widths(backend: str) -> list[tuple[int, int, str]]:
+    """(cpu_threads, block threads, label) per thread width to try, the default first: on the
+    CPU all of torch's threads or one (a small block graph may not repay waking a second);
+    on GPUs 128 threads per block (4 warps), then 256 and 64."""
+    if backend == "cpu":
+        return [(0, 128, "")] + ([(1, 128, " threads=1")] if torch.get_num_threads() > 1 else [])
+    return [(0, 128, ""), (0, 256, " warps=8"), (0, 64, " warps=2")]
+
+
+def _with_widths(schedules: list, backend: str, top: int = 3) -> list:
+    """(schedule, width) pairs in trial order: the default width over the ``top`` schedules,
+    the other widths over those, then the default width over the rest."""
+    ws = _widths(backend)
+    return ([(s, ws[0]) for s in schedules[:top]] + [(s, w) for w in ws[1:] for s in schedules[:top]]
+            + [(s, ws[0]) for s in schedules[top:]])
+
+
 def _candidates(graph: KernelGraph, cls, backend: str = "cpu"):
     """(description, kernel graph) pairs, the fixed fusion first."""
     yield "fixed fusion", graph
     limit = None if backend == "cpu" else GPU_TILE_BYTES
+    threads = torch.get_num_threads()
     a = attention.match(graph)
     if a is not None:
-        for splits, loop in attention.schedules(a, torch.get_num_threads(), limit):
+        for (splits, loop), (cpu_threads, block, label) in _with_widths(attention.schedules(a, threads, limit),
+                                                                          backend):
             try:
-                cand = attention.lower(graph, a, splits, loop, cls)
+                cand = attention.lower(graph, a, splits, loop, cls, cpu_threads, block)
             except GraphError:
                 continue
-            yield f"µGraph splits={splits} loop={loop}: {a.describe()}", cand
+            yield f"µGraph splits={splits} loop={loop}{label}: {a.describe()}", cand
         return
     p = mugraph.match(graph)
     if p is None:
         return
-    for grid, loop in mugraph.schedules(p, torch.get_num_threads(), limit):
+    for (grid, loop), (cpu_threads, block, label) in _with_widths(mugraph.schedules(p, threads, limit), backend):
         try:
-            cand = mugraph.lower(graph, p, grid, loop, cls)
+            cand = mugraph.lower(graph, p, grid, loop, cls, cpu_threads, block)
         except GraphError:
             continue
-        yield f"µGraph grid={grid} loop={loop}: {p.describe()}", cand
+        yield f"µGraph grid={grid} loop={loop}{label}: {p.describe()}", cand
 
 
 def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, warmup_iters: int = 16,
