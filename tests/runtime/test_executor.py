@@ -128,3 +128,33 @@ def test_concurrent_calls_on_the_same_inputs_get_their_own_plans():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_repeated_calls_capture_the_plan_on_a_backend_that_captures(monkeypatch):
+    """On a backend with ``captures`` (CUDA graphs), the CAPTURE_AFTER-th call with the same
+    inputs captures the plan once and later calls replay it; new values in the same input
+    tensors are read by the replay; a failing capture leaves the plan launching as before.
+    (The CPU backend stands in here, its capture replaced by a recording one.)"""
+    from yirage.runtime import executor
+
+    g = _silu_matmul_graph()
+    cg = g.compile("cpu")
+    captured = []
+
+    def capture(run):
+        captured.append(run)
+        return run
+    monkeypatch.setattr(cg.impl, "captures", True, raising=False)
+    monkeypatch.setattr(cg.impl, "capture", capture)
+    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    for i in range(executor.CAPTURE_AFTER + 2):
+        x.normal_()
+        torch.testing.assert_close(cg([x, w])[0], g.interpret([x, w])[0])
+        assert len(captured) == (1 if i + 1 >= executor.CAPTURE_AFTER else 0)
+
+    def failing(run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(cg.impl, "capture", failing)
+    y = torch.randn(4, 16)
+    for _ in range(executor.CAPTURE_AFTER + 1):
+        torch.testing.assert_close(cg([y, w])[0], g.interpret([y, w])[0])

@@ -141,6 +141,8 @@ class BackendImpl(ABC):
       ``status[4]`` on the device, where the kernel records an out-of-range index as
       ``[1, value, lo, hi]`` instead of accessing it (the executor raises after the run);
     - ``capture(run)``: record a plan's launches once and return a replay (CUDA graphs);
+      ``captures`` says whether it does (the executor then captures a plan that a graph's
+      repeated calls reuse);
     - ``synchronize()``: wait for queued device work.
 
     Subclasses set ``name``, ``device_type`` (the torch device type) and ``codegen`` (the
@@ -152,6 +154,7 @@ class BackendImpl(ABC):
     name: ClassVar[Backend]
     codegen: ClassVar[str | None] = None
     device_type: ClassVar[str]
+    captures: ClassVar[bool] = False   # capture() records launches for replay
 
     # ---- availability and description -----------------------------------------------
     @abstractmethod

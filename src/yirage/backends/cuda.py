@@ -19,6 +19,7 @@ class CUDABackend(TritonBackend):
 
     name = Backend.CUDA
     device_type = "cuda"
+    captures = True
 
     def unavailable_reason(self) -> str | None:
         if torch.version.hip is not None:

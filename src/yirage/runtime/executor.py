@@ -36,6 +36,10 @@ from ..transforms.fusion import VIEW_OPS, FusedKernel, LibraryStep, alias_roots,
 
 _logged_fallbacks: set[tuple[str, str]] = set()
 
+#: a graph's call with the same inputs as its previous calls, this many times in a row, captures
+#: the plan on backends that capture (the first calls compile, autotune and warm up)
+CAPTURE_AFTER = 3
+
 
 class CompiledGraph:
     """A KernelGraph fused and compiled for one backend.
@@ -53,7 +57,7 @@ class CompiledGraph:
         self.steps = schedule(graph)
         fused = [s for s in self.steps if isinstance(s, FusedKernel)]
         self.kernels = dict(zip(map(id, fused), self.impl.compile(fused)))
-        self._last: tuple | None = None      # (input key, Plan) of the last call, reused
+        self._last: list | None = None       # [input key, Plan, calls] of the last call, reused
         self._last_lock = threading.Lock()
 
     @property
@@ -90,7 +94,11 @@ class CompiledGraph:
         A call with the same input tensors as the previous one (same storage, shapes,
         dtypes) reuses its plan (buffers and bound launches: building them costs tens of
         microseconds, as much as a small graph's run) and returns copies of its outputs; a
-        call made while another thread runs that plan gets a plan of its own."""
+        call made while another thread runs that plan gets a plan of its own. On a backend
+        that ``captures`` (CUDA graphs), the plan's ``CAPTURE_AFTER``-th call with the same
+        inputs captures its launches and later ones replay them: one launch instead of one
+        per kernel, whose host cost dominates small graphs (Triton's launch takes tens of
+        microseconds). A capture that fails leaves the plan launching kernel by kernel."""
         self.check(inputs)
         xs = [x.contiguous() for x in inputs]
         key = tuple((x.data_ptr(), tuple(x.shape), x.dtype, x.device) for x in xs)
@@ -99,8 +107,16 @@ class CompiledGraph:
         try:
             if self._last is None or self._last[0] != key:
                 self._last = None
-                self._last = (key, Plan(self, xs))
-            return [o.clone() for o in self._last[1].run()]
+                self._last = [key, Plan(self, xs), 0]
+            entry = self._last
+            entry[2] += 1
+            if entry[2] == CAPTURE_AFTER and getattr(self.impl, "captures", False):
+                try:
+                    entry[1].capture()
+                except Exception as e:  # noqa: BLE001 - e.g. an op that syncs with the host
+                    logger.debug("plan not captured (%s: %s); it keeps launching kernel by kernel",
+                                 type(e).__name__, e)
+            return [o.clone() for o in entry[1].run()]
         finally:
             self._last_lock.release()
 
