@@ -12,7 +12,7 @@ processes hits them alike); GB/s counts the weight bytes each one reads.
   layer's weights were evicted since their last use.
 
 ``ggml_gemv``: the GEMV (M = 1) of every GGML block format (q4_1, q8_0 and the formats of
-ggml_quants.h: q4_0, q5_0, q5_1, q2_k .. q6_k) in GB/s of weight bytes, hot and cold, on 1
+ggml_quants.h: q4_0, q5_0, q5_1, q2_k .. q6_k, iq4_nl, iq4_xs) in GB/s of weight bytes, hot and cold, on 1
 and 2 threads, each beside q4_1 measured in the same rounds (``*_vs_q4_1``). Weights are
 random valid blocks (finite fp16 scales); K is a multiple of 256 (the K-quant block).
 
@@ -38,7 +38,7 @@ from yirage.dtypes import DType
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
 GGML_SHAPES = [(2048, 2048), (640, 2048), (4096, 4096)]    # (N, K), K % 256 == 0
-GGML_FORMATS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+GGML_FORMATS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 GGML_COLD_BYTES = 256 << 20                      # quantized bytes cycled through when cold
 PREFILL = [(64, 1536, 576), (64, 576, 1536)]     # (M, N, K)
 COLD_BYTES = 128 << 20                           # fp32 weight bytes cycled through when cold

@@ -13,6 +13,10 @@ a tensor of logical shape ``(..., K)`` is stored as ``uint8`` of shape
 - ``q5_1`` (32, 24): ``d``, ``m``, ``qh``, nibbles; w = d * q + m.
 - K-quants, super-blocks of 256 weights with 6- or 4-bit sub-block scales: ``q2_k`` (84
   bytes), ``q3_k`` (110), ``q4_k`` (144), ``q5_k`` (176), ``q6_k`` (210).
+- Non-linear 4-bit (a nibble indexes the 16-entry table ``kvalues_iq4nl``, -127 .. 113):
+  ``iq4_nl`` (32, 18): ``d``, nibbles as q4_0; w = d * kv[q]. ``iq4_xs`` (256, 136): ``d``,
+  uint16 ``scales_h``, 4 bytes ``scales_l``, 128 bytes of nibbles; 8 sub-blocks of 32 with
+  6-bit scales ``ls`` (low 4 bits in ``scales_l``, high 2 in ``scales_h``); w = d * (ls - 32) * kv[q].
 
 This module must never depend on a backend.
 """
@@ -42,6 +46,8 @@ class DType(enum.Enum):
     q4_k = "q4_k"
     q5_k = "q5_k"
     q6_k = "q6_k"
+    iq4_nl = "iq4_nl"
+    iq4_xs = "iq4_xs"
 
     @property
     def is_quantized(self) -> bool:
@@ -92,15 +98,17 @@ _TORCH = {
 #: (weights per block, bytes per block) of each block-quantized type (llama.cpp ggml-common.h)
 _BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_0: (32, 18), DType.q5_0: (32, 22),
           DType.q5_1: (32, 24), DType.q2_k: (256, 84), DType.q3_k: (256, 110), DType.q4_k: (256, 144),
-          DType.q5_k: (256, 176), DType.q6_k: (256, 210)}
+          DType.q5_k: (256, 176), DType.q6_k: (256, 210), DType.iq4_nl: (32, 18), DType.iq4_xs: (256, 136)}
 _TORCH.update(dict.fromkeys(_BLOCK, torch.uint8))
 _SCALES = {DType.q8_0: (0,), DType.q4_1: (0, 2), DType.q4_0: (0,), DType.q5_0: (0,), DType.q5_1: (0, 2),
-           DType.q2_k: (80, 82), DType.q3_k: (108,), DType.q4_k: (0, 2), DType.q5_k: (0, 2), DType.q6_k: (208,)}
+           DType.q2_k: (80, 82), DType.q3_k: (108,), DType.q4_k: (0, 2), DType.q5_k: (0, 2), DType.q6_k: (208,),
+           DType.iq4_nl: (0,), DType.iq4_xs: (0,)}
 
 float32, float16, bfloat16 = DType.float32, DType.float16, DType.bfloat16
 int32, int64, int8, q8_0, q4_1 = DType.int32, DType.int64, DType.int8, DType.q8_0, DType.q4_1
 q4_0, q5_0, q5_1 = DType.q4_0, DType.q5_0, DType.q5_1
 q2_k, q3_k, q4_k, q5_k, q6_k = DType.q2_k, DType.q3_k, DType.q4_k, DType.q5_k, DType.q6_k
+iq4_nl, iq4_xs = DType.iq4_nl, DType.iq4_xs
 
 
 def as_dtype(x: "DType | str | torch.dtype") -> DType:

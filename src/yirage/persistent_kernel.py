@@ -179,7 +179,7 @@ class PersistentKernel:
     def attach_input(self, torch_tensor: torch.Tensor, name: str | None = None, dtype=None) -> DTensor:
         """Use ``torch_tensor`` (row-major contiguous, on the backend's device) in place as an
         input of the step, under ``name``. ``dtype``: a block-quantized type (``yr.q8_0``,
-        ``yr.q4_1``, ``yr.q4_0``, ``yr.q5_0``, ``yr.q5_1``, ``yr.q2_k`` .. ``yr.q6_k``; see
+        ``yr.q4_1``, ``yr.q4_0``, ``yr.q5_0``, ``yr.q5_1``, ``yr.q2_k`` .. ``yr.q6_k``, ``yr.iq4_nl``, ``yr.iq4_xs``; see
         ``yirage.dtypes``) for a weight given as its raw uint8 blocks
         [N, K/weights_per_block*bytes_per_block] (the logical shape is then [N, K]); otherwise
         the tensor's own dtype.

@@ -1,10 +1,11 @@
-"""GGUF block formats read in place (issue 8): Q4_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+"""GGUF block formats read in place (issue 8): Q4_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS.
 
 The kernels (src/yirage/kernels/cpu/ggml_quants.h) run in three builds of library.cpp, as in
 tests/codegen/test_cpp_library.py: native (AVX-512 here), AVX2 (-mno-avx512f) and baseline
 x86-64 (scalar). References: gguf-py's ``gguf.quants.dequantize`` (bitwise, for dequantization
 and embedding rows) and float64 products (linear layers). Blocks are random valid bytes with
-finite fp16 scales (the gguf package cannot quantize to K-quants). Then the Python side: the
+finite fp16 scales (the gguf package cannot quantize to K-quants or IQ types). Then the Python side: the
 CPU backend's binders (plan and persistent-kernel tasks) and the GGUF loader (in place, no copy;
 unsupported types and broken files refused with one clear ModelLoadError).
 """
@@ -145,6 +146,39 @@ def test_ir_reference_dequantize():
         assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 
+@pytest.mark.parametrize("fmt", ["iq4_nl", "iq4_xs"])
+def test_iq4_every_nibble_and_scale(lib, fmt):
+    """IQ4_NL / IQ4_XS: every nibble value in every quant position (low and high nibble of every
+    byte), and for IQ4_XS every 6-bit sub-block scale 0..63 in every sub-block (the scales_h /
+    scales_l bit fields), with fp16 d of both signs, subnormal, zero and large; bitwise vs gguf."""
+    per, nbytes = DType(fmt).block
+    qoff = 2 if fmt == "iq4_nl" else 8
+    ds = np.array([1.0, -0.5, 0.0, -0.0, 6e-8, -3e-5, 1000.0, 0.0123], dtype=np.float16)
+    blocks = []
+    for s in range(64):                       # IQ4_XS: scale s in sub-block i, (s + 7 i) % 64 elsewhere
+        for k, d in enumerate(ds):
+            b = np.zeros(nbytes, dtype=np.uint8)
+            b[0:2] = np.array([d]).view(np.uint8)
+            nib = (np.arange(nbytes - qoff) + s + k) % 16
+            b[qoff:] = nib | (((nib + 5 + s) % 16) << 4)
+            if fmt == "iq4_xs":
+                ls = [(s + 7 * i) % 64 for i in range(8)]
+                b[2:4] = np.array([sum((v >> 4) << (2 * i) for i, v in enumerate(ls))], dtype=np.uint16).view(np.uint8)
+                b[4:8] = [(ls[2 * j] & 15) | ((ls[2 * j + 1] & 15) << 4) for j in range(4)]
+            blocks.append(b)
+        if fmt == "iq4_nl" and s == 15:
+            break
+    raw = np.ascontiguousarray(np.stack(blocks))
+    out = np.full(len(raw) * per, np.nan, dtype=np.float32)
+    getattr(lib, f"yr_dequant_{fmt}")(raw.ctypes.data, out.ctypes.data, len(raw))
+    ref = reference(fmt, raw).reshape(-1)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+    # the table itself: block 0 (d = 1; IQ4_XS sub-block 0 has scale 0: dl = -32) holds each
+    # value of kvalues_iq4nl in its first 32 weights
+    kv = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+    assert set(ref[:32].tolist()) == set((kv * (1.0 if fmt == "iq4_nl" else -32.0)).tolist())
+
+
 # ---------------------------------------------------------------------------------------
 # Linear layers: GEMV (M < 6, blocks read in registers) and packed GEMM (M >= 6)
 # ---------------------------------------------------------------------------------------
@@ -210,7 +244,7 @@ def test_linear_int_gemv_without_vbmi(lib_no_vbmi, fmt):
         assert_linear_close(y, x, w, bias)
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q2_k", "q3_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q2_k", "q3_k", "iq4_nl", "iq4_xs"])
 @pytest.mark.parametrize("M,N,K", [(1, 1030, 2048), (2, 640, 1024), (33, 70, 512)])
 def test_linear_model_shapes(fmt, M, N, K):
     """Larger shapes (the parallel paths) on the native build; K a multiple of 256."""
@@ -287,7 +321,7 @@ def test_cpu_backend_linear_and_embedding(fmt):
     assert torch.equal(out[1], table[idx]) and torch.equal(ref[1], table[idx])
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q2_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q2_k", "iq4_nl", "iq4_xs"])
 def test_persistent_kernel_tasks(fmt):
     """The task forms (yr_task_linear_T over row slices, yr_task_embedding_T) on 2 workers."""
     from yirage.runtime.task_graph import TaskGraphPlan, get_pool
@@ -314,7 +348,8 @@ def test_persistent_kernel_tasks(fmt):
 # ---------------------------------------------------------------------------------------
 
 _NAMES = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.attn_output.weight",
-          "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "output.weight"]
+          "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "output.weight",
+          "blk.1.attn_q.weight", "blk.1.attn_k.weight", "blk.1.attn_v.weight", "blk.1.attn_output.weight"]
 
 
 def _blocks_of(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -348,6 +383,7 @@ def _read(path: Path):
 
 
 def test_gguf_tensors_load_in_place(tmp_path):
+    assert len(_NAMES) >= len(GGML_FORMATS)
     tensors = {name: (_blocks_of(fmt, 3, 512, seed=i), QTYPE[fmt]) for i, (name, fmt) in
                enumerate(zip(_NAMES, GGML_FORMATS))}
     reader, weights = _read(_write(tmp_path / "m.gguf", tensors))
@@ -373,7 +409,8 @@ def test_gguf_unsupported_type_is_one_clear_error(tmp_path):
         _read(path)
     msg = str(info.value)
     assert "blk.0.ffn_up.weight has type IQ2_XXS, which yirage does not support" in msg
-    assert "supported types: F32, F16, BF16, Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K" in msg
+    assert ("supported types: F32, F16, BF16, Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "
+            "IQ4_NL, IQ4_XS") in msg
 
 
 def test_gguf_truncated_data_is_refused(tmp_path):
@@ -397,7 +434,7 @@ def test_gguf_rows_not_whole_blocks_are_refused(tmp_path):
         _read(path)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q2_k", "q3_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q2_k", "q3_k", "q6_k", "iq4_nl", "iq4_xs"])
 def test_nonfinite_check_reads_the_scales(fmt):
     """Finite scales with quant bytes that look like fp16 inf/NaN must not be refused."""
     from yirage.models.checks import _nonfinite

@@ -313,13 +313,15 @@ def test_gguf_last_tensor_relabelled_runs_past_the_end(tiny_gguf):
                 r"not a valid or complete GGUF file: tensor output_norm\.weight \(F64, shape \(64,\)\) needs bytes")
 
 
-def test_gguf_iq_tensor_type_is_refused(tmp_path):
-    """A genuine IQ4_NL tensor (bytes of the right size): a clear error naming tensor and type."""
+def test_gguf_unsupported_tensor_type_is_refused(tmp_path):
+    """A genuine MXFP4 tensor (bytes of the right size; a type of blocks of 32, as the rows here
+    are 64 values): a clear error naming tensor and type. (IQ4_NL / IQ4_XS are supported, and
+    IQ2_XXS is refused alike: tests/kernels/test_ggml_quants.py.)"""
     tensors = gguf_tensors()
-    block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
-    tensors["blk.1.ffn_up.weight"] = (np.zeros((FFN, HIDDEN // block * size), dtype=np.uint8), Q.IQ4_NL)
+    block, size = gguf.GGML_QUANT_SIZES[Q.MXFP4]
+    tensors["blk.1.ffn_up.weight"] = (np.zeros((FFN, HIDDEN // block * size), dtype=np.uint8), Q.MXFP4)
     _load_error(write_gguf(tmp_path / "model.gguf", tensors=tensors),
-                r"tensor blk\.1\.ffn_up\.weight has type IQ4_NL, which yirage does not support")
+                r"tensor blk\.1\.ffn_up\.weight has type MXFP4, which yirage does not support")
 
 
 def test_gguf_quantized_norm_is_refused(tmp_path):

@@ -31,7 +31,7 @@ _F = ctypes.c_float
 
 #: GGML block formats of ggml_quants.h, each with the q4_1 entry points (yr_linear_T,
 #: yr_embedding_T, yr_task_linear_T) plus yr_task_embedding_T and yr_dequant_T.
-GGML_FORMATS = ("q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+GGML_FORMATS = ("q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 
 #: name -> ctypes argtypes of every entry point of library.cpp (restype is always None).
 SIGNATURES: dict[str, tuple] = {

@@ -23,9 +23,9 @@ In the order ``_load_gguf`` runs them:
   architecture ``gemma3`` = transformers' ``gemma3_text``, ``ffn_norm`` is ``pre_feedforward_layernorm``
   and ``post_attention_norm``/``post_ffw_norm`` the post-attention/feed-forward norms, and every norm
   weight, which llama.cpp stores as ``1 + weight``, gets 1 subtracted as transformers' GGUF loader
-  does): the GGML block formats (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) stay block-quantized (raw
+  does): the GGML block formats (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) stay block-quantized (raw
   block bytes in a ``uint8`` tensor of ``dtype.storage_shape(logical_shape)``, read in place by the
-  kernels), F32/F16/BF16 stay as they are (IQ and other types are refused); llama.cpp's interleaving permutation of
+  kernels), F32/F16/BF16 stay as they are (other types, e.g. IQ2_XXS or TQ1_0, are refused); llama.cpp's interleaving permutation of
   llama ``attn_q``/``attn_k`` rows is undone (``reverse_llama_permute``) so q/k are in Hugging Face
   order for ``rotate_half`` RoPE; ``rope_freqs.weight`` divides the RoPE frequencies. Kept and
   float tensors are not copied: they are tensors over the file mapped copy-on-write, so a loaded
@@ -107,7 +107,7 @@ _HF_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # GGUF tensor types yirage reads, all as they are stored (no copy, no dequantization at load):
 # float types, and the GGML block formats the kernels read in place (DType of the same name)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_BLOCK_TYPES = ("Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_BLOCK_TYPES = ("Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 _KEPT_TYPES = _FLOAT_TYPES + _BLOCK_TYPES
 _GGUF_INT_VALUES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
 _GGUF_NUMBER_VALUES = _GGUF_INT_VALUES + ("FLOAT32", "FLOAT64")
@@ -513,7 +513,7 @@ def _gguf_hparams(reader: Any, arch: str, path: Path) -> _HParams:
 def _gguf_table(reader: Any, path: Path, arch: str = "llama") -> tuple[dict[str, _TensorInfo], Any]:
     """The tensors yirage uses (HF name -> info) and ``rope_freqs.weight`` (or None), each type
     checked against its role: norms and biases float; matrices float or a GGML block format of
-    ``_BLOCK_TYPES`` (legacy and K-quants, read in place); any other type (IQ*, TQ*, ...) is one
+    ``_BLOCK_TYPES`` (legacy, K-quants, IQ4_NL/IQ4_XS, read in place); any other type (IQ2_XXS, TQ*, ...) is one
     ModelLoadError naming the tensor, its type and the supported types."""
     table: dict[str, _TensorInfo] = {}
     rope_freqs = None
@@ -717,7 +717,7 @@ def _mapped(array: np.ndarray, align: int = 1) -> torch.Tensor:
 def _gguf_tensor(tensor: Any) -> Weight:
     """A GGUF tensor as a Weight, over the mapped file (not copied): the block formats of
     ``_BLOCK_TYPES`` as their raw blocks (uint8 of ``dtype.storage_shape(shape)``, DType of the
-    same name: q8_0, q4_1, q4_0, q5_0, q5_1, q2_k .. q6_k), F32/F16/BF16 as they are. The caller
+    same name: q8_0, q4_1, q4_0, q5_0, q5_1, q2_k .. q6_k, iq4_nl, iq4_xs), F32/F16/BF16 as they are. The caller
     has checked the type (``_gguf_table``) and the layout (``_check_gguf_layout``: rows a whole
     number of blocks, the data inside the file); another type raises ModelLoadError."""
     import gguf

@@ -9,10 +9,10 @@ come out in the same layout:
 - projections are ``[out_features, in_features]`` (``torch.nn.functional.linear`` convention);
 - q/k projections are in Hugging Face order for ``rotate_half`` RoPE (llama.cpp's interleaving
   permutation of GGUF ``attn_q``/``attn_k`` rows is undone);
-- GGUF block-quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K) stay as stored: raw
+- GGUF block-quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) stay as stored: raw
   block bytes mapped from the file in a ``uint8`` tensor of shape
   ``dtype.storage_shape(logical_shape)`` (see ``yirage.dtypes``); the kernels read them in place.
-  F32/F16/BF16 stay as they are; IQ and other types are refused. Safetensors float tensors keep their dtype.
+  F32/F16/BF16 stay as they are; other types (other IQ types, TQ*, ...) are refused. Safetensors float tensors keep their dtype.
 
 The work is split into modules (this one only dispatches):
 
@@ -87,7 +87,7 @@ def load_model(spec: str, progress: bool = True, allow_nonfinite: bool = False) 
     range (e.g. <= 0, NaN, inf) or inconsistent with another or with the tensors (layer count vs
     blocks present, vocab vs embedding rows, heads vs KV heads, head dim vs q_proj rows, ...);
     missing, unsupported or mis-shaped tensors; a tensor type its role does not allow (norms
-    must be float; projections float or one of the block types above; IQ and other types are
+    must be float; projections float or one of the block types above; other types (IQ2_XXS, ...) are
     refused); a broken ``model.safetensors.index.json`` or one naming a shard
     outside the model directory; a tokenizer that cannot be loaded or produces ids (or special
     ids) past the embedding rows; NaN/inf weights (unless ``allow_nonfinite``).

@@ -1,5 +1,6 @@
-// GGML block formats beyond q4_1/q8_0, read in place: Q4_0, Q5_0, Q5_1 (blocks of 32 weights)
-// and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256 weights). Layouts are
+// GGML block formats beyond q4_1/q8_0, read in place: Q4_0, Q5_0, Q5_1 (blocks of 32 weights),
+// the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256 weights) and the non-linear
+// 4-bit IQ4_NL (blocks of 32) and IQ4_XS (super-blocks of 256). Layouts are
 // llama.cpp's (ggml/src/ggml-common.h); dequantized values equal gguf-py's
 // gguf.quants.dequantize bit for bit (gguf/quants.py, the numerical reference).
 //
@@ -7,7 +8,7 @@
 // helpers (F16 table, vf/vload/vfma/vsum, YR_IN_REGISTER, GEMV_ROWS, gemv_range, gemv_groups,
 // YR_DISPATCH_ROWS, linear_packed, transpose_block, embedding_rows, report, scratch, ...).
 // Entry points (bound by yirage/backends/cpu_library.py), for T in q4_0 q5_0 q5_1 q2_k q3_k
-// q4_k q5_k q6_k, with the argument lists of their q4_1 counterparts:
+// q4_k q5_k q6_k iq4_nl iq4_xs, with the argument lists of their q4_1 counterparts:
 //   yr_linear_T(x, w, bias|0, y, M, N, K)          y[M, N] = x[M, K] @ W[N, K]^T (+ bias)
 //   yr_embedding_T(ids, table, out, T, D, V, status)
 //   yr_task_linear_T(a = {x, w, bias|0, y, M, N, K}, lo, hi)        weight rows [lo, hi)
@@ -23,12 +24,14 @@
 // - all products of scales and integers are exact in float32 (an fp16 scale has 11
 //   significant bits, a sub-block scale <= 7 bits, a quant <= 6 bits: <= 24 bits), so the
 //   only rounding is the final "+ m" / "- dmin*m", and an FMA rounds it exactly as numpy's
-//   separate multiply and add do (-ffp-contract=fast cannot change a result);
+//   separate multiply and add do (-ffp-contract=fast cannot change a result); IQ4_NL / IQ4_XS
+//   values d * kv (d * (ls - 32) * kv) have <= 11 + 6 + 7 bits: exact, no rounding at all;
 // - AVX-512: the 16 (or 32, or 4/8 repeated) possible values of a sub-block are built with one
 //   FMA into a lookup table and the quants index it with vpermps (_mm512_permutexvar_ps) or,
 //   for 5-bit quants, vpermt2ps (_mm512_permutex2var_ps), as in library.cpp's q4_1 kernel;
 //   Q5_K and Q6_K convert quants assembled 64 at a time with byte ops (int8 -> float);
-// - AVX2: quants are widened to int32, converted and scaled (one FMA or multiply);
+// - AVX2: quants are widened to int32, converted and scaled (one FMA or multiply); IQ4_NL /
+//   IQ4_XS first map the nibbles to their int8 values with pshufb (16-byte table);
 // - scalar: the formulas of gguf-py, one weight at a time.
 //
 // The GEMV (gemv_rows_fmt, M < GEMM_MIN_M) reads GEMV_ROWS weight rows at a time, as library.cpp's:
@@ -59,6 +62,13 @@ constexpr int64_t Q3_K_BYTES = 110;    // {uint8 hmask[32]; uint8 qs[64]; uint8 
 constexpr int64_t Q4_K_BYTES = 144;    // {fp16 d; fp16 dmin; uint8 scales[12]; uint8 qs[128]}
 constexpr int64_t Q5_K_BYTES = 176;    // {fp16 d; fp16 dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]}
 constexpr int64_t Q6_K_BYTES = 210;    // {uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d}
+constexpr int64_t IQ4_NL_BYTES = 18;   // {fp16 d; uint8 qs[16]}
+constexpr int64_t IQ4_XS_BYTES = 136;  // {fp16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]}
+
+// IQ4_NL / IQ4_XS: a 4-bit quant indexes this non-linear table (llama.cpp ggml-common.h
+// kvalues_iq4nl; gguf-py IQ4_NL.kvalues).
+alignas(16) constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 inline uint32_t load_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 inline uint64_t load_u64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
@@ -217,6 +227,40 @@ inline void scalar_q6_k(const uint8_t* b, float* out) {
             }
 }
 
+// IQ4_NL (gguf-py IQ4_NL): w[j] = d * kv[qs[j] & 15], w[j + 16] = d * kv[qs[j] >> 4] (j < 16),
+// the nibble order of Q4_0.
+inline void scalar_iq4_nl(const uint8_t* b, float* out) {
+    const float d = half_at(b);
+    for (int j = 0; j < 16; ++j) {
+        out[j] = d * (float)IQ4_VALUES[b[2 + j] & 15];
+        out[j + 16] = d * (float)IQ4_VALUES[b[2 + j] >> 4];
+    }
+}
+
+// The 6-bit scale of IQ4_XS sub-block i < 8, minus 32: low 4 bits the nibble i % 2 of
+// scales_l[i / 2] (byte 4 + i / 2), high 2 bits bits 2i, 2i + 1 of the little-endian uint16
+// scales_h (bytes 2-3).
+inline int iq4_xs_scale(const uint8_t* b, int i) {
+    const int lo = (b[4 + i / 2] >> (4 * (i % 2))) & 15;
+    const int hi = (load_u16(b + 2) >> (2 * i)) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+// IQ4_XS (gguf-py IQ4_XS): 8 sub-blocks of 32; sub-block i is the 16 bytes qs[16i ..] (byte 8 +
+// 16i ..), low nibbles its weights 0..15, high nibbles 16..31 (as IQ4_NL);
+// w = (d * (ls_i - 32)) * kv[nibble].
+inline void scalar_iq4_xs(const uint8_t* b, float* out) {
+    const float d = half_cvt(b);
+    for (int i = 0; i < 8; ++i) {
+        const float dl = d * (float)iq4_xs_scale(b, i);
+        const uint8_t* qs = b + 8 + 16 * i;
+        for (int j = 0; j < 16; ++j) {
+            out[32 * i + j] = dl * (float)IQ4_VALUES[qs[j] & 15];
+            out[32 * i + 16 + j] = dl * (float)IQ4_VALUES[qs[j] >> 4];
+        }
+    }
+}
+
 // =================================================================================
 // Sub-block scales of the K-quants, vectorized (SSE on 16 bytes, shared by AVX-512 and AVX2)
 // =================================================================================
@@ -242,6 +286,25 @@ inline __m128i q3_k_scale_bytes(const uint8_t* s) {
     const __m128i h = _mm_srlv_epi32(_mm_set1_epi32((int)load_u32(s + 8)), _mm_setr_epi32(0, 2, 4, 6));
     const __m128i hi = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(3)), 4);
     return _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32));
+}
+
+// IQ4_XS: p[i] = d * (ls_i - 32) for the 8 sub-blocks (iq4_xs_scale), 8 floats (p unaligned).
+inline void iq4_xs_scales_f32(const uint8_t* b, float* p) {
+    const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(b + 4)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i h = _mm256_srlv_epi32(_mm256_set1_epi32((int)load_u16(b + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i ls = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
+                                       _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4));
+    _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_set1_ps(half_cvt(b)),
+                                      _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)))));
+}
+
+// IQ4_NL / IQ4_XS: 16 quant bytes at q -> their 32 values kv[nibble] as int8 (pshufb of the
+// table): lo = weights 0..15 (low nibbles), hi = weights 16..31 (high nibbles).
+inline void iq4_bytes(const uint8_t* q, __m128i& lo, __m128i& hi) {
+    const __m128i kv = _mm_load_si128((const __m128i*)IQ4_VALUES);
+    const __m128i v = _mm_loadu_si128((const __m128i*)q), m = _mm_set1_epi8(15);
+    lo = _mm_shuffle_epi8(kv, _mm_and_si128(v, m));
+    hi = _mm_shuffle_epi8(kv, _mm_and_si128(_mm_srli_epi16(v, 4), m));
 }
 #endif
 
@@ -592,6 +655,44 @@ struct Q6_K : Chunked<Q6_K> {
         for (int i = 0; i < 4; ++i)
             v(i, _mm512_mul_ps(_mm512_set1_ps(p[4 * c + i]),
                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)(q + 16 * i))))));
+    }
+};
+
+// IQ4_NL / IQ4_XS: the 16 values of the non-linear table (IQ4_VALUES) as floats, scaled by the
+// block's (or sub-block's) scale into one lookup table (one multiply: the products are exact)
+// that the nibbles index with vpermps, as Q4_0's.
+inline __m512 iq4_values16() {
+    return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+
+struct IQ4_NL {
+    static constexpr int64_t QB = 32, BYTES = IQ4_NL_BYTES;
+    static constexpr int PREP = 0;
+    template <class V>
+    static inline void visit(const uint8_t* b, V&& v) {
+        const __m512 lut = _mm512_mul_ps(_mm512_set1_ps(half_at(b)), iq4_values16());
+        const __m512i q = u8x16(b + 2);
+        v(0, _mm512_permutexvar_ps(q, lut));
+        v(16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut));
+    }
+};
+
+// IQ4_XS: p = {d * (ls_i - 32), i < 8}; chunk c (64 weights) is sub-blocks 2c (the 16 bytes
+// qs[32c ..]: low nibbles vector 0, high nibbles vector 1) and 2c + 1 (qs[32c + 16 ..]:
+// vectors 2, 3), each with its table d * (ls - 32) * kv.
+struct IQ4_XS : Chunked<IQ4_XS> {
+    static constexpr int64_t QB = QK_K, BYTES = IQ4_XS_BYTES;
+    static constexpr int PREP = 8;
+    static inline void prepare(const uint8_t* b, float* p) { iq4_xs_scales_f32(b, p); }
+    template <class V>
+    static inline void visit_chunk(const uint8_t* b, const float* p, int c, V&& v) {
+        const __m512 kv = iq4_values16();
+        const __m512i q0 = u8x16(b + 8 + 32 * c), q1 = u8x16(b + 24 + 32 * c);
+        const __m512 la = _mm512_mul_ps(_mm512_set1_ps(p[2 * c]), kv), lb = _mm512_mul_ps(_mm512_set1_ps(p[2 * c + 1]), kv);
+        v(0, _mm512_permutexvar_ps(q0, la));
+        v(1, _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), la));
+        v(2, _mm512_permutexvar_ps(q1, lb));
+        v(3, _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), lb));
     }
 };
 
@@ -1109,6 +1210,36 @@ struct Q6_K : Prepared<Q6_K> {
     }
 };
 
+// IQ4_NL / IQ4_XS: the 32 values kv[nibble] of 16 quant bytes as int8 (two pshufb, iq4_bytes),
+// widened 8 at a time, times the (sub-)block scale d (IQ4_XS: d * (ls - 32)).
+template <class V>
+inline void visit_iq4_32(const uint8_t* qs, __m256 d, int j0, V&& v) {
+    __m128i lo, hi;
+    iq4_bytes(qs, lo, hi);
+    v(j0, _mm256_mul_ps(d, i2f(_mm256_cvtepi8_epi32(lo))));
+    v(j0 + 8, _mm256_mul_ps(d, i2f(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+    v(j0 + 16, _mm256_mul_ps(d, i2f(_mm256_cvtepi8_epi32(hi))));
+    v(j0 + 24, _mm256_mul_ps(d, i2f(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+}
+
+struct IQ4_NL {
+    static constexpr int64_t QB = 32, BYTES = IQ4_NL_BYTES;
+    static constexpr int PREP = 0;
+    template <class V>
+    static inline void visit(const uint8_t* b, V&& v) { visit_iq4_32(b + 2, _mm256_set1_ps(half_at(b)), 0, v); }
+};
+
+// IQ4_XS: p = {d * (ls_i - 32), i < 8}; sub-block i = the 16 bytes qs[16i ..].
+struct IQ4_XS : Prepared<IQ4_XS> {
+    static constexpr int64_t QB = QK_K, BYTES = IQ4_XS_BYTES;
+    static constexpr int PREP = 8;
+    static inline void prepare(const uint8_t* b, float* p) { iq4_xs_scales_f32(b, p); }
+    template <class V>
+    static inline void visit_prepared(const uint8_t* b, const float* p, V&& v) {
+        for (int i = 0; i < 8; ++i) visit_iq4_32(b + 8 + 16 * i, _mm256_set1_ps(p[i]), 32 * i, v);
+    }
+};
+
 // =================================================================================
 // Visitors, scalar: v(j, w) for each weight j
 // =================================================================================
@@ -1134,6 +1265,8 @@ using Q3_K = ScalarFormat<scalar_q3_k, QK_K, Q3_K_BYTES>;
 using Q4_K = ScalarFormat<scalar_q4_k, QK_K, Q4_K_BYTES>;
 using Q5_K = ScalarFormat<scalar_q5_k, QK_K, Q5_K_BYTES>;
 using Q6_K = ScalarFormat<scalar_q6_k, QK_K, Q6_K_BYTES>;
+using IQ4_NL = ScalarFormat<scalar_iq4_nl, 32, IQ4_NL_BYTES>;
+using IQ4_XS = ScalarFormat<scalar_iq4_xs, QK_K, IQ4_XS_BYTES>;
 
 #endif
 
@@ -1467,6 +1600,8 @@ YR_GGML_FORMAT(q3_k, Q3_K)
 YR_GGML_FORMAT(q4_k, Q4_K)
 YR_GGML_FORMAT(q5_k, Q5_K)
 YR_GGML_FORMAT(q6_k, Q6_K)
+YR_GGML_FORMAT(iq4_nl, IQ4_NL)
+YR_GGML_FORMAT(iq4_xs, IQ4_XS)
 }  // extern "C"
 
 #undef YR_GGML_FORMAT
