@@ -216,9 +216,9 @@ def test_superoptimize_returns_a_verified_faster_or_equal_program_and_caches_it(
     opt = g.superoptimize(backend="cpu", time_budget_s=20, warmup_iters=2, profile_iters=5)
     r = opt.report
     assert r["candidates"] == r["verified"] + r["rejected"] and r["timed"] == r["verified"] >= 2
-    final = r["final_round_s"]   # the fastest three re-timed in turns decide
-    assert len(final) == 3 and set(final) <= set(r["times_s"])
-    assert sorted(final, key=r["times_s"].get) == sorted(r["times_s"], key=r["times_s"].get)[:3]
+    final = r["final_round_s"]   # the fastest three and the fixed fusion, re-timed in turns, decide
+    top3 = sorted(r["times_s"], key=r["times_s"].get)[:3]
+    assert set(final) == set(top3) | {"fixed fusion"}
     assert r["best_s"] == min(final.values()) and r["best"] == opt.description == min(final, key=final.get)
     assert "fixed fusion" in r["times_s"] and not r["cached"]
     xs = _inputs(g, seed=5)

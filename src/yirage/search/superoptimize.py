@@ -31,7 +31,8 @@ keep the fastest. Here:
    and counted (``report["rejected"]``), never timed.
 3. Timing. Each survivor is bound to one set of inputs (a ``Plan``) and run ``warmup_iters``
    times, then timed ``profile_iters`` times (device synchronized after each run); the median
-   counts. The ``FINALISTS`` fastest are then re-timed in turns over ``FINAL_ROUNDS`` rounds
+   counts. The ``FINALISTS`` fastest and the fixed fusion (timed first, when caches and
+   thread pools are cold) are then re-timed in turns over ``FINAL_ROUNDS`` rounds
    (``report["final_round_s"]``) and the fastest of that round wins: sequential timings
    taken far apart mislead on a shared machine.
 4. Cache. The winner (its kernel-graph JSON) is stored under ``cache_dir()/superopt``, keyed
@@ -374,6 +375,7 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
         raise GraphError("superoptimize: no candidate passed verification, not even the fixed fusion; "
                          "this is a yirage bug: please report it with the graph's to_json()")
     finalists = sorted(timed, key=lambda x: x[0])[:FINALISTS]
+    finalists += [x for x in timed if x[1] == "fixed fusion" and x not in finalists]  # the baseline, always
     if len(finalists) > 1:
         final = _final_round([(d, c) for _, d, _, c in finalists], bench_inputs, profile_iters,
                              t_start + time_budget_s)
