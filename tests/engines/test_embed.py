@@ -59,21 +59,22 @@ def test_float32_equals_sentence_transformers(model, reference, batch_size):
     sents, expect = reference
     _assert_close(model.encode(sents, batch_size=batch_size), expect)
     # packed batches, token rows bucketed: a few plans, never one per distinct length or total
-    assert all(T % 64 == 0 for _, T in model.plan_shapes)
+    assert all(T % 16 == 0 for _, T in model.plan_shapes)
     assert len(model.plan_shapes) <= 2 * (len(sents) // batch_size + 1)
 
 
 def test_int8_close_to_float32_and_same_neighbours(model, reference):
-    """int8 (per-channel weights, per-token activations): cosine >= 0.99 to float32 on every
-    sentence of 4 tokens or more, >= 0.98 on the shortest (the empty string is [CLS] [SEP] only:
-    0.986 measured; issue 10 asks 0.99 there too: calibrated smoothing is the next step), and the
-    same nearest document as float32 for every query of a small retrieval set."""
+    """int8 (per-channel weights, activations per token in groups of 64 features): cosine >= 0.99
+    to float32 on every sentence (issue 10; 0.9946 measured on the worst, the empty string:
+    [CLS] [SEP] only), mean >= 0.998, and the same nearest document as float32 for every query
+    of a small retrieval set."""
     q8 = yr.EmbeddingModel("all-minilm-l6-v2", backend="cpu", quantization="int8")
     sents, _ = reference
     a, b = model.encode(sents), q8.encode(sents)
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     tokens = np.array([len(x) for x in model.tokenizer(sents)["input_ids"]])
-    assert cos.min() >= 0.98 and cos[tokens >= 4].min() >= 0.99 and cos.mean() >= 0.995, cos.min()
+    assert cos.min() >= 0.99 and cos.mean() >= 0.998, (cos.min(), cos.mean())
+    assert len(tokens) == len(sents) and tokens.min() == 2  # the empty string is among them
     docs = ["The cat sat on the mat.", "Stock markets fell sharply on Monday.", "Photosynthesis turns light into sugar.",
             "The recipe needs two eggs and flour.", "A goal in the last minute won the match.",
             "The new phone has a faster processor.", "Rain is expected across the north tomorrow.",
@@ -238,15 +239,15 @@ def test_layer_norm_errors():
         g.layer_norm(X, (8,), eps=-1.0)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_linear_w8a8_op(backend, bias):
+@pytest.mark.parametrize("bias,group", [(True, 0), (False, 0), (True, 16)])
+def test_linear_w8a8_op(backend, bias, group):
     from yirage.ir.ops import quantize_rows_int8
     g = yr.new_kernel_graph()
     X = g.new_input((2, 19, 64))
     W = g.new_input((64, 40), dtype=yr.int8)
     S = g.new_input((40,))
     B = g.new_input((40,)) if bias else None
-    g.mark_output(g.linear_w8a8(X, W, S, B))
+    g.mark_output(g.linear_w8a8(X, W, S, B, group_size=group))
     w, x, b = torch.randn(40, 64), torch.randn(2, 19, 64), torch.randn(40)
     x[1, 3] = 0  # a zero row: scale 1, output = bias
     wq, ws = quantize_rows_int8(w)
@@ -257,14 +258,17 @@ def test_linear_w8a8_op(backend, bias):
     assert (out - expect).abs().max() <= 0.03 * expect.abs().max()  # int8 rounding of x and w
     with pytest.raises(yr.GraphError, match="int8"):
         g.linear_w8a8(X, g.new_input((64, 40)), S)
+    for bad in (3, 6, 128):  # not a multiple of 4, not dividing K = 64, larger than K
+        with pytest.raises(yr.GraphError, match="group_size"):
+            g.linear_w8a8(X, W, S, group_size=bad)
 
 
 def test_bucket_tokens():
     from yirage.engines.embed import bucket_tokens
     for n in range(1, 20000, 7):
         b = bucket_tokens(n)
-        assert 0 <= b - n < max(64, n / 16) and b % 64 == 0
-    assert len({bucket_tokens(n) for n in range(1, 8193)}) <= 64 + 16 * 4  # a few buckets per doubling
+        assert 0 <= b - n < max(16, n / 32) and b % 16 == 0
+    assert len({bucket_tokens(n) for n in range(1, 8193)}) <= 64 + 32 * 7  # a few buckets per doubling
 
 
 def test_attention_varlen_op(backend):

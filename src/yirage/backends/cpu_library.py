@@ -1,6 +1,6 @@
 """The CPU backend's library ops: GEMM/GEMV, embedding, RoPE, attention and argmax, and the
-encoder ops of the embedding engine (attention_bidir, attention_varlen: torch's fused
-scaled_dot_product_attention; linear_w8a8: per-token int8 quantization + torch._int_mm).
+encoder ops of the embedding engine (attention_bidir: torch's fused scaled_dot_product_attention;
+attention_varlen, linear_w8a8 and fp32 linear layers on prepacked weights: cpu_embed.py).
 
 Quantized linear layers, embeddings, RoPE, attention and argmax call the hand-written C++
 of ``yirage/kernels/cpu/library.cpp`` (q4_1/q8_0; the other GGML block formats of
@@ -20,9 +20,9 @@ from typing import Callable
 import torch
 
 from ..dtypes import DType
-from ..ir.ops import check_offsets
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
+from . import cpu_embed
 from .cpu_threadblock import bind_customized, customized_ok
 
 _P = ctypes.c_void_p
@@ -51,6 +51,14 @@ SIGNATURES: dict[str, tuple] = {
     # the same with the sliding window (0: full causal; W >= 1: keys p - W < j <= p) before status
     "yr_attention_window": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
+    # embedding encoder (kernels/cpu/embed_kernels.h); the trailing _I are buffer lengths, then status
+    "yr_emb_pack_f32": (_P, _P, _I, _I, _I, _P),       # w [N, K], P, N, K, p_len, status
+    "yr_emb_gemm_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P),  # x, P, bias, y, M, N, K, lens
+    "yr_emb_pack_s8": (_P, _P, _P, _I, _I, _I, _I, _I, _P),  # wt [K, N], P, comp, K, N, group, p/comp_len
+    # x, qbuf, sbuf, P, comp, ws, bias, y, M, N, K, group, x/q/s/p/comp/y lengths, status
+    "yr_emb_linear_w8a8": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P),
+    # qkv, offsets, out, T, B, H, Dh, scale, qkv_len, out_len, status
+    "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
 }
 #: task entry points (address taken, called by the persistent kernel scheduler only)
 TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_f32", "yr_task_embedding",
@@ -114,6 +122,9 @@ def _linear(node, graph, args, out, status):
     wt = graph.tensors[node.inputs[1]]
     N, K = wt.shape
     M = x.numel() // K
+    if (x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+            and cpu_embed.packed_linear_weight(w) is not None):  # prepacked (the embedding engine's)
+        return cpu_embed.bind_linear_f32_packed(x, w, bias, out)
     if wt.dtype.is_quantized:
         fn = getattr(library(), f"yr_linear_{wt.dtype.value}")
         p = (_ptr(x), _ptr(w), _ptr(bias), _ptr(out), M, N, K)
@@ -173,67 +184,6 @@ def _attention_bidir(node, graph, args, out, status):
     return run
 
 
-def _linear_w8a8(node, graph, args, out, status):
-    """W8A8 linear (ir.ops.linear_w8a8_reference): per-token int8 quantization of x into
-    buffers allocated here once, torch._int_mm (int8 GEMM, VNNI where the CPU has it) into an
-    int32 accumulator, then the scales and bias applied in place on ``out``."""
-    x, w_t, w_scale = args[0], args[1], args[2]
-    bias = args[3] if len(args) == 4 else None
-    K, N = w_t.shape
-    M = x.numel() // K
-    x2, o2 = x.view(M, K), out.view(M, N)
-    tmp = torch.empty((M, K), dtype=torch.float32)
-    sx = torch.empty((M, 1), dtype=torch.float32)
-    qx = torch.empty((M, K), dtype=torch.int8)
-    acc = torch.empty((M, N), dtype=torch.int32)
-
-    def run():
-        torch.abs(x2, out=tmp)
-        torch.amax(tmp, dim=1, keepdim=True, out=sx)
-        sx.div_(127.0)
-        sx.masked_fill_(sx == 0, 1.0)
-        torch.div(x2, sx, out=tmp)
-        tmp.round_().clamp_(-127, 127)
-        qx.copy_(tmp)
-        torch._int_mm(qx, w_t, out=acc)
-        torch.mul(acc, sx, out=o2)
-        o2.mul_(w_scale)
-        if bias is not None:
-            o2.add_(bias)
-    return run
-
-
-def _attention_varlen(node, graph, args, out, status):
-    """Attention over packed sentences: the offsets are read at run time; each run of
-    consecutive sentences of one length (the engine sorts them by length) is one call of
-    torch's fused scaled_dot_product_attention over views of qkv, written into ``out``."""
-    qkv, offsets = args
-    T, three_hd = qkv.shape
-    h = node.attrs["num_heads"]
-    hd = three_hd // 3
-    dh = hd // h
-    scale = node.attrs["scale"]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def run():
-        offs = offsets.tolist()
-        check_offsets(offs, T)
-        s, n = 0, len(offs) - 1
-        b = 0
-        while b < n:
-            L = offs[b + 1] - offs[b]
-            g = 1
-            while b + g < n and offs[b + g + 1] - offs[b + g] == L:
-                g += 1
-            e = s + g * L
-            if L:
-                q, k, v = qkv[s:e].view(g, L, 3, h, dh).permute(2, 0, 3, 1, 4)  # [g, H, L, Dh] views
-                out[s:e].view(g, L, h, dh).copy_(sdpa(q, k, v, scale=scale).transpose(1, 2))
-            s, b = e, b + g
-        out[s:].zero_()
-    return run
-
-
 def _argmax(node, graph, args, out, status):
     x = args[0]
     D = x.shape[-1]
@@ -256,8 +206,8 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "argmax": (_float32_first, _argmax),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)
     "attention_bidir": (_float32_first, _attention_bidir),
-    "attention_varlen": (_float32_first, _attention_varlen),
-    "linear_w8a8": (_float32_first, _linear_w8a8),
+    "attention_varlen": (_float32_first, cpu_embed.bind_attention_varlen),  # kernels/cpu/embed_kernels.h
+    "linear_w8a8": (_float32_first, cpu_embed.bind_linear_w8a8),
 }
 
 

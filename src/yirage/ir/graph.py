@@ -322,14 +322,17 @@ class KernelGraph:
         attrs = {"w_dtype": w.dtype.value, "w_shape": list(w.shape)} if w.dtype.is_quantized else {}
         return self._add("linear", [x, w] + ([bias] if bias is not None else []), **attrs)
 
-    def linear_w8a8(self, x, w_t, w_scale, bias=None):
+    def linear_w8a8(self, x, w_t, w_scale, bias=None, group_size: int = 0):
         """int8 linear layer: ``x`` float32 [..., K] quantized per token (row) to int8 at run time,
         times the per-channel int8 weight ``w_t`` [K, N] (transposed: in x out features) with
         float32 scales ``w_scale`` [N], in integer arithmetic; plus float32 ``bias`` [N]. Returns
-        float32 [..., N]; see ``ir.ops.linear_w8a8_reference``. GraphError for bad shapes/dtypes."""
+        float32 [..., N]; see ``ir.ops.linear_w8a8_reference``. ``group_size`` G > 0: each token
+        quantized per group of G features (a multiple of 4 dividing K). GraphError for bad
+        shapes/dtypes or group size."""
         extra = [bias] if bias is not None else []
         self._check_tensors("linear_w8a8", [x, w_t, w_scale, *extra])
-        return self._add("linear_w8a8", [x, w_t, w_scale, *extra])
+        attrs = {"group_size": int(group_size)} if group_size else {}
+        return self._add("linear_w8a8", [x, w_t, w_scale, *extra], **attrs)
 
     def embedding(self, ids, table):
         """Rows of ``table`` [vocab, D] (float or q4_1/q8_0) at integer ``ids`` [...]: [..., D]."""

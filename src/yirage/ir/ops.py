@@ -313,6 +313,9 @@ def _linear_w8a8_infer(ts, attrs):
             _fail("linear_w8a8", ts, f"weight scales and bias must be float32 ({N},)")
     if len(ts) not in (3, 4):
         _fail("linear_w8a8", ts, "takes x, weight, weight scales and an optional bias")
+    G = attrs.get("group_size", 0)
+    if not isinstance(G, int) or G < 0 or (G and (K % G or G % 4)):
+        _fail("linear_w8a8", ts, f"group_size must be 0 or a multiple of 4 dividing in_features {K}, got {G!r}")
     return TensorType((*x.shape[:-1], N), x.dtype)
 
 
@@ -325,14 +328,25 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x.float() / s).clamp_(-127, 127).to(torch.int8), s
 
 
-def linear_w8a8_reference(x, w_t, w_scale, bias=None):
+def linear_w8a8_reference(x, w_t, w_scale, bias=None, group_size: int = 0):
     """W8A8 linear: int8 weights quantized per output channel, float32 activations quantized
     per token (row) on the fly, integer dot products (exact int32 accumulation), then
     ``acc * x_scale[m] * w_scale[n] + bias[n]`` in float32. ``w_t`` is int8 [K, N] (the
     transposed weight: in_features x out_features), ``w_scale``/``bias`` float32 [N].
     Dynamic per-token activation quantization as in LLM.int8()/SmoothQuant (Dettmers et al. 2022;
-    Xiao et al. 2023) without outlier handling."""
+    Xiao et al. 2023) without outlier handling. ``group_size`` G > 0 quantizes each token per
+    group of G consecutive features (its own scale each; G divides K): y = (sum over groups of
+    the group's exact integer dot product * its x scale) * w_scale + bias, in float32."""
     K = w_t.shape[0]
+    if group_size:
+        M = x.numel() // K
+        q, s = quantize_rows_int8(x.reshape(M, K // group_size, group_size))  # [M, g, G], [M, g, 1]
+        wg = w_t.double().reshape(K // group_size, group_size, -1)              # [g, G, N]
+        acc = torch.einsum("mgk,gkn->mgn", q.double(), wg)                        # exact per group
+        y = (acc.float() * s).sum(1) * w_scale.float()
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], w_t.shape[1])
     q, s = quantize_rows_int8(x.reshape(-1, K))
     acc = torch.matmul(q.double(), w_t.double())  # exact (|acc| <= 127^2 K << 2^53); any device
     y = acc.float() * s * w_scale.float()
@@ -443,7 +457,8 @@ def _argmax_infer(ts, attrs):
 
 _register("matmul", "library", 2, _matmul_infer, lambda args, a: torch.matmul(args[0], args[1]))
 _register("linear", "library", -1, _linear_infer, _linear_ref)
-_register("linear_w8a8", "library", -1, _linear_w8a8_infer, lambda args, a: linear_w8a8_reference(*args))
+_register("linear_w8a8", "library", -1, _linear_w8a8_infer,
+          lambda args, a: linear_w8a8_reference(*args, group_size=a.get("group_size", 0)))
 _register("embedding", "library", 2, _embedding_infer, _embedding_ref, index_input=0)
 _register("rope", "library", 4, _rope_infer,
           lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])), index_input=3)

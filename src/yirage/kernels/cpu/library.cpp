@@ -1326,3 +1326,5 @@ void yr_task_argmax_reduce(const int64_t* a, int64_t lo, int64_t hi) {
 // GGML's other block formats (Q4_0, Q5_0, Q5_1, Q2_K .. Q6_K): dequantization, GEMV and GEMM
 // read in place (see the header).
 #include "ggml_quants.h"
+// The embedding engine's encoder kernels (float32/int8 GEMM on packed weights, varlen attention).
+#include "embed_kernels.h"

@@ -1,0 +1,279 @@
+"""The CPU kernels of the embedding engine's encoder (``kernels/cpu/embed_kernels.h``): float32
+GEMM on weights packed once, W8A8 int8 GEMM (AVX-512 VNNI / AVX2 / scalar) and attention over
+packed sentences (``attention_varlen``), with the binders cpu_library.py's op table uses.
+
+Packed weights are kept in a cache keyed by the weight tensor (dropped when the tensor is
+freed, repacked if it was written in place). An fp32 ``linear`` uses the packed GEMM only for
+weights registered with ``prepack_linear`` (the embedding engine registers its own), so other
+users of ``linear`` keep torch's GEMM and pay no extra memory. Every wrapper takes ``lib=``: a
+build of the kernel library (tests pass each ISA build), by default the CPU backend's. This
+module must never build graphs or import engines.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..errors import YirageError
+from ..ir.ops import check_offsets
+
+_PANEL = 32  # output columns per packed panel (embed_kernels.h EMB_NR)
+_packed: dict[int, tuple] = {}  # id(weight) -> (data_ptr, _version, kind, packed tensors...)
+
+
+def _lib(lib=None):
+    """``lib`` (a build of the kernel library with signatures bound) or the default build."""
+    if lib is not None:
+        return lib
+    from .cpu_library import library
+    return library()
+
+
+def _status() -> torch.Tensor:
+    return torch.zeros(4, dtype=torch.int64)
+
+
+def _raise_status(status: torch.Tensor, what: str) -> None:
+    """YirageError naming the size a kernel rejected (status = {1, value, lo, hi})."""
+    if int(status[0]):
+        value, lo, hi = status[1:].tolist()
+        raise YirageError(f"{what}: size {value} outside [{lo}, {hi}) (a buffer is too small or a size is invalid)")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check_cpu(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        raise YirageError(f"{name}: needs a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
+
+
+def pack_f32(w: torch.Tensor, lib=None) -> torch.Tensor:
+    """``w`` float32 [N, K] (out x in features) packed into panels of 32 output columns:
+    float32 [ceil(N/32), K, 32], zero-padded (the layout ``gemm_f32_packed`` reads).
+    YirageError for a tensor that is not a contiguous 2-D float32 CPU tensor."""
+    _check_cpu("pack_f32", w, torch.float32)
+    if w.dim() != 2 or w.numel() == 0:
+        raise YirageError(f"pack_f32: needs a non-empty [N, K] weight, got {tuple(w.shape)}")
+    N, K = w.shape
+    P = torch.empty(((N + _PANEL - 1) // _PANEL, K, _PANEL), dtype=torch.float32)
+    st = _status()
+    _lib(lib).yr_emb_pack_f32(w.data_ptr(), P.data_ptr(), N, K, P.numel(), st.data_ptr())
+    _raise_status(st, "pack_f32")
+    return P
+
+
+def gemm_f32_packed(x: torch.Tensor, P: torch.Tensor, N: int, bias: torch.Tensor | None, out: torch.Tensor,
+                    lib=None) -> None:
+    """``out`` [M, N] = ``x`` [M, K] @ W^T + ``bias`` [N] (or none), float32, with W packed by
+    ``pack_f32`` (P [ceil(N/32), K, 32]). Register-blocked FMA GEMM (12 x 32 tiles with
+    AVX-512), k-blocks of 384. YirageError for buffers that do not fit the sizes."""
+    for name, t, dt in (("x", x, torch.float32), ("P", P, torch.float32), ("out", out, torch.float32)):
+        _check_cpu(f"gemm_f32_packed: {name}", t, dt)
+    if bias is not None:
+        _check_cpu("gemm_f32_packed: bias", bias, torch.float32)
+        if bias.numel() != N:
+            raise YirageError(f"gemm_f32_packed: bias has {bias.numel()} values, expected N = {N}")
+    M, K = x.shape
+    st = _status()
+    _lib(lib).yr_emb_gemm_f32(x.data_ptr(), P.data_ptr(), _ptr(bias), out.data_ptr(), M, N, K, x.numel(),
+                           P.numel(), out.numel(), st.data_ptr())
+    _raise_status(st, "gemm_f32_packed")
+
+
+def _groups(K: int, group: int) -> tuple[int, int]:
+    """(groups per row, bytes per quantized row) of activation groups of ``group`` features (0: the row)."""
+    G = group if group > 0 else K
+    return K // G, K // G * ((G + 3) // 4 * 4)
+
+
+def _check_group(K: int, group: int) -> None:
+    if group < 0 or group > K or (group > 0 and (K % group or group % 4)):
+        raise YirageError(f"int8 linear: group size {group} must be 0 or a multiple of 4 dividing K = {K}")
+
+
+def pack_s8(w_t: torch.Tensor, group: int = 0, lib=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w_t`` int8 [K, N] (in x out features) packed for the int8 GEMM with activation groups
+    of ``group`` features (0: whole rows): (P uint8 [ceil(N/32), Kp/4, 32, 4] with Kp the bytes
+    of a quantized row, comp int32 [groups, ceil(N/32) * 32] = 128 * the weight column sums of
+    each group). YirageError for a tensor that is not a contiguous 2-D int8 CPU tensor or a
+    group size that is not 0 or a multiple of 4 dividing K."""
+    _check_cpu("pack_s8", w_t, torch.int8)
+    if w_t.dim() != 2 or w_t.numel() == 0:
+        raise YirageError(f"pack_s8: needs a non-empty [K, N] weight, got {tuple(w_t.shape)}")
+    K, N = w_t.shape
+    _check_group(K, group)
+    ng, Kp = _groups(K, group)
+    np_ = (N + _PANEL - 1) // _PANEL
+    P = torch.empty((np_, Kp // 4, _PANEL, 4), dtype=torch.uint8)
+    comp = torch.empty((ng, np_ * _PANEL), dtype=torch.int32)
+    st = _status()
+    _lib(lib).yr_emb_pack_s8(w_t.data_ptr(), P.data_ptr(), comp.data_ptr(), K, N, group, P.numel(), comp.numel(),
+                          st.data_ptr())
+    _raise_status(st, "pack_s8")
+    return P, comp
+
+
+class W8A8Scratch:
+    """Per-call buffers of ``linear_w8a8_packed`` for up to ``M`` rows of ``K`` features in
+    groups of ``group``: the quantized rows (uint8 [M, Kp]) and their scales (float32 [M, groups])."""
+
+    def __init__(self, M: int, K: int, group: int = 0):
+        ng, Kp = _groups(K, group)
+        self.q = torch.empty((M, Kp), dtype=torch.uint8)
+        self.s = torch.empty((M, ng), dtype=torch.float32)
+
+
+def linear_w8a8_packed(x: torch.Tensor, P: torch.Tensor, comp: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out: torch.Tensor, scratch: W8A8Scratch, group: int = 0,
+                       lib=None) -> None:
+    """W8A8 linear (``ir.ops.linear_w8a8_reference``): ``x`` float32 [M, K] quantized per row and
+    group of ``group`` features (0: whole rows; symmetric int8, round half to even), integer dot
+    products with the weight packed by ``pack_s8`` for the same group (AVX-512 VNNI vpdpbusd on
+    u8 = q + 128 minus ``comp``; AVX2 vpmaddubsw with the sign trick; scalar), then
+    ``sum_g acc_g * x_scale_g``, times ``w_scale[n]``, plus ``bias[n]`` into ``out`` float32 [M, N].
+    YirageError for a bad group size or buffers that do not fit the sizes."""
+    _check_w8a8(x, P, comp, w_scale, bias, out, scratch, group)
+    M, K = x.shape
+    N = out.shape[1]
+    st = _status()
+    _lib(lib).yr_emb_linear_w8a8(x.data_ptr(), scratch.q.data_ptr(), scratch.s.data_ptr(), P.data_ptr(),
+                              comp.data_ptr(), w_scale.data_ptr(), _ptr(bias), out.data_ptr(), M, N, K, group,
+                              x.numel(), scratch.q.numel(), scratch.s.numel(), P.numel(), comp.numel(), out.numel(),
+                              st.data_ptr())
+    _raise_status(st, "linear_w8a8_packed")
+
+
+def _check_w8a8(x, P, comp, w_scale, bias, out, scratch, group) -> None:
+    """YirageError unless the buffers of ``linear_w8a8_packed`` have the dtypes, devices and
+    lengths it needs (the C++ kernel checks the sizes against the lengths again)."""
+    for name, t, dt in (("x", x, torch.float32), ("P", P, torch.uint8), ("comp", comp, torch.int32),
+                        ("w_scale", w_scale, torch.float32), ("out", out, torch.float32),
+                        ("scratch.q", scratch.q, torch.uint8), ("scratch.s", scratch.s, torch.float32)):
+        _check_cpu(f"linear_w8a8_packed: {name}", t, dt)
+    K, N = x.shape[1], out.shape[1]
+    for name, t in (("w_scale", w_scale), ("bias", bias)):
+        if t is not None and t.numel() != N:
+            raise YirageError(f"linear_w8a8_packed: {name} has {t.numel()} values, expected N = {N}")
+    if bias is not None:
+        _check_cpu("linear_w8a8_packed: bias", bias, torch.float32)
+    _check_group(K, group)
+
+
+def attention_varlen(qkv: torch.Tensor, offsets: torch.Tensor, num_heads: int, scale: float,
+                     out: torch.Tensor, status: torch.Tensor | None = None, lib=None) -> None:
+    """``ir.ops.attention_varlen_reference`` into ``out`` [T, H*Dh]: qkv float32 [T, 3*H*Dh],
+    offsets int64 [B+1] (0, non-decreasing, at most T). Per (sentence, head): scores with K
+    transposed in scratch, softmax with a vectorized exp (Cephes expf), then P V.
+    IndexOutOfRangeError for bad offsets (nothing written), YirageError for bad sizes."""
+    T, three_hd = qkv.shape
+    if three_hd % (3 * num_heads) or offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise YirageError(f"attention_varlen: qkv [T, 3*H*Dh] with H = {num_heads} and int64 offsets [B+1] needed, "
+                          f"got {tuple(qkv.shape)} and {offsets.dtype} {tuple(offsets.shape)}")
+    hd = three_hd // 3
+    st = _status() if status is None else status
+    _lib(lib).yr_emb_attention_varlen(qkv.data_ptr(), offsets.data_ptr(), out.data_ptr(), T, offsets.numel() - 1,
+                                   num_heads, hd // num_heads, scale, qkv.numel(), out.numel(), st.data_ptr())
+    if int(st[0]):
+        st.zero_()
+        check_offsets([int(o) for o in offsets.tolist()], T)  # raises IndexOutOfRangeError
+        raise YirageError("attention_varlen: sizes do not fit the buffers")
+
+
+# ---- packed-weight cache ---------------------------------------------------------------
+def _cached(w: torch.Tensor, kind: str, make):
+    """The packed form ``kind`` of ``w``, made by ``make(w)`` once (again if w changed)."""
+    key = id(w)
+    hit = _packed.get(key)
+    if hit is not None and hit[0] == w.data_ptr() and hit[1] == w._version and hit[2] == kind:
+        return hit[3]
+    packed = make(w)
+    if hit is None:
+        weakref.finalize(w, _packed.pop, key, None)
+    _packed[key] = (w.data_ptr(), w._version, kind, packed)
+    return packed
+
+
+def prepack_linear(w: torch.Tensor) -> None:
+    """Pack ``w`` float32 [N, K] now, and let the CPU backend's ``linear`` run on the packed
+    form whenever this tensor is its weight (until it is freed)."""
+    _cached(w, "f32", pack_f32)
+
+
+def packed_linear_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """The packed form of ``w`` if ``prepack_linear`` registered it (repacked if written
+    since), else None."""
+    hit = _packed.get(id(w))
+    if hit is None or hit[2] != "f32" or hit[0] != w.data_ptr():
+        return None
+    return _cached(w, "f32", pack_f32)
+
+
+# ---- binders (cpu_library.OPS) ---------------------------------------------------------
+def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+    """Thunk of an fp32 ``linear`` whose weight was registered by ``prepack_linear``."""
+    N, K = w.shape
+    M = x.numel() // K
+    x2, o2 = x.view(M, K), out.view(M, N)
+    lib = _lib()
+    st = _status()
+
+    def run():
+        P = packed_linear_weight(w)
+        if P is None:  # the weight's storage was replaced since it was registered
+            o2.copy_(torch.nn.functional.linear(x2, w, bias))
+            return
+        lib.yr_emb_gemm_f32(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, N, K, x2.numel(),
+                            P.numel(), o2.numel(), st.data_ptr())
+        if st[0]:
+            _raise_status(st, "linear (packed float32)")
+    return run
+
+
+def bind_linear_w8a8(node, graph, args, out, status):
+    """Thunk of ``linear_w8a8`` on the C++ int8 GEMM (weights packed once per tensor)."""
+    x, w_t, w_scale = args[0], args[1], args[2]
+    bias = args[3] if len(args) == 4 else None
+    K, N = w_t.shape
+    M = x.numel() // K
+    group = int(node.attrs.get("group_size", 0))
+    x2, o2 = x.view(M, K), out.view(M, N)
+    scratch = W8A8Scratch(M, K, group)
+    kind = f"s8/{group}"
+    P, comp = _cached(w_t, kind, lambda w: pack_s8(w, group))
+    _check_w8a8(x2, P, comp, w_scale, bias, o2, scratch, group)
+    fn, st = _lib().yr_emb_linear_w8a8, _status()
+    tail = (_ptr(bias), o2.data_ptr(), M, N, K, group, x2.numel(), scratch.q.numel(), scratch.s.numel())
+
+    def run():
+        P, comp = _cached(w_t, kind, lambda w: pack_s8(w, group))  # repacked if w_t was written
+        fn(x2.data_ptr(), scratch.q.data_ptr(), scratch.s.data_ptr(), P.data_ptr(), comp.data_ptr(),
+           w_scale.data_ptr(), *tail, P.numel(), comp.numel(), o2.numel(), st.data_ptr())
+        if st[0]:
+            _raise_status(st, "linear_w8a8")
+    return run
+
+
+def bind_attention_varlen(node, graph, args, out, status):
+    """Thunk of ``attention_varlen`` on the C++ kernel (float32 qkv)."""
+    qkv, offsets = args
+    h, scale = node.attrs["num_heads"], node.attrs["scale"]
+    T, three_hd = qkv.shape
+    st = _status()
+    fn = _lib().yr_emb_attention_varlen
+    p = (qkv.data_ptr(), offsets.data_ptr(), out.data_ptr(), T, offsets.numel() - 1, h, three_hd // 3 // h, scale,
+         qkv.numel(), out.numel(), st.data_ptr())
+
+    def run():
+        fn(*p)
+        if st[0]:
+            st.zero_()
+            check_offsets([int(o) for o in offsets.tolist()], T)  # raises IndexOutOfRangeError
+            raise YirageError("attention_varlen: sizes do not fit the buffers")
+    return run
+
+
+__all__ = ["pack_f32", "gemm_f32_packed", "pack_s8", "linear_w8a8_packed", "W8A8Scratch", "attention_varlen",
+           "prepack_linear", "packed_linear_weight"]

@@ -1,0 +1,635 @@
+// Kernels of the embedding engine's encoder (BERT family, engines/embed.py): float32 GEMM on
+// weights packed once at load, W8A8 int8 GEMM (per-token activations quantized at run time,
+// per-channel int8 weights, integer dot products: AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw,
+// scalar), and bidirectional attention over sentences packed back to back (varlen).
+//
+// Included at the end of library.cpp (it uses that file's vf/VL vector helpers, vexp and
+// report()). Same rules as library.cpp: no allocation of caller memory (only thread_local
+// scratch), no torch/Python. Every entry point checks its run-time sizes against the buffer
+// lengths the caller passes and, on a bad one, writes status[4] = {1, value, lo, hi} (the
+// value was outside [lo, hi)), touches no buffer and returns; the Python wrappers
+// (backends/cpu_embed.py) raise the exception.
+//
+// Packed layouts (panel = 32 output columns, the last one zero-padded):
+//   float32: P[p][k][32]        = W[p*32 + j, k]                      (W [N, K] row-major)
+//   int8:    P[p][t][32][4]     = Wt[g*G + (t % qg)*4 + r, p*32 + j]  (Wt [K, N]; quad t of
+//            group g = t / qg; qg = ceil(G/4) quads per group of G activation features, the
+//            tail of a group zero-padded), comp[g][n] = 128 * sum_{k in g} Wt[k, n] (int32;
+//            the u8 offset of the VNNI path)
+// GEMM loop order follows Goto & van de Geijn 2008 ("Anatomy of high-performance matrix
+// multiplication"): a kc x 32 weight panel stays in cache while micro-tiles of MR x rows
+// stream over it; the micro-tile keeps MR x 32 accumulators in registers (outer products,
+// x broadcast from memory).
+
+namespace {
+
+// Blocking (the -D overrides are for tuning runs only).
+#ifndef YR_EMB_KC
+#define YR_EMB_KC 384
+#endif
+#ifndef YR_EMB_MC
+#define YR_EMB_MC 192
+#endif
+#ifndef YR_EMB_MR512
+#define YR_EMB_MR512 12
+#endif
+constexpr int64_t EMB_NR = 32;          // output columns per packed panel (every ISA)
+constexpr int64_t EMB_KC = YR_EMB_KC;   // float32 GEMM: k-block (a 384 x 32 panel is 48 KiB)
+constexpr int64_t EMB_MC = YR_EMB_MC;   // rows of x per cache block
+
+#if defined(YR_AVX512)
+constexpr int EMB_MR = YR_EMB_MR512;    // 12 x 2 vectors = 24 accumulators of 32 zmm
+#elif defined(YR_AVX2)
+constexpr int EMB_MR = 3;           // 3 x 4 vectors = 12 accumulators of 16 ymm
+#else
+constexpr int EMB_MR = 4;
+#endif
+constexpr int EMB_NV = (int)(EMB_NR / VL);  // vectors per panel row
+
+// y[i, 0:nr] (+)= x[i, 0:kc] . B[0:kc, 0:32] for i < MR. acc starts from y (accumulate), the
+// bias (if given) or zero; nr < 32 (last panel) goes through a local tile.
+template <int MR>
+void emb_f32_tile(const float* x, int64_t ldx, const float* B, int64_t kc, float* y, int64_t ldy,
+                  const float* bias, bool accumulate, int nr) {
+    alignas(64) float tmp[MR][EMB_NR];
+    float* yt = y;
+    int64_t ldt = ldy;
+    if (nr < EMB_NR) {
+        for (int i = 0; i < MR; ++i)
+            for (int j = 0; j < EMB_NR; ++j)
+                tmp[i][j] = (accumulate && j < nr) ? y[i * ldy + j] : 0.0f;
+        yt = &tmp[0][0];
+        ldt = EMB_NR;
+    }
+    vf acc[MR][EMB_NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 32
+        for (int v = 0; v < EMB_NV; ++v)
+            acc[i][v] = accumulate ? vload(yt + i * ldt + v * VL) : (bias ? vload(bias + v * VL) : vzero());
+    for (int64_t k = 0; k < kc; ++k) {
+        vf b[EMB_NV];
+#pragma GCC unroll 32
+        for (int v = 0; v < EMB_NV; ++v) b[v] = vload(B + k * EMB_NR + v * VL);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+            const vf a = vbroadcast(x + i * ldx + k);
+#pragma GCC unroll 32
+            for (int v = 0; v < EMB_NV; ++v) acc[i][v] = vfma(a, b[v], acc[i][v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 32
+        for (int v = 0; v < EMB_NV; ++v) vstore(yt + i * ldt + v * VL, acc[i][v]);
+    if (nr < EMB_NR)
+        for (int i = 0; i < MR; ++i)
+            for (int j = 0; j < nr; ++j) y[i * ldy + j] = tmp[i][j];
+}
+
+template <int MR>
+void emb_f32_rows(int mr, const float* x, int64_t ldx, const float* B, int64_t kc, float* y, int64_t ldy,
+                  const float* bias, bool accumulate, int nr) {
+    if constexpr (MR > 0) {
+        if (mr == MR) emb_f32_tile<MR>(x, ldx, B, kc, y, ldy, bias, accumulate, nr);
+        else emb_f32_rows<MR - 1>(mr, x, ldx, B, kc, y, ldy, bias, accumulate, nr);
+    }
+}
+
+// Work items of a GEMM: (block of EMB_MC rows) x (group of panels), so that 2+ threads
+// have work also when M is small.
+struct EmbTiles {
+    int64_t mblocks, pgroups, per_group, npanels;
+};
+inline EmbTiles emb_tiles(int64_t M, int64_t N) {
+    EmbTiles t;
+    t.npanels = (N + EMB_NR - 1) / EMB_NR;
+    t.mblocks = (M + EMB_MC - 1) / EMB_MC;
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    t.pgroups = 1;
+    while (t.mblocks * t.pgroups < 4 * threads && t.pgroups * 2 <= t.npanels) t.pgroups *= 2;
+    t.per_group = (t.npanels + t.pgroups - 1) / t.pgroups;
+    return t;
+}
+
+// a * b * ..., saturated at INT64_MAX (size checks stay correct for absurd sizes).
+inline int64_t emb_mul(int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+}
+template <typename... T>
+inline int64_t emb_mul(int64_t a, int64_t b, T... rest) { return emb_mul(emb_mul(a, b), rest...); }
+
+// status = {1, value, lo, hi} and false unless lo <= value < hi.
+inline bool emb_check(int64_t* status, int64_t value, int64_t lo, int64_t hi) {
+    if (value >= lo && value < hi) return true;
+    report(status, value, lo, hi);
+    return false;
+}
+
+// ---- int8 -----------------------------------------------------------------------------
+// Activations are quantized per token and per group of G consecutive features (G = K when
+// the op has no group size): scale s[m, g] = max|x| / 127 over the group (1 for a zero group),
+// q = round-half-even(x / s) clamped to [-127, 127] (ir.ops.quantize_rows_int8, same float
+// ops). The VNNI path stores u8 q + 128 (vpdpbusd multiplies unsigned x bytes by signed w
+// bytes) and starts each group's int32 sums at -comp[g][n] = -128 * sum_{k in g} w[k, n];
+// the other paths store s8 q. y[m, n] = (sum_g acc[m, g, n] * s[m, g]) * ws[n] + bias[n].
+#if defined(__AVX512VNNI__) && defined(YR_AVX512)
+#define YR_EMB_VNNI 1
+#ifndef YR_EMB_MR8
+#define YR_EMB_MR8 6
+#endif
+constexpr int EMB_MR8 = YR_EMB_MR8;    // 6 rows x 2 zmm: 12 int32 + 12 float accumulators
+constexpr int EMB_ZP = 128;
+#else
+constexpr int EMB_MR8 = 4;
+constexpr int EMB_ZP = 0;
+#endif
+
+// Group layout of a W8A8 call: ng groups of qg 4-byte quads each (the last quads of a
+// whole-row group are zero padding), Kp = ng * qg * 4 bytes per quantized row.
+struct EmbGroups {
+    int64_t G, ng, qg, Kp;
+};
+inline EmbGroups emb_groups(int64_t K, int64_t group) {
+    EmbGroups r;
+    r.G = group > 0 ? group : K;
+    r.ng = K / r.G;
+    r.qg = (r.G + 3) / 4;
+    r.Kp = r.ng * r.qg * 4;
+    return r;
+}
+
+// One row x[0:K] (K = ng * G) quantized into q[0:Kp] (u8 or s8, see above) and s[0:ng].
+inline void emb_quantize_row(const float* x, const EmbGroups& gr, uint8_t* q, float* scale) {
+    for (int64_t g = 0; g < gr.ng; ++g) {
+        const float* xg = x + g * gr.G;
+        uint8_t* qg = q + g * gr.qg * 4;
+        float amax = 0.0f;
+        int64_t k = 0;
+#if defined(YR_AVX512)
+        __m512 vm = _mm512_setzero_ps();
+        for (; k + 16 <= gr.G; k += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
+        amax = _mm512_reduce_max_ps(vm);
+#endif
+        for (; k < gr.G; ++k) amax = std::max(amax, std::fabs(xg[k]));
+        float s = amax / 127.0f;
+        if (!(s > 0.0f)) s = 1.0f;
+        scale[g] = s;
+        k = 0;
+#if defined(YR_AVX512)
+        const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        const __m512i voff = _mm512_set1_epi32(EMB_ZP);
+        for (; k + 16 <= gr.G; k += 16) {
+            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xg + k), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm512_min_ps(hi, _mm512_max_ps(lo, r));
+            _mm_storeu_si128((__m128i*)(qg + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(r), voff)));
+        }
+#endif
+        for (; k < gr.G; ++k) {
+            const float r = std::min(127.0f, std::max(-127.0f, std::nearbyint(xg[k] / s)));
+            qg[k] = (uint8_t)((int)r + EMB_ZP);   // s8 q as its two's complement byte when EMB_ZP == 0
+        }
+        for (; k < gr.qg * 4; ++k) qg[k] = (uint8_t)EMB_ZP;
+    }
+}
+
+// f[i][0:32] = sum_g (int32 dot products of group g) * sx[i * ng + g] for i < MR: one tile
+// of 32 output columns over packed quads B (group g starts at quad g * qg).
+#if defined(YR_EMB_VNNI)
+template <int MR>
+__attribute__((noinline)) void emb_s8_core(const uint8_t* q, int64_t ldq, const float* sx, const EmbGroups& gr,
+                                           const uint8_t* B, const int32_t* comp, int64_t ldc, float* f) {
+    __m512 f0[MR], f1[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) f0[i] = f1[i] = _mm512_setzero_ps();
+    const __m512i z = _mm512_setzero_si512();
+    for (int64_t g = 0; g < gr.ng; ++g) {
+        const __m512i c0 = _mm512_sub_epi32(z, _mm512_loadu_si512(comp + g * ldc));      // starts at -comp
+        const __m512i c1 = _mm512_sub_epi32(z, _mm512_loadu_si512(comp + g * ldc + 16));
+        __m512i a0[MR], a1[MR];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) { a0[i] = c0; a1[i] = c1; }
+        const uint8_t* Bg = B + g * gr.qg * 128;
+        const uint8_t* qg = q + g * gr.qg * 4;
+        for (int64_t t = 0; t < gr.qg; ++t) {
+            const __m512i b0 = _mm512_loadu_si512(Bg + t * 128), b1 = _mm512_loadu_si512(Bg + t * 128 + 64);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+                const __m512i a = _mm512_set1_epi32(*(const int32_t*)(qg + i * ldq + t * 4));
+                a0[i] = _mm512_dpbusd_epi32(a0[i], a, b0);
+                a1[i] = _mm512_dpbusd_epi32(a1[i], a, b1);
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            const __m512 s = _mm512_set1_ps(sx[i * gr.ng + g]);
+            f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), s, f0[i]);
+            f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), s, f1[i]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+        _mm512_storeu_ps(f + i * EMB_NR, f0[i]);
+        _mm512_storeu_ps(f + i * EMB_NR + 16, f1[i]);
+    }
+}
+#else
+template <int MR>
+void emb_s8_core(const uint8_t* q, int64_t ldq, const float* sx, const EmbGroups& gr, const uint8_t* B,
+                 const int32_t* comp, int64_t ldc, float* f) {
+    (void)comp;
+    (void)ldc;
+    alignas(32) int32_t acc[MR][EMB_NR];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < EMB_NR; ++j) f[i * EMB_NR + j] = 0.0f;
+    for (int64_t g = 0; g < gr.ng; ++g) {
+        const uint8_t* Bg = B + g * gr.qg * 128;
+        const uint8_t* qg = q + g * gr.qg * 4;
+#if defined(__AVX2__)
+        // |a| (u8) times sign(a) * w (s8): pairs sum to at most 2 * 127 * 127 < 32767, so
+        // vpmaddubsw never saturates; vpmaddwd by ones widens the pairs to int32.
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int i = 0; i < MR; ++i) {
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t t = 0; t < gr.qg; ++t) {
+                const __m256i a = _mm256_set1_epi32(*(const int32_t*)(qg + i * ldq + t * 4));
+                const __m256i au = _mm256_abs_epi8(a);
+                const uint8_t* bt = Bg + t * 128;
+                const auto dp = [&](int v) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(bt + 32 * v));
+                    return _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(w, a)), ones);
+                };
+                a0 = _mm256_add_epi32(a0, dp(0));
+                a1 = _mm256_add_epi32(a1, dp(1));
+                a2 = _mm256_add_epi32(a2, dp(2));
+                a3 = _mm256_add_epi32(a3, dp(3));
+            }
+            _mm256_store_si256((__m256i*)(acc[i]), a0);
+            _mm256_store_si256((__m256i*)(acc[i] + 8), a1);
+            _mm256_store_si256((__m256i*)(acc[i] + 16), a2);
+            _mm256_store_si256((__m256i*)(acc[i] + 24), a3);
+        }
+#else
+        for (int i = 0; i < MR; ++i)
+            for (int j = 0; j < EMB_NR; ++j) acc[i][j] = 0;
+        for (int64_t t = 0; t < gr.qg; ++t)
+            for (int i = 0; i < MR; ++i) {
+                const int8_t* a = (const int8_t*)(qg + i * ldq + t * 4);
+                for (int j = 0; j < EMB_NR; ++j) {
+                    const int8_t* w = (const int8_t*)(Bg + t * 128 + j * 4);
+                    acc[i][j] += a[0] * w[0] + a[1] * w[1] + a[2] * w[2] + a[3] * w[3];
+                }
+            }
+#endif
+        for (int i = 0; i < MR; ++i) {
+            const float s = sx[i * gr.ng + g];
+            for (int j = 0; j < EMB_NR; ++j) f[i * EMB_NR + j] += (float)acc[i][j] * s;
+        }
+    }
+}
+#endif
+
+// y[i, n0:n0+nr] = f[i] * ws[n] + bias[n] for the rows i < MR of one tile.
+template <int MR>
+void emb_s8_tile(const uint8_t* q, int64_t ldq, const float* sx, const EmbGroups& gr, const uint8_t* B,
+                 const int32_t* comp, int64_t ldc, const float* ws, const float* bias, float* y, int64_t ldy, int nr) {
+    alignas(64) float f[MR * EMB_NR];
+    emb_s8_core<MR>(q, ldq, sx, gr, B, comp, ldc, f);
+    for (int i = 0; i < MR; ++i) {
+        float* yi = y + i * ldy;
+        const float* fi = f + i * EMB_NR;
+        if (bias)
+            for (int j = 0; j < nr; ++j) yi[j] = fi[j] * ws[j] + bias[j];
+        else
+            for (int j = 0; j < nr; ++j) yi[j] = fi[j] * ws[j];
+    }
+}
+
+template <int MR>
+void emb_s8_rows(int mr, const uint8_t* q, int64_t ldq, const float* sx, const EmbGroups& gr, const uint8_t* B,
+                 const int32_t* comp, int64_t ldc, const float* ws, const float* bias, float* y, int64_t ldy, int nr) {
+    if constexpr (MR > 0) {
+        if (mr == MR) emb_s8_tile<MR>(q, ldq, sx, gr, B, comp, ldc, ws, bias, y, ldy, nr);
+        else emb_s8_rows<MR - 1>(mr, q, ldq, sx, gr, B, comp, ldc, ws, bias, y, ldy, nr);
+    }
+}
+
+// ---- attention over packed sentences --------------------------------------------------
+#if defined(YR_AVX512)
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+#elif defined(YR_AVX2)
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float vhmax(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+#else
+inline vf vmax(vf a, vf b) { return std::max(a, b); }
+inline float vhmax(vf a) { return a; }
+#endif
+
+// out rows of sentence [s, s+L), head h: softmax(q k^T * scale) v. Any Dh: K is transposed
+// into scratch kt[Dh][Lp] so that the scores of one query are FMAs over VL keys at a time.
+void emb_attention_head_any(const float* qkv, float* out, int64_t s, int64_t L, int64_t h, int64_t H,
+                            int64_t Dh, float scale) {
+    static thread_local std::vector<float> kbuf, sbuf, obuf;
+    const int64_t ld = 3 * H * Dh, HD = H * Dh;
+    const int64_t Lp = (L + VL - 1) / VL * VL;
+    float* kt = scratch(kbuf, (size_t)(Dh * Lp));
+    float* sc = scratch(sbuf, (size_t)Lp);
+    float* o = scratch(obuf, (size_t)Dh);
+    for (int64_t j = 0; j < L; ++j) {
+        const float* kj = qkv + (s + j) * ld + HD + h * Dh;
+        for (int64_t d = 0; d < Dh; ++d) kt[d * Lp + j] = kj[d];
+    }
+    for (int64_t d = 0; d < Dh; ++d)
+        for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
+    const vf vsc = vbroadcast(&scale);
+    for (int64_t i = 0; i < L; ++i) {
+        const float* qi = qkv + (s + i) * ld + h * Dh;
+        for (int64_t j0 = 0; j0 < Lp; j0 += VL) {
+            vf acc = vzero();
+            for (int64_t d = 0; d < Dh; ++d) acc = vfma(vbroadcast(qi + d), vload(kt + d * Lp + j0), acc);
+            vstore(sc + j0, vmul(acc, vsc));
+        }
+        float mx = sc[0];
+        for (int64_t j = 1; j < L; ++j) mx = std::max(mx, sc[j]);
+        const float inv = 1.0f / exp_shifted_sum(sc, L, mx);
+        for (int64_t d = 0; d < Dh; ++d) o[d] = 0.0f;
+        for (int64_t j = 0; j < L; ++j) axpy(sc[j], qkv + (s + j) * ld + 2 * HD + h * Dh, o, Dh);
+        float* oi = out + (s + i) * HD + h * Dh;
+        for (int64_t d = 0; d < Dh; ++d) oi[d] = o[d] * inv;
+    }
+}
+
+// s[0:L] = exp(s - max(s)) in place, where s[L:Lp] hold -inf (Lp a multiple of VL; they
+// come out ~1e-38 and are never read); returns the sum over j < L (to float precision).
+inline float emb_softmax_row(float* s, int64_t Lp) {
+    const float ninf = -INFINITY;
+    vf m = vbroadcast(&ninf);
+    for (int64_t j = 0; j < Lp; j += VL) m = vmax(m, vload(s + j));
+    const float mx = vhmax(m);
+    const float neg = -mx;
+    const vf vneg = vbroadcast(&neg);
+    vf sum = vzero();
+    for (int64_t j = 0; j < Lp; j += VL) {
+        const vf e = vexp(vadd(vload(s + j), vneg));
+        vstore(s + j, e);
+        sum = vadd(sum, e);
+    }
+    return vsum(sum);
+}
+
+// The same for Dh a multiple of 2 * VL, register-blocked: K^T by VL x VL transposes, then
+// S = Q K^T and O = P V in tiles of 4 query rows x 2 vectors (8 accumulators).
+void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t L, int64_t h, int64_t H,
+                                int64_t Dh, float scale) {
+    static thread_local std::vector<float> kbuf, sbuf;
+    static const float zeros[VL] = {};
+    constexpr int RB = 4;
+    const int64_t ld = 3 * H * Dh, HD = H * Dh;
+    const int64_t Lp = (L + 2 * VL - 1) / (2 * VL) * (2 * VL);
+    const int64_t Lr = (L + RB - 1) / RB * RB;
+    float* kt = scratch(kbuf, (size_t)(Dh * Lp));
+    float* S = scratch(sbuf, (size_t)(Lr * Lp + Lp));
+    float* pad = S + Lr * Lp;                 // 0 for real keys, -inf for the padding columns
+    for (int64_t j = 0; j < Lp; ++j) pad[j] = j < L ? 0.0f : -INFINITY;
+    const float* K0 = qkv + s * ld + HD + h * Dh;
+    const float* V0 = qkv + s * ld + 2 * HD + h * Dh;
+    const float* Q0 = qkv + s * ld + h * Dh;
+    for (int64_t j0 = 0; j0 < Lp; j0 += VL)
+        for (int64_t d0 = 0; d0 < Dh; d0 += VL) {
+            const float* src[VL];
+            for (int l = 0; l < VL; ++l) src[l] = j0 + l < L ? K0 + (j0 + l) * ld + d0 : zeros;
+            transpose_block(src, kt + d0 * Lp + j0, Lp);
+        }
+    const vf vsc = vbroadcast(&scale);
+    for (int64_t i0 = 0; i0 < L; i0 += RB) {
+        const float* q[RB];
+        for (int r = 0; r < RB; ++r) q[r] = Q0 + std::min(i0 + r, L - 1) * ld;
+        for (int64_t j0 = 0; j0 < Lp; j0 += 2 * VL) {
+            vf a0[RB], a1[RB];
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; ++r) a0[r] = a1[r] = vzero();
+            for (int64_t d = 0; d < Dh; ++d) {
+                const vf b0 = vload(kt + d * Lp + j0), b1 = vload(kt + d * Lp + j0 + VL);
+#pragma GCC unroll 4
+                for (int r = 0; r < RB; ++r) {
+                    const vf x = vbroadcast(q[r] + d);
+                    a0[r] = vfma(x, b0, a0[r]);
+                    a1[r] = vfma(x, b1, a1[r]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; ++r) {
+                vstore(S + (i0 + r) * Lp + j0, vfma(a0[r], vsc, vload(pad + j0)));
+                vstore(S + (i0 + r) * Lp + j0 + VL, vfma(a1[r], vsc, vload(pad + j0 + VL)));
+            }
+        }
+    }
+    float inv[RB];
+    for (int64_t i0 = 0; i0 < L; i0 += RB) {
+        const int rows = (int)std::min<int64_t>(RB, L - i0);
+        for (int r = 0; r < RB; ++r) {
+            float* si = S + (i0 + r) * Lp;
+            if (r >= rows) { std::fill(si, si + L, 0.0f); inv[r] = 0.0f; continue; }
+            inv[r] = 1.0f / emb_softmax_row(si, Lp);
+        }
+        for (int64_t d0 = 0; d0 < Dh; d0 += 2 * VL) {
+            vf a0[RB], a1[RB];
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; ++r) a0[r] = a1[r] = vzero();
+            for (int64_t j = 0; j < L; ++j) {
+                const float* vj = V0 + j * ld + d0;
+                const vf b0 = vload(vj), b1 = vload(vj + VL);
+#pragma GCC unroll 4
+                for (int r = 0; r < RB; ++r) {
+                    const vf p = vbroadcast(S + (i0 + r) * Lp + j);
+                    a0[r] = vfma(p, b0, a0[r]);
+                    a1[r] = vfma(p, b1, a1[r]);
+                }
+            }
+            for (int r = 0; r < rows; ++r) {
+                float* o = out + (s + i0 + r) * HD + h * Dh + d0;
+                const vf vi = vbroadcast(&inv[r]);
+                vstore(o, vmul(a0[r], vi));
+                vstore(o + VL, vmul(a1[r], vi));
+            }
+        }
+    }
+}
+
+void emb_attention_head(const float* qkv, float* out, int64_t s, int64_t L, int64_t h, int64_t H,
+                        int64_t Dh, float scale) {
+    if (Dh % (2 * VL) == 0) emb_attention_head_blocked(qkv, out, s, L, h, H, Dh, scale);
+    else emb_attention_head_any(qkv, out, s, L, h, H, Dh, scale);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Packs W [N, K] float32 (row-major: out x in features) into P (see the layout above);
+// P holds ceil(N / 32) * 32 * K floats (p_len). status as in the header comment.
+void yr_emb_pack_f32(const float* w, float* P, int64_t N, int64_t K, int64_t p_len, int64_t* status) {
+    if (!emb_check(status, N, 1, INT64_MAX) || !emb_check(status, K, 1, INT64_MAX)) return;
+    const int64_t np = (N + EMB_NR - 1) / EMB_NR;
+    if (!emb_check(status, emb_mul(np, EMB_NR, K), 0, p_len + 1)) return;
+    for (int64_t p = 0; p < np; ++p)
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < EMB_NR; ++j) {
+                const int64_t n = p * EMB_NR + j;
+                P[(p * K + k) * EMB_NR + j] = n < N ? w[n * K + k] : 0.0f;
+            }
+}
+
+// y[M, N] = x[M, K] @ W^T + bias (bias may be null), W packed by yr_emb_pack_f32 (p_len
+// floats). Float32 FMAs, k in order within each 384-wide block. status: sizes outside their
+// buffers (x_len, y_len elements) or a packed length that does not fit N, K.
+void yr_emb_gemm_f32(const float* x, const float* P, const float* bias, float* y, int64_t M, int64_t N,
+                     int64_t K, int64_t x_len, int64_t p_len, int64_t y_len, int64_t* status) {
+    if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, N, 1, INT64_MAX) ||
+        !emb_check(status, K, 1, INT64_MAX)) return;
+    const EmbTiles t = emb_tiles(M, N);
+    if (!emb_check(status, emb_mul(M, K), 0, x_len + 1) || !emb_check(status, emb_mul(M, N), 0, y_len + 1) ||
+        !emb_check(status, emb_mul(t.npanels, EMB_NR, K), 0, p_len + 1)) return;
+    if (M == 0) return;
+#pragma omp parallel for schedule(dynamic, 1) if (emb_mul(M, N, K) >= PAR_MIN_MACS)
+    for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
+        const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
+        const int64_t m0 = mb * EMB_MC, m1 = std::min(M, m0 + EMB_MC);
+        const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
+        for (int64_t k0 = 0; k0 < K; k0 += EMB_KC) {
+            const int64_t kc = std::min(EMB_KC, K - k0);
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t n0 = p * EMB_NR;
+                const int nr = (int)std::min<int64_t>(EMB_NR, N - n0);
+                const float* B = P + (p * K + k0) * EMB_NR;
+                const float* bp = (bias && k0 == 0 && nr == EMB_NR) ? bias + n0 : nullptr;
+                for (int64_t m = m0; m < m1; m += EMB_MR) {
+                    const int mr = (int)std::min<int64_t>(EMB_MR, m1 - m);
+                    emb_f32_rows<EMB_MR>(mr, x + m * K + k0, K, B, kc, y + m * N + n0, N, bp, k0 > 0, nr);
+                }
+                if (bias && k0 == 0 && nr < EMB_NR)   // last partial panel: bias added here
+                    for (int64_t m = m0; m < m1; ++m)
+                        for (int j = 0; j < nr; ++j) y[m * N + n0 + j] += bias[n0 + j];
+            }
+        }
+    }
+}
+
+// Packs Wt [K, N] int8 (in x out features) for activation groups of `group` features (0: the
+// whole row; else K % group == 0 and group % 4 == 0) into P (ceil(N/32) panels of Kp/4 quads
+// x 32 columns x 4 bytes, p_len bytes; Kp as in EmbGroups) and comp [ng, ceil(N/32) * 32]
+// int32 = 128 * column sums over each group (comp_len).
+void yr_emb_pack_s8(const int8_t* wt, uint8_t* P, int32_t* comp, int64_t K, int64_t N, int64_t group,
+                    int64_t p_len, int64_t comp_len, int64_t* status) {
+    if (!emb_check(status, N, 1, INT64_MAX) || !emb_check(status, K, 1, INT64_MAX) ||
+        !emb_check(status, group, 0, K + 1)) return;
+    if (group > 0 && (K % group != 0 || group % 4 != 0)) { report(status, group, 0, 0); return; }
+    const EmbGroups gr = emb_groups(K, group);
+    const int64_t np = (N + EMB_NR - 1) / EMB_NR, kq = gr.Kp / 4, Np = np * EMB_NR;
+    if (!emb_check(status, emb_mul(Np, gr.Kp), 0, p_len + 1) || !emb_check(status, emb_mul(gr.ng, Np), 0, comp_len + 1))
+        return;
+    for (int64_t p = 0; p < np; ++p)
+        for (int64_t t = 0; t < kq; ++t)
+            for (int64_t j = 0; j < EMB_NR; ++j)
+                for (int64_t r = 0; r < 4; ++r) {
+                    const int64_t n = p * EMB_NR + j, g = t / gr.qg, kk = (t % gr.qg) * 4 + r, k = g * gr.G + kk;
+                    const bool real = n < N && kk < gr.G && k < K;
+                    P[((p * kq + t) * EMB_NR + j) * 4 + r] = real ? (uint8_t)wt[k * N + n] : 0;
+                }
+    for (int64_t g = 0; g < gr.ng; ++g)
+        for (int64_t n = 0; n < Np; ++n) {
+            int32_t s = 0;
+            if (n < N)
+                for (int64_t k = g * gr.G; k < std::min(K, (g + 1) * gr.G); ++k) s += wt[k * N + n];
+            comp[g * Np + n] = 128 * s;
+        }
+}
+
+// W8A8 linear (ir.ops.linear_w8a8_reference): x [M, K] float32 quantized per row and group
+// (`group` features, 0: whole row) into qbuf (M * Kp bytes, q_len) and sbuf (M * ng floats,
+// s_len), then y [M, N] = sum over groups of the int32 dot products with the weight packed by
+// yr_emb_pack_s8 for the same group (P, comp) times the x scale, times ws[n], plus bias[n]
+// (bias may be null). Exact integer sums within a group.
+void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_t* P, const int32_t* comp,
+                        const float* ws, const float* bias, float* y, int64_t M, int64_t N, int64_t K, int64_t group,
+                        int64_t x_len, int64_t q_len, int64_t s_len, int64_t p_len, int64_t comp_len, int64_t y_len,
+                        int64_t* status) {
+    if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, N, 1, INT64_MAX) ||
+        !emb_check(status, K, 1, INT64_MAX) || !emb_check(status, group, 0, K + 1)) return;
+    if (group > 0 && (K % group != 0 || group % 4 != 0)) { report(status, group, 0, 0); return; }
+    const EmbGroups gr = emb_groups(K, group);
+    // int32 sums of one group: |sum| <= 255 * 127 * 4 * qg, below 2^31 for groups of < 66000
+    if (!emb_check(status, gr.qg * 4, 4, 65537)) return;
+    const EmbTiles t = emb_tiles(M, N);
+    const int64_t Np = t.npanels * EMB_NR;
+    if (!emb_check(status, emb_mul(M, K), 0, x_len + 1) || !emb_check(status, emb_mul(M, gr.Kp), 0, q_len + 1) ||
+        !emb_check(status, emb_mul(M, gr.ng), 0, s_len + 1) || !emb_check(status, emb_mul(Np, gr.Kp), 0, p_len + 1) ||
+        !emb_check(status, emb_mul(gr.ng, Np), 0, comp_len + 1) || !emb_check(status, emb_mul(M, N), 0, y_len + 1))
+        return;
+    if (M == 0) return;
+    const int64_t kq = gr.Kp / 4;
+#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) emb_quantize_row(x + m * K, gr, qbuf + m * gr.Kp, sbuf + m * gr.ng);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
+            const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
+            const int64_t m0 = mb * EMB_MC, m1 = std::min(M, m0 + EMB_MC);
+            const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t n0 = p * EMB_NR;
+                const int nr = (int)std::min<int64_t>(EMB_NR, N - n0);
+                const uint8_t* B = P + p * kq * 4 * EMB_NR;
+                for (int64_t m = m0; m < m1; m += EMB_MR8) {
+                    const int mr = (int)std::min<int64_t>(EMB_MR8, m1 - m);
+                    emb_s8_rows<EMB_MR8>(mr, qbuf + m * gr.Kp, gr.Kp, sbuf + m * gr.ng, gr, B, comp + n0, Np,
+                                         ws + n0, bias ? bias + n0 : nullptr, y + m * N + n0, N, nr);
+                }
+            }
+        }
+    }
+}
+
+// Bidirectional attention over B sentences packed back to back in qkv [T, 3 * H * Dh]
+// (q, k, v along the last dim; sentence b is rows offsets[b] .. offsets[b+1]-1): out [T, H * Dh]
+// = softmax(q k^T * scale) v per sentence and head, rows past offsets[B] zero
+// (ir.ops.attention_varlen_reference). offsets must start at 0, never decrease and end at
+// most at T: else status = {1, offset, previous offset, T + 1} and nothing is written.
+void yr_emb_attention_varlen(const float* qkv, const int64_t* offsets, float* out, int64_t T, int64_t B,
+                             int64_t H, int64_t Dh, float scale, int64_t qkv_len, int64_t out_len,
+                             int64_t* status) {
+    if (!emb_check(status, T, 0, INT64_MAX) || !emb_check(status, B, 0, INT64_MAX) ||
+        !emb_check(status, H, 1, INT64_MAX) || !emb_check(status, Dh, 1, INT64_MAX) ||
+        !emb_check(status, emb_mul(T, 3, H, Dh), 0, qkv_len + 1) || !emb_check(status, emb_mul(T, H, Dh), 0, out_len + 1))
+        return;
+    int64_t prev = 0;
+    for (int64_t b = 0; b <= B; ++b) {
+        const int64_t o = offsets[b];
+        if (o < prev || o > T || (b == 0 && o != 0)) { report(status, o, prev, T + 1); return; }
+        prev = o;
+    }
+    const int64_t HD = H * Dh;
+    std::fill(out + offsets[B] * HD, out + T * HD, 0.0f);
+    double work = 0.0;   // multiply-adds, roughly
+    for (int64_t b = 0; b < B; ++b) work += (double)(offsets[b + 1] - offsets[b]) * (offsets[b + 1] - offsets[b]);
+#pragma omp parallel for schedule(dynamic, 4) if (work * HD >= (double)PAR_MIN_MACS)
+    for (int64_t task = 0; task < B * H; ++task) {
+        const int64_t b = task / H, h = task % H;
+        const int64_t s = offsets[b], L = offsets[b + 1] - s;
+        if (L > 0) emb_attention_head(qkv, out, s, L, h, H, Dh, scale);
+    }
+}
+
+}  // extern "C"

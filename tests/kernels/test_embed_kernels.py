@@ -1,0 +1,117 @@
+"""The embedding encoder's C++ kernels (kernels/cpu/embed_kernels.h, via backends/cpu_embed.py)
+on every ISA build of the library (the ``lib`` fixture: native, AVX2, scalar): the float32 GEMM
+on packed weights vs torch in float64, the W8A8 GEMM (whole-row and grouped activation scales)
+vs an int64 torch reference, attention over packed sentences vs torch's softmax attention, odd
+sizes, and the errors for bad sizes and offsets."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import yirage as yr
+from yirage.backends import cpu_embed as ce
+from yirage.errors import YirageError
+
+SIZES = [(1, 1, 1), (5, 33, 7), (13, 64, 36), (29, 70, 385), (100, 96, 128)]  # (M, N, K): ragged tiles
+
+
+@pytest.mark.parametrize("M,N,K", SIZES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemm_f32_packed(lib, M, N, K, with_bias):
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    bias = torch.randn(N) if with_bias else None
+    out = torch.full((M, N), float("nan"))
+    ce.gemm_f32_packed(x, ce.pack_f32(w, lib=lib), N, bias, out, lib=lib)
+    ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-4 * K ** 0.5)
+
+
+def _w8a8_int64(x, w_t, w_scale, bias, group):
+    """Independent reference: quantize with torch (per row or per group), integer products in int64."""
+    M, K = x.shape
+    G = group or K
+    xg = x.reshape(M, K // G, G)
+    s = xg.abs().amax(-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(xg / s).clamp(-127, 127).to(torch.int64)
+    acc = torch.einsum("mgk,gkn->mgn", q, w_t.to(torch.int64).reshape(K // G, G, -1))
+    return (acc.float() * s).sum(1) * w_scale + (bias if bias is not None else 0)
+
+
+@pytest.mark.parametrize("M,N,K,group", [(1, 1, 1, 0), (5, 33, 7, 0), (13, 64, 36, 12), (29, 70, 384, 64),
+                                         (100, 96, 128, 0), (7, 40, 64, 4)])
+def test_linear_w8a8_packed(lib, M, N, K, group):
+    x = torch.randn(M, K) * torch.rand(K) * 4       # uneven channel ranges
+    x[0, : min(3, K)] = 0.0                           # a row with zeros (a zero group when K is small)
+    w_t = torch.randint(-127, 128, (K, N), dtype=torch.int8)
+    w_scale, bias = torch.rand(N) / 100, torch.randn(N)
+    P, comp = ce.pack_s8(w_t, group, lib=lib)
+    out = torch.full((M, N), float("nan"))
+    ce.linear_w8a8_packed(x, P, comp, w_scale, bias, out, ce.W8A8Scratch(M, K, group), group, lib=lib)
+    ref = _w8a8_int64(x, w_t, w_scale, bias, group)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # the IR op's reference agrees too
+    from yirage.ir.ops import linear_w8a8_reference
+    torch.testing.assert_close(linear_w8a8_reference(x, w_t, w_scale, bias, group_size=group), ref,
+                               rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def _attention_torch(qkv, offsets, h, scale):
+    T, three_hd = qkv.shape
+    hd = three_hd // 3
+    out = torch.zeros(T, hd)
+    offs = offsets.tolist()
+    for s, e in zip(offs[:-1], offs[1:]):
+        if e > s:
+            q, k, v = qkv[s:e].view(e - s, 3, h, hd // h).permute(1, 2, 0, 3)
+            o = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale)
+            out[s:e] = o.transpose(0, 1).reshape(e - s, hd).float()
+    return out
+
+
+@pytest.mark.parametrize("heads,dh", [(12, 32), (2, 5), (3, 16)])
+def test_attention_varlen(lib, heads, dh):
+    lengths = [1, 0, 17, 40, 3, 33]
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    T = int(offsets[-1]) + 5                                  # padding rows past the last sentence
+    qkv = torch.randn(T, 3 * heads * dh) * 3
+    out = torch.full((T, heads * dh), float("nan"))
+    ce.attention_varlen(qkv, offsets, heads, dh ** -0.5, out, lib=lib)
+    torch.testing.assert_close(out, _attention_torch(qkv, offsets, heads, dh ** -0.5), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_sizes_and_offsets(lib):
+    w = torch.randn(40, 16)
+    P = ce.pack_f32(w, lib=lib)
+    with pytest.raises(YirageError, match="outside"):          # packed weight of fewer columns than N
+        ce.gemm_f32_packed(torch.randn(3, 16), P[:1].contiguous(), 40, None, torch.empty(3, 40), lib=lib)
+    with pytest.raises(YirageError, match="outside"):          # out too small
+        ce.gemm_f32_packed(torch.randn(3, 16), P, 40, None, torch.empty(2, 40), lib=lib)
+    with pytest.raises(YirageError, match="group size"):
+        ce.pack_s8(torch.zeros(36, 8, dtype=torch.int8), 8, lib=lib)
+    w_t = torch.zeros(16, 8, dtype=torch.int8)
+    P8, comp = ce.pack_s8(w_t, lib=lib)
+    with pytest.raises(YirageError, match="outside"):          # scratch for fewer rows than x has
+        ce.linear_w8a8_packed(torch.randn(4, 16), P8, comp, torch.ones(8), None, torch.empty(4, 8),
+                              ce.W8A8Scratch(2, 16), lib=lib)
+    with pytest.raises(YirageError, match="pack_f32"):
+        ce.pack_f32(torch.zeros(4, 4, dtype=torch.float64), lib=lib)
+    qkv, out = torch.randn(10, 3 * 2 * 4), torch.zeros(10, 8)
+    for bad in ([0, 5, 3], [1, 5], [0, 11]):
+        with pytest.raises(yr.IndexOutOfRangeError, match="attention_varlen"):
+            ce.attention_varlen(qkv, torch.tensor(bad), 2, 0.5, out, lib=lib)
+    assert bool((out == 0).all())                               # nothing written on bad offsets
+
+
+def test_prepacked_linear_follows_weight_updates():
+    """An fp32 linear whose weight was registered runs on the packed GEMM, and sees in-place
+    writes to the weight (repacked), like torch's linear would."""
+    g = yr.new_kernel_graph(backend="cpu")
+    X, W, B = g.new_input((70, 48)), g.new_input((64, 48)), g.new_input((64,))
+    g.mark_output(g.linear(X, W, B))
+    x, w, b = torch.randn(70, 48), torch.randn(64, 48), torch.randn(64)
+    ce.prepack_linear(w)
+    assert ce.packed_linear_weight(w) is not None
+    torch.testing.assert_close(g(inputs=[x, w, b])[0], torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    w.mul_(2)
+    torch.testing.assert_close(g(inputs=[x, w, b])[0], torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
