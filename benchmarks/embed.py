@@ -12,7 +12,8 @@ vectors from sentence-transformers', and the cosine of yirage int8's vectors to 
 
     python benchmarks/embed.py [-m all-minilm-l6-v2] [--threads 2] [--batch-size 32] [--n 512] [--rounds 3]
 
-ONNX Runtime runs the same model exported with ``torch.onnx.export`` (mean pooling in numpy);
+ONNX Runtime runs the same model exported with ``torch.onnx.export`` (mean pooling and the
+Normalize module in numpy; ``pip install onnxruntime onnx``, or ``make bench``);
 it is skipped (null in the JSON) when onnxruntime is not importable or the export fails.
 The machine may be shared with other jobs: figures are noisy; compare within one run.
 """
@@ -67,7 +68,7 @@ def _time_rounds(sides: dict, texts, rounds: int) -> tuple[dict[str, list[float]
     return times, outs
 
 
-def _onnx_side(path: str, texts: list[str], threads: int, batch_size: int):
+def _onnx_side(path: str, texts: list[str], threads: int, batch_size: int, normalize: bool):
     try:
         import onnxruntime as ort
     except ImportError:
@@ -78,9 +79,18 @@ def _onnx_side(path: str, texts: list[str], threads: int, batch_size: int):
     tok = AutoTokenizer.from_pretrained(path)
     try:
         model = AutoModel.from_pretrained(path).eval()
+
+        class Encoder(torch.nn.Module):  # keyword arguments: BertModel's positional order changes
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, input_ids, attention_mask):
+                return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
         f = os.path.join(tempfile.mkdtemp(), "model.onnx")
         dummy = tok(["a b c"], return_tensors="pt")
-        torch.onnx.export(model, (dummy["input_ids"], dummy["attention_mask"]), f,
+        torch.onnx.export(Encoder(model), (dummy["input_ids"], dummy["attention_mask"]), f,
                           input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
                           dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"},
                                         "last_hidden_state": {0: "b", 1: "s"}}, opset_version=17, dynamo=False)
@@ -101,6 +111,8 @@ def _onnx_side(path: str, texts: list[str], threads: int, batch_size: int):
                                 "attention_mask": enc["attention_mask"].astype(np.int64)})[0]
             m = enc["attention_mask"][..., None].astype(np.float32)
             out[idx] = (h * m).sum(1) / np.clip(m.sum(1), 1e-9, None)
+        if normalize:   # the model's Normalize module, as sentence-transformers applies it
+            out /= np.clip(np.linalg.norm(out, axis=1, keepdims=True), 1e-12, None)
         return out
     return run, None
 
@@ -130,7 +142,7 @@ def main() -> None:
     sides = {"yirage_float32": lambda x: m.encode(x, batch_size=args.batch_size),
              "yirage_int8": lambda x: q8.encode(x, batch_size=args.batch_size),
              "sentence_transformers": lambda x: st.encode(x, batch_size=args.batch_size, convert_to_numpy=True)}
-    onnx, why = _onnx_side(path, texts, args.threads, args.batch_size)
+    onnx, why = _onnx_side(path, texts, args.threads, args.batch_size, m.spec.normalize)
     if onnx is not None:
         sides["onnxruntime"] = onnx
     times, outs = _time_rounds(sides, texts, args.rounds)
@@ -148,6 +160,11 @@ def main() -> None:
     result["speedup_yirage_float32_vs_sentence_transformers"] = t_st / result["yirage_float32"]["seconds"]
     result["speedup_yirage_int8_vs_sentence_transformers"] = t_st / result["yirage_int8"]["seconds"]
     result["max_abs_diff_vs_sentence_transformers"] = float(np.abs(v_yr - v_st).max())
+    if onnx is not None:
+        t_ort = result["onnxruntime"]["seconds"]
+        result["onnxruntime"]["max_abs_diff_vs_sentence_transformers"] = float(np.abs(outs["onnxruntime"] - v_st).max())
+        result["speedup_yirage_float32_vs_onnxruntime"] = t_ort / result["yirage_float32"]["seconds"]
+        result["speedup_yirage_int8_vs_onnxruntime"] = t_ort / result["yirage_int8"]["seconds"]
     print(json.dumps(result, indent=2))
 
 
