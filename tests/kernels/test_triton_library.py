@@ -468,3 +468,99 @@ def test_argmax_small_rows(K, device):
     assert out.cpu().tolist() == [1, 0, 0]
     with pytest.raises(ValueError, match="int64"):
         K.argmax(x, torch.empty(3, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- linear_w8a8
+
+def w8a8_inputs(g, shape, N, bias):
+    """x float32 ``shape`` with outliers and an all-zero row, int8 w_t [K, N] (a real per-channel
+    quantization of a random weight), float32 w_scale [N], optional bias."""
+    from yirage.ir.ops import quantize_rows_int8
+    Kd = shape[-1]
+    x = torch.randn(*shape, generator=g)
+    flat = x.view(-1, Kd)
+    flat[0, Kd // 3] = 40.0                            # outliers: one feature dominates its row/group
+    flat[-1, Kd - 1] = -75.0
+    if flat.shape[0] > 2:
+        flat[1] = 0                                    # a zero row: scale 1, output = bias
+    wq, ws = quantize_rows_int8(torch.randn(N, Kd, generator=g))
+    b = torch.randn(N, generator=g) if bias else None
+    return x, wq.t().contiguous(), ws.reshape(-1), b
+
+
+def run_w8a8(K, device, x, w_t, ws, b, group):
+    out = torch.empty(*x.shape[:-1], w_t.shape[1], device=device)
+    xd = x.to(device)
+    workspace = K.linear_w8a8_workspace(xd, group)
+    K.linear_w8a8(xd, w_t.to(device), ws.to(device), b.to(device) if b is not None else None, out, workspace)
+    return out.cpu(), workspace
+
+
+def w8a8_close(got, ref):
+    """Equal to float32 rounding: the int8 values, scales and int32 dots are exact; only the
+    float32 sum over groups may differ in order."""
+    torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("M,Kd,N", [(1, 64, 40), (7, 96, 33), (33, 128, 130), (70, 192, 17), (130, 256, 65)])
+@pytest.mark.parametrize("group", [0, 64, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_w8a8(K, device, M, Kd, N, group, bias):
+    from yirage.ir.ops import linear_w8a8_reference, quantize_rows_int8
+    if group and Kd % group:
+        pytest.skip("group must divide K")
+    g = gen(100 + M + group)
+    x, w_t, ws, b = w8a8_inputs(g, (M, Kd), N, bias)
+    out, workspace = run_w8a8(K, device, x, w_t, ws, b, group)
+    w8a8_close(out, linear_w8a8_reference(x, w_t, ws, b, group_size=group))
+    q, s = quantize_rows_int8(x.reshape(M, -1, group or Kd))  # the quantize kernel is bit-exact
+    assert torch.equal(workspace.q.cpu(), q.reshape(M, Kd))
+    assert torch.equal(workspace.scale.cpu(), s.reshape(M, -1))
+
+
+@pytest.mark.parametrize("group", [0, 4, 12, 16, 24, 48, 96])
+def test_linear_w8a8_odd_groups(K, device, group):
+    """Groups not a power of two (packed/padded small groups, masked chunks of large ones),
+    a [..., K] input, and an ungrouped K longer than one quantize block (two-pass)."""
+    from yirage.ir.ops import linear_w8a8_reference
+    g = gen(200 + group)
+    for shape, N in (((2, 5, 96), 9), ((3, 2400), 7)):
+        if group and shape[-1] % group:
+            continue
+        x, w_t, ws, b = w8a8_inputs(g, shape, N, True)
+        out, _ = run_w8a8(K, device, x, w_t, ws, b, group)
+        assert out.shape == (*shape[:-1], N)
+        w8a8_close(out, linear_w8a8_reference(x, w_t, ws, b, group_size=group))
+
+
+def test_linear_w8a8_rounding(K, device):
+    """Ties round half to even (torch.round) and values beyond 127 * s clamp, as the reference."""
+    from yirage.ir.ops import linear_w8a8_reference, quantize_rows_int8
+    x = torch.zeros(2, 32)
+    x[0, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])  # scale exactly 1
+    x[1, :4] = torch.tensor([-3.0, 1.0, 0.5, 1e-3])
+    w_t = torch.eye(32, dtype=torch.int8)
+    ws = torch.ones(32)
+    out, workspace = run_w8a8(K, device, x, w_t, ws, None, 0)
+    q, s = quantize_rows_int8(x)
+    assert workspace.q[0, :8].cpu().tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert torch.equal(workspace.q.cpu(), q) and torch.equal(workspace.scale.cpu(), s)
+    assert torch.equal(out, linear_w8a8_reference(x, w_t, ws, None))
+
+
+def test_linear_w8a8_errors(K):
+    x, w_t, ws = torch.randn(3, 64), torch.zeros(64, 8, dtype=torch.int8), torch.ones(8)
+    out = torch.empty(3, 8)
+    with pytest.raises(ValueError, match="group_size"):
+        K.linear_w8a8_workspace(x, 48)
+    ws_ok = K.linear_w8a8_workspace(x, 16)
+    with pytest.raises(ValueError, match="w_t must be int8"):
+        K.linear_w8a8(x, w_t.float(), ws, None, out, ws_ok)
+    with pytest.raises(ValueError, match="x must be float32"):
+        K.linear_w8a8(x.half(), w_t, ws, None, out, ws_ok)
+    with pytest.raises(ValueError, match="bias must be float32"):
+        K.linear_w8a8(x, w_t, ws, torch.ones(7), out, ws_ok)
+    with pytest.raises(ValueError, match="out must hold"):
+        K.linear_w8a8(x, w_t, ws, None, torch.empty(3, 9), ws_ok)
+    with pytest.raises(ValueError, match="workspace"):
+        K.linear_w8a8(x, w_t, ws, None, out, K.linear_w8a8_workspace(torch.randn(4, 64), 16))

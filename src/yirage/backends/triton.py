@@ -3,8 +3,9 @@
 Fused row kernels are rendered by codegen/triton.py and loaded by runtime/triton_kernels.py
 (Triton's JIT compiles and caches them); library ops run the hand-written Triton kernels
 of ``yirage/kernels/triton``: linear (float or q4_1/q8_0 blocks), batched matmul,
-embedding, RoPE, attention (flash-decoding for T == 1, FlashAttention for prefill) and
-argmax. One source serves every Triton target; a subclass only says how to find its device.
+embedding, RoPE, attention (flash-decoding for T == 1, FlashAttention for prefill),
+argmax and the W8A8 int8 linear layer (``linear_w8a8``). One source serves every Triton
+target; a subclass only says how to find its device.
 
 ``TritonInterpreterBackend`` ('triton-interpret') runs the same kernels on CPU tensors
 with Triton's interpreter (numpy, one program instance at a time). It exists to test
@@ -101,6 +102,26 @@ def _attention(node, graph, args, out, status):
     return lambda: fn(q, k, v, kc, vc, pos, out, scale, workspace, status=status, window=window)
 
 
+def _linear_w8a8_ok(node, graph) -> bool:
+    ts = _types(node, graph)
+    x, w = ts[0], ts[1]
+    if x.dtype != DType.float32 or w.dtype != DType.int8 or len(w.shape) != 2 or len(ts) not in (3, 4):
+        return False
+    K, N = w.shape
+    G = node.attrs.get("group_size", 0)
+    return (x.shape[-1] == K and all(t.dtype == DType.float32 and tuple(t.shape) == (N,) for t in ts[2:])
+            and isinstance(G, int) and G >= 0 and (G == 0 or K % G == 0))
+
+
+def _linear_w8a8(node, graph, args, out, status):
+    x, w_t, w_scale = args[0], args[1], args[2]
+    bias = args[3] if len(args) == 4 else None
+    lib = _lib()
+    workspace = lib.linear_w8a8_workspace(x, node.attrs.get("group_size", 0))  # made once, here
+    fn = lib.linear_w8a8
+    return lambda: fn(x, w_t, w_scale, bias, out, workspace)
+
+
 def _argmax(node, graph, args, out, status):
     x = args[0]
     x2, o1 = x.reshape(-1, x.shape[-1]), out.reshape(-1)
@@ -116,6 +137,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rope": (_float_first, _rope),
     "attention": (_float_first, _attention),
     "argmax": (_float_first, _argmax),
+    "linear_w8a8": (_linear_w8a8_ok, _linear_w8a8),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (triton_threadblock.py)
 }
 

@@ -14,6 +14,9 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
 - :func:`attention`, :func:`attention_workspace` (attention.py): causal GQA over a KV cache,
   full or in a sliding window (``window``); flash-decoding for T == 1, FlashAttention for T > 1.
 - :func:`argmax` (argmax.py): first index of the row maximum, NaN wins.
+- :func:`linear_w8a8`, :func:`linear_w8a8_workspace` (int8.py): W8A8 linear (per-token, optionally
+  per-group int8 activations quantized at run time, int8 weights, exact int32 ``tl.dot``);
+  the int8/scale workspace is the bind-time allocation.
 
 The main kernels are autotuned (keys: the shape arguments) on a GPU; under
 ``TRITON_INTERPRET=1`` only each list's first config runs (see ``_common.autotune``).
@@ -23,9 +26,10 @@ from ._common import interpreting
 from .argmax import argmax
 from .attention import AttentionWorkspace, attention, attention_workspace
 from .embedding import embedding
+from .int8 import W8A8Workspace, linear_w8a8, linear_w8a8_workspace
 from .linear import linear
 from .matmul import matmul
 from .rope import rope
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "embedding", "linear", "matmul",
-           "rope"]
+           "rope", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace"]
