@@ -714,32 +714,38 @@ struct IQ4_XS : Chunked<IQ4_XS> {
 #if defined(__AVX512VNNI__)
 #define YR_INT_GEMV 1
 
+// One block of 256 floats xb split into three int8 parts q1, q2, q3 [256] with
+// xb ~ s * (q1 + q2 / 256 + q3 / 65536), s = max|xb| / 127 (returned); sums [16] (may be null)
+// gets the sum of each 16 floats.
+inline float split3_block(const float* xb, int8_t* q1, int8_t* q2, int8_t* q3, float* sums) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
+    const float m = _mm512_reduce_max_ps(mx);
+    const float sc = m > 0 ? m / 127.0f : 1.0f;
+    const __m512 s1 = _mm512_set1_ps(sc), s2 = _mm512_set1_ps(sc / 256.0f);
+    const __m512 inv1 = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(256.0f / sc),
+                 inv3 = _mm512_set1_ps(65536.0f / sc);
+    for (int i = 0; i < 16; ++i) {
+        const __m512 v = _mm512_loadu_ps(xb + 16 * i);
+        const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv1));             // round to nearest
+        const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a), s1, v);       // exact (Sterbenz)
+        const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(r1, inv2));
+        const __m512 r2 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(b), s2, r1);
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(r2, inv3));
+        _mm_storeu_si128((__m128i*)(q1 + 16 * i), _mm512_cvtsepi32_epi8(a));
+        _mm_storeu_si128((__m128i*)(q2 + 16 * i), _mm512_cvtsepi32_epi8(b));
+        _mm_storeu_si128((__m128i*)(q3 + 16 * i), _mm512_cvtsepi32_epi8(c));
+        if (sums) sums[i] = _mm512_reduce_add_ps(v);
+    }
+    return sc;
+}
+
 // x [K] (K a multiple of 256) -> x1, x2, x3 [K] int8, s65536 [K / 256] = s / 65536, sums [K / 16].
 inline void quantize_x_int(const float* x, int64_t K, int8_t* x1, int8_t* x2, int8_t* x3, float* s65536,
                            float* sums) {
     for (int64_t b = 0; b < K / QK_K; ++b) {
-        const float* xb = x + b * QK_K;
-        __m512 mx = _mm512_setzero_ps();
-        for (int i = 0; i < 16; ++i) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
-        const float m = _mm512_reduce_max_ps(mx);
-        const float sc = m > 0 ? m / 127.0f : 1.0f;
-        const __m512 s1 = _mm512_set1_ps(sc), s2 = _mm512_set1_ps(sc / 256.0f);
-        const __m512 inv1 = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(256.0f / sc),
-                     inv3 = _mm512_set1_ps(65536.0f / sc);
-        for (int i = 0; i < 16; ++i) {
-            const int64_t o = b * QK_K + 16 * i;
-            const __m512 v = _mm512_loadu_ps(xb + 16 * i);
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv1));             // round to nearest
-            const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), s1, v);       // exact (Sterbenz)
-            const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, inv2));
-            const __m512 r2 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q2), s2, r1);
-            const __m512i q3 = _mm512_cvtps_epi32(_mm512_mul_ps(r2, inv3));
-            _mm_storeu_si128((__m128i*)(x1 + o), _mm512_cvtsepi32_epi8(q1));
-            _mm_storeu_si128((__m128i*)(x2 + o), _mm512_cvtsepi32_epi8(q2));
-            _mm_storeu_si128((__m128i*)(x3 + o), _mm512_cvtsepi32_epi8(q3));
-            sums[b * 16 + i] = _mm512_reduce_add_ps(v);
-        }
-        s65536[b] = sc / 65536.0f;
+        const int64_t o = b * QK_K;
+        s65536[b] = split3_block(x + o, x1 + o, x2 + o, x3 + o, sums + b * 16) / 65536.0f;
     }
 }
 
@@ -851,25 +857,8 @@ inline void quantize_x_lanes(const float* x, int64_t K, int8_t* xq, float* s6553
     for (int64_t b = 0; b < K / QK_K; ++b) {
         const float* xb = x + b * QK_K;
         for (int k = 0; k < QK_K; ++k) xr[k] = xb[LANE_TAB.perm[k]];
-        __m512 mx = _mm512_setzero_ps();
-        for (int i = 0; i < 16; ++i) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_load_ps(xr + 16 * i)));
-        const float m = _mm512_reduce_max_ps(mx);
-        const float sc = m > 0 ? m / 127.0f : 1.0f;
-        const __m512 s1 = _mm512_set1_ps(sc), s2 = _mm512_set1_ps(sc / 256.0f);
-        const __m512 inv1 = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(256.0f / sc),
-                     inv3 = _mm512_set1_ps(65536.0f / sc);
         int8_t* q = xq + b * 3 * QK_K;
-        for (int i = 0; i < 16; ++i) {
-            const __m512 v = _mm512_load_ps(xr + 16 * i);
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv1));
-            const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), s1, v);
-            const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, inv2));
-            const __m512 r2 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q2), s2, r1);
-            const __m512i q3 = _mm512_cvtps_epi32(_mm512_mul_ps(r2, inv3));
-            _mm_storeu_si128((__m128i*)(q + 16 * i), _mm512_cvtsepi32_epi8(q1));
-            _mm_storeu_si128((__m128i*)(q + QK_K + 16 * i), _mm512_cvtsepi32_epi8(q2));
-            _mm_storeu_si128((__m128i*)(q + 2 * QK_K + 16 * i), _mm512_cvtsepi32_epi8(q3));
-        }
+        const float sc = split3_block(xr, q, q + QK_K, q + 2 * QK_K, nullptr);
         __m512i X = _mm512_setzero_si512();
         for (int p = 0; p < 3; ++p) {
             if (p) X = _mm512_slli_epi32(X, 8);
