@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from ..dtypes import DType
 from ..ir.graph import KernelGraph
 from ..ir.threadblock import new_threadblock_graph
+from .mugraph import _divisors
 
 
 @dataclass
@@ -108,7 +109,7 @@ def match(graph: KernelGraph) -> AttentionPattern | None:
             found = _key_norm(mul, producer, private, inputs, tt)
             if found is None:
                 continue
-            s, knorm, norm_ops = found
+            s, knorm, norm_ops, knorm_kt = found
             chain += [mul, *norm_ops]
         qk = op(s, "matmul")
         if qk is None or not private(s):
@@ -117,7 +118,7 @@ def match(graph: KernelGraph) -> AttentionPattern | None:
         q, kt = qk.inputs
         if kt not in inputs or len(tt[kt].shape) != 3 or len(tt[q].shape) != 3:
             continue
-        if knorm is not None and kt != _knorm_source(chain, producer):
+        if knorm is not None and kt != knorm_kt:   # the norm must be of the same K
             continue
         (B, G, D), (_, _, T), (_, _, Dv) = tt[q].shape, tt[kt].shape, tt[v].shape
         if tt[kt].shape != (B, D, T) or tt[v].shape != (B, T, Dv):
@@ -127,8 +128,8 @@ def match(graph: KernelGraph) -> AttentionPattern | None:
 
 
 def _key_norm(mul, producer, private, inputs, tt):
-    """(scores id, f, ops) when ``mul`` multiplies scores by rsqrt(scale(reduction(square(Kt),
-    -2), f)) of a 3-d input Kt; else None."""
+    """(scores id, f, ops, Kt id) when ``mul`` multiplies scores by rsqrt(scale(reduction(
+    square(Kt), -2), f)) of a 3-d input Kt; else None."""
     for s, inv in (mul.inputs, mul.inputs[::-1]):
         t, ops = inv, []
         for name in ("rsqrt", "scale", "reduction", "square"):
@@ -141,17 +142,8 @@ def _key_norm(mul, producer, private, inputs, tt):
             red, kt = ops[2], t
             dim = red.attrs.get("dim")
             if kt in inputs and len(tt[kt].shape) == 3 and dim in (-2, 1) and private(inv):
-                return s, float(ops[1].attrs["factor"]), ops
+                return s, float(ops[1].attrs["factor"]), ops, kt
     return None
-
-
-def _knorm_source(chain, producer) -> int:
-    """The tensor the key norm's ``square`` reads."""
-    return next(n.inputs[0] for n in chain if n.op == "square")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def tile_bytes(p: AttentionPattern, splits: int, loop: int, elem: int = 4) -> int:

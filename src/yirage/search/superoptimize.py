@@ -262,25 +262,17 @@ def _candidates(graph: KernelGraph, cls, backend: str = "cpu"):
     yield "fixed fusion", graph
     limit = None if backend == "cpu" else GPU_TILE_BYTES
     threads = torch.get_num_threads()
-    a = attention.match(graph)
-    if a is not None:
-        for (splits, loop), (cpu_threads, block, label) in _with_widths(attention.schedules(a, threads, limit),
-                                                                          backend):
-            try:
-                cand = attention.lower(graph, a, splits, loop, cls, cpu_threads, block)
-            except GraphError:
-                continue
-            yield f"µGraph splits={splits} loop={loop}{label}: {a.describe()}", cand
-        return
-    p = mugraph.match(graph)
+    a = attention.match(graph)   # 3-d operands: never the 2-d matmul family as well
+    family, p, fmt = (attention, a, "splits={} loop={}") if a is not None else (mugraph, mugraph.match(graph),
+                                                                              "grid={} loop={}")
     if p is None:
         return
-    for (grid, loop), (cpu_threads, block, label) in _with_widths(mugraph.schedules(p, threads, limit), backend):
+    for (split, loop), (cpu_threads, block, label) in _with_widths(family.schedules(p, threads, limit), backend):
         try:
-            cand = mugraph.lower(graph, p, grid, loop, cls, cpu_threads, block)
+            cand = family.lower(graph, p, split, loop, cls, cpu_threads, block)
         except GraphError:
             continue
-        yield f"µGraph grid={grid} loop={loop}{label}: {p.describe()}", cand
+        yield f"µGraph {fmt.format(split, loop)}{label}: {p.describe()}", cand
 
 
 def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, warmup_iters: int = 16,
