@@ -4,7 +4,8 @@ Fused row kernels are rendered by codegen/triton.py and loaded by runtime/triton
 (Triton's JIT compiles and caches them); library ops run the hand-written Triton kernels
 of ``yirage/kernels/triton``: linear (float or q4_1/q8_0 blocks), batched matmul,
 embedding, RoPE, attention (flash-decoding for T == 1, FlashAttention for prefill),
-argmax and the W8A8 int8 linear layer (``linear_w8a8``). One source serves every Triton
+argmax, the W8A8 int8 linear layer (``linear_w8a8``) and packed-sentence bidirectional
+attention (``attention_varlen``). One source serves every Triton
 target; a subclass only says how to find its device.
 
 ``TritonInterpreterBackend`` ('triton-interpret') runs the same kernels on CPU tensors
@@ -122,6 +123,13 @@ def _linear_w8a8(node, graph, args, out, status):
     return lambda: fn(x, w_t, w_scale, bias, out, workspace)
 
 
+def _attention_varlen(node, graph, args, out, status):
+    qkv, offsets = args
+    fn, h, scale = _lib().attention_varlen, node.attrs["num_heads"], node.attrs["scale"]
+    # offsets checked on the device into the executor's status slot: no host sync, capturable
+    return lambda: fn(qkv, offsets, out, h, scale, status=status, check_offsets=False)
+
+
 def _argmax(node, graph, args, out, status):
     x = args[0]
     x2, o1 = x.reshape(-1, x.shape[-1]), out.reshape(-1)
@@ -136,6 +144,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "embedding": (_embedding_ok, _embedding),
     "rope": (_float_first, _rope),
     "attention": (_float_first, _attention),
+    "attention_varlen": (_float_first, _attention_varlen),  # kernels/triton/attention_varlen.py
     "argmax": (_float_first, _argmax),
     "linear_w8a8": (_linear_w8a8_ok, _linear_w8a8),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (triton_threadblock.py)

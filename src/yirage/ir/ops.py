@@ -541,7 +541,7 @@ def attention_varlen_reference(qkv: torch.Tensor, offsets: torch.Tensor, num_hea
 
 
 _register("attention_varlen", "library", 2, _attention_varlen_infer,
-          lambda args, a: attention_varlen_reference(args[0], args[1], a["num_heads"], a["scale"]))
+          lambda args, a: attention_varlen_reference(args[0], args[1], a["num_heads"], a["scale"]), index_input=1)
 _register("attention_bidir", "library", 2, _attention_bidir_infer,
           lambda args, a: attention_bidir_reference(args[0], args[1], a["num_heads"], a["scale"]))
 _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))

@@ -30,6 +30,9 @@ namespace {
 #ifndef YR_EMB_MC
 #define YR_EMB_MC 192
 #endif
+#ifndef YR_EMB_TASKS
+#define YR_EMB_TASKS 16
+#endif
 #ifndef YR_EMB_MR512
 #define YR_EMB_MR512 12
 #endif
@@ -110,7 +113,7 @@ inline EmbTiles emb_tiles(int64_t M, int64_t N) {
     threads = omp_get_max_threads();
 #endif
     t.pgroups = 1;
-    while (t.mblocks * t.pgroups < 4 * threads && t.pgroups * 2 <= t.npanels) t.pgroups *= 2;
+    while (t.mblocks * t.pgroups < YR_EMB_TASKS * threads && t.pgroups * 2 <= t.npanels) t.pgroups *= 2;
     t.per_group = (t.npanels + t.pgroups - 1) / t.pgroups;
     return t;
 }

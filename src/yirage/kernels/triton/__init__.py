@@ -17,19 +17,26 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
 - :func:`linear_w8a8`, :func:`linear_w8a8_workspace` (int8.py): W8A8 linear (per-token, optionally
   per-group int8 activations quantized at run time, int8 weights, exact int32 ``tl.dot``);
   the int8/scale workspace is the bind-time allocation.
+- :func:`attention_varlen` (attention_varlen.py): bidirectional multi-head attention over
+  sentences packed back to back (FlashAttention over a flat grid of token-row tiles). The one
+  exception to the rules above: by default it validates its offsets on the host (a
+  device-to-host copy) and raises yirage's errors (``GraphError``, ``IndexOutOfRangeError``);
+  ``check_offsets=False`` checks them on the device instead, with no sync.
 
 The main kernels are autotuned (keys: the shape arguments) on a GPU; under
 ``TRITON_INTERPRET=1`` only each list's first config runs (see ``_common.autotune``).
-Modules here import only torch, triton and each other.
+Modules here import only torch, triton and each other (attention_varlen.py also yirage's
+errors, and ``ir.ops.check_offsets`` when it runs).
 """
 from ._common import interpreting
 from .argmax import argmax
 from .attention import AttentionWorkspace, attention, attention_workspace
+from .attention_varlen import attention_varlen
 from .embedding import embedding
 from .int8 import W8A8Workspace, linear_w8a8, linear_w8a8_workspace
 from .linear import linear
 from .matmul import matmul
 from .rope import rope
 
-__all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "embedding", "linear", "matmul",
-           "rope", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace"]
+__all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
+           "embedding", "linear", "matmul", "rope", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace"]
