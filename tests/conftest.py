@@ -50,25 +50,33 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-_LIB_VARIANT_FLAGS = {"avx2": ["-march=native", "-mno-avx512f"], "scalar": ["-march=x86-64"]}
+_LIB_VARIANT_FLAGS = {"avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"],
+                      "avxvnni": ["-march=native", "-mno-avx512f"], "scalar": ["-march=x86-64"]}
 _LIB_VARIANTS: dict = {}
 
 
 @pytest.fixture(params=["native", "avx2", "scalar"])
 def lib(request):
     """The C++ kernel library (kernels/cpu/library.cpp and its headers) as each build the CPU
-    backend may select: native (AVX-512 here), AVX2 (-mno-avx512f) and the portable scalar path
-    (-march=x86-64), so that every ``#if`` branch is tested; each built once per session."""
+    backend may select: native (AVX-512 here), AVX2 (-mno-avx512f -mno-avxvnni) and the portable
+    scalar path (-march=x86-64), so that every ``#if`` branch is tested; each built once per
+    session. ``lib_vnni`` adds the AVX2 + AVX-VNNI build (the int8 GEMM's ymm vpdpbusd path)."""
+    return _lib_variant(request.param)
+
+
+def _lib_variant(name: str):
+    """The library build ``name`` (native, avx2, avxvnni, scalar); skips where the CPU cannot run it."""
     import platform
 
     from yirage.backends.cpu_library import bind_signatures, library
     from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
 
-    name = request.param
     if name != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("ISA variants are only built on x86-64")
-    if name == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if name in ("avx2", "avxvnni") and not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("CPU lacks AVX2/FMA/F16C")
+    if name == "avxvnni" and "avx_vnni" not in _cpu_flags():
+        pytest.skip("CPU lacks AVX-VNNI")
     if name not in _LIB_VARIANTS:
         if name == "native":
             _LIB_VARIANTS[name] = library()
@@ -76,6 +84,12 @@ def lib(request):
             flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[name]
             _LIB_VARIANTS[name] = bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
     return _LIB_VARIANTS[name]
+
+
+@pytest.fixture(params=["native", "avx2", "avxvnni", "scalar"])
+def lib_vnni(request):
+    """``lib``'s builds plus AVX2 with AVX-VNNI (-mno-avx512f): for the int8 GEMM tests."""
+    return _lib_variant(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,8 @@ def _w8a8_int64(x, w_t, w_scale, bias, group):
 
 @pytest.mark.parametrize("M,N,K,group", [(1, 1, 1, 0), (5, 33, 7, 0), (13, 64, 36, 12), (29, 70, 384, 64),
                                          (100, 96, 128, 0), (7, 40, 64, 4)])
-def test_linear_w8a8_packed(lib, M, N, K, group):
+def test_linear_w8a8_packed(lib_vnni, M, N, K, group):
+    lib = lib_vnni
     x = torch.randn(M, K) * torch.rand(K) * 4       # uneven channel ranges
     x[0, : min(3, K)] = 0.0                           # a row with zeros (a zero group when K is small)
     w_t = torch.randint(-127, 128, (K, N), dtype=torch.int8)

@@ -1,5 +1,5 @@
 """The CPU kernels of the embedding engine's encoder (``kernels/cpu/embed_kernels.h``): float32
-GEMM on weights packed once, W8A8 int8 GEMM (AVX-512 VNNI / AVX2 / scalar) and attention over
+GEMM on weights packed once, W8A8 int8 GEMM (AVX-512 VNNI / AVX-VNNI / AVX2 / scalar) and attention over
 packed sentences (``attention_varlen``), with the binders cpu_library.py's op table uses.
 
 Packed weights are kept in a cache keyed by the weight tensor (dropped when the tensor is
@@ -132,8 +132,9 @@ def linear_w8a8_packed(x: torch.Tensor, P: torch.Tensor, comp: torch.Tensor, w_s
     """W8A8 linear (``ir.ops.linear_w8a8_reference``): ``x`` float32 [M, K] quantized per row and
     group of ``group`` features (0: whole rows; symmetric int8, round half to even), integer dot
     products with the weight packed by ``pack_s8`` for the same group (AVX-512 VNNI vpdpbusd on
-    u8 = q + 128 minus ``comp``; AVX2 vpmaddubsw with the sign trick; scalar), then
-    ``sum_g acc_g * x_scale_g``, times ``w_scale[n]``, plus ``bias[n]`` into ``out`` float32 [M, N].
+    u8 = q + 128 minus ``comp``, the same on ymm with AVX-VNNI; AVX2 vpmaddubsw with the sign
+    trick; scalar), then ``sum_g acc_g * x_scale_g``, times ``w_scale[n]``, plus ``bias[n]``
+    into ``out`` float32 [M, N].
     YirageError for a bad group size or buffers that do not fit the sizes."""
     _check_w8a8(x, P, comp, w_scale, bias, out, scratch, group)
     M, K = x.shape

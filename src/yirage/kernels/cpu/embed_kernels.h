@@ -1,7 +1,8 @@
 // Kernels of the embedding engine's encoder (BERT family, engines/embed.py): float32 GEMM on
 // weights packed once at load, W8A8 int8 GEMM (per-token activations quantized at run time,
-// per-channel int8 weights, integer dot products: AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw,
-// scalar), and bidirectional attention over sentences packed back to back (varlen).
+// per-channel int8 weights, integer dot products: AVX-512 VNNI vpdpbusd, AVX-VNNI vpdpbusd on
+// ymm, AVX2 vpmaddubsw, scalar), and bidirectional attention over sentences packed back to
+// back (varlen).
 //
 // Included at the end of library.cpp (it uses that file's vf/VL vector helpers, vexp and
 // report()). Same rules as library.cpp: no allocation of caller memory (only thread_local
@@ -32,6 +33,13 @@ namespace {
 #endif
 #ifndef YR_EMB_TASKS
 #define YR_EMB_TASKS 16
+#endif
+#ifndef YR_EMB_ATT_RB   // attention: query rows per register tile (x 2 vectors of keys / features)
+#if defined(YR_AVX512)
+#define YR_EMB_ATT_RB 12   // 24 of 32 zmm (1.3-1.6x faster than 4 rows for sentences of 20+ tokens)
+#else
+#define YR_EMB_ATT_RB 4    // 8 of 16 ymm
+#endif
 #endif
 #ifndef YR_EMB_MR512
 #define YR_EMB_MR512 12
@@ -139,13 +147,18 @@ inline bool emb_check(int64_t* status, int64_t value, int64_t lo, int64_t hi) {
 // q = round-half-even(x / s) clamped to [-127, 127] (ir.ops.quantize_rows_int8, same float
 // ops). The VNNI path stores u8 q + 128 (vpdpbusd multiplies unsigned x bytes by signed w
 // bytes) and starts each group's int32 sums at -comp[g][n] = -128 * sum_{k in g} w[k, n];
-// the other paths store s8 q. y[m, n] = (sum_g acc[m, g, n] * s[m, g]) * ws[n] + bias[n].
+// so does the AVX-VNNI path (the same instruction on ymm); the other paths store s8 q.
+// y[m, n] = (sum_g acc[m, g, n] * s[m, g]) * ws[n] + bias[n].
 #if defined(__AVX512VNNI__) && defined(YR_AVX512)
 #define YR_EMB_VNNI 1
 #ifndef YR_EMB_MR8
 #define YR_EMB_MR8 6
 #endif
 constexpr int EMB_MR8 = YR_EMB_MR8;    // 6 rows x 2 zmm: 12 int32 + 12 float accumulators
+constexpr int EMB_ZP = 128;
+#elif defined(__AVXVNNI__) && defined(YR_AVX2)
+#define YR_EMB_AVXVNNI 1                // AVX-VNNI: VEX vpdpbusd on ymm (no AVX-512)
+constexpr int EMB_MR8 = 4;
 constexpr int EMB_ZP = 128;
 #else
 constexpr int EMB_MR8 = 4;
@@ -239,6 +252,44 @@ __attribute__((noinline)) void emb_s8_core(const uint8_t* q, int64_t ldq, const 
     for (int i = 0; i < MR; ++i) {
         _mm512_storeu_ps(f + i * EMB_NR, f0[i]);
         _mm512_storeu_ps(f + i * EMB_NR + 16, f1[i]);
+    }
+}
+#elif defined(YR_EMB_AVXVNNI)
+// Two rows at a time: 2 x 4 ymm int32 accumulators over the 32 columns of a tile, the
+// float sums of the groups in f (kept in L1).
+template <int MR>
+void emb_s8_core(const uint8_t* q, int64_t ldq, const float* sx, const EmbGroups& gr, const uint8_t* B,
+                 const int32_t* comp, int64_t ldc, float* f) {
+    for (int i = 0; i < MR * (int)EMB_NR; ++i) f[i] = 0.0f;
+    const __m256i z = _mm256_setzero_si256();
+    for (int64_t g = 0; g < gr.ng; ++g) {
+        __m256i c[4];
+        for (int v = 0; v < 4; ++v) c[v] = _mm256_sub_epi32(z, _mm256_loadu_si256((const __m256i*)(comp + g * ldc + 8 * v)));
+        const uint8_t* Bg = B + g * gr.qg * 128;
+        const uint8_t* qg = q + g * gr.qg * 4;
+        for (int i0 = 0; i0 < MR; i0 += 2) {
+            constexpr int R = 2;
+            const int rows = std::min(R, MR - i0);
+            __m256i a[R][4];
+            for (int r = 0; r < R; ++r)
+                for (int v = 0; v < 4; ++v) a[r][v] = c[v];
+            for (int64_t t = 0; t < gr.qg; ++t) {
+                const uint8_t* bt = Bg + t * 128;
+                __m256i b[4];
+                for (int v = 0; v < 4; ++v) b[v] = _mm256_loadu_si256((const __m256i*)(bt + 32 * v));
+                for (int r = 0; r < R; ++r) {
+                    if (r >= rows) break;
+                    const __m256i x = _mm256_set1_epi32(*(const int32_t*)(qg + (i0 + r) * ldq + t * 4));
+                    for (int v = 0; v < 4; ++v) a[r][v] = _mm256_dpbusd_avx_epi32(a[r][v], x, b[v]);
+                }
+            }
+            for (int r = 0; r < rows; ++r) {
+                const __m256 s = _mm256_set1_ps(sx[(i0 + r) * gr.ng + g]);
+                float* fr = f + (i0 + r) * EMB_NR;
+                for (int v = 0; v < 4; ++v)
+                    _mm256_storeu_ps(fr + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][v]), s, _mm256_loadu_ps(fr + 8 * v)));
+            }
+        }
     }
 }
 #else
@@ -397,7 +448,7 @@ void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t
                                 int64_t Dh, float scale) {
     static thread_local std::vector<float> kbuf, sbuf;
     static const float zeros[VL] = {};
-    constexpr int RB = 4;
+    constexpr int RB = YR_EMB_ATT_RB;
     const int64_t ld = 3 * H * Dh, HD = H * Dh;
     const int64_t Lp = (L + 2 * VL - 1) / (2 * VL) * (2 * VL);
     const int64_t Lr = (L + RB - 1) / RB * RB;
@@ -420,18 +471,18 @@ void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t
         for (int r = 0; r < RB; ++r) q[r] = Q0 + std::min(i0 + r, L - 1) * ld;
         for (int64_t j0 = 0; j0 < Lp; j0 += 2 * VL) {
             vf a0[RB], a1[RB];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
             for (int r = 0; r < RB; ++r) a0[r] = a1[r] = vzero();
             for (int64_t d = 0; d < Dh; ++d) {
                 const vf b0 = vload(kt + d * Lp + j0), b1 = vload(kt + d * Lp + j0 + VL);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
                 for (int r = 0; r < RB; ++r) {
                     const vf x = vbroadcast(q[r] + d);
                     a0[r] = vfma(x, b0, a0[r]);
                     a1[r] = vfma(x, b1, a1[r]);
                 }
             }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
             for (int r = 0; r < RB; ++r) {
                 vstore(S + (i0 + r) * Lp + j0, vfma(a0[r], vsc, vload(pad + j0)));
                 vstore(S + (i0 + r) * Lp + j0 + VL, vfma(a1[r], vsc, vload(pad + j0 + VL)));
@@ -448,12 +499,12 @@ void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t
         }
         for (int64_t d0 = 0; d0 < Dh; d0 += 2 * VL) {
             vf a0[RB], a1[RB];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
             for (int r = 0; r < RB; ++r) a0[r] = a1[r] = vzero();
             for (int64_t j = 0; j < L; ++j) {
                 const float* vj = V0 + j * ld + d0;
                 const vf b0 = vload(vj), b1 = vload(vj + VL);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
                 for (int r = 0; r < RB; ++r) {
                     const vf p = vbroadcast(S + (i0 + r) * Lp + j);
                     a0[r] = vfma(p, b0, a0[r]);
