@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def _sentences() -> list[str]:
-    """~150 sentences: empty, whitespace, very long (truncated at 256 tokens), non-Latin, emoji."""
+    """~300 sentences: empty, whitespace, very long (truncated at 256 tokens), non-Latin, emoji,
+    and generated ones of 2 to ~60 tokens."""
     base = ["", " ", "hello", "Hello, world!", "The quick brown fox jumps over the lazy dog.",
             "Ein kurzer deutscher Satz über das Wetter.", "Это предложение на русском языке.",
             "日本語の文です。東京は大きな都市です。", "这是一个中文句子。", "مرحبا بالعالم", "नमस्ते दुनिया",
@@ -27,7 +28,14 @@ def _sentences() -> list[str]:
             "word " * 400, "long sentence with many different words " * 60, "a" * 3000,
             "Numbers 3.14159 and 2,718 and 1e-9.", "<html><body>tags</body></html>", "UPPER CASE TEXT"]
     more = [f"Sentence {i}: " + " ".join(f"token{j}" for j in range((i * 7) % 41)) for i in range(90)]
-    return base + more
+    subjects = ["The committee", "Une petite chienne", "Our new compiler", "Das Wetter in Berlin", "My neighbour's cat",
+                "El informe trimestral", "The train to Kyoto", "Старый маяк", "研究チーム", "A cup of green tea 🍵"]
+    verbs = ["announced", "ignored", "measured", "described", "improved", "delayed", "explained"]
+    objects = ["the results of the experiment", "a plan for the coming winter", "the price of electricity",
+               "how the network handles long sentences, even very long ones with many clauses and commas",
+               "the history of the old harbour", "several unexpected problems", "nothing at all"]
+    prose = [f"{subjects[i % 10]} {verbs[(i * 3) % 7]} {objects[(i * 5) % 7]}" + "!" * (i % 3) for i in range(190)]
+    return base + more + prose
 
 
 @pytest.fixture(scope="module")
