@@ -10,7 +10,7 @@ fastest run (all times are in the JSON). Also: the largest difference of yirage 
 vectors from sentence-transformers', and the cosine of yirage int8's vectors to float32's
 (min and mean).
 
-    python benchmarks/embed.py [-m all-minilm-l6-v2] [--threads 2] [--batch-size 32] [--n 512] [--rounds 3]
+    python benchmarks/embed.py [-m all-minilm-l6-v2] [--threads 2] [--batch-size 32] [--n 512] [--rounds 5]
 
 ONNX Runtime runs the same model exported with ``torch.onnx.export`` (mean pooling and the
 Normalize module in numpy; ``pip install onnxruntime onnx``, or ``make bench``);
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--n", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3, help="timed runs per side (the fastest counts)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed runs per side (the fastest counts)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
