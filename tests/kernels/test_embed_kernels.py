@@ -116,3 +116,55 @@ def test_prepacked_linear_follows_weight_updates():
     torch.testing.assert_close(g(inputs=[x, w, b])[0], torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
     w.mul_(2)
     torch.testing.assert_close(g(inputs=[x, w, b])[0], torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_gemm_row_epilogue(int8, monkeypatch):
+    """A GEMM followed by a row program over its output (residual + LayerNorm; GELU) runs that
+    program as the GEMM's row epilogue, one thunk for the pair (the embedding encoder's
+    pattern), and gives bit for bit what the two give apart, which matches torch."""
+    from yirage.runtime.executor import Plan
+
+    M, K, N = 203, 96, 64   # 203 rows: several row blocks and a ragged last one
+    torch.manual_seed(0)
+    x, r = torch.randn(M, K), torch.randn(M, N)
+    w1, w2 = torch.randn(N, K) / 8, torch.randn(N, N) / 8
+    b1, b2, lw, lb = torch.randn(N), torch.randn(N), torch.rand(N) + 0.5, torch.randn(N)
+
+    def build():
+        g = yr.new_kernel_graph(backend="cpu")
+        X, R, LW, LB = g.new_input((M, K)), g.new_input((M, N)), g.new_input((N,)), g.new_input((N,))
+        if int8:
+            ins = [g.new_input((K, N), dtype="int8"), g.new_input((N,)), g.new_input((N,)),
+                   g.new_input((N, N), dtype="int8"), g.new_input((N,)), g.new_input((N,))]
+            lin = [lambda v, i=i: g.linear_w8a8(v, ins[3 * i], ins[3 * i + 1], ins[3 * i + 2], group_size=32)
+                   for i in (0, 1)]
+        else:
+            ins = [g.new_input((N, K)), g.new_input((N,)), g.new_input((N, N)), g.new_input((N,))]
+            lin = [lambda v, i=i: g.linear(v, ins[2 * i], ins[2 * i + 1]) for i in (0, 1)]
+        z = g.layer_norm(g.add(lin[0](X), R), (N,), LW, LB, 1e-5)
+        g.mark_output(g.gelu(lin[1](z)))
+        return g
+
+    if int8:
+        def q(w):
+            s = w.abs().amax(1) / 127
+            return torch.round(w / s[:, None]).to(torch.int8).t().contiguous(), s
+        (q1, s1), (q2, s2) = q(w1), q(w2)
+        weights = [q1, s1, b1, q2, s2, b2]
+        w1, w2 = (q1.t().float() * s1[:, None]), (q2.t().float() * s2[:, None])
+    else:
+        weights = [w1, b1, w2, b2]
+        ce.prepack_linear(w1)
+        ce.prepack_linear(w2)
+    inputs = [x, r, lw, lb, *weights]
+    outs, thunks = {}, {}
+    for fuse in (True, False):
+        monkeypatch.setattr(Plan, "epilogue_fusion", fuse)
+        plan = build().compile().plan(inputs)
+        outs[fuse], thunks[fuse] = plan.run()[0].clone(), len(plan.thunks)
+    assert thunks[True] == thunks[False] - 2            # both row programs ran inside a GEMM
+    assert torch.equal(outs[True], outs[False])
+    z = torch.nn.functional.layer_norm(torch.nn.functional.linear(x, w1, b1) + r, (N,), lw, lb, 1e-5)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(z, w2, b2))
+    torch.testing.assert_close(outs[True], ref, rtol=0, atol=0.05 if int8 else 1e-4)

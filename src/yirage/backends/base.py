@@ -140,6 +140,8 @@ class BackendImpl(ABC):
       into ``out``; ops that index with run-time values (``OpDef.index_input``) get an int64
       ``status[4]`` on the device, where the kernel records an out-of-range index as
       ``[1, value, lo, hi]`` instead of accessing it (the executor raises after the run);
+    - ``bind_library_op_epilogue(...)``: optionally, a library op and the fused row kernel
+      after it as one thunk (the row kernel run on each block of finished rows);
     - ``capture(run)``: record a plan's launches once and return a replay (CUDA graphs);
       ``captures`` says whether it does (the executor then captures a plan that a graph's
       repeated calls reuse);
@@ -270,6 +272,17 @@ class BackendImpl(ABC):
         ``customized`` ops in output order (all supported, sharing ``args``), ``outs`` their
         buffers. None (the default) binds each node alone with ``bind_library_op``, which
         recomputes the ops the outputs share once per output."""
+        return None
+
+    def bind_library_op_epilogue(self, node, graph, args: list[torch.Tensor], out: torch.Tensor, kernel,
+                                 kernel_args: list[torch.Tensor]) -> Thunk | None:
+        """One thunk computing library op ``node`` into ``out`` *and* the fused row kernel after
+        it (``kernel``, this backend's compiled ``Kernel`` of a row program over the rows of
+        ``out``, bound to ``kernel_args``: its inputs, ``out`` among them, then its outputs),
+        the row program run on each block of rows as soon as the op has finished them
+        (epilogue fusion: the residual + LayerNorm or the GELU after a GEMM, while the rows are
+        in cache). None (the default) binds the two apart. Only asked for ops without a
+        status slot."""
         return None
 
     def capture(self, run: Thunk) -> Thunk:

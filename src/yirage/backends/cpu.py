@@ -160,6 +160,12 @@ class CPUBackend(BackendImpl):
         """The C++ library kernel (or torch BLAS for float matmuls) for ``node``."""
         return cpu_library.OPS[node.op][1](node, graph, args, out, status)
 
+    def bind_library_op_epilogue(self, node, graph, args, out, kernel, kernel_args):
+        """The embedding engine's GEMMs (float32 ``linear`` on a prepacked weight,
+        ``linear_w8a8``) with the fused row kernel after them run on each block of finished
+        rows (``cpu_library.bind_with_epilogue``); None for every other op."""
+        return cpu_library.bind_with_epilogue(node, graph, args, out, kernel, kernel_args)
+
     def bind_customized_group(self, nodes, graph, args, outs):
         """All outputs of one block graph as one C++ kernel (cpu_threadblock.py)."""
         from .cpu_threadblock import bind_customized_group

@@ -11,6 +11,7 @@ module must never build graphs or import engines.
 """
 from __future__ import annotations
 
+import ctypes
 import weakref
 
 import torch
@@ -79,7 +80,7 @@ def gemm_f32_packed(x: torch.Tensor, P: torch.Tensor, N: int, bias: torch.Tensor
     M, K = x.shape
     st = _status()
     _lib(lib).yr_emb_gemm_f32(x.data_ptr(), P.data_ptr(), _ptr(bias), out.data_ptr(), M, N, K, x.numel(),
-                           P.numel(), out.numel(), st.data_ptr())
+                           P.numel(), out.numel(), None, None, st.data_ptr())
     _raise_status(st, "gemm_f32_packed")
 
 
@@ -143,7 +144,7 @@ def linear_w8a8_packed(x: torch.Tensor, P: torch.Tensor, comp: torch.Tensor, w_s
     _lib(lib).yr_emb_linear_w8a8(x.data_ptr(), scratch.q.data_ptr(), scratch.s.data_ptr(), P.data_ptr(),
                               comp.data_ptr(), w_scale.data_ptr(), _ptr(bias), out.data_ptr(), M, N, K, group,
                               x.numel(), scratch.q.numel(), scratch.s.numel(), P.numel(), comp.numel(), out.numel(),
-                              st.data_ptr())
+                              None, None, st.data_ptr())
     _raise_status(st, "linear_w8a8_packed")
 
 
@@ -213,28 +214,36 @@ def packed_linear_weight(w: torch.Tensor) -> torch.Tensor | None:
 
 
 # ---- binders (cpu_library.OPS) ---------------------------------------------------------
-def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
-    """Thunk of an fp32 ``linear`` whose weight was registered by ``prepack_linear``."""
+def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                           epilogue: tuple[int, int] | None = None):
+    """Thunk of an fp32 ``linear`` whose weight was registered by ``prepack_linear``.
+    ``epilogue``: None or ``(fn, args)``, the addresses of a fused row kernel's task entry
+    (``void fn(const int64_t* args, int64_t lo, int64_t hi)``) and of its argument array
+    (kept alive by the caller), run by the GEMM on each block of finished output rows."""
     N, K = w.shape
     M = x.numel() // K
     x2, o2 = x.view(M, K), out.view(M, N)
     lib = _lib()
     st = _status()
+    epi_fn, epi_args = epilogue if epilogue is not None else (None, None)
 
     def run():
         P = packed_linear_weight(w)
         if P is None:  # the weight's storage was replaced since it was registered
             o2.copy_(torch.nn.functional.linear(x2, w, bias))
+            if epilogue is not None:
+                ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(epi_fn)(epi_args, 0, M)
             return
         lib.yr_emb_gemm_f32(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, N, K, x2.numel(),
-                            P.numel(), o2.numel(), st.data_ptr())
+                            P.numel(), o2.numel(), epi_fn, epi_args, st.data_ptr())
         if st[0]:
             _raise_status(st, "linear (packed float32)")
     return run
 
 
-def bind_linear_w8a8(node, graph, args, out, status):
-    """Thunk of ``linear_w8a8`` on the C++ int8 GEMM (weights packed once per tensor)."""
+def bind_linear_w8a8(node, graph, args, out, status, epilogue: tuple[int, int] | None = None):
+    """Thunk of ``linear_w8a8`` on the C++ int8 GEMM (weights packed once per tensor);
+    ``epilogue`` as in ``bind_linear_f32_packed``."""
     x, w_t, w_scale = args[0], args[1], args[2]
     bias = args[3] if len(args) == 4 else None
     K, N = w_t.shape
@@ -247,11 +256,12 @@ def bind_linear_w8a8(node, graph, args, out, status):
     _check_w8a8(x2, P, comp, w_scale, bias, o2, scratch, group)
     fn, st = _lib().yr_emb_linear_w8a8, _status()
     tail = (_ptr(bias), o2.data_ptr(), M, N, K, group, x2.numel(), scratch.q.numel(), scratch.s.numel())
+    epi = epilogue if epilogue is not None else (None, None)
 
     def run():
         P, comp = _cached(w_t, kind, lambda w: pack_s8(w, group))  # repacked if w_t was written
         fn(x2.data_ptr(), scratch.q.data_ptr(), scratch.s.data_ptr(), P.data_ptr(), comp.data_ptr(),
-           w_scale.data_ptr(), *tail, P.numel(), comp.numel(), o2.numel(), st.data_ptr())
+           w_scale.data_ptr(), *tail, P.numel(), comp.numel(), o2.numel(), *epi, st.data_ptr())
         if st[0]:
             _raise_status(st, "linear_w8a8")
     return run

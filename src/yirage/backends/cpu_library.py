@@ -53,10 +53,11 @@ SIGNATURES: dict[str, tuple] = {
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
     # embedding encoder (kernels/cpu/embed_kernels.h); the trailing _I are buffer lengths, then status
     "yr_emb_pack_f32": (_P, _P, _I, _I, _I, _P),       # w [N, K], P, N, K, p_len, status
-    "yr_emb_gemm_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P),  # x, P, bias, y, M, N, K, lens
+    # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
+    "yr_emb_gemm_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
     "yr_emb_pack_s8": (_P, _P, _P, _I, _I, _I, _I, _I, _P),  # wt [K, N], P, comp, K, N, group, p/comp_len
-    # x, qbuf, sbuf, P, comp, ws, bias, y, M, N, K, group, x/q/s/p/comp/y lengths, status
-    "yr_emb_linear_w8a8": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P),
+    # x, qbuf, sbuf, P, comp, ws, bias, y, M, N, K, group, x/q/s/p/comp/y lengths, epilogue fn, args, status
+    "yr_emb_linear_w8a8": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P),
     # qkv, offsets, out, T, B, H, Dh, scale, qkv_len, out_len, status
     "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
 }
@@ -133,6 +134,29 @@ def _linear(node, graph, args, out, status):
     if bias is None:
         return lambda: torch.mm(x2, w_t, out=o2)
     return lambda: torch.addmm(bias, x2, w_t, out=o2)
+
+
+def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
+    """``linear`` (float32 on a prepacked weight) or ``linear_w8a8`` (float32) with ``kernel``
+    (a CppKernel: its task entry runs rows lo..hi-1, bound to ``kernel_args``) as the GEMM's
+    row epilogue; None for anything else."""
+    task_fn = getattr(kernel, "task_fn", None)
+    if task_fn is None or out.dtype != torch.float32 or args[0].dtype != torch.float32:
+        return None
+    if node.op == "linear":
+        bias = args[2] if len(args) == 3 else None
+        if (bias is not None and bias.dtype != torch.float32) or cpu_embed.packed_linear_weight(args[1]) is None:
+            return None
+    elif node.op != "linear_w8a8":
+        return None
+    ptrs = (ctypes.c_int64 * len(kernel_args))(*[t.data_ptr() for t in kernel_args])
+    epilogue = (task_fn, ctypes.addressof(ptrs))
+    if node.op == "linear":
+        run = cpu_embed.bind_linear_f32_packed(args[0], args[1], args[2] if len(args) == 3 else None, out, epilogue)
+    else:
+        run = cpu_embed.bind_linear_w8a8(node, graph, args, out, None, epilogue)
+    run.epilogue_args = ptrs  # the pointer array lives as long as the thunk
+    return run
 
 
 def _matmul(node, graph, args, out, status):

@@ -18,8 +18,10 @@ sentence's tokens (sum / max(count, 1e-9)), the CLS token, the max over tokens, 
 mean * sqrt(len), concatenated in that module's order; Normalize is L2 with eps 1e-12.
 
 On the CPU, float32 linear layers run on weights packed once at load (``backends/cpu_embed.py``,
-an AVX-512 register-blocked GEMM, ~2.3x torch's BLAS here) and attention over the packed
-sentences is a C++ kernel (``kernels/cpu/embed_kernels.h``).
+an AVX-512 register-blocked GEMM, ~2.3x torch's BLAS here), the fused row kernel after each
+GEMM (residual + LayerNorm, GELU) runs as its epilogue on each block of finished rows (the
+executor's epilogue fusion), and attention over the packed sentences is a C++ kernel
+(``kernels/cpu/embed_kernels.h``).
 
 ``quantization="int8"``: every linear layer runs as ``linear_w8a8`` (per-output-channel int8
 weights; activations quantized at run time per token and per group of 64 features, integer

@@ -140,8 +140,13 @@ class Plan:
         last_use = self._last_uses()
         keep = set(g.outputs) | set(g.inputs)
         self._bound: set[int] = set()  # outputs already bound with a sibling (customized groups)
+        epilogues: set[int] = set()   # steps bound as the row epilogue of the step before
         for i, step in enumerate(cg.steps):
-            if isinstance(step, FusedKernel):
+            if i in epilogues:
+                pass
+            elif self._bind_with_epilogue(i):
+                epilogues.add(i + 1)
+            elif isinstance(step, FusedKernel):
                 self._bind_fused(step)
             elif step.node.output in self._bound:
                 pass
@@ -224,6 +229,43 @@ class Plan:
             ins.append(x)
         outs = [self._alloc(tid) for _, tid, _ in k.outputs]
         self.thunks.append(self.cg.kernels[id(k)].bind(ins + outs, k.R))
+
+    #: may a library op and the fused row kernel after it be bound as one thunk (epilogue
+    #: fusion)? The persistent kernel's plan binds every step as its own task.
+    epilogue_fusion = True
+
+    def _bind_with_epilogue(self, i: int) -> bool:
+        """Bind step ``i`` (a library op) and step ``i + 1`` (a fused row kernel over the op's
+        output rows, reading them whole) as one thunk when the backend fuses them
+        (``bind_library_op_epilogue``). The row kernel's outputs are allocated before the op's
+        inputs are released, so they never share memory with what the op still reads. False:
+        nothing bound, bind them apart."""
+        steps, impl, g = self.cg.steps, self.cg.impl, self.cg.graph
+        if (not self.epilogue_fusion or i + 1 >= len(steps) or isinstance(steps[i], FusedKernel)
+                or not isinstance(steps[i + 1], FusedKernel)):
+            return False
+        node, k = steps[i].node, steps[i + 1]
+        if (node.op in VIEW_OPS or node.output in self._bound or OPS[node.op].index_input is not None
+                or not impl.supports(node, g)):
+            return False
+        shape = g.tensors[node.output].shape
+        reads = [inp for inp in k.inputs if inp.tid == node.output]
+        if (not reads or any(inp.mode != "full" for inp in reads) or any(inp.mode == "expand" for inp in k.inputs)
+                or k.D != shape[-1] or k.R * k.D != math.prod(shape)
+                or any(inp.tid != node.output and inp.tid not in self.env for inp in k.inputs)):
+            return False
+        args = [self.env[t] for t in node.inputs]
+        out = self._alloc(node.output)
+        outs = [self._alloc(tid) for _, tid, _ in k.outputs]
+        ins = [self.env[inp.tid] for inp in k.inputs]
+        thunk = impl.bind_library_op_epilogue(node, g, args, out, self.cg.kernels[id(k)], ins + outs)
+        if thunk is None:   # not fused: hand the buffers back
+            for tid in (node.output, *(tid for _, tid, _ in k.outputs)):
+                self._release(tid)
+                del self.env[tid]
+            return False
+        self.thunks.append(thunk)
+        return True
 
     def _bind_customized_group(self, node) -> bool:
         """Bind every ``customized`` op of ``node``'s block graph (same inputs) as one kernel

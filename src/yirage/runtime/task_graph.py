@@ -215,6 +215,8 @@ class TaskGraphPlan(Plan):
     every step has a task form).
     """
 
+    epilogue_fusion = False  # every step is its own task (dependencies by buffer)
+
     def __init__(self, cg, inputs: list[torch.Tensor], pool: WorkerPool):
         self.pool = pool
         self._items: list[tuple[str, object, list, list]] = []  # (kind, TaskOp | thunk, reads, writes)

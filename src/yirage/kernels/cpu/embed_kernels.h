@@ -126,6 +126,19 @@ inline EmbTiles emb_tiles(int64_t M, int64_t N) {
     return t;
 }
 
+// Row epilogue of a GEMM: a fused row program (codegen/cpp.py's NAME_task entry) run on
+// rows [lo, hi) of the output once every task of that row block has finished, by the task
+// that finished last, while the rows are still in cache (the residual + LayerNorm or the
+// GELU after a linear layer).
+typedef void (*EmbEpilogue)(const int64_t* args, int64_t lo, int64_t hi);
+
+// Per-row-block counters of finished tasks (zeroed), in the calling thread's scratch.
+inline int64_t* emb_row_counters(int64_t n) {
+    static thread_local std::vector<int64_t> counters;
+    counters.assign((size_t)n, 0);
+    return counters.data();
+}
+
 // a * b * ..., saturated at INT64_MAX (size checks stay correct for absurd sizes).
 inline int64_t emb_mul(int64_t a, int64_t b) {
     int64_t r;
@@ -547,15 +560,18 @@ void yr_emb_pack_f32(const float* w, float* P, int64_t N, int64_t K, int64_t p_l
 
 // y[M, N] = x[M, K] @ W^T + bias (bias may be null), W packed by yr_emb_pack_f32 (p_len
 // floats). Float32 FMAs, k in order within each 384-wide block. status: sizes outside their
-// buffers (x_len, y_len elements) or a packed length that does not fit N, K.
+// buffers (x_len, y_len elements) or a packed length that does not fit N, K. epi (may be
+// null): a row epilogue run with epi_args on each block of finished rows (EmbEpilogue).
 void yr_emb_gemm_f32(const float* x, const float* P, const float* bias, float* y, int64_t M, int64_t N,
-                     int64_t K, int64_t x_len, int64_t p_len, int64_t y_len, int64_t* status) {
+                     int64_t K, int64_t x_len, int64_t p_len, int64_t y_len, EmbEpilogue epi,
+                     const int64_t* epi_args, int64_t* status) {
     if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, N, 1, INT64_MAX) ||
         !emb_check(status, K, 1, INT64_MAX)) return;
     const EmbTiles t = emb_tiles(M, N);
     if (!emb_check(status, emb_mul(M, K), 0, x_len + 1) || !emb_check(status, emb_mul(M, N), 0, y_len + 1) ||
         !emb_check(status, emb_mul(t.npanels, EMB_NR, K), 0, p_len + 1)) return;
     if (M == 0) return;
+    int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
 #pragma omp parallel for schedule(dynamic, 1) if (emb_mul(M, N, K) >= PAR_MIN_MACS)
     for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
         const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
@@ -577,6 +593,7 @@ void yr_emb_gemm_f32(const float* x, const float* P, const float* bias, float* y
                         for (int j = 0; j < nr; ++j) y[m * N + n0 + j] += bias[n0 + j];
             }
         }
+        if (epi && __atomic_add_fetch(done + mb, 1, __ATOMIC_ACQ_REL) == t.pgroups) epi(epi_args, m0, m1);
     }
 }
 
@@ -614,11 +631,11 @@ void yr_emb_pack_s8(const int8_t* wt, uint8_t* P, int32_t* comp, int64_t K, int6
 // (`group` features, 0: whole row) into qbuf (M * Kp bytes, q_len) and sbuf (M * ng floats,
 // s_len), then y [M, N] = sum over groups of the int32 dot products with the weight packed by
 // yr_emb_pack_s8 for the same group (P, comp) times the x scale, times ws[n], plus bias[n]
-// (bias may be null). Exact integer sums within a group.
+// (bias may be null). Exact integer sums within a group. epi, epi_args: as in yr_emb_gemm_f32.
 void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_t* P, const int32_t* comp,
                         const float* ws, const float* bias, float* y, int64_t M, int64_t N, int64_t K, int64_t group,
                         int64_t x_len, int64_t q_len, int64_t s_len, int64_t p_len, int64_t comp_len, int64_t y_len,
-                        int64_t* status) {
+                        EmbEpilogue epi, const int64_t* epi_args, int64_t* status) {
     if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, N, 1, INT64_MAX) ||
         !emb_check(status, K, 1, INT64_MAX) || !emb_check(status, group, 0, K + 1)) return;
     if (group > 0 && (K % group != 0 || group % 4 != 0)) { report(status, group, 0, 0); return; }
@@ -633,6 +650,7 @@ void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_
         return;
     if (M == 0) return;
     const int64_t kq = gr.Kp / 4;
+    int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
 #pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
     {
 #pragma omp for schedule(static)
@@ -652,6 +670,7 @@ void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_
                                          ws + n0, bias ? bias + n0 : nullptr, y + m * N + n0, N, nr);
                 }
             }
+            if (epi && __atomic_add_fetch(done + mb, 1, __ATOMIC_ACQ_REL) == t.pgroups) epi(epi_args, m0, m1);
         }
     }
 }
