@@ -147,6 +147,16 @@ def _copy_model(model, tmp_path):
     return dst
 
 
+def test_hub_id_offline_is_one_clear_error(monkeypatch, tmp_path):
+    """A hub id that cannot be fetched (offline here) gives one ModelLoadError naming it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError) as info:
+        yr.EmbeddingModel("yirage-test/no-such-embedder")
+    message = str(info.value)
+    assert "could not fetch embedding model 'yirage-test/no-such-embedder'" in message and "\n" not in message
+
+
 def test_bad_model_directories(model, tmp_path):
     d = _copy_model(model, tmp_path)
     shutil.rmtree(d / "1_Pooling")
