@@ -1,7 +1,7 @@
 """Property-based fuzzing of kernel graphs (GitHub issue 6), with hypothesis.
 
 1. Random graphs (shapes with 1s and odd sizes; elementwise and row ops, broadcasting,
-   matmul/linear, reshape/slice, casts, argmax) built with ``yr.new_kernel_graph()``: building
+   matmul/linear, the W8A8 int8 linear, reshape/slice, casts, argmax) built with ``yr.new_kernel_graph()``: building
    raises nothing but ``GraphError`` (invalid combinations are drawn on purpose; linear weights
    are sometimes q8_0/q4_1 blocks), and a graph that builds gives the same outputs on the
    backend as the reference interpreter ``g.interpret`` (fp32: 1e-4 relative to the output's
@@ -76,6 +76,7 @@ UNARY = ["exp", "sqrt", "rsqrt", "square", "neg", "silu", "gelu", "relu"]
 BINARY = ["add", "sub", "mul", "div"]
 OPS = UNARY + BINARY * 2 + ["clamp", "scale", "reduction", "rms_norm", "softmax", "softmax", "matmul",
                             "matmul", "linear", "linear", "reshape", "slice_rows", "argmax", "cast"]
+OPS = OPS[:4] + ["linear_w8a8"] + OPS[4:]  # early: hypothesis draws the list's head more often
 LOWP_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
 
 
@@ -171,6 +172,16 @@ class _Builder:
                 w = self.input((N, K), like=x)
             bias = self.input((draw(st.sampled_from([N, N, N + 1])),), like=x) if draw(st.booleans()) else None
             return self._mark(g.linear(x, w, bias), x)
+        if op == "linear_w8a8":  # int8 weights [K, N]; on the CPU fused kernels after it run as its epilogue
+            K = shape[-1] if draw(st.integers(0, 6)) else draw(DIMS)
+            N = draw(DIMS)
+            # activation groups: whole rows, 4 (valid when 4 divides K) or 3 (GraphError: not a multiple of 4)
+            group = draw(st.sampled_from([0, 4, 3])) if draw(st.integers(0, 3)) == 0 else 0
+            w_t, w_scale = self.g.new_input((K, N), yr.int8), self.input((N,))
+            bias = self.input((N,)) if draw(st.booleans()) else None
+            out = g.linear_w8a8(x, w_t, w_scale, bias, group_size=group)
+            event("a W8A8 int8 linear")
+            return self._mark(out, x)
         if op == "reshape":
             n = math.prod(shape)
             options = [(n,), (1, n), tuple(reversed(shape)), (shape[0], n // shape[0]), (n + 1,)]
