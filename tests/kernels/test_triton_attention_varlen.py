@@ -6,7 +6,6 @@ when there is no GPU); "cuda" runs it compiled on a GPU. References are computed
 (float32 inside, cast to the input dtype). Shapes are small: the interpreter is slow.
 """
 import itertools
-import os
 
 import pytest
 import torch
@@ -17,22 +16,6 @@ from yirage.ir.ops import attention_varlen_reference
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(params=["cpu", "cuda"])
-def device(request):
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU runs need Triton's interpreter (TRITON_INTERPRET=1)")
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return torch.device(request.param)
-
-
-@pytest.fixture(scope="module")
-def K():
-    """The kernels module, imported after conftest has set TRITON_INTERPRET."""
-    import yirage.kernels.triton as kernels
-    return kernels
 
 
 def gen(seed):

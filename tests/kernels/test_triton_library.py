@@ -4,7 +4,6 @@
 when there is no GPU); "cuda" runs them compiled on a GPU. References are always computed on
 the CPU in float32 (GGUF weights decoded by the gguf package).
 """
-import os
 
 import gguf
 import numpy as np
@@ -17,22 +16,6 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3,
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(params=["cpu", "cuda"])
-def device(request):
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU runs need Triton's interpreter (TRITON_INTERPRET=1)")
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return torch.device(request.param)
-
-
-@pytest.fixture(scope="module")
-def K():
-    """The kernels module, imported after conftest has set TRITON_INTERPRET."""
-    import yirage.kernels.triton as kernels
-    return kernels
 
 
 def gen(seed):

@@ -58,6 +58,16 @@ def acc_per_thread(cfg, block_m="BLOCK_M", block_n="BLOCK_N") -> float:
     return cfg.kwargs[block_m] * cfg.kwargs[block_n] / (32 * cfg.num_warps)
 
 
+def fp32_score_tiles(ptr_arg: str):
+    """An autotune prune for attention kernels: with float32 inputs (``ptr_arg``'s dtype; dots on
+    CUDA cores) only configs with <= 8 score elements per thread fit registers."""
+    def prune(configs, args):
+        if args[ptr_arg].dtype != torch.float32:
+            return configs
+        return [c for c in configs if acc_per_thread(c) <= 8]
+    return prune
+
+
 def pow2_bucket(n: int, cap: int = 4096) -> int:
     """Smallest power of two >= ``n``, capped: an autotune key that doesn't retune per size."""
     return min(triton.next_power_of_2(max(int(n), 1)), cap)

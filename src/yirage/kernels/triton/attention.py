@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (acc_per_thread, autotune, cast_rtne, check_tensors, dot_upcast, mma, pow2_bucket,
+from ._common import (autotune, cast_rtne, check_tensors, dot_upcast, fp32_score_tiles, mma, pow2_bucket,
                       report_violation, status_arg, to_out)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -248,11 +248,7 @@ _PREFILL_CONFIGS = [
 ]
 
 
-def _prune_prefill(configs, args):
-    """fp32 (CUDA-core dots): only tiles with <= 8 score elements per thread fit registers."""
-    if args["q_ptr"].dtype != torch.float32:
-        return configs
-    return [c for c in configs if acc_per_thread(c) <= 8]
+_prune_prefill = fp32_score_tiles("q_ptr")
 
 
 @autotune(configs=_PREFILL_CONFIGS, key=["T_KEY", "Dh", "G"], prune=_prune_prefill)

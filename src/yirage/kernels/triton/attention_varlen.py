@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ...errors import GraphError
-from ._common import (acc_per_thread, autotune, cast_rtne, dot_upcast, mma, pow2_bucket, report_violation,
+from ._common import (autotune, cast_rtne, dot_upcast, fp32_score_tiles, mma, pow2_bucket, report_violation,
                       status_arg, to_out)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -61,11 +61,7 @@ _CONFIGS = [
 ]
 
 
-def _prune(configs, args):
-    """fp32 (CUDA-core dots): only tiles with <= 8 score elements per thread fit registers."""
-    if args["qkv_ptr"].dtype != torch.float32:
-        return configs
-    return [c for c in configs if acc_per_thread(c) <= 8]
+_prune = fp32_score_tiles("qkv_ptr")
 
 
 @triton.jit
