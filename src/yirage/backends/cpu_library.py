@@ -143,18 +143,16 @@ def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
     task_fn = getattr(kernel, "task_fn", None)
     if task_fn is None or out.dtype != torch.float32 or args[0].dtype != torch.float32:
         return None
-    if node.op == "linear":
-        bias = args[2] if len(args) == 3 else None
-        if (bias is not None and bias.dtype != torch.float32) or cpu_embed.packed_linear_weight(args[1]) is None:
-            return None
-    elif node.op != "linear_w8a8":
+    bias = args[2] if node.op == "linear" and len(args) == 3 else None
+    if node.op == "linear" and ((bias is not None and bias.dtype != torch.float32)
+                                or cpu_embed.packed_linear_weight(args[1]) is None):
+        return None
+    if node.op not in ("linear", "linear_w8a8"):
         return None
     ptrs = (ctypes.c_int64 * len(kernel_args))(*[t.data_ptr() for t in kernel_args])
     epilogue = (task_fn, ctypes.addressof(ptrs))
-    if node.op == "linear":
-        run = cpu_embed.bind_linear_f32_packed(args[0], args[1], args[2] if len(args) == 3 else None, out, epilogue)
-    else:
-        run = cpu_embed.bind_linear_w8a8(node, graph, args, out, None, epilogue)
+    run = (cpu_embed.bind_linear_f32_packed(args[0], args[1], bias, out, epilogue) if node.op == "linear"
+           else cpu_embed.bind_linear_w8a8(node, graph, args, out, None, epilogue))
     run.epilogue_args = ptrs  # the pointer array lives as long as the thunk
     return run
 
