@@ -8,102 +8,16 @@ threads or change torch's thread settings.
 """
 from __future__ import annotations
 
-import functools
 import os
 import platform
-import subprocess
-import sys
 
 import torch
 
 from yirage.backends import cpu_library
 from yirage.backends.base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from yirage.runtime.cpp_kernels import compile_cpp
-
-# ISA extensions that code generation cares about, spelled as in Linux /proc/cpuinfo
-# (x86 "flags", Arm "Features").
-KNOWN_ISA_FLAGS = (
-    "avx", "avx2", "fma", "f16c",
-    "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-    "amx_tile", "amx_bf16", "amx_int8",
-    "neon", "asimd", "sve",
-)
-
-# macOS sysctl keys (hw.optional.*) for the same extensions.
-_SYSCTL_ISA_KEYS = {
-    "hw.optional.avx1_0": "avx",
-    "hw.optional.avx2_0": "avx2",
-    "hw.optional.fma": "fma",
-    "hw.optional.f16c": "f16c",
-    "hw.optional.avx512f": "avx512f",
-    "hw.optional.avx512bw": "avx512bw",
-    "hw.optional.avx512vnni": "avx512_vnni",
-    "hw.optional.neon": "neon",
-    "hw.optional.AdvSIMD": "asimd",
-    "hw.optional.arm.FEAT_SVE": "sve",
-}
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _cpuinfo_field(name: str) -> str | None:
-    """The first value of ``name`` in /proc/cpuinfo, or None."""
-    for line in (_read_text("/proc/cpuinfo") or "").splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == name:
-            return value.strip()
-    return None
-
-
-def _sysctl(args: list[str]) -> str | None:
-    """Output of ``sysctl <args>`` (macOS), or None if it fails."""
-    try:
-        result = subprocess.run(["sysctl", *args], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout if result.returncode == 0 else None
-
-
-def cpu_model_name() -> str:
-    """The CPU model name as the OS reports it (e.g. 'AMD EPYC 9654')."""
-    name = _cpuinfo_field("model name")
-    if not name and sys.platform == "darwin":
-        name = (_sysctl(["-n", "machdep.cpu.brand_string"]) or "").strip()
-    return name or platform.processor() or platform.machine() or "unknown CPU"
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_isa_flags() -> tuple[str, ...]:
-    """The entries of KNOWN_ISA_FLAGS this CPU reports, in KNOWN_ISA_FLAGS order."""
-    reported: set[str] = set()
-    line = _cpuinfo_field("flags") or _cpuinfo_field("Features")
-    if line is not None:
-        reported = set(line.split())
-    elif sys.platform == "darwin":
-        reported = _sysctl_isa_flags()
-    return tuple(flag for flag in KNOWN_ISA_FLAGS if flag in reported)
-
-
-def _sysctl_isa_flags() -> set[str]:
-    flags = set()
-    for line in (_sysctl(["hw.optional"]) or "").splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in _SYSCTL_ISA_KEYS and value.strip() == "1":
-            flags.add(_SYSCTL_ISA_KEYS[key.strip()])
-    return flags
-
-
-def usable_cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask), else all logical CPUs."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+from yirage.runtime.machine import (  # noqa: F401  (re-exported: the CPU's identity lives in runtime)
+    KNOWN_ISA_FLAGS, _read_text, cpu_isa_flags, cpu_model_name, usable_cpu_count)
 
 
 def system_memory() -> MemoryInfo:
