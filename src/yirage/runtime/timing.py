@@ -100,10 +100,7 @@ class Comparison:
         """True when ``name`` is faster than ``baseline`` by at least ``margin`` in the median
         paired ratio (ratio <= 1 - margin) *and* faster at all in at least ``consistency`` of
         the rounds: a win that a few lucky rounds make does not count."""
-        rs = self.ratios(name, baseline)
-        if not rs:
-            return False
-        return self.ratio(name, baseline) <= 1.0 - margin and sum(r < 1.0 for r in rs) >= consistency * len(rs)
+        return beats(self.ratios(name, baseline), margin, consistency)
 
     def fastest(self) -> str:
         """The candidate with the lowest median time."""
@@ -120,6 +117,14 @@ class Comparison:
         """JSON-ready: every round's seconds per call, calls per sample, medians."""
         return {"rounds_s": [dict(r) for r in self.rounds], "calls_per_sample": dict(self.calls),
                 "median_s": {n: self.median(n) for n in self.names} if self.rounds else {}}
+
+
+def beats(ratios: list[float], margin: float = 0.03, consistency: float = 2 / 3) -> bool:
+    """True when paired ratios (a candidate's time over the baseline's, one per round) show a
+    win: median <= 1 - ``margin`` and below 1 in at least ``consistency`` of the rounds."""
+    if not ratios:
+        return False
+    return statistics.median(ratios) <= 1.0 - margin and sum(r < 1.0 for r in ratios) >= consistency * len(ratios)
 
 
 def compare(candidates: Mapping[str, Callable[[], object]], rounds: int = ROUNDS,
@@ -163,4 +168,4 @@ def bench(fn: Callable[[], object], rounds: int = ROUNDS, min_sample_s: float = 
     return compare({"fn": fn}, rounds, min_sample_s, sync, warmup).median("fn")
 
 
-__all__ = ["Comparison", "compare", "bench", "calibrate", "sample", "MIN_SAMPLE_S", "ROUNDS"]
+__all__ = ["Comparison", "compare", "beats", "bench", "calibrate", "sample", "MIN_SAMPLE_S", "ROUNDS"]

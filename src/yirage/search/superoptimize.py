@@ -29,12 +29,19 @@ keep the fastest. Here:
    tolerance; what two draws can miss is a deviation smaller than 1e-4 of the outputs'
    magnitude on both draws, e.g. a different eps in a norm. A candidate that fails is dropped
    and counted (``report["rejected"]``), never timed.
-3. Timing. Each survivor is bound to one set of inputs (a ``Plan``) and run ``warmup_iters``
-   times, then timed ``profile_iters`` times (device synchronized after each run); the median
-   counts. The ``FINALISTS`` fastest and the fixed fusion (timed first, when caches and
-   thread pools are cold) are then re-timed in turns over ``FINAL_ROUNDS`` rounds
-   (``report["final_round_s"]``) and the fastest of that round wins: sequential timings
-   taken far apart mislead on a shared machine.
+3. Timing, with a guard: the fixed fusion is never replaced by noise. Each survivor is bound to
+   one set of inputs (a ``Plan``) and timed *paired with the fixed fusion*: interleaved rounds
+   of both (``runtime/timing.py``; ``profile_iters`` calls per candidate in all, after
+   ``warmup_iters``), each round giving the ratio of the candidate's time to the fixed
+   fusion's in that round. The ``FINALISTS`` candidates with the lowest median ratio below 1
+   and the fixed fusion are then re-timed together over ``FINAL_ROUNDS`` interleaved rounds. A
+   candidate replaces the fixed fusion only if, over *all* the rounds it was timed in
+   (screening and final), the median of its paired ratios is at most ``1 - WIN_MARGIN`` and it
+   was faster in at least ``WIN_CONSISTENCY`` of them; the lowest median ratio among those
+   wins. Sequential timings taken far apart, or one disturbed round, cannot decide (on an
+   Intel Xeon the single final round of an earlier search measured the fixed fusion once at
+   2.3x its real time and chose a µGraph 2.5x slower than it). The report keeps every round
+   (``report["rounds"]``) and each candidate's ratios (``report["ratios_vs_fixed"]``).
 4. Cache. The winner (its kernel-graph JSON) is stored under ``cache_dir()/superopt``, keyed
    by the SHA-256 of the input graph's JSON (structure, shapes, dtypes), the backend, the
    machine (CPU model and ISA flags, or the GPU's name), torch's thread count and a format
@@ -64,12 +71,14 @@ from ..config import cache_dir
 from ..errors import GraphError
 from ..ir.graph import KernelGraph
 from ..ir.serialize import from_json, to_json
+from ..runtime import timing
 from ..runtime.executor import CompiledGraph
 from . import attention, mugraph
 
 VERIFY_DRAWS = 2
+FIXED = "fixed fusion"   # candidate 0, the baseline every other candidate is paired with
 RTOL = 1e-4               # of max(1, max |reference|), float32
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: winners chosen by the guarded paired comparison
 
 
 class OptimizedGraph:
@@ -80,9 +89,10 @@ class OptimizedGraph:
             input graph; its ``customized`` ops hold the block graphs).
         description: what the chosen candidate is (e.g. 'fixed fusion' or 'µGraph grid=16
             loop=8: ...').
-        report: the search: candidates generated, verified, rejected, timed, each timed
-            candidate's median seconds, the best, search seconds, whether it came from the
-            cache.
+        report: the search: candidates generated, verified, rejected, timed; each timed
+            candidate's median seconds (``times_s``) and paired ratios to the fixed fusion
+            (``ratios_vs_fixed``, screening and final rounds); every round's samples
+            (``rounds``); the best, its seconds, search seconds, whether it came from the cache.
     """
 
     def __init__(self, graph: KernelGraph, backend: str, description: str, report: dict):
@@ -197,42 +207,44 @@ def verify(graph: KernelGraph, candidate: CompiledGraph, seed: int, draws: int =
     return worst
 
 
-def _time(candidate: CompiledGraph, inputs: list[torch.Tensor], warmup: int, iters: int, plan=None) -> float:
-    """Median seconds of one run of ``candidate`` (bound once to ``inputs``, or ``plan``), the
-    device synchronized after each run (GPU launches are asynchronous)."""
-    plan = plan or candidate.plan(inputs)
-    sync = candidate.impl.synchronize
-    for _ in range(max(0, warmup)):
-        plan.run()
-    sync()
-    times = []
-    for _ in range(max(1, iters)):
-        t0 = time.perf_counter()
-        plan.run()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+#: candidates re-timed with the fixed fusion at the end of a search, and in how many rounds
+FINALISTS, FINAL_ROUNDS = 3, 7
+#: a candidate must take at most 1 - WIN_MARGIN of the fixed fusion's time (median of paired
+#: ratios) and be faster in WIN_CONSISTENCY of the rounds to replace it
+WIN_MARGIN, WIN_CONSISTENCY = 0.03, 2 / 3
+#: interleaved rounds of a candidate's screening against the fixed fusion
+SCREEN_ROUNDS = 3
 
 
-#: candidates re-timed against each other at the end of a search, and in how many rounds
-FINALISTS, FINAL_ROUNDS = 3, 5
+def _runner(desc: str, compiled: CompiledGraph, inputs: list[torch.Tensor]):
+    """A zero-argument callable running ``compiled`` once on a plan bound to ``inputs`` (what
+    is timed; a seam for tests that disturb one candidate's timing)."""
+    return compiled.plan(inputs).run
 
 
-def _final_round(finalists: list, inputs: list[torch.Tensor], iters: int, deadline: float) -> dict:
-    """{description: median over rounds} of the ``finalists`` ((description, CompiledGraph)),
-    timed in turns, round after round, so that load from other processes (a shared machine,
-    a busy GPU) falls on all of them alike: the first timings are sequential, minutes apart in
-    a long search, and at microseconds a one-off slow stretch can decide the winner. Stops
-    early at ``deadline`` (perf_counter seconds) after at least one round."""
-    plans = {d: c.plan(inputs) for d, c in finalists}
-    per = {d: [] for d, _ in finalists}
-    n = max(3, iters // FINAL_ROUNDS)
-    for r in range(FINAL_ROUNDS):
-        if r and time.perf_counter() > deadline:
-            break
-        for d, c in finalists:
-            per[d].append(_time(c, inputs, 1, n, plans[d]))
-    return {d: statistics.median(ts) for d, ts in per.items()}
+def _screen(desc: str, run, fixed_run, impl, warmup: int, iters: int) -> timing.Comparison:
+    """``run`` and the fixed fusion's ``fixed_run`` timed in ``SCREEN_ROUNDS`` interleaved
+    rounds of ``iters // SCREEN_ROUNDS`` calls each (at least 1), after ``warmup`` calls."""
+    for _ in range(warmup):
+        run()
+    calls = max(1, iters // SCREEN_ROUNDS)
+    return timing.compare({desc: run, FIXED: fixed_run}, rounds=SCREEN_ROUNDS, sync=impl.synchronize,
+                          warmup=0, calls={desc: calls, FIXED: calls})
+
+
+def _final(runs: dict, impl, iters: int, deadline: float) -> timing.Comparison:
+    """The finalists and the fixed fusion (``runs``: {description: callable}) in up to
+    ``FINAL_ROUNDS`` interleaved rounds (at least 3, fewer past ``deadline``)."""
+    calls = max(3, iters // FINAL_ROUNDS)
+    return timing.compare(runs, rounds=FINAL_ROUNDS, sync=impl.synchronize, warmup=1, deadline=deadline,
+                          calls=dict.fromkeys(runs, calls))
+
+
+def _decide(ratios: dict[str, list[float]]) -> str:
+    """The winner: the candidate with the lowest median paired ratio among those that beat the
+    fixed fusion by the margin over all their rounds (``timing.beats``), else the fixed fusion."""
+    winners = [d for d, rs in ratios.items() if timing.beats(rs, WIN_MARGIN, WIN_CONSISTENCY)]
+    return min(winners, key=lambda d: statistics.median(ratios[d])) if winners else FIXED
 
 
 #: a block's for-loop tiles on a GPU backend must fit shared memory with Triton's pipelining
@@ -275,6 +287,24 @@ def _candidates(graph: KernelGraph, cls, backend: str = "cpu"):
         yield f"µGraph {fmt.format(split, loop)}{label}: {p.describe()}", cand
 
 
+def _build_and_verify(graph: KernelGraph, desc: str, cand: KernelGraph, impl, seed: int, report: dict, say):
+    """(compiled candidate or None, its verification error: inf when it cannot run). A µGraph
+    the backend cannot build (Triton's OutOfResources for shared memory, say) is dropped and
+    its reason kept in ``report["build_errors"]``; the fixed fusion's own failure propagates,
+    as ``g(inputs)`` would raise it."""
+    try:
+        compiled = CompiledGraph(cand, impl)
+        return compiled, verify(graph, compiled, seed=seed)
+    except GraphError as e:
+        say(f"[superoptimize] {desc}: cannot run ({e})")
+    except Exception as e:  # noqa: BLE001
+        if cand is graph:
+            raise
+        report.setdefault("build_errors", {})[desc] = f"{type(e).__name__}: {str(e)[:200]}"
+        say(f"[superoptimize] {desc}: the backend cannot build it ({type(e).__name__}: {e})")
+    return None, float("inf")
+
+
 def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, warmup_iters: int = 16,
                   profile_iters: int = 100, use_cached_graphs: bool = True, save_codes: bool = False,
                   verbose: bool = False, time_budget_s: float = 60.0) -> OptimizedGraph:
@@ -286,7 +316,8 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
             report (the candidate family is chosen from the graph itself).
         backend: where candidates are compiled and timed (default: the graph's, else
             ``yr.get_backend()``).
-        warmup_iters, profile_iters: untimed and timed runs per candidate (median counts).
+        warmup_iters, profile_iters: untimed and timed runs per candidate; the timed runs are
+            spread over interleaved rounds, each paired with as many runs of the fixed fusion.
         use_cached_graphs: return the cached winner for this graph, backend and machine if
             there is one (the search is skipped).
         save_codes: write the winner's kernel-graph JSON and the C++ of its block graphs to
@@ -324,9 +355,10 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
     gen = torch.Generator().manual_seed(0)
     bench_inputs = _random_inputs(graph, gen, impl.torch_device)
     report = {"config": config, "backend": name, "candidates": 0, "verified": 0, "rejected": 0, "timed": 0,
-              "times_s": {}, "cached": False}
-    best = None
-    timed: list[tuple[float, str, KernelGraph, CompiledGraph]] = []
+              "times_s": {}, "ratios_vs_fixed": {}, "rounds": {"screening": {}}, "cached": False}
+    fixed_run = None
+    screened: dict[str, tuple[KernelGraph, object]] = {}   # description -> (graph, timed callable)
+    ratios: dict[str, list[float]] = {}                    # description -> paired ratios to the fixed fusion
     longest = 0.0
     for i, (desc, cand) in enumerate(_candidates(graph, cls, name)):
         spent = time.perf_counter() - t_start
@@ -337,46 +369,50 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
             break
         t_cand = time.perf_counter()
         report["candidates"] += 1
-        try:
-            compiled = CompiledGraph(cand, impl)
-            err = verify(graph, compiled, seed=i)
-        except GraphError as e:
-            err = float("inf")
-            say(f"[superoptimize] {desc}: cannot run ({e})")
-        except Exception as e:  # noqa: BLE001 - a µGraph the backend cannot build (e.g. Triton's
-            if cand is graph:   # OutOfResources for shared memory) is dropped; the fixed fusion's own
-                raise           # failure is the user's error, as g(inputs) would raise it
-            err = float("inf")
-            report.setdefault("build_errors", {})[desc] = f"{type(e).__name__}: {str(e)[:200]}"
-            say(f"[superoptimize] {desc}: the backend cannot build it ({type(e).__name__}: {e})")
+        compiled, err = _build_and_verify(graph, desc, cand, impl, i, report, say)
+        if (i == 0) != (desc == FIXED) or (desc == FIXED and not err <= RTOL):
+            raise GraphError("superoptimize: the fixed fusion must come first and pass verification; this is a "
+                             "yirage bug: please report it with the graph's to_json()")
         if not err <= RTOL:
             report["rejected"] += 1
             say(f"[superoptimize] rejected {desc}: error {err:.3g} > {RTOL}")
             continue
         report["verified"] += 1
-        t = _time(compiled, bench_inputs, warmup_iters, profile_iters)
+        run = _runner(desc, compiled, bench_inputs)
+        if fixed_run is None:
+            fixed_run = run
+            for _ in range(warmup_iters):
+                run()
+            report["times_s"][FIXED] = timing.bench(run, SCREEN_ROUNDS, sync=impl.synchronize)
+        else:
+            c = _screen(desc, run, fixed_run, impl, warmup_iters, profile_iters)
+            report["rounds"]["screening"][desc] = c.to_dict()
+            report["times_s"][desc] = c.median(desc)
+            ratios[desc] = c.ratios(desc, FIXED)
+            screened[desc] = (cand, run)
         report["timed"] += 1
-        report["times_s"][desc] = t
-        timed.append((t, desc, cand, compiled))
-        if best is None or t < best[0]:
-            best = (t, desc, cand)
         longest = max(longest, time.perf_counter() - t_cand)
         say(f"[superoptimize] {report['candidates']} generated, {report['verified']} verified, "
-            f"{report['rejected']} rejected; {desc}: {t * 1e6:.1f} us (best {best[0] * 1e6:.1f} us: {best[1]})")
-    if best is None:   # the fixed fusion failed its own check: a yirage bug, not the user's
-        raise GraphError("superoptimize: no candidate passed verification, not even the fixed fusion; "
-                         "this is a yirage bug: please report it with the graph's to_json()")
-    finalists = sorted(timed, key=lambda x: x[0])[:FINALISTS]
-    finalists += [x for x in timed if x[1] == "fixed fusion" and x not in finalists]  # the baseline, always
-    if len(finalists) > 1:
-        final = _final_round([(d, c) for _, d, _, c in finalists], bench_inputs, profile_iters,
-                             t_start + time_budget_s)
-        report["final_round_s"] = final
-        d_best = min(final, key=final.get)
-        best = (final[d_best], d_best, next(g for _, d, g, _ in finalists if d == d_best))
-        say(f"[superoptimize] final round: " + ", ".join(f"{d}: {t * 1e6:.1f} us" for d, t in final.items()))
-    t_best, desc, chosen = best
-    report.update(best=desc, best_s=t_best, fixed_fusion_s=report["times_s"].get("fixed fusion"),
+            f"{report['rejected']} rejected; {desc}: {report['times_s'][desc] * 1e6:.1f} us"
+            + (f" ({statistics.median(ratios[desc]):.3f}x the fixed fusion's time)" if desc in ratios else ""))
+    hopefuls = sorted((d for d in ratios if statistics.median(ratios[d]) < 1.0),
+                      key=lambda d: statistics.median(ratios[d]))[:FINALISTS]
+    best_s = report["times_s"][FIXED]
+    if hopefuls:
+        final = _final({FIXED: fixed_run, **{d: screened[d][1] for d in hopefuls}}, impl, profile_iters,
+                       t_start + time_budget_s)
+        report["rounds"]["final"] = final.to_dict()
+        report["final_round_s"] = {d: final.median(d) for d in final.names}
+        for d in hopefuls:
+            ratios[d] = ratios[d] + final.ratios(d, FIXED)
+        say("[superoptimize] final round: " + ", ".join(f"{d}: {final.median(d) * 1e6:.1f} us"
+                                                        for d in final.names))
+    report["ratios_vs_fixed"] = ratios
+    desc = _decide({d: ratios[d] for d in hopefuls})
+    chosen = graph if desc == FIXED else screened[desc][0]
+    if hopefuls:
+        best_s = report["final_round_s"][desc]
+    report.update(best=desc, best_s=best_s, fixed_fusion_s=report["times_s"][FIXED],
                   search_s=time.perf_counter() - t_start)
     _store(key, chosen, desc, report)
     if save_codes:
