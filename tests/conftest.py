@@ -15,6 +15,17 @@ import pytest  # noqa: E402
 import yirage as yr  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_machine_profile(tmp_path_factory):
+    """Kernel-provider measurements taken while the suite runs (first use, yirage.tuning) go to
+    a profile of the session's own, never to the user's."""
+    from yirage.tuning import profile
+
+    profile.PROFILE_DIR = tmp_path_factory.mktemp("tuning")
+    yield
+    profile.PROFILE_DIR = None
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test starts from the same torch seed, so random inputs repeat run to run."""

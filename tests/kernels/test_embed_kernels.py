@@ -122,8 +122,11 @@ def test_prepacked_linear_follows_weight_updates():
 def test_gemm_row_epilogue(int8, monkeypatch):
     """A GEMM followed by a row program over its output (residual + LayerNorm; GELU) runs that
     program as the GEMM's row epilogue, one thunk for the pair (the embedding encoder's
-    pattern), and gives bit for bit what the two give apart, which matches torch."""
+    pattern), and gives bit for bit what the two give apart, which matches torch. (yirage's own
+    GEMMs, the default providers: a vendor GEMM's rows may depend on how many it computes at once.)"""
     from yirage.runtime.executor import Plan
+
+    monkeypatch.setenv("YIRAGE_TUNE", "off")
 
     M, K, N = 203, 96, 64   # 203 rows: several row blocks and a ragged last one
     torch.manual_seed(0)

@@ -2,10 +2,11 @@
 GEMM on weights packed once, W8A8 int8 GEMM (AVX-512 VNNI / AVX-VNNI / AVX2 / scalar) and attention over
 packed sentences (``attention_varlen``), with the binders cpu_library.py's op table uses.
 
-Packed weights are kept in a cache keyed by the weight tensor (dropped when the tensor is
-freed, repacked if it was written in place). An fp32 ``linear`` uses the packed GEMM only for
-weights registered with ``prepack_linear`` (the embedding engine registers its own), so other
-users of ``linear`` keep torch's GEMM and pay no extra memory. Every wrapper takes ``lib=``: a
+Packed weights are kept in a cache keyed by the weight tensor and the layout (dropped when the
+tensor is freed, repacked if it was written in place). Only weights declared constant
+(``mark_constant``: the engines declare theirs) are packed for a provider that keeps a copy
+(``backends/cpu_providers.py`` chooses the provider of each linear layer by measurement); other
+users of ``linear`` pay no extra memory. Every wrapper takes ``lib=``: a
 build of the kernel library (tests pass each ISA build), by default the CPU backend's. This
 module must never build graphs or import engines.
 """
@@ -20,7 +21,7 @@ from ..errors import YirageError
 from ..ir.ops import check_offsets
 
 _PANEL = 32  # output columns per packed panel (embed_kernels.h EMB_NR)
-_packed: dict[int, tuple] = {}  # id(weight) -> (data_ptr, _version, kind, packed tensors...)
+_packed: dict[tuple[int, str], tuple] = {}  # (id(weight), kind) -> (data_ptr, _version, packed)
 
 
 def _lib(lib=None):
@@ -184,39 +185,65 @@ def attention_varlen(qkv: torch.Tensor, offsets: torch.Tensor, num_heads: int, s
         raise YirageError("attention_varlen: sizes do not fit the buffers")
 
 
-# ---- packed-weight cache ---------------------------------------------------------------
+# ---- constant weights and the packed-weight cache ----------------------------------------
+_constant: dict[int, int] = {}   # id(weight) -> data_ptr, for weights declared constant
+
+
+def mark_constant(w: torch.Tensor) -> None:
+    """Declare ``w`` a constant weight (an engine's, frozen for its lifetime): kernel providers
+    may then keep a packed copy of it in their own layout (``backends/cpu_providers.py``).
+    Weights not declared constant (a kernel graph's inputs) are read as they are. Writes to
+    ``w`` stay visible: a packed copy is remade when ``w``'s version or storage changes."""
+    key = id(w)
+    if key not in _constant:
+        weakref.finalize(w, _constant.pop, key, None)
+    _constant[key] = w.data_ptr()
+
+
+def is_constant(w: torch.Tensor) -> bool:
+    """Was ``w`` declared with ``mark_constant`` (and still has the same storage)?"""
+    return _constant.get(id(w)) == w.data_ptr()
+
+
 def _cached(w: torch.Tensor, kind: str, make):
     """The packed form ``kind`` of ``w``, made by ``make(w)`` once (again if w changed)."""
-    key = id(w)
+    key = (id(w), kind)
     hit = _packed.get(key)
-    if hit is not None and hit[0] == w.data_ptr() and hit[1] == w._version and hit[2] == kind:
-        return hit[3]
+    if hit is not None and hit[0] == w.data_ptr() and hit[1] == w._version:
+        return hit[2]
     packed = make(w)
     if hit is None:
         weakref.finalize(w, _packed.pop, key, None)
-    _packed[key] = (w.data_ptr(), w._version, kind, packed)
+    _packed[key] = (w.data_ptr(), w._version, packed)
     return packed
 
 
+def has_packed(w: torch.Tensor, kind: str) -> bool:
+    """Is a packed form ``kind`` of ``w`` held (possibly stale)?"""
+    return (id(w), kind) in _packed
+
+
+def forget_packed(w: torch.Tensor, kind: str) -> None:
+    """Drop the packed form ``kind`` of ``w`` (a provider that was measured, not chosen)."""
+    _packed.pop((id(w), kind), None)
+
+
 def prepack_linear(w: torch.Tensor) -> None:
-    """Pack ``w`` float32 [N, K] now, and let the CPU backend's ``linear`` run on the packed
-    form whenever this tensor is its weight (until it is freed)."""
+    """Declare ``w`` float32 [N, K] constant and pack it for the float32 GEMM now."""
+    mark_constant(w)
     _cached(w, "f32", pack_f32)
 
 
 def packed_linear_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """The packed form of ``w`` if ``prepack_linear`` registered it (repacked if written
-    since), else None."""
-    hit = _packed.get(id(w))
-    if hit is None or hit[2] != "f32" or hit[0] != w.data_ptr():
-        return None
-    return _cached(w, "f32", pack_f32)
+    """The float32 GEMM's packed form of ``w`` if ``w`` is a constant weight (packed now if it
+    was not, repacked if written since), else None."""
+    return _cached(w, "f32", pack_f32) if is_constant(w) else None
 
 
 # ---- binders (cpu_library.OPS) ---------------------------------------------------------
 def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                            epilogue: tuple[int, int] | None = None):
-    """Thunk of an fp32 ``linear`` whose weight was registered by ``prepack_linear``.
+    """Thunk of an fp32 ``linear`` on the packed GEMM (``w`` packed once, again if written).
     ``epilogue``: None or ``(fn, args)``, the addresses of a fused row kernel's task entry
     (``void fn(const int64_t* args, int64_t lo, int64_t hi)``) and of its argument array
     (kept alive by the caller), run by the GEMM on each block of finished output rows."""
@@ -228,12 +255,7 @@ def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     epi_fn, epi_args = epilogue if epilogue is not None else (None, None)
 
     def run():
-        P = packed_linear_weight(w)
-        if P is None:  # the weight's storage was replaced since it was registered
-            o2.copy_(torch.nn.functional.linear(x2, w, bias))
-            if epilogue is not None:
-                ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(epi_fn)(epi_args, 0, M)
-            return
+        P = _cached(w, "f32", pack_f32)   # repacked if w was written or its storage replaced
         lib.yr_emb_gemm_f32(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, N, K, x2.numel(),
                             P.numel(), o2.numel(), epi_fn, epi_args, st.data_ptr())
         if st[0]:
@@ -244,11 +266,17 @@ def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 def bind_linear_w8a8(node, graph, args, out, status, epilogue: tuple[int, int] | None = None):
     """Thunk of ``linear_w8a8`` on the C++ int8 GEMM (weights packed once per tensor);
     ``epilogue`` as in ``bind_linear_f32_packed``."""
+    return bind_linear_w8a8_args(args, out, int(node.attrs.get("group_size", 0)), epilogue)
+
+
+def bind_linear_w8a8_args(args: list[torch.Tensor], out: torch.Tensor, group: int,
+                          epilogue: tuple[int, int] | None = None):
+    """``bind_linear_w8a8`` from the op's tensors (x float32 [.., K], w_t int8 [K, N], w_scale
+    float32 [N], optional bias float32 [N]) and its activation group size."""
     x, w_t, w_scale = args[0], args[1], args[2]
     bias = args[3] if len(args) == 4 else None
     K, N = w_t.shape
     M = x.numel() // K
-    group = int(node.attrs.get("group_size", 0))
     x2, o2 = x.view(M, K), out.view(M, N)
     scratch = W8A8Scratch(M, K, group)
     kind = f"s8/{group}"
@@ -281,4 +309,4 @@ def bind_attention_varlen(node, graph, args, out, status):
 
 
 __all__ = ["pack_f32", "gemm_f32_packed", "pack_s8", "linear_w8a8_packed", "W8A8Scratch", "attention_varlen",
-           "prepack_linear", "packed_linear_weight"]
+           "mark_constant", "is_constant", "prepack_linear", "packed_linear_weight", "has_packed", "forget_packed"]

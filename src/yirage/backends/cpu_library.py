@@ -1,11 +1,13 @@
 """The CPU backend's library ops: GEMM/GEMV, embedding, RoPE, attention and argmax, and the
 encoder ops of the embedding engine (attention_bidir: torch's fused scaled_dot_product_attention;
-attention_varlen, linear_w8a8 and fp32 linear layers on prepacked weights: cpu_embed.py).
+attention_varlen: cpu_embed.py). Linear layers with float32 activations and float32, bfloat16 or
+int8 (``linear_w8a8``) weights run on the provider chosen by measurement for their shape class
+(cpu_providers.py: yirage's packed GEMMs, MKL, oneDNN).
 
 Quantized linear layers, embeddings, RoPE, attention and argmax call the hand-written C++
 of ``yirage/kernels/cpu/library.cpp`` (q4_1/q8_0; the other GGML block formats of
 ``GGML_FORMATS`` in its header ``ggml_quants.h``, read in place the same way; built once by runtime/toolchain.py, bound through
-ctypes with the ``SIGNATURES`` below); float matmuls use torch (BLAS). ``supports`` says
+ctypes with the ``SIGNATURES`` below); ``matmul`` uses torch (BLAS). ``supports`` says
 which (op, dtype) cases have a kernel here; the executor runs every other case as the op's
 torch reference. Binders run once per plan and return a thunk; they never allocate per
 call (outputs are given).
@@ -22,7 +24,7 @@ import torch
 from ..dtypes import DType
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
-from . import cpu_embed
+from . import cpu_embed, cpu_providers
 from .cpu_threadblock import bind_customized, customized_ok
 
 _P = ctypes.c_void_p
@@ -51,6 +53,7 @@ SIGNATURES: dict[str, tuple] = {
     # the same with the sliding window (0: full causal; W >= 1: keys p - W < j <= p) before status
     "yr_attention_window": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
+    "yr_rows_parallel": (_P, _P, _I, _I, _I, _I, _P),   # row task fn, its args, lo, hi, rows, min_rows, status
     # embedding encoder (kernels/cpu/embed_kernels.h); the trailing _I are buffer lengths, then status
     "yr_emb_pack_f32": (_P, _P, _I, _I, _I, _P),       # w [N, K], P, N, K, p_len, status
     # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
@@ -123,9 +126,10 @@ def _linear(node, graph, args, out, status):
     wt = graph.tensors[node.inputs[1]]
     N, K = wt.shape
     M = x.numel() // K
-    if (x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-            and cpu_embed.packed_linear_weight(w) is not None):  # prepacked (the embedding engine's)
-        return cpu_embed.bind_linear_f32_packed(x, w, bias, out)
+    if not wt.dtype.is_quantized:   # float32 / bfloat16 weights: the provider chosen by measurement
+        thunk = cpu_providers.bind_linear("linear", args, out)
+        if thunk is not None:
+            return thunk
     if wt.dtype.is_quantized:
         fn = getattr(library(), f"yr_linear_{wt.dtype.value}")
         p = (_ptr(x), _ptr(w), _ptr(bias), _ptr(out), M, N, K)
@@ -137,24 +141,25 @@ def _linear(node, graph, args, out, status):
 
 
 def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
-    """``linear`` (float32 on a prepacked weight) or ``linear_w8a8`` (float32) with ``kernel``
-    (a CppKernel: its task entry runs rows lo..hi-1, bound to ``kernel_args``) as the GEMM's
-    row epilogue; None for anything else."""
+    """A float32-activation ``linear`` (float32 or bfloat16 weight) or ``linear_w8a8`` on its
+    chosen provider with ``kernel`` (a CppKernel: its task entry runs rows lo..hi-1, bound to
+    ``kernel_args``) as the GEMM's row epilogue (cpu_providers.py); None for anything else."""
     task_fn = getattr(kernel, "task_fn", None)
-    if task_fn is None or out.dtype != torch.float32 or args[0].dtype != torch.float32:
+    if task_fn is None or node.op not in ("linear", "linear_w8a8"):
         return None
-    bias = args[2] if node.op == "linear" and len(args) == 3 else None
-    if node.op == "linear" and ((bias is not None and bias.dtype != torch.float32)
-                                or cpu_embed.packed_linear_weight(args[1]) is None):
-        return None
-    if node.op not in ("linear", "linear_w8a8"):
+    if node.op == "linear" and graph.tensors[node.inputs[1]].dtype.is_quantized:
         return None
     ptrs = (ctypes.c_int64 * len(kernel_args))(*[t.data_ptr() for t in kernel_args])
-    epilogue = (task_fn, ctypes.addressof(ptrs))
-    run = (cpu_embed.bind_linear_f32_packed(args[0], args[1], bias, out, epilogue) if node.op == "linear"
-           else cpu_embed.bind_linear_w8a8(node, graph, args, out, None, epilogue))
-    run.epilogue_args = ptrs  # the pointer array lives as long as the thunk
+    run = cpu_providers.bind_linear(node.op, args, out, int(node.attrs.get("group_size", 0)),
+                                    (task_fn, ctypes.addressof(ptrs)))
+    if run is not None:
+        run.epilogue_args = ptrs  # the pointer array lives as long as the thunk
     return run
+
+
+def _linear_w8a8(node, graph, args, out, status):
+    """``linear_w8a8`` on the provider chosen for its shape class (cpu_providers.py)."""
+    return cpu_providers.bind_linear("linear_w8a8", args, out, int(node.attrs.get("group_size", 0)))
 
 
 def _matmul(node, graph, args, out, status):
@@ -229,7 +234,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)
     "attention_bidir": (_float32_first, _attention_bidir),
     "attention_varlen": (_float32_first, cpu_embed.bind_attention_varlen),  # kernels/cpu/embed_kernels.h
-    "linear_w8a8": (_float32_first, cpu_embed.bind_linear_w8a8),
+    "linear_w8a8": (_float32_first, _linear_w8a8),
 }
 
 

@@ -317,7 +317,9 @@ class KernelGraph:
         return self._add("matmul", [a, b])
 
     def linear(self, x, w, bias=None):
-        """``x @ w.T (+ bias)``: x [..., K], w [N, K] (float, or q4_1/q8_0 blocks), bias [N]."""
+        """``x @ w.T (+ bias)``: x [..., K], w [N, K] (float, or GGUF blocks such as q4_1/q8_0),
+        bias [N]. A bfloat16 ``w`` with float32 ``x`` is a bfloat16 GEMM with float32 accumulation
+        and float32 output (``ir.ops`` ``_linear_ref`` gives the rounding)."""
         self._check_tensors("linear", [x, w] + ([bias] if bias is not None else []))
         attrs = {"w_dtype": w.dtype.value, "w_shape": list(w.shape)} if w.dtype.is_quantized else {}
         return self._add("linear", [x, w] + ([bias] if bias is not None else []), **attrs)

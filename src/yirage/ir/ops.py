@@ -280,8 +280,10 @@ def _linear_infer(ts, attrs):
         _fail("linear", ts, "weight must be 2-d [out_features, in_features]")
     if x.shape[-1] != w.shape[1]:
         _fail("linear", ts, f"x's last dim {x.shape[-1]} must equal the weight's in_features {w.shape[1]}")
-    if not w.dtype.is_quantized and w.dtype != x.dtype:
-        _fail("linear", ts, f"dtypes must match, got {x.dtype.value} and {w.dtype.value}")
+    mixed = x.dtype == DType.float32 and w.dtype == DType.bfloat16   # bfloat16 GEMM, float32 activations
+    if not w.dtype.is_quantized and w.dtype != x.dtype and not mixed:
+        _fail("linear", ts, f"dtypes must match (or float32 x with a bfloat16 weight), got {x.dtype.value} "
+                            f"and {w.dtype.value}")
     if len(ts) == 3 and (tuple(ts[2].shape) != (w.shape[0],) or ts[2].dtype != x.dtype):
         _fail("linear", ts, f"bias must have shape ({w.shape[0]},) and x's dtype {x.dtype.value}")
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
@@ -289,10 +291,16 @@ def _linear_infer(ts, attrs):
 
 def _linear_ref(args, attrs):
     """x @ W^T (+ bias) computed in float32 (block-quantized W decoded first), then cast to
-    x's dtype: what every linear kernel computes (float32 accumulation)."""
+    x's dtype: what every linear kernel computes (float32 accumulation). A bfloat16 W with
+    float32 x is a bfloat16 GEMM: x rounded to bfloat16 (nearest even), products summed in
+    float32, the sum rounded to bfloat16 (what oneDNN's bfloat16 GEMM returns, as torch's
+    autocast computes a linear layer), then the float32 bias added; float32 out."""
     x, w = args[0], args[1]
     if attrs.get("w_dtype"):
         w = dequantize(w, DType(attrs["w_dtype"]), tuple(attrs["w_shape"]))
+    if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
+        y = F.linear(x.to(torch.bfloat16), w).float()
+        return y + args[2] if len(args) == 3 else y
     if x.dtype == torch.float32:
         return F.linear(x, w, args[2] if len(args) == 3 else None)
     bias = args[2].float() if len(args) == 3 else None

@@ -1321,6 +1321,23 @@ void yr_task_argmax_reduce(const int64_t* a, int64_t lo, int64_t hi) {
 
 #undef YR_ARG
 
+// Runs a row task (void fn(const int64_t* args, int64_t lo, int64_t hi): a fused row program's
+// task entry) over rows [lo, hi), cut into chunks of at least min_rows rows shared by the
+// OpenMP threads: the epilogue of a GEMM whose provider has no epilogue hook (a vendor GEMM
+// through torch), run on each row block right after the GEMM wrote it. Rows outside
+// [0, rows) are refused (status), nothing is run then. One chunk per thread at most.
+void yr_rows_parallel(void (*fn)(const int64_t*, int64_t, int64_t), const int64_t* args, int64_t lo, int64_t hi,
+                      int64_t rows, int64_t min_rows, int64_t* status) {
+    if (lo < 0 || lo > hi) { report(status, lo, 0, hi + 1); return; }
+    if (hi > rows) { report(status, hi, 0, rows + 1); return; }
+    if (fn == nullptr || lo == hi) return;
+    const int64_t threads = omp_get_max_threads();
+    const int64_t step = std::max<int64_t>(std::max<int64_t>(1, min_rows), (hi - lo + threads - 1) / threads);
+    const int64_t chunks = (hi - lo + step - 1) / step;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; ++c) fn(args, lo + c * step, std::min(hi, lo + (c + 1) * step));
+}
+
 }  // extern "C"
 
 // GGML's other block formats (Q4_0, Q5_0, Q5_1, Q2_K .. Q6_K): dequantization, GEMV and GEMM

@@ -1,0 +1,353 @@
+"""The CPU backend's linear layers as *providers* chosen by measurement: yirage's own GEMMs and
+the vendor libraries inside torch (MKL, oneDNN with AMX or AVX512-BF16 where the CPU has them).
+
+| case (op, x, weight)                          | providers                                          |
+|-----------------------------------------------|----------------------------------------------------|
+| ``linear`` float32 x, float32 w [N, K]        | ``yirage`` (packed AVX-512 GEMM), ``mkl``           |
+|                                               | (``torch.addmm``), ``onednn`` (oneDNN on a weight   |
+|                                               | reordered once, ``torch.ops.mkldnn._linear_pointwise``) |
+| ``linear`` float32 x, bfloat16 w [N, K]       | ``onednn`` (``torch.mm`` in bfloat16),              |
+|                                               | ``onednn-packed`` (reordered weight)                |
+| ``linear_w8a8`` (int8 weights, per-token int8 | ``yirage`` (VNNI / AVX-VNNI / AVX2 GEMM),           |
+| activations)                                  | ``onednn`` (``torch._int_mm``; whole-row scales)    |
+
+A bfloat16 weight with float32 activations means: x rounded to bfloat16, products summed in
+float32, the sum rounded to bfloat16, then the float32 bias (``ir.ops`` ``linear``; what oneDNN's
+bfloat16 GEMM returns). Providers that keep a packed copy of the weight (``yirage``,
+``onednn`` float32, ``onednn-packed``) are candidates only for weights declared constant
+(``cpu_embed.mark_constant``: the engines declare theirs); the rest read the weight as it is.
+
+For each shape class (op, dtype, M bucket, N, K, threads) ``yirage.tuning.choose`` returns the
+provider: this machine's profile, a shipped template, or a measurement at first use (each
+candidate bound to random inputs of the class and the real weight, timed in interleaved
+rounds); ``YIRAGE_TUNE=off`` gives ``DEFAULTS``. Packed copies made for that measurement by a
+provider that was not chosen are dropped again.
+
+Epilogue fusion: yirage's GEMMs run a fused row kernel (residual + LayerNorm, GELU) on each
+block of rows they finish; for a vendor GEMM the rows are computed in blocks of
+``EPILOGUE_BLOCK_BYTES`` of output and the row kernel runs on each block right after it, while
+it is in cache (``yr_rows_parallel``). This module binds kernels; it must never measure by
+itself (tuning does) or build graphs.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..ir.ops import quantize_rows_int8
+from ..tuning import profile as tuning
+from . import cpu_embed
+
+#: output bytes per row block when a vendor GEMM runs a row epilogue (a block stays in L2)
+EPILOGUE_BLOCK_BYTES = 256 * 1024
+
+#: the provider of each case with YIRAGE_TUNE=off (and of weights that are not constant)
+DEFAULTS = {"float32": "yirage", "bfloat16": "onednn", "int8": "yirage"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A linear layer to bind: ``op`` ('linear' / 'linear_w8a8'), ``dtype`` ('float32',
+    'bfloat16' (weights), 'int8'), rows ``M``, out features ``N``, in features ``K``, the int8
+    activation ``group`` (0: whole rows), and whether the weight is ``constant``."""
+
+    op: str
+    dtype: str
+    M: int
+    N: int
+    K: int
+    group: int = 0
+    constant: bool = False
+
+    def key(self) -> str:
+        """The shape class this case is measured and recorded under."""
+        dtype = f"int8/g{self.group}" if self.dtype == "int8" else self.dtype
+        return tuning.shape_class(self.op, dtype, self.M, self.N, self.K, torch.get_num_threads())
+
+
+Rows = Callable[[int, int], None]   # computes output rows [lo, hi)
+Epilogue = tuple[int, int]          # (address of a row task entry, address of its argument array)
+
+
+# ---- providers -------------------------------------------------------------------------------
+class Provider:
+    """One implementation of a linear case. ``packs``: keeps its own packed copy of the weight
+    under ``cpu_embed``'s cache kind ``kind(case)`` (constant weights only)."""
+
+    name = ""
+    packs = False
+
+    def applies(self, case: Case) -> bool:
+        """Can it run ``case`` (its dtype, a constant weight if it packs)?"""
+        return case.constant or not self.packs
+
+    def kind(self, case: Case) -> str:
+        """The packed-cache kind of its weight copy."""
+        return ""
+
+    def bind(self, case: Case, args: list[torch.Tensor], out: torch.Tensor, epilogue: Epilogue | None):
+        """A thunk computing ``out`` from ``args`` (the op's inputs) and, with ``epilogue``,
+        running the row kernel on every block of finished rows. Default: ``rows`` in blocks."""
+        return blocked(self.rows(case, args, out), case, epilogue)
+
+    def rows(self, case: Case, args: list[torch.Tensor], out: torch.Tensor) -> Rows:
+        raise NotImplementedError
+
+
+class YirageF32(Provider):
+    """yirage's packed float32 GEMM (kernels/cpu/embed_kernels.h: 12x32 AVX-512 register tiles)."""
+
+    name, packs = "yirage", True
+
+    def applies(self, case):
+        return case.dtype == "float32" and case.constant
+
+    def kind(self, case):
+        return "f32"
+
+    def bind(self, case, args, out, epilogue):
+        return cpu_embed.bind_linear_f32_packed(args[0], args[1], _bias(args, 2), out, epilogue)
+
+
+class MklF32(Provider):
+    """torch's float32 GEMM (``torch.addmm``: MKL in the x86 builds of torch)."""
+
+    name = "mkl"
+
+    def applies(self, case):
+        return case.dtype == "float32"
+
+    def rows(self, case, args, out):
+        x2, o2, w, bias = args[0].view(case.M, case.K), out.view(case.M, case.N), args[1], _bias(args, 2)
+
+        def rows(lo, hi):   # w.t() now: a weight whose storage was replaced is read where it is
+            if bias is None:
+                torch.mm(x2[lo:hi], w.t(), out=o2[lo:hi])
+            else:
+                torch.addmm(bias, x2[lo:hi], w.t(), out=o2[lo:hi])
+        return rows
+
+
+def _onednn_reorder(w: torch.Tensor, batch: int) -> torch.Tensor:
+    """``w`` [N, K] reordered once into oneDNN's blocked layout for ~``batch`` rows (the
+    weight prepacking TorchInductor's CPU freezing does)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, batch)
+
+
+class OneDnnPacked(Provider):
+    """oneDNN's inner product on a weight reordered once (float32 or bfloat16 weights; AMX or
+    AVX512-BF16 for bfloat16 where the CPU has them). Its output is a new tensor each call,
+    copied (float32) or converted and biased (bfloat16) into ``out``."""
+
+    packs = True
+
+    def __init__(self, dtype: str, name: str):
+        self.dtype, self.name = dtype, name
+
+    def applies(self, case):
+        return case.dtype == self.dtype and case.constant and torch.backends.mkldnn.is_available()
+
+    def kind(self, case):
+        return f"onednn/{tuning.m_bucket(case.M)}"
+
+    def rows(self, case, args, out):
+        w, bias = args[1], _bias(args, 2)
+        kind = self.kind(case)
+        x2, o2 = args[0].view(case.M, case.K), out.view(case.M, case.N)
+        bf16 = self.dtype == "bfloat16"
+        xb = torch.empty((case.M, case.K), dtype=torch.bfloat16) if bf16 else None
+        cpu_embed._cached(w, kind, lambda t: _onednn_reorder(t, case.M))   # reordered now, once
+
+        def rows(lo, hi):
+            pw = cpu_embed._cached(w, kind, lambda t: _onednn_reorder(t, case.M))
+            if bf16:
+                xb[lo:hi].copy_(x2[lo:hi])
+                y = torch.ops.mkldnn._linear_pointwise(xb[lo:hi], pw, None, "none", [], "")
+                _to_f32(y, bias, o2[lo:hi])
+            else:
+                o2[lo:hi].copy_(torch.ops.mkldnn._linear_pointwise(x2[lo:hi], pw, bias, "none", [], ""))
+        return rows
+
+
+class OneDnnBf16(Provider):
+    """torch's bfloat16 GEMM (``torch.mm``: oneDNN, with AMX or AVX512-BF16 where present) on the
+    weight as it is, x converted into a bfloat16 buffer first."""
+
+    name = "onednn"
+
+    def applies(self, case):
+        return case.dtype == "bfloat16"
+
+    def rows(self, case, args, out):
+        x2, o2, w, bias = args[0].view(case.M, case.K), out.view(case.M, case.N), args[1], _bias(args, 2)
+        xb = torch.empty((case.M, case.K), dtype=torch.bfloat16)
+        yb = torch.empty((case.M, case.N), dtype=torch.bfloat16)
+
+        def rows(lo, hi):
+            xb[lo:hi].copy_(x2[lo:hi])
+            torch.mm(xb[lo:hi], w.t(), out=yb[lo:hi])
+            _to_f32(yb[lo:hi], bias, o2[lo:hi])
+        return rows
+
+
+class YirageW8A8(Provider):
+    """yirage's int8 GEMM (VNNI vpdpbusd / AVX-VNNI / AVX2 vpmaddubsw), weights packed once."""
+
+    name = "yirage"
+
+    def applies(self, case):
+        return case.dtype == "int8"
+
+    def kind(self, case):
+        return f"s8/{case.group}"
+
+    def bind(self, case, args, out, epilogue):
+        return cpu_embed.bind_linear_w8a8_args(args, out, case.group, epilogue)
+
+
+class OneDnnInt8(Provider):
+    """torch's int8 GEMM (``torch._int_mm``: oneDNN, AMX-INT8 or VNNI where present) on
+    activations quantized per row by ``ir.ops.quantize_rows_int8``, then the reference's
+    ``acc * x_scale * w_scale + bias`` in float32. Whole-row activation scales only (group 0):
+    a group's scale would need one integer GEMM per group."""
+
+    name = "onednn"
+
+    def applies(self, case):
+        return case.dtype == "int8" and case.group == 0
+
+    def rows(self, case, args, out):
+        x2, o2 = args[0].view(case.M, case.K), out.view(case.M, case.N)
+        w_t, w_scale, bias = args[1], args[2], _bias(args, 3)
+
+        def rows(lo, hi):
+            q, s = quantize_rows_int8(x2[lo:hi])
+            o = o2[lo:hi]
+            torch.mul(torch._int_mm(q, w_t), s, out=o)
+            o.mul_(w_scale)
+            if bias is not None:
+                o.add_(bias)
+        return rows
+
+
+PROVIDERS: list[Provider] = [YirageF32(), MklF32(), OneDnnPacked("float32", "onednn"), OneDnnBf16(),
+                             OneDnnPacked("bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8()]
+
+
+def _bias(args: list[torch.Tensor], i: int) -> torch.Tensor | None:
+    return args[i] if len(args) > i else None
+
+
+def _to_f32(yb: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out`` (float32) = ``yb`` (bfloat16) + ``bias`` (float32, or none)."""
+    if bias is None:
+        out.copy_(yb)
+    else:
+        torch.add(yb, bias, out=out)
+
+
+# ---- row epilogues for providers without a hook of their own --------------------------------
+def blocked(rows: Rows, case: Case, epilogue: Epilogue | None):
+    """A thunk running ``rows`` over all M rows; with ``epilogue``, in blocks of
+    ``EPILOGUE_BLOCK_BYTES`` of output, each followed by the row kernel on its rows (run by the
+    OpenMP threads, ``yr_rows_parallel``) while they are still in cache."""
+    M = case.M
+    if epilogue is None:
+        run = _call(rows, 0, M)
+    else:
+        from .cpu_library import library
+
+        fn, fn_args = epilogue
+        par, status = library().yr_rows_parallel, torch.zeros(4, dtype=torch.int64)
+        block = max(16, min(M, 1 << max(0, (EPILOGUE_BLOCK_BYTES // (4 * case.N)).bit_length() - 1)))
+        spans = [(lo, min(M, lo + block)) for lo in range(0, M, block)]
+
+        def run():
+            for lo, hi in spans:
+                rows(lo, hi)
+                par(fn, fn_args, lo, hi, M, 1, status.data_ptr())
+            if status[0]:
+                raise RuntimeError(f"yr_rows_parallel refused rows {status.tolist()}")  # a yirage bug
+    return run
+
+
+def _call(rows: Rows, lo: int, hi: int):
+    return lambda: rows(lo, hi)
+
+
+# ---- choosing --------------------------------------------------------------------------------
+def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0) -> Case | None:
+    """The provider case of a linear op's bound tensors, or None when no provider covers it
+    (block-quantized weights, bfloat16 or float16 activations: they keep their own binders)."""
+    x, w = args[0], args[1]
+    if x.dtype != torch.float32 or out.dtype != torch.float32:
+        return None
+    if op == "linear_w8a8":
+        K, N = w.shape
+        return Case(op, "int8", x.numel() // K, N, K, group, cpu_embed.is_constant(w))
+    if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
+        return None
+    N, K = w.shape
+    return Case(op, "float32" if w.dtype == torch.float32 else "bfloat16", x.numel() // K, N, K,
+                constant=cpu_embed.is_constant(w))
+
+
+def candidates(case: Case) -> dict[str, Provider]:
+    """The providers that can run ``case``, by name."""
+    return {p.name: p for p in PROVIDERS if p.applies(case)}
+
+
+def default_provider(case: Case, cands: dict[str, Provider]) -> str:
+    """``DEFAULTS[case.dtype]`` when it applies, else the first candidate."""
+    return DEFAULTS[case.dtype] if DEFAULTS[case.dtype] in cands else next(iter(cands))
+
+
+def _sample_args(case: Case, args: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Inputs of the class to time a provider on: random activations (the plan's buffers hold
+    garbage at bind time, and denormals there would skew the timing), the real weights."""
+    x = torch.randn(case.M, case.K)
+    return [x, *args[1:]], torch.empty(case.M, case.N)
+
+
+def choose(case: Case, args: list[torch.Tensor]) -> tuple[Provider, tuning.Choice]:
+    """The provider for ``case`` (see the module docstring) and how it was chosen."""
+    cands = candidates(case)
+    w = args[1]
+    packed_before = {n for n, p in cands.items() if p.packs and cpu_embed.has_packed(w, p.kind(case))}
+    sample, sample_out = (None, None)
+
+    def factory(p: Provider):
+        def make():
+            nonlocal sample, sample_out
+            if sample is None:
+                sample, sample_out = _sample_args(case, args)
+            return p.bind(case, sample, sample_out, None)
+        return make
+    choice = tuning.choose(case.key(), {n: factory(p) for n, p in cands.items()}, default_provider(case, cands))
+    for n, p in cands.items():   # packed copies made only to be measured
+        if p.packs and n != choice.provider and n not in packed_before:
+            cpu_embed.forget_packed(w, p.kind(case))
+    return cands[choice.provider], choice
+
+
+def bind_linear(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0,
+                epilogue: Epilogue | None = None):
+    """A thunk computing a float32-activation linear layer (``linear`` with a float32 or
+    bfloat16 weight, or ``linear_w8a8``) into ``out`` with the provider chosen for its shape
+    class, and the row ``epilogue`` if given; None when no provider covers the case."""
+    case = case_of(op, args, out, group)
+    if case is None:
+        return None
+    if case.M == 0:
+        return lambda: None
+    provider, choice = choose(case, args)
+    thunk = provider.bind(case, args, out, epilogue)
+    thunk.provider = f"{provider.name} ({choice.source})"
+    return thunk
+
+
+__all__ = ["Case", "Provider", "PROVIDERS", "DEFAULTS", "EPILOGUE_BLOCK_BYTES", "bind_linear", "case_of",
+           "candidates", "choose"]

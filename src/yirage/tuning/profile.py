@@ -1,0 +1,302 @@
+"""The machine profile: which provider runs each library op on this machine, chosen by measurement.
+
+A library op such as a linear layer has several *providers* on one backend: yirage's own
+kernels and vendor libraries through torch (MKL, oneDNN with AMX where the CPU has it). Which
+is fastest depends on the CPU, the library versions and the shape: on an AMD EPYC (Zen 5)
+yirage's packed float32 GEMM runs at 2.3x torch's BLAS, on an Intel Xeon with AMX oneDNN's
+bfloat16 GEMM is out of reach of any AVX-512 kernel. So the choice is a measurement, made on
+the machine at hand and kept (TorchInductor's ``select_algorithm`` does the same per kernel).
+
+- A *shape class* names what is measured: op, dtype, a bucket of M (rows; the largest power of
+  two <= M), N, K and the thread count, e.g. ``linear|float32|m512|n1536|k384|t2``.
+- The *profile* holds, per shape class, every provider's measured median seconds and the
+  choice. It lives in ``$YIRAGE_CACHE_DIR/tuning/<machine key>.json``, the machine key being a
+  hash of the CPU model, its ISA flags, the torch/MKL/oneDNN versions and yirage's version
+  (``runtime.machine``), so a profile is never read on a machine or a library it was not
+  measured with. ``yirage optimize`` writes ``<machine key>.optimize.json``; ``--apply``
+  merges it into the profile.
+- *Templates* (``tuning/templates/*.json``, shipped) are profiles measured on real machines,
+  each saying where; a template whose ``match`` fits this CPU answers for the shape classes
+  this machine's own profile has not measured yet.
+- ``choose()``: the profile, else a matching template, else a measurement at first use within
+  ``FIRST_USE_BUDGET_S`` (``runtime/timing.py``: interleaved rounds), stored in the profile.
+  ``YIRAGE_TUNE=off`` skips all of it: every op gets the backend's fixed default provider.
+
+This module measures what it is given and remembers the result; it must never know what a
+provider computes, and never import a backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..config import cache_subdir, logger
+from ..errors import YirageError
+from ..runtime import timing
+from ..runtime.machine import all_isa_flags, cpu_model_name, library_versions
+
+FORMAT = 1
+#: seconds a first-use measurement of one shape class may take (at least 3 rounds are taken)
+FIRST_USE_BUDGET_S = 0.5
+TUNE_ENV = "YIRAGE_TUNE"
+
+
+def tune_mode() -> str:
+    """``YIRAGE_TUNE``: 'on' (the default: profile, templates, measurement at first use) or
+    'off' (fixed defaults). YirageError for any other value."""
+    value = os.environ.get(TUNE_ENV, "on").strip().lower() or "on"
+    if value in ("on", "1", "true", "yes"):
+        return "on"
+    if value in ("off", "0", "false", "no"):
+        return "off"
+    raise YirageError(f"{TUNE_ENV}={value!r}: use 'on' (measure kernel providers, the default) or 'off' "
+                      "(fixed default providers)")
+
+
+def m_bucket(m: int) -> int:
+    """The bucket of M a measurement stands for: the largest power of two <= max(1, m)."""
+    return 1 << (max(1, int(m)).bit_length() - 1)
+
+
+def shape_class(op: str, dtype: str, m: int, n: int, k: int, threads: int) -> str:
+    """The profile key of an (op, dtype, M bucket, N, K, threads) case."""
+    return f"{op}|{dtype}|m{m_bucket(m)}|n{n}|k{k}|t{threads}"
+
+
+def machine_identity() -> dict:
+    """What a profile is valid for: CPU model, ISA flags, torch/MKL/oneDNN and yirage versions."""
+    from .. import __version__
+
+    v = library_versions()
+    return {"cpu": cpu_model_name(), "isa": all_isa_flags(), "torch": v["torch"], "mkl": v["mkl"],
+            "onednn": v["onednn"], "yirage": __version__}
+
+
+@functools.lru_cache(maxsize=1)
+def machine_key() -> str:
+    """A short hash of ``machine_identity()``: the profile's file name."""
+    text = json.dumps(machine_identity(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Choice:
+    """The provider chosen for a shape class: ``provider``, where the choice came from
+    (``source``: 'profile', 'template <name>', 'measured', 'default (YIRAGE_TUNE=off)',
+    'only candidate'), and the measured medians in seconds (``median_s``) when known."""
+
+    provider: str
+    source: str
+    median_s: dict[str, float] = field(default_factory=dict)
+
+
+class Profile:
+    """A machine profile: ``entries[shape class] = {"choice", "median_s", "source", "when"}``,
+    plus free-form ``extra`` sections (e.g. recommended threads per workload)."""
+
+    def __init__(self, path: Path | None, entries: dict | None = None, extra: dict | None = None,
+                 meta: dict | None = None):
+        self.path, self.entries, self.extra, self.meta = path, dict(entries or {}), dict(extra or {}), dict(meta or {})
+
+    @classmethod
+    def read(cls, path: Path) -> "Profile":
+        """The profile stored at ``path``; an empty one if the file is missing. A file that is not
+        a profile of this format (damaged, another version) is ignored with a warning: it is a
+        cache of measurements, and measuring again loses nothing."""
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            return cls(path)
+        except (OSError, ValueError) as e:
+            logger.warning("machine profile %s is unreadable (%s); measuring again", path, e)
+            return cls(path)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):
+            logger.warning("machine profile %s is not a format-%d profile; measuring again", path, FORMAT)
+            return cls(path)
+        meta = {k: v for k, v in doc.items() if k not in ("entries", "extra")}
+        return cls(path, doc["entries"], doc.get("extra") or {}, meta)
+
+    def to_dict(self) -> dict:
+        """The JSON document: format, the machine it was measured on, entries, extra."""
+        return {"format": FORMAT, "machine": machine_identity(), **{k: v for k, v in self.meta.items()
+                                                                     if k not in ("format", "machine")},
+                "entries": self.entries, "extra": self.extra}
+
+    def save(self) -> None:
+        """Merge into the file at ``path`` (entries measured by another process meanwhile are
+        kept unless this profile has the same key), written atomically under a lock."""
+        if self.path is None:
+            raise YirageError("this profile has no file to save to")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(self.path):
+            disk = Profile.read(self.path)
+            disk.entries.update(self.entries)
+            disk.extra.update(self.extra)
+            self.entries, self.extra = disk.entries, disk.extra
+            _write_json(self.path, self.to_dict())
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+#: where profiles live; None: ``$YIRAGE_CACHE_DIR/tuning`` (the test suite points it elsewhere, so
+#: that measurements taken under its load never reach a user's profile)
+PROFILE_DIR: Path | None = None
+
+
+def profile_path(suffix: str = "") -> Path:
+    """``$YIRAGE_CACHE_DIR/tuning/<machine key><suffix>.json`` (or under ``PROFILE_DIR``)."""
+    folder = PROFILE_DIR if PROFILE_DIR is not None else cache_subdir("tuning")
+    return folder / f"{machine_key()}{suffix}.json"
+
+
+_active: dict[Path, Profile] = {}
+
+
+def active_profile() -> Profile:
+    """This machine's profile (read once per process and cache directory)."""
+    path = profile_path()
+    if path not in _active:
+        _active[path] = Profile.read(path)
+    return _active[path]
+
+
+def reload_profile() -> Profile:
+    """Forget the profile read by this process (after ``yirage optimize --apply`` wrote it)."""
+    _active.pop(profile_path(), None)
+    return active_profile()
+
+
+# ---- templates ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def templates() -> tuple[tuple[str, dict], ...]:
+    """(name, document) of every shipped template, in file-name order."""
+    out = []
+    folder = resources.files("yirage.tuning") / "templates"
+    for item in sorted(folder.iterdir(), key=lambda p: p.name) if folder.is_dir() else []:
+        if item.name.endswith(".json"):
+            out.append((item.name[:-5], json.loads(item.read_text())))
+    return tuple(out)
+
+
+def _matches(match: dict, identity: dict) -> bool:
+    """Does a template's ``match`` ({"cpu": model name, "isa_all": [...], "isa_none": [...],
+    "torch": version prefix}) fit this machine?"""
+    isa = set(identity["isa"])
+    return (match.get("cpu", identity["cpu"]) == identity["cpu"]
+            and set(match.get("isa_all", [])) <= isa and not set(match.get("isa_none", [])) & isa
+            and identity["torch"].startswith(match.get("torch", "")))
+
+
+@functools.lru_cache(maxsize=1)
+def matching_template() -> tuple[str, dict] | None:
+    """The first shipped template that fits this machine, or None."""
+    ident = machine_identity()
+    return next(((n, d) for n, d in templates() if _matches(d.get("match", {}), ident)), None)
+
+
+# ---- the choice ---------------------------------------------------------------------------
+def lookup(key: str, candidates: Mapping[str, object]) -> Choice | None:
+    """The recorded choice for ``key`` among ``candidates`` (names): this machine's profile,
+    then a matching template; None when neither has one (or its provider is not a candidate)."""
+    entry = active_profile().entries.get(key)
+    if entry and entry.get("choice") in candidates:
+        return Choice(entry["choice"], "profile", dict(entry.get("median_s", {})))
+    tpl = matching_template()
+    if tpl is not None:
+        entry = tpl[1].get("entries", {}).get(key)
+        if entry and entry.get("choice") in candidates:
+            return Choice(entry["choice"], f"template {tpl[0]}", dict(entry.get("median_s", {})))
+    return None
+
+
+def measure(candidates: Mapping[str, Callable[[], object]], budget_s: float = FIRST_USE_BUDGET_S,
+            min_sample_s: float = 0.001) -> timing.Comparison:
+    """Time ready-to-run candidates ({name: thunk}) in interleaved rounds for about
+    ``budget_s`` seconds (at least 3 rounds)."""
+    return timing.compare(candidates, rounds=9, min_sample_s=min_sample_s,
+                          deadline=time.perf_counter() + budget_s, min_rounds=3)
+
+
+def record(key: str, comparison: timing.Comparison, source: str, profile: Profile | None = None) -> Choice:
+    """Store the fastest candidate of ``comparison`` (lowest median) for ``key`` in ``profile``
+    (default: this machine's, saved); return it."""
+    best = comparison.fastest()
+    medians = {n: comparison.median(n) for n in comparison.names}
+    profile = profile if profile is not None else active_profile()
+    profile.entries[key] = {"choice": best, "median_s": medians, "source": source,
+                            "when": datetime.date.today().isoformat()}
+    if profile.path is not None:
+        profile.save()
+    return Choice(best, "measured", medians)
+
+
+def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]], default: str,
+           budget_s: float = FIRST_USE_BUDGET_S) -> Choice:
+    """The provider for shape class ``key``.
+
+    Args:
+        candidates: {provider name: factory}; a factory prepares the provider (packs its
+            weights) and returns a thunk running the op once on sample inputs of the class; it
+            is only called when a measurement is needed. A factory that raises leaves its
+            provider out (logged at DEBUG).
+        default: the provider used with ``YIRAGE_TUNE=off`` (must be a candidate).
+
+    Returns: a ``Choice``. Raises YirageError for a bad ``YIRAGE_TUNE`` or a default that is not
+    a candidate.
+    """
+    if default not in candidates:
+        raise YirageError(f"choose({key}): the default provider {default!r} is not among {list(candidates)}")
+    if tune_mode() == "off":
+        return Choice(default, f"default ({TUNE_ENV}=off)")
+    if len(candidates) == 1:
+        return Choice(default, "only candidate")
+    known = lookup(key, candidates)
+    if known is not None:
+        return known
+    thunks = {}
+    for name, factory in candidates.items():
+        try:
+            thunks[name] = factory()
+        except Exception as e:  # noqa: BLE001 - a provider this build of a library cannot run
+            logger.debug("provider %s left out of %s: %s: %s", name, key, type(e).__name__, e)
+    if len(thunks) <= 1:
+        return Choice(next(iter(thunks), default), "only candidate")
+    choice = record(key, measure(thunks, budget_s), "first use")
+    logger.info("%s: %s chosen by measurement (%s)", key, choice.provider,
+                ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in choice.median_s.items()))
+    return choice
+
+
+__all__ = ["Choice", "Profile", "choose", "lookup", "measure", "record", "shape_class", "m_bucket", "tune_mode",
+           "active_profile", "reload_profile", "profile_path", "machine_key", "machine_identity", "templates",
+           "matching_template", "FIRST_USE_BUDGET_S"]

@@ -1,0 +1,151 @@
+"""Kernel providers of the CPU's linear layers (backends/cpu_providers.py) and their choice by
+measurement (tuning/profile.py): every provider computes the op as the reference interpreter
+does, with and without a fused row epilogue; the first use measures and records; the profile,
+then a matching template, answer later uses; YIRAGE_TUNE=off gives the fixed defaults."""
+import json
+
+import pytest
+import torch
+
+import yirage as yr
+from yirage.backends import cpu_embed, cpu_providers
+from yirage.errors import YirageError
+from yirage.tuning import profile as tuning
+
+
+def _graph(M, N, K, wdtype, epilogue, int8_group=None):
+    """linear (or linear_w8a8) [M, K] -> [M, N] with a bias, then (epilogue) residual + LayerNorm
+    and GELU, as the encoder's layers are; returns (graph, inputs) with the weight at index 1."""
+    g = yr.new_kernel_graph(backend="cpu")
+    X = g.new_input((M, K))
+    if int8_group is None:
+        W, B = g.new_input((N, K), dtype=wdtype), g.new_input((N,))
+        y = g.linear(X, W, B)
+        w = (torch.randn(N, K) / K ** 0.5).to(getattr(torch, wdtype))
+        ins = [torch.randn(M, K), w, torch.randn(N)]
+    else:
+        W, S, B = g.new_input((K, N), dtype="int8"), g.new_input((N,)), g.new_input((N,))
+        y = g.linear_w8a8(X, W, S, B, group_size=int8_group)
+        ins = [torch.randn(M, K), torch.randint(-127, 128, (K, N), dtype=torch.int8), torch.rand(N) / 100,
+               torch.randn(N)]
+    if epilogue:
+        R, LW, LB = g.new_input((M, N)), g.new_input((N,)), g.new_input((N,))
+        y = g.gelu(g.layer_norm(g.add(y, R), (N,), LW, LB, 1e-5))
+        ins += [torch.randn(M, N), torch.rand(N) + 0.5, torch.randn(N)]
+    g.mark_output(y)
+    return g, ins
+
+
+CASES = [("float32", None, name) for name in ("yirage", "mkl", "onednn")] + \
+        [("bfloat16", None, name) for name in ("onednn", "onednn-packed")] + \
+        [("int8", 0, "yirage"), ("int8", 0, "onednn"), ("int8", 32, "yirage")]
+
+
+@pytest.mark.parametrize("epilogue", [False, True])
+@pytest.mark.parametrize("dtype,group,provider", CASES)
+@pytest.mark.parametrize("M,N,K", [(1, 40, 64), (203, 96, 64), (37, 1000, 96)])
+def test_every_provider_computes_the_reference(dtype, group, provider, epilogue, M, N, K, monkeypatch):
+    """Each provider, pinned (YIRAGE_TUNE=off with it as the default), against the reference
+    interpreter; with the epilogue, a vendor GEMM runs in row blocks (N=1000: blocks of 64 rows)."""
+    monkeypatch.setenv("YIRAGE_TUNE", "off")
+    monkeypatch.setitem(cpu_providers.DEFAULTS, dtype, provider)
+    g, ins = _graph(M, N, K, "float32" if dtype == "int8" else dtype, epilogue, group)
+    cpu_embed.mark_constant(ins[1])
+    plan = g.compile().plan(ins)
+    gemm = [t for t in plan.thunks if hasattr(t, "provider")]
+    assert [t.provider for t in gemm] == [f"{provider} (default (YIRAGE_TUNE=off))"]
+    assert len(plan.thunks) == (1 if epilogue else 1)   # the row program ran inside the GEMM's thunk
+    out = plan.run()[0]
+    ref = g.interpret(ins)[0]
+    # bfloat16: the GEMM's sum is rounded to bfloat16; a different summation order may round
+    # the other way (one bfloat16 ulp, 2^-8 relative) before LayerNorm/GELU
+    tol = {"float32": 1e-4, "bfloat16": 3e-2, "int8": 1e-3}[dtype]
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_packing_providers_need_a_constant_weight():
+    x, w = torch.randn(8, 16), torch.randn(12, 16)
+    case = cpu_providers.case_of("linear", [x, w], torch.empty(8, 12))
+    assert set(cpu_providers.candidates(case)) == {"mkl"}
+    cpu_embed.mark_constant(w)
+    case = cpu_providers.case_of("linear", [x, w], torch.empty(8, 12))
+    assert set(cpu_providers.candidates(case)) == {"yirage", "mkl", "onednn"}
+    wb = w.bfloat16()
+    assert set(cpu_providers.candidates(cpu_providers.case_of("linear", [x, wb], torch.empty(8, 12)))) == {"onednn"}
+
+
+def test_first_use_measures_records_and_drops_the_losers_copies(monkeypatch):
+    """The first bind of a shape class times every candidate on it and stores the fastest in this
+    machine's profile (file and memory); packed copies made only for the measurement are dropped;
+    a later bind of the class reads the profile and measures nothing."""
+    g, ins = _graph(64, 48, 32, "float32", False)
+    w = ins[1]
+    cpu_embed.mark_constant(w)
+    key = cpu_providers.case_of("linear", ins[:3], torch.empty(64, 48)).key()
+    assert key == f"linear|float32|m64|n48|k32|t{torch.get_num_threads()}"
+    plan = g.compile().plan(ins)
+    entry = tuning.active_profile().entries[key]
+    assert set(entry["median_s"]) == {"yirage", "mkl", "onednn"} and entry["source"] == "first use"
+    assert entry["choice"] == min(entry["median_s"], key=entry["median_s"].get)
+    assert plan.thunks[0].provider == f"{entry['choice']} (measured)"
+    on_disk = json.loads(tuning.profile_path().read_text())
+    assert on_disk["entries"][key]["choice"] == entry["choice"]
+    assert on_disk["machine"]["cpu"] == yr.get_backend_info("cpu").device_name
+    kinds = {"yirage": "f32", "onednn": "onednn/64"}
+    for name, kind in kinds.items():
+        assert cpu_embed.has_packed(w, kind) == (name == entry["choice"])
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(tuning, "measure", no_measuring)
+    g2, ins2 = _graph(100, 48, 32, "float32", False)     # another M in the same bucket (64..127)
+    cpu_embed.mark_constant(ins2[1])
+    plan2 = g2.compile().plan(ins2)
+    assert plan2.thunks[0].provider == f"{entry['choice']} (profile)"
+    torch.testing.assert_close(plan2.run()[0], g2.interpret(ins2)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_matching_template_answers_until_the_machine_has_its_own(monkeypatch):
+    x, w = torch.randn(8, 16), torch.randn(24, 16)
+    cpu_embed.mark_constant(w)
+    case = cpu_providers.case_of("linear", [x, w], torch.empty(8, 24))
+    ident = tuning.machine_identity()
+    tpl = {"measured_on": "test", "match": {"cpu": ident["cpu"], "isa_all": ident["isa"][:2]},
+           "entries": {case.key(): {"choice": "onednn", "median_s": {"onednn": 1e-6}}}}
+    other = {"measured_on": "another CPU", "match": {"cpu": "Some Other CPU"},
+             "entries": {case.key(): {"choice": "mkl"}}}
+    monkeypatch.setattr(tuning, "templates", lambda: (("aaa-other", other), ("bbb-this", tpl)))
+    tuning.matching_template.cache_clear()
+    try:
+        monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured despite the template"))
+        provider, choice = cpu_providers.choose(case, [x, w])
+        assert (provider.name, choice.source) == ("onednn", "template bbb-this")
+        tuning.active_profile().entries[case.key()] = {"choice": "mkl", "median_s": {}}   # its own profile wins
+        assert cpu_providers.choose(case, [x, w])[1].source == "profile"
+    finally:
+        tuning.matching_template.cache_clear()
+
+
+def test_tune_off_and_bad_values(monkeypatch):
+    x, w = torch.randn(8, 16), torch.randn(24, 16)
+    cpu_embed.mark_constant(w)
+    case = cpu_providers.case_of("linear", [x, w], torch.empty(8, 24))
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured with YIRAGE_TUNE=off"))
+    monkeypatch.setenv("YIRAGE_TUNE", "off")
+    assert cpu_providers.choose(case, [x, w])[0].name == cpu_providers.DEFAULTS["float32"]
+    monkeypatch.setenv("YIRAGE_TUNE", "sometimes")
+    with pytest.raises(YirageError, match="YIRAGE_TUNE='sometimes'"):
+        cpu_providers.choose(case, [x, w])
+
+
+def test_a_damaged_profile_is_measured_again(caplog):
+    path = tuning.profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    tuning.reload_profile()
+    assert tuning.active_profile().entries == {}
+    x, w = torch.randn(4, 16), torch.randn(40, 16)
+    cpu_embed.mark_constant(w)
+    case = cpu_providers.case_of("linear", [x, w], torch.empty(4, 40))
+    assert cpu_providers.choose(case, [x, w])[1].source == "measured"
+    assert case.key() in json.loads(path.read_text())["entries"]     # rewritten whole
