@@ -1,5 +1,5 @@
-"""The ``yirage`` command line: ``yirage info``, ``yirage generate``, ``yirage embed`` and
-``yirage models [pull NAME]``.
+"""The ``yirage`` command line: ``yirage info``, ``yirage generate``, ``yirage embed``,
+``yirage models [pull NAME]`` and ``yirage benchmark``.
 
 Every failure the user can cause (bad model, backend, prompt or numbers, a chat template
 that fails, Ctrl-C, a closed stdout) prints at most one line, ``yirage: error: ...``, on
@@ -368,6 +368,128 @@ def pull(name) -> None:
         _fail(str(e))
     _check_interrupted()
     click.echo(f"{entry.name} is installed: {path}", err=True)
+
+
+class _ListOption(click.Option):
+    """An option that takes every value up to the next option, as written: ``--batch-sizes 1 4 8``
+    (commas work too: ``--batch-sizes 1,4,8``). Click has no such option; this one hooks its
+    parser (the known recipe: take over the parser option's ``process``) and hands the values
+    on joined by commas, for the ``callback`` to split. A negative number is a value, not an
+    option, so that it gets the callback's error rather than 'no such option'."""
+
+    def add_to_parser(self, parser, ctx):
+        result = super().add_to_parser(parser, ctx)
+        opt = next(p for p in (parser._long_opt.get(n) or parser._short_opt.get(n) for n in self.opts) if p)
+        store = opt.process
+
+        def process(value, state):
+            values = [value]
+            while state.rargs and not _is_option(state.rargs[0]):
+                values.append(state.rargs.pop(0))
+            store(",".join(values), state)
+        opt.process = process
+        return result
+
+
+def _is_option(token: str) -> bool:
+    return token.startswith("-") and not token[1:].replace(".", "", 1).isdigit()
+
+
+def _split(ctx, param, value) -> list[str] | None:
+    """The names of a list option's value (split at commas), or None when it was not given."""
+    return None if value is None else [v.strip() for v in str(value).split(",") if v.strip()]
+
+
+def _split_ints(ctx, param, value) -> list[int]:
+    """The integers of a list option's value; click.BadParameter for one that is not an integer."""
+    items = _split(ctx, param, value)
+    bad = [v for v in items if not v.lstrip("-").isdigit()]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} is not an integer (give integers, e.g. 1 4 8)")
+    return [int(v) for v in items]
+
+
+def _check_writable(path: str | None, option: str) -> None:
+    """Fail now (before a long run) if ``path``'s directory does not exist or is not writable."""
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            _fail(f"{option} {path}: the directory {folder} does not exist or is not writable")
+
+
+@cli.command()
+@click.option("--backend", "backends", cls=_ListOption, metavar="NAME [NAME ...]", default="all", show_default=True, callback=_split,
+              help="'all' (every available backend but triton-interpret) or names: cpu, cuda, rocm, xpu, mps, "
+                   "triton-interpret.")
+@click.option("--ops", cls=_ListOption, metavar="OP [OP ...]", default=None, callback=_split,
+              help="Ops to run (default all): matmul linear layer_norm rms_norm softmax attention "
+                   "transformer_block quantized_gemv.")
+@click.option("--batch-sizes", cls=_ListOption, metavar="N [N ...]", default="1", show_default=True, callback=_split_ints,
+              help="Positive integers, e.g. --batch-sizes 1 4 8.")
+@click.option("--seq-lengths", cls=_ListOption, metavar="N [N ...]", default="128", show_default=True, callback=_split_ints,
+              help="Positive integers, e.g. --seq-lengths 128 512 1024.")
+@click.option("--hidden-sizes", cls=_ListOption, metavar="N [N ...]", default="768", show_default=True, callback=_split_ints,
+              help="Positive integers, e.g. --hidden-sizes 768 1024.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--quant-type", type=click.Choice(["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]), default="q4_0",
+              show_default=True, help="GGUF block type of the quantized GEMV's weight.")
+@click.option("--iterations", type=int, default=None, help="Interleaved rounds per case (instead of --duration).")
+@click.option("--duration", type=float, default=None,
+              help="Seconds of timing in all, shared among the cases (default 10; compiling comes on top).")
+@click.option("--max-gflop", type=float, default=25.0, show_default=True,
+              help="Skip (and report) cases above this many GFLOP per call.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Draw the speedups as a PNG bar chart (needs matplotlib: pip install 'yirage[plot]').")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON on stdout instead of the table.")
+def benchmark(backends, ops, batch_sizes, seq_lengths, hidden_sizes, dtype, quant_type, iterations, duration,
+              max_gflop, output, plot, as_json) -> None:
+    """Time yirage against torch eager, op by op, on each backend: every case is checked against
+    torch eager (float32) first; a wrong one is reported and not timed. Progress goes to stderr."""
+    from .tools.benchmark import benchmark_backends
+
+    _check_writable(output, "--output")
+    _check_writable(plot, "--plot")
+
+    def progress(c: dict) -> None:
+        _check_interrupted()
+        done = f"{c['speedup']:.2f}x" if c["status"] == "ok" else f"{c['status']}: {c.get('reason', '')}"
+        click.echo(f"[{c['backend']} {c['op']} {c['shape']} {c['dtype']}: {done}]", err=True)
+
+    try:
+        result = benchmark_backends(duration, backends, iterations=iterations, ops=ops, batch_sizes=batch_sizes,
+                                    seq_lengths=seq_lengths, hidden_sizes=hidden_sizes, dtype=dtype,
+                                    quant_type=quant_type, max_gflop=max_gflop, progress=progress)
+    except YirageError as e:
+        _fail(str(e))
+    _check_interrupted()
+    _report_benchmark(result, output, plot, as_json)
+
+
+def _report_benchmark(result: dict, output: str | None, plot: str | None, as_json: bool) -> None:
+    """Write ``yirage benchmark``'s JSON to ``output``, print the table (or the JSON with
+    ``as_json``), then draw ``plot``: a plot that fails leaves the JSON and the table done."""
+    from .tools.benchmark import plot_speedups, results_table
+
+    text = json.dumps(result, indent=2)
+    if output is not None:
+        try:
+            with open(output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            _fail(f"cannot write {output}: {e.strerror or e}")
+    if as_json:
+        _out(text)
+    else:
+        from rich.console import Console
+
+        console = Console()
+        _print_rich(console if console.is_terminal else Console(width=200), results_table(result))
+    if plot is not None:
+        try:
+            plot_speedups(result, plot)
+        except YirageError as e:
+            _fail(f"{e}{f' (the results are in {output})' if output else ''}")
 
 
 def _check_interrupted() -> None:

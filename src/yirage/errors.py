@@ -46,3 +46,11 @@ class CacheError(YirageError):
     else ``~/.cache/yirage``) nor the per-user fallback in the temporary directory can be
     created and written, or a cache entry cannot be written or repaired. The message names
     the directory and says to point ``YIRAGE_CACHE_DIR`` at a writable directory."""
+
+
+class BenchmarkError(YirageError, ValueError):
+    """Bad arguments to ``yr.benchmark_backends`` / ``yirage benchmark``: an unknown op, dtype or
+    quantization type, a size that is not a positive integer, both ``iterations`` and
+    ``duration_seconds``, a dtype a named backend cannot hold; or a plot that cannot be drawn
+    (matplotlib missing: ``pip install 'yirage[plot]'``). The message names the argument and
+    what is allowed. Also a ValueError."""
