@@ -273,13 +273,15 @@ def _read_sentences(source: str) -> list[str]:
               help="Embedding model: short name, sentence-transformers directory or hub id.")
 @click.option("--backend", default=None, help="cpu, cuda, rocm, xpu, mps or auto (default: YIRAGE_BACKEND or auto).")
 @click.option("--int8", is_flag=True, help="int8 linear layers (per-channel weights, per-token activations): faster, cosine ~0.99+ to float32.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="bfloat16: bfloat16 GEMMs with float32 accumulation (cosine >= 0.9999 to float32).")
 @click.option("--normalize", is_flag=True, help="L2-normalize every vector.")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="A positive integer.")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "npy"]), default="jsonl", show_default=True,
               help="jsonl: one JSON array per line; npy: one float32 [n, dim] array (needs -o).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Write here instead of stdout.")
-def embed(source, model, backend, int8, normalize, batch_size, fmt, output) -> None:
+def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, output) -> None:
     """Embed sentences, one per line of FILE (or stdin with '-', the default): one vector per line
     (JSON lines) or an .npy file. Progress goes to stderr."""
     try:
@@ -290,7 +292,7 @@ def embed(source, model, backend, int8, normalize, batch_size, fmt, output) -> N
         sentences = _read_sentences(source)
         from .engines.embed import EmbeddingModel
 
-        m = EmbeddingModel(model, backend=backend, quantization="int8" if int8 else None)
+        m = EmbeddingModel(model, backend=backend, quantization="int8" if int8 else None, dtype=dtype)
         vectors = m.encode(sentences, batch_size=batch_size, normalize_embeddings=normalize,
                            show_progress_bar=True)
     except YirageError as e:

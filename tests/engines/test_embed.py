@@ -97,6 +97,33 @@ def test_int8_close_to_float32_and_same_neighbours(model, reference):
     assert (top[0] == np.arange(10)).all() and (top[1] == top[0]).all()
 
 
+def test_bfloat16_close_to_float32(model, st_model, reference, monkeypatch):
+    """dtype="bfloat16" (bfloat16 GEMMs, float32 accumulation, float32 norms and softmax): cosine
+    >= 0.9999 to sentence-transformers' float32 on every sentence (issue 18), as close to
+    sentence-transformers with its linear layers computed the same way (a different summation
+    order rounds some sums to the neighbouring bfloat16), and really not float32."""
+    sents, expect = reference
+    bf = yr.EmbeddingModel("all-minilm-l6-v2", backend="cpu", dtype="bfloat16")
+    got = bf.encode(sents)
+    cos = (got * expect).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expect, axis=1))
+    assert cos.min() >= 0.9999, cos.min()
+    linear = torch.nn.functional.linear
+
+    def bf16_linear(x, w, b=None):   # ir.ops' bfloat16 GEMM: bf16 inputs, sum rounded to bf16, fp32 bias
+        y = linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+        return y if b is None else y + b
+    monkeypatch.setattr(torch.nn.functional, "linear", bf16_linear)
+    same = st_model.encode(sents, batch_size=32, convert_to_numpy=True)
+    monkeypatch.undo()
+    cos = (got * same).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(same, axis=1))
+    assert cos.min() >= 0.9999, cos.min()
+    assert np.abs(got - expect).max() > 1e-4     # float32 is equal to 1e-7 (test_float32_...)
+    with pytest.raises(YirageError, match="dtype must be 'float32' or 'bfloat16'"):
+        yr.EmbeddingModel("all-minilm-l6-v2", dtype="float16")
+    with pytest.raises(YirageError, match="cannot also be"):
+        yr.EmbeddingModel("all-minilm-l6-v2", quantization="int8", dtype="bfloat16")
+
+
 def test_other_backends_match_the_cpu(model):
     """The same encoder graph through the backend contract on every other backend here
     (triton-interpret without a GPU: Triton's CPU interpreter, slow, so two short sentences)."""
@@ -218,9 +245,14 @@ def test_cli_round_trip(model, tmp_path, monkeypatch, capsys):
     code, stdout, err = _yirage_here(monkeypatch, capsys, "embed", "--int8", "--format", "npy", "-o", str(out), str(src))
     assert code == 0, err
     assert (np.load(out) * model.encode(sents)).sum(1).min() >= 0.98  # unit vectors: cosine
+    code, stdout, err = _yirage_here(monkeypatch, capsys, "embed", "--dtype", "bfloat16", "--format", "npy", "-o",
+                                     str(out), str(src))
+    assert code == 0, err
+    assert (np.load(out) * model.encode(sents)).sum(1).min() >= 0.9999
     for args, message in ((["-m", "no-such-model", str(src)], "unknown embedding model"),
                           (["--format", "npy", str(src)], "-o FILE"),
-                          ([str(tmp_path / "missing.txt")], "cannot read")):
+                          ([str(tmp_path / "missing.txt")], "cannot read"),
+                          (["--int8", "--dtype", "bfloat16", str(src)], "cannot also be")):
         code, stdout, err = _yirage_here(monkeypatch, capsys, "embed", *args)
         lines = err.strip().splitlines()
         assert code == 1 and stdout == "" and len(lines) == 1, (args, err)

@@ -78,6 +78,7 @@ def test_first_use_measures_records_and_drops_the_losers_copies(monkeypatch):
     """The first bind of a shape class times every candidate on it and stores the fastest in this
     machine's profile (file and memory); packed copies made only for the measurement are dropped;
     a later bind of the class reads the profile and measures nothing."""
+    monkeypatch.setattr(tuning, "unsteady_reason", lambda c: None)   # however busy the machine is
     g, ins = _graph(64, 48, 32, "float32", False)
     w = ins[1]
     cpu_embed.mark_constant(w)
@@ -138,7 +139,25 @@ def test_tune_off_and_bad_values(monkeypatch):
         cpu_providers.choose(case, [x, w])
 
 
-def test_a_damaged_profile_is_measured_again(caplog):
+def test_a_noisy_measurement_serves_the_process_but_is_not_saved(monkeypatch):
+    """A first-use measurement on a busy machine (load above the cores, or rounds spread wide)
+    decides for this process only; the next process measures again."""
+    spread = tuning.timing.Comparison([{"a": 1.0, "b": 2.0}, {"a": 1.6, "b": 2.1}], {"a": 1, "b": 1})
+    assert "a's rounds spread 1.6x" == tuning.unsteady_reason(spread)
+    monkeypatch.setattr(tuning, "unsteady_reason", lambda c: "load average 9.0 on 2 cores")
+    x, w = torch.randn(4, 16), torch.randn(72, 16)
+    cpu_embed.mark_constant(w)
+    case = cpu_providers.case_of("linear", [x, w], torch.empty(4, 72))
+    assert cpu_providers.choose(case, [x, w])[1].source == "measured"
+    entry = tuning.active_profile().entries[case.key()]
+    assert entry["noisy"] == "load average 9.0 on 2 cores"
+    assert cpu_providers.choose(case, [x, w])[1].source == "profile"            # this process: decided
+    path = tuning.profile_path()
+    assert not path.exists() or case.key() not in json.loads(path.read_text())["entries"]
+
+
+def test_a_damaged_profile_is_measured_again(monkeypatch):
+    monkeypatch.setattr(tuning, "unsteady_reason", lambda c: None)
     path = tuning.profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("{not json")

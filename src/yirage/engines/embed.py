@@ -17,8 +17,9 @@ serve every input, never one per distinct length. Pooling and the Normalize modu
 sentence's tokens (sum / max(count, 1e-9)), the CLS token, the max over tokens, or
 mean * sqrt(len), concatenated in that module's order; Normalize is L2 with eps 1e-12.
 
-On the CPU, float32 linear layers run on weights packed once at load (``backends/cpu_embed.py``,
-an AVX-512 register-blocked GEMM, ~2.3x torch's BLAS here), the fused row kernel after each
+On the CPU, each linear layer runs on the provider measured fastest for its shape on this machine
+(``backends/cpu_providers.py``: yirage's AVX-512 GEMM on weights packed once, ~2.3x torch's BLAS
+on an AMD EPYC, or MKL / oneDNN, which use AMX on Intel Xeons that have it), the fused row kernel after each
 GEMM (residual + LayerNorm, GELU) runs as its epilogue on each block of finished rows (the
 executor's epilogue fusion), and attention over the packed sentences is a C++ kernel
 (``kernels/cpu/embed_kernels.h``).
@@ -48,8 +49,8 @@ from ..backends import get_backend_impl, resolve_backend
 from ..config import logger
 from ..errors import ModelLoadError, YirageError
 from ..kernel import KNGraph
-from ..models.bert import (build_encoder, load_bert_weights, quantize_weights, read_sentence_transformer,
-                           weight_order)
+from ..models.bert import (build_encoder, linear_weights_to, load_bert_weights, quantize_weights,
+                           read_sentence_transformer, weight_order)
 from ..models.registry import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
 
 PLAN_TOKENS = 32768  # compiled plans are kept (least recently used dropped first) while their token
@@ -67,19 +68,29 @@ class EmbeddingModel:
         quantization: None (float32) or ``"int8"``: every linear layer with per-channel int8
             weights and int8 activations (per token, groups of 64 features), integer GEMMs
             (``linear_w8a8``); attention, LayerNorm, GELU and pooling stay float32.
+        dtype: ``"float32"`` (the default) or ``"bfloat16"``: every linear layer's weight is
+            kept in bfloat16 only and the layer runs as a bfloat16 GEMM with float32
+            accumulation (activations rounded to bfloat16 at its input, its sum rounded to
+            bfloat16, float32 bias); LayerNorm, softmax, GELU and pooling stay float32. On
+            all-MiniLM-L6-v2 the cosine to float32 is >= 0.9999 (tests/engines/test_embed.py).
 
     Raises:
         ModelLoadError: unknown model, missing files or pooling config, a model type the
             engine does not know, weights holding NaN/inf.
         BackendUnavailableError: unknown or unavailable backend.
-        YirageError: an unsupported ``quantization``.
+        YirageError: an unsupported ``quantization`` or ``dtype``, or both int8 and bfloat16.
     """
 
     def __init__(self, name_or_path: str = DEFAULT_EMBEDDING_MODEL, backend: str | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, dtype: str = "float32"):
         if quantization not in (None, "int8"):
             raise YirageError(f"EmbeddingModel: quantization must be None or 'int8', got {quantization!r}")
-        self.quantization = quantization
+        if dtype not in ("float32", "bfloat16"):
+            raise YirageError(f"EmbeddingModel: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        if quantization == "int8" and dtype != "float32":
+            raise YirageError("EmbeddingModel: quantization='int8' has int8 linear layers; it cannot also be "
+                              f"dtype={dtype!r} (drop one of the two)")
+        self.quantization, self.dtype = quantization, dtype
         directory = resolve_embedding_model(name_or_path)
         self.spec = read_sentence_transformer(directory)
         self.config = self.spec.config
@@ -91,12 +102,14 @@ class EmbeddingModel:
         weights = load_bert_weights(directory, self.config)
         if quantization == "int8":
             weights = quantize_weights(weights, self.config)
+        elif dtype == "bfloat16":
+            weights = linear_weights_to(weights, self.config, torch.bfloat16)
         # [max_pos, H]: position embeddings plus token type 0 (sentence-transformers passes no token types)
         self._pos_type = (weights["position"] + weights["token_type"][0]).to(self.device)
         self._weights = weights
         self._inputs = [weights[n].to(self.device) for n in weight_order(self.config, quantization == "int8")]
-        if self.device.type == "cpu" and quantization is None:
-            _prepack_linear_weights(self._inputs, weight_order(self.config))
+        if self.device.type == "cpu":
+            _declare_constant_weights(self._inputs)
         self._plans: OrderedDict[tuple[int, int], tuple] = OrderedDict()
         self.plan_shapes: set[tuple[int, int]] = set()  # every (batch, padded length) compiled so far
         logger.info("loaded embedding model %s on %s (dim %d, max_seq_length %d)", directory,
@@ -189,14 +202,14 @@ class EmbeddingModel:
         return self._plans[key]
 
 
-def _prepack_linear_weights(inputs: list[torch.Tensor], names: list[str]) -> None:
-    """Pack every float32 linear weight ([N, K], names ending in ``.w`` with a 2-D tensor other
-    than the embedding table) for the CPU backend's packed GEMM (backends/cpu_embed.py)."""
-    from ..backends.cpu_embed import prepack_linear
+def _declare_constant_weights(inputs: list[torch.Tensor]) -> None:
+    """Declare the encoder's 2-D weights constant, so that the CPU backend's kernel providers may
+    keep them packed in their own layouts (backends/cpu_providers.py)."""
+    from ..backends.cpu_embed import mark_constant
 
-    for name, t in zip(names, inputs):
-        if name.endswith(".w") and t.dim() == 2 and t.dtype == torch.float32:
-            prepack_linear(t)
+    for t in inputs:
+        if t.dim() == 2:
+            mark_constant(t)
 
 
 def bucket_tokens(n: int) -> int:

@@ -187,7 +187,7 @@ def load_bert_weights(directory: Path, config: BertConfig) -> dict[str, torch.Te
 
 
 _LINEARS = ("qkv", "attn_out", "inter", "out")
-_DTYPES = {torch.float32: "float32", torch.int8: "int8"}
+_DTYPES = {torch.float32: "float32", torch.int8: "int8", torch.bfloat16: "bfloat16"}
 
 
 def weight_order(config: BertConfig, int8: bool = False) -> list[str]:
@@ -213,6 +213,16 @@ def quantize_weights(weights: dict[str, torch.Tensor], config: BertConfig) -> di
             q, s = quantize_rows_int8(weights[f"l{i}.{k}.w"])
             out[f"l{i}.{k}.wq"] = q.t().contiguous()
             out[f"l{i}.{k}.ws"] = s.reshape(-1).contiguous()
+    return out
+
+
+def linear_weights_to(weights: dict[str, torch.Tensor], config: BertConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``weights`` with every linear layer's ``.w`` [N, K] converted to ``dtype`` (round to
+    nearest even for bfloat16), the float32 copies dropped; biases, norms and embeddings kept."""
+    out = dict(weights)
+    for i in range(config.num_layers):
+        for k in _LINEARS:
+            out[f"l{i}.{k}.w"] = weights[f"l{i}.{k}.w"].to(dtype).contiguous()
     return out
 
 

@@ -44,7 +44,7 @@ from typing import Callable, Mapping
 from ..config import cache_subdir, logger
 from ..errors import YirageError
 from ..runtime import timing
-from ..runtime.machine import all_isa_flags, cpu_model_name, library_versions
+from ..runtime.machine import all_isa_flags, cpu_model_name, library_versions, usable_cpu_count
 
 FORMAT = 1
 #: seconds a first-use measurement of one shape class may take (at least 3 rounds are taken)
@@ -135,13 +135,14 @@ class Profile:
 
     def save(self) -> None:
         """Merge into the file at ``path`` (entries measured by another process meanwhile are
-        kept unless this profile has the same key), written atomically under a lock."""
+        kept unless this profile has the same key; noisy entries are not written), atomically
+        under a lock."""
         if self.path is None:
             raise YirageError("this profile has no file to save to")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(self.path):
             disk = Profile.read(self.path)
-            disk.entries.update(self.entries)
+            disk.entries.update({k: e for k, e in self.entries.items() if "noisy" not in e})
             disk.extra.update(self.extra)
             self.entries, self.extra = disk.entries, disk.extra
             _write_json(self.path, self.to_dict())
@@ -247,15 +248,46 @@ def measure(candidates: Mapping[str, Callable[[], object]], budget_s: float = FI
                           deadline=time.perf_counter() + budget_s, min_rounds=3)
 
 
+#: a measurement is kept on disk only when every candidate's slowest round took at most this
+#: many times its fastest, and the load average was at most the usable cores
+STEADY_SPREAD = 1.5
+
+
+def busy_reason() -> str | None:
+    """Why this machine is too busy for measurements worth keeping (the 1-minute load average
+    above its usable cores: other processes take cores from the candidates), or None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores = usable_cpu_count()
+    return f"load average {load:.1f} on {cores} cores" if load > cores else None
+
+
+def unsteady_reason(comparison: timing.Comparison) -> str | None:
+    """Why ``comparison``'s figures are too noisy to keep (a candidate whose rounds spread over
+    more than ``STEADY_SPREAD``x, or a busy machine), or None."""
+    for n in comparison.names:
+        samples = comparison.samples(n)
+        if max(samples) > STEADY_SPREAD * min(samples):
+            return f"{n}'s rounds spread {max(samples) / min(samples):.1f}x"
+    return busy_reason()
+
+
 def record(key: str, comparison: timing.Comparison, source: str, profile: Profile | None = None) -> Choice:
     """Store the fastest candidate of ``comparison`` (lowest median) for ``key`` in ``profile``
-    (default: this machine's, saved); return it."""
+    (default: this machine's); return it. The profile is saved to disk only when the figures
+    are steady (``unsteady_reason``): a choice made on a busy machine serves this process, and
+    the next one measures again."""
     best = comparison.fastest()
     medians = {n: comparison.median(n) for n in comparison.names}
     profile = profile if profile is not None else active_profile()
+    noisy = unsteady_reason(comparison)
     profile.entries[key] = {"choice": best, "median_s": medians, "source": source,
-                            "when": datetime.date.today().isoformat()}
-    if profile.path is not None:
+                            "when": datetime.date.today().isoformat(), **({"noisy": noisy} if noisy else {})}
+    if noisy:
+        logger.info("%s: %s chosen, but not saved to the profile (%s)", key, best, noisy)
+    elif profile.path is not None:
         profile.save()
     return Choice(best, "measured", medians)
 
