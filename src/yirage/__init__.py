@@ -31,6 +31,7 @@ _EXPORTS = {
     "PersistentKernel": "yirage.persistent_kernel",
     **dict.fromkeys(["LLM", "GenerationResult"], "yirage.engines.generate"),
     "EmbeddingModel": "yirage.engines.embed",
+    **dict.fromkeys(["auto_configure_backend", "BackendOptimizer"], "yirage.tools.optimize"),
     "benchmark_backends": "yirage.tools.benchmark",
 }
 _ALIASES = {

@@ -1,5 +1,5 @@
 """The ``yirage`` command line: ``yirage info``, ``yirage generate``, ``yirage embed``,
-``yirage models [pull NAME]`` and ``yirage benchmark``.
+``yirage models [pull NAME]``, ``yirage optimize`` and ``yirage benchmark``.
 
 Every failure the user can cause (bad model, backend, prompt or numbers, a chat template
 that fails, Ctrl-C, a closed stdout) prints at most one line, ``yirage: error: ...``, on
@@ -316,6 +316,59 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
             f.write(text)
     except OSError as e:
         _fail(f"cannot write {output}: {e.strerror or e}")
+
+
+@cli.command()
+@click.option("--backend", default=None, help="The backend whose kernel providers to measure (cpu; default: cpu).")
+@click.option("--budget", type=float, default=60.0, show_default=True,
+              help="Seconds of measuring in all, shared by the shape classes.")
+@click.option("--apply", is_flag=True, help="Make the measured profile the one yirage uses on this machine.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def optimize(backend, budget, apply, as_json) -> None:
+    """Measure the kernel providers (yirage's kernels, MKL, oneDNN) of the library ops that the
+    registry's models and Mirage's graphs use, on this machine; print each provider's time and
+    the choice; write a machine profile (--apply: the one used by default)."""
+    from .tools.optimize import check_arguments, optimize as run_optimize
+
+    try:
+        check_arguments(backend, budget)
+        if not as_json:
+            click.echo("measuring kernel providers (yirage, MKL, oneDNN) per shape class ...", err=True)
+        result = run_optimize(backend, budget, apply)
+    except YirageError as e:
+        _fail(str(e))
+    if as_json:
+        _out(json.dumps(result, indent=1))
+        return
+    _print_rich(_console(), _optimize_table(result))
+    if result["threads"]:
+        per_s = ", ".join(f"{t} threads {v:.0f}/s" for t, v in result["threads"]["sentences_per_s"].items())
+        _out(f"embedding encoder: {per_s}; best {result['threads']['best']}")
+    if result["busy"]:
+        _out(f"note: the machine was busy ({result['busy']}): figures may be noisy; run again when it is idle")
+    _out(f"profile written: {result['profile']}")
+    _out(f"applied: {result['applied']}" if result["applied"] else "not applied (yirage optimize --apply uses it)")
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def _optimize_table(result: dict):
+    from rich.table import Table
+
+    providers = sorted({p for r in result["cases"] for p in r["median_s"]})
+    table = Table(title=f"kernel providers on {result['machine']['cpu']} ({result['machine']['threads']} threads)")
+    for col in ("workload", "op", "dtype", "M x N x K", *providers, "choice"):
+        table.add_column(col)
+    for r in result["cases"]:
+        times = [f"{r['median_s'][p] * 1e6:.0f} us" if p in r["median_s"] else "-" for p in providers]
+        choice = r["choice"] + (" (noisy)" if r.get("noisy") else "") + ("" if r["median_s"] else " (only one)")
+        table.add_row(r["workload"], r["op"], r["dtype"], f"{r['M']}x{r['N']}x{r['K']}", *times, choice)
+    return table
 
 
 @cli.group(invoke_without_command=True)

@@ -134,22 +134,9 @@ def test_plot_is_a_png(tiny, tmp_path):
 
 # ---- the command line ------------------------------------------------------------------------
 @pytest.fixture
-def yirage_main(monkeypatch, capsys):
-    """Run ``yirage benchmark ARGS`` in this process through ``cli.main`` (the entry point:
-    its one-line errors and exit statuses); returns (status, stdout, stderr). Its signal
-    handling is switched off, so that the test process keeps its own SIGINT handler."""
-    def _exit(code):
-        raise SystemExit(code)
-    monkeypatch.setattr(cli, "_exit", _exit)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["yirage", "benchmark", *args])
-        with pytest.raises(SystemExit) as e:
-            cli.main()
-        out = capsys.readouterr()
-        return e.value.code, out.out, out.err
-    return run
+def yirage_main(yirage_cli):
+    """``yirage benchmark ARGS`` in this process (tests/tools/conftest.py)."""
+    return lambda *args: yirage_cli("benchmark", *args)
 
 
 def _invoke(args):

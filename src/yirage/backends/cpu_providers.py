@@ -37,7 +37,9 @@ from typing import Callable
 
 import torch
 
+from ..config import logger
 from ..ir.ops import quantize_rows_int8
+from ..runtime import timing
 from ..tuning import profile as tuning
 from . import cpu_embed
 
@@ -312,21 +314,37 @@ def _sample_args(case: Case, args: list[torch.Tensor]) -> tuple[list[torch.Tenso
     return [x, *args[1:]], torch.empty(case.M, case.N)
 
 
+def _factories(case: Case, args: list[torch.Tensor], cands: dict[str, Provider]) -> dict:
+    """{provider name: a factory binding it to sample inputs of the class (made once, shared)}."""
+    sample: list = []
+
+    def factory(p: Provider):
+        def make():
+            if not sample:
+                sample.extend(_sample_args(case, args))
+            return p.bind(case, sample[0], sample[1], None)
+        return make
+    return {n: factory(p) for n, p in cands.items()}
+
+
+def measure(case: Case, args: list[torch.Tensor], budget_s: float) -> timing.Comparison:
+    """Every candidate provider of ``case`` bound to sample inputs of the class (``args``: the
+    op's tensors, of which the weights are used) and timed together (``tuning.measure``)."""
+    thunks = {}
+    for name, make in _factories(case, args, candidates(case)).items():
+        try:
+            thunks[name] = make()
+        except Exception as e:  # noqa: BLE001 - a provider this build of torch cannot run
+            logger.debug("provider %s left out of %s: %s: %s", name, case.key(), type(e).__name__, e)
+    return tuning.measure(thunks, budget_s)
+
+
 def choose(case: Case, args: list[torch.Tensor]) -> tuple[Provider, tuning.Choice]:
     """The provider for ``case`` (see the module docstring) and how it was chosen."""
     cands = candidates(case)
     w = args[1]
     packed_before = {n for n, p in cands.items() if p.packs and cpu_embed.has_packed(w, p.kind(case))}
-    sample, sample_out = (None, None)
-
-    def factory(p: Provider):
-        def make():
-            nonlocal sample, sample_out
-            if sample is None:
-                sample, sample_out = _sample_args(case, args)
-            return p.bind(case, sample, sample_out, None)
-        return make
-    choice = tuning.choose(case.key(), {n: factory(p) for n, p in cands.items()}, default_provider(case, cands))
+    choice = tuning.choose(case.key(), _factories(case, args, cands), default_provider(case, cands))
     for n, p in cands.items():   # packed copies made only to be measured
         if p.packs and n != choice.provider and n not in packed_before:
             cpu_embed.forget_packed(w, p.kind(case))
@@ -350,4 +368,4 @@ def bind_linear(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int
 
 
 __all__ = ["Case", "Provider", "PROVIDERS", "DEFAULTS", "EPILOGUE_BLOCK_BYTES", "bind_linear", "case_of",
-           "candidates", "choose"]
+           "candidates", "choose", "measure"]

@@ -321,7 +321,7 @@ def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]
             thunks[name] = factory()
         except Exception as e:  # noqa: BLE001 - a provider this build of a library cannot run
             logger.debug("provider %s left out of %s: %s: %s", name, key, type(e).__name__, e)
-    if len(thunks) <= 1:
+    if len(thunks) <= 1:   # nothing to compare: not recorded, asked again by the next process
         return Choice(next(iter(thunks), default), "only candidate")
     choice = record(key, measure(thunks, budget_s), "first use")
     logger.info("%s: %s chosen by measurement (%s)", key, choice.provider,
