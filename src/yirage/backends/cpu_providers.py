@@ -307,7 +307,7 @@ def default_provider(case: Case, cands: dict[str, Provider]) -> str:
     return DEFAULTS[case.dtype] if DEFAULTS[case.dtype] in cands else next(iter(cands))
 
 
-def _sample_args(case: Case, args: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+def sample_args(case: Case, args: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Inputs of the class to time a provider on: random activations (the plan's buffers hold
     garbage at bind time, and denormals there would skew the timing), the real weights."""
     x = torch.randn(case.M, case.K)
@@ -321,7 +321,7 @@ def _factories(case: Case, args: list[torch.Tensor], cands: dict[str, Provider])
     def factory(p: Provider):
         def make():
             if not sample:
-                sample.extend(_sample_args(case, args))
+                sample.extend(sample_args(case, args))
             return p.bind(case, sample[0], sample[1], None)
         return make
     return {n: factory(p) for n, p in cands.items()}
