@@ -196,13 +196,17 @@ class Sides:
             return None
         return payload
 
-    def rounds(self, n: int, request: dict, sides: list[str] | None = None) -> list[dict[str, tuple]]:
+    def rounds(self, n: int, request: dict, sides: list[str] | None = None,
+               limit: dict[str, int] | None = None) -> list[dict[str, tuple]]:
         """``n`` rounds of one sample of every live side of ``sides`` (default: all), in an order
-        rotated by one place per round. Returns, per round, {side: (figures, outputs)} for the
-        sides that answered."""
+        rotated by one place per round; a side of ``limit`` takes part in its first
+        ``limit[side]`` rounds only (a slow reference). Returns, per round, {side: (figures,
+        outputs)} for the sides that answered."""
         out = []
+        limit = limit or {}
         for r in range(n):
-            names = [s for s in (sides if sides is not None else self.live) if s in self.workers]
+            names = [s for s in (sides if sides is not None else self.live)
+                     if s in self.workers and r < limit.get(s, n)]
             k = r % len(names) if names else 0
             got = {}
             for name in names[k:] + names[:k]:

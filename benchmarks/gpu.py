@@ -147,7 +147,7 @@ def bench_llm(model: str, backend: str, tokens: int, runs: int) -> dict:
          "prefill_s": statistics.median(prefill), "decode_tokens_per_s": statistics.median(decode),
          "runs_decode_tokens_per_s": [round(x, 1) for x in decode], "text": r.text[:80]}
     t, t_toks = bench_transformers(model, {"prompt": ids}, tokens, runs, device=str(impl.torch_device),
-                                   dtype=getattr(torch, llm.dtype.value))
+                                   dtype=llm.dtype.value)
     t_tok = t_toks["prompt"]
     return {"model": model, "yirage": y, "transformers_eager": t,
             "decode_speedup": y["decode_tokens_per_s"] / t["prompt"]["decode_tokens_per_s"],
