@@ -107,7 +107,7 @@ class _Worker:
             rc = self.proc.returncode
         report: dict = {"exit_code": rc}
         if rc is not None and rc < 0:
-            report["signal"] = signal.Signals(-rc).name
+            report["signal"] = signal.Signals(-rc).name if -rc in signal.valid_signals() else str(-rc)
         report["stderr_tail"] = self.tail()
         return report
 

@@ -361,6 +361,16 @@ def summarize(rounds: list[dict], side: str, prompt_tokens: int) -> tuple[dict, 
     return summary, outs[0]["tokens"]
 
 
+def side_entry(sides: Sides, rounds: dict[str, list[dict]], prompts: dict | None, side: str):
+    """(``side``'s JSON entry, {prompt: its greedy tokens}): its info and per-prompt summaries
+    if it answered on every prompt and never failed; else (its failure report, or "not run";
+    None)."""
+    per = {p: summarize(rs, side, len(prompts[p][1])) for p, rs in rounds.items()}
+    if side in sides.failures or not per or not all(v[0] for v in per.values()):
+        return (sides.report(side) if side in sides.failures else {"status": "not run"}), None
+    return sides.report(side, {p: v[0] for p, v in per.items()}), {p: v[1] for p, v in per.items()}
+
+
 def paired_ratios(rounds: dict[str, list[dict]], side: str, peer: str) -> dict:
     """Per prompt, ``side``'s decode and prefill speed over ``peer``'s: the median of the
     ratios within the rounds both answered in (absent where they share no round)."""
@@ -436,12 +446,9 @@ def idle_report(args, gguf_path: str, report: dict) -> None:
     report["loadavg_after"] = os.getloadavg()[0]
     figures, tokens = {}, {}
     for side in [*configs, "llamacpp", "transformers"]:
-        per_prompt = {p: summarize(rounds[p], side, len(prompts[p][1])) for p in rounds}
-        if side not in sides.failures and per_prompt and all(v[0] for v in per_prompt.values()):
-            figures[side] = sides.report(side, {p: v[0] for p, v in per_prompt.items()})
-            tokens[side] = {p: v[1] for p, v in per_prompt.items()}
-        else:
-            figures[side] = sides.report(side) if side in sides.failures else {"status": "not run"}
+        figures[side], toks = side_entry(sides, rounds, prompts, side)
+        if toks is not None:
+            tokens[side] = toks
     ys = {c: figures[c] for c in configs}
     ref = next((tokens[c] for c in configs if c in tokens), None)  # yirage's greedy tokens
     for peer in ("llamacpp", "transformers"):
@@ -488,13 +495,9 @@ def busy_report(args, gguf_path: str, report: dict) -> None:
     report["busy_core"] = max(os.sched_getaffinity(0))
     report["loadavg_after"] = os.getloadavg()[0]
 
-    def figures(side):
-        per = {p: summarize(rs, side, len(prompts[p][1]))[0] for p, rs in rounds.items()}
-        return sides.report(side, per) if per and all(per.values()) else sides.report(side)
-
-    report["yirage_1thread_idle"] = {name: figures(idle)}
-    report[f"yirage_{args.threads}threads_one_core_busy"] = {name: figures(name)}
-    report[f"llamacpp_{args.threads}threads_one_core_busy"] = figures("llamacpp")
+    report["yirage_1thread_idle"] = {name: side_entry(sides, rounds, prompts, idle)[0]}
+    report[f"yirage_{args.threads}threads_one_core_busy"] = {name: side_entry(sides, rounds, prompts, name)[0]}
+    report[f"llamacpp_{args.threads}threads_one_core_busy"] = side_entry(sides, rounds, prompts, "llamacpp")[0]
     cmp = {}
     for pname, rs in rounds.items():
         c = comparison(rs, "decode_s_per_token", [idle, name])
