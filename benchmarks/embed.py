@@ -132,6 +132,7 @@ class OnnxRuntimeSide(_EncodeSide):
 
         t0 = time.perf_counter()
         self.tok, self.hidden, f = _export_onnx(path)
+        self.export_dir = os.path.dirname(f)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         self.sess = ort.InferenceSession(f, opts, providers=["CPUExecutionProvider"])
@@ -155,6 +156,12 @@ class OnnxRuntimeSide(_EncodeSide):
         if self.normalize:   # the model's Normalize module, as sentence-transformers applies it
             out /= np.clip(np.linalg.norm(out, axis=1, keepdims=True), 1e-12, None)
         return out
+
+    def close(self) -> None:
+        """Delete the exported model's temporary directory."""
+        import shutil
+
+        shutil.rmtree(self.export_dir, ignore_errors=True)
 
 
 def _export_onnx(path: str):
