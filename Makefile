@@ -48,8 +48,12 @@ models: setup
 
 # llama-cpp-python (the bench extra) compiles llama.cpp for about 10 minutes: only make bench
 # installs it, never make test. BENCH_ARGS="--no-transformers --scenario busy" tunes the run.
-$(VENV)/.setup-bench: pyproject.toml $(VENV)/.setup-test
-	$(PIP) install -e ".[test,bench]"
+# llama.cpp is built for this CPU's ISA flags with GGML_NATIVE=OFF and never with its AMX
+# kernels, which crash on AMX Xeons (benchmarks/llama_cpp_cmake_args.py says why);
+# --no-cache-dir: never a wheel that pip cached from an earlier (native) build.
+$(VENV)/.setup-bench: pyproject.toml benchmarks/llama_cpp_cmake_args.py $(VENV)/.setup-test
+	CMAKE_ARGS="$(shell $(PY) benchmarks/llama_cpp_cmake_args.py)" FORCE_CMAKE=1 \
+		$(PIP) install --no-cache-dir -e ".[test,bench]"
 	touch $@
 
 bench: $(VENV)/.setup-bench

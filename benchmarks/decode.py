@@ -9,6 +9,7 @@ model emits EOS first: the counts are in the output); the median of --runs runs 
     python benchmarks/decode.py [-m smollm2-135m-instruct | gemma3-270m] [--threads=2] [--tokens 128]
                                 [--runs 3] [--transformers-runs 1] [--no-transformers]
                                 [--no-llamacpp] [--scenario idle|busy] [--prompts short,long]
+                                [--timeout 600]
 
 Two prompts: ``short`` (a one-line chat prompt, about 42 tokens) and ``long`` (a fixed,
 deterministic set of notes in the chat template, about 790 tokens; the exact count is in
@@ -20,14 +21,22 @@ Measures, per side and prompt:
     prompt_tokens / prefill_s;
   - decode_tokens_per_s: tokens/s over the decode steps after the first new token;
   - load: the constructor's seconds (``yr.LLM(...)`` / ``llama_cpp.Llama(...)``): ``first_s``
-    the first one of that side in this process (for the first yirage config, the first load
-    after ``import yirage``), ``warm_s`` the median of the next two (disk and compile caches warm).
+    the first one of that side in its process (the first load after ``import yirage``),
+    ``warm_s`` the median of the next two (disk and compile caches warm).
 
-yirage (each config) and llama.cpp are all loaded, then take turns run by run, so that other
-load on a shared machine spreads over every side; transformers runs afterwards on its own.
+Every side (each yirage config, llama.cpp, transformers) runs in its own process
+(``benchmarks/_sides.py``) with the same OMP_NUM_THREADS and torch thread count: a side that
+crashes (llama.cpp's AMX kernels segfault on some Intel CPUs), hangs (``--timeout`` seconds
+per generation) or fails is reported as such under its name, and the other sides' figures
+still print. The sides are timed in interleaved rounds, one generation of every side per
+round in an order rotated from round to round, so that other load on a shared machine hits
+every side alike (transformers takes part in the first --transformers-runs rounds). The
+ratios are medians of the ratios within each round (``yirage.runtime.timing.Comparison``).
+The first yirage side tokenizes the prompts; the other sides get its token ids.
 
-llama.cpp comes from llama-cpp-python (the optional ``bench`` extra: ``make bench`` installs it;
-it compiles llama.cpp for about 10 minutes). Without it the llama.cpp side is skipped.
+llama.cpp comes from llama-cpp-python (the optional ``bench`` extra: ``make bench`` installs it,
+built for this CPU without its AMX kernels; it compiles llama.cpp for about 10 minutes).
+Without it the llama.cpp side is skipped.
 
 ``--scenario busy``: a separate process spins on one core (the last one this process may use)
 while yirage (its default engine) and llama.cpp decode with --threads threads; run by run,
@@ -36,18 +45,18 @@ is reported (their median is issue 7's busy-core figure).
 
 If ``yr.LLM`` takes a ``persistent`` keyword, yirage is measured with persistent=True and
 persistent=False; if it takes a thread-count keyword (num_threads, threads, num_workers), it
-gets --threads. OMP_NUM_THREADS and torch's thread count are set from --threads too.
+gets --threads. ``machine`` is ``yirage.runtime.machine.machine_record()``.
 The machine may be shared with other jobs: figures are noisy; compare within one run.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
+import importlib.util
 import inspect
 import json
+import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,11 +65,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (sets OMP_NUM_THREADS from --threads before torch loads)
-
-import torch  # noqa: E402
-
-import yirage as yr  # noqa: E402
-from yirage.models.loading import load_model  # noqa: E402
+from _sides import Sides, SideSpec, comparison  # noqa: E402
 
 PROMPT = "Write a detailed story about a robot who learns to paint."
 LONG_TARGET_TOKENS = 790
@@ -112,15 +117,11 @@ def _compare(ids: list[int], ref: list[int]) -> dict:
     return {"matching_prefix": _matching_prefix(ids, ref), "of": len(ref), "equal": ids == ref}
 
 
-def _median(xs):
-    return statistics.median(xs)
-
-
 def _summary(prompt_tokens: int, prefills: list[float], decodes: list[float], counts: list[int],
              text: str) -> dict:
-    p = _median(prefills)
+    p = statistics.median(prefills)
     return {"prompt_tokens": prompt_tokens, "prefill_s": p, "prefill_tokens_per_s": prompt_tokens / p,
-            "decode_tokens_per_s": _median(decodes), "new_tokens": counts,
+            "decode_tokens_per_s": statistics.median(decodes), "new_tokens": counts,
             "runs": {"prefill_s": [round(x, 4) for x in prefills],
                      "decode_tokens_per_s": [round(x, 1) for x in decodes]},
             "text": text[:80]}
@@ -146,10 +147,17 @@ class BusyCore:
         return False
 
 
-# ---- the engines ----------------------------------------------------------------------------
-# Each side: ``info`` (load times, settings), ``run(text, ids, n)`` -> (prefill_s, decode
-# tokens/s, new token ids, text) for one greedy generation of at most n tokens, ``close()``.
+# ---- the sides, each built in its own worker process ------------------------------------------
+# A side: ``info`` (load times, settings) and ``sample(prompt, tokens)`` -> (figures, outputs)
+# for one greedy generation of at most ``tokens`` new tokens after prompt ``prompt``.
+def _sample(prefill_s: float, tps: float, ids: list[int], text: str) -> tuple[dict, dict]:
+    return ({"prefill_s": prefill_s, "decode_tokens_per_s": tps, "new_tokens": len(ids),
+             "decode_s_per_token": 1.0 / tps if tps > 0 else math.inf}, {"tokens": ids, "text": text})
+
+
 def _llm_params() -> set[str]:
+    import yirage as yr
+
     return set(inspect.signature(yr.LLM).parameters)
 
 
@@ -169,6 +177,8 @@ def _thread_kwargs(threads: int) -> dict:
 
 
 def _make_llm(model: str, threads: int, extra: dict):
+    import yirage as yr
+
     t0 = time.perf_counter()
     llm = yr.LLM(model, backend="cpu", max_seq_length=MAX_SEQ, **_thread_kwargs(threads), **extra)
     return llm, time.perf_counter() - t0
@@ -182,26 +192,45 @@ def _close(llm) -> None:
     gc.collect()
 
 
-class YirageSide:
-    """yr.LLM(model, **extra) on the CPU. ``first`` is an (llm, seconds) pair already built in
-    this process: its seconds are the first load, and it is the throwaway load before the two
-    timed warm ones (the second is kept)."""
+def make_prompts(encode, names: list[str]) -> dict[str, tuple[str, list[int]]]:
+    """{prompt name: (text, token ids)} of ``names`` (short, long), ``encode`` giving the ids."""
+    prompts = {"short": (PROMPT, encode(PROMPT))}
+    if "long" in names:
+        text = long_prompt(encode)
+        prompts["long"] = (text, encode(text))
+    return {k: v for k, v in prompts.items() if k in names}
 
-    def __init__(self, model: str, threads: int, extra: dict, first=None):
-        first = first or _make_llm(model, threads, extra)
+
+class YirageSide:
+    """yr.LLM(model, **extra) on the CPU: a first load (this process's first), then two timed
+    warm ones (the second is kept). ``prompts`` None: this side tokenizes ``prompt_names`` and
+    puts them (and the EOS ids) in its info for the other sides; otherwise it checks that it
+    encodes every prompt text to the same ids."""
+
+    def __init__(self, model: str, threads: int, extra: dict, prompts: dict | None = None,
+                 prompt_names: tuple[str, ...] = ("short", "long")):
+        first = _make_llm(model, threads, extra)
         _close(first[0])
         llm, warm1 = _make_llm(model, threads, extra)
         _close(llm)
         self.llm, warm2 = _make_llm(model, threads, extra)
-        self.info = {"load": {"first_s": first[1], "warm_s": _median([warm1, warm2]),
+        self.info = {"load": {"first_s": first[1], "warm_s": statistics.median([warm1, warm2]),
                               "warm_runs_s": [warm1, warm2]},
                      "dtype": self.llm.dtype.value, "kwargs": {**_thread_kwargs(threads), **extra}}
+        if prompts is None:
+            prompts = make_prompts(self.llm.encode_prompt, list(prompt_names))
+            self.info.update(prompts=prompts, eos_token_ids=sorted(self.llm.eos_token_ids))
+        for name, (text, ids) in prompts.items():
+            if self.llm.encode_prompt(text) != list(ids):
+                raise AssertionError(f"{extra}: yirage's ids of prompt {name!r} differ from the first side's")
+        self.prompts = prompts
+        self.sample(next(iter(prompts)), 4)  # warm-up: first-call work outside the timings
 
-    def run(self, text: str, ids: list[int], n: int):
-        assert self.llm.encode_prompt(text) == ids, "yirage's prompt ids changed"
-        r = self.llm.generate(text, max_new_tokens=n)
+    def sample(self, prompt: str, tokens: int):
+        text, ids = self.prompts[prompt]
+        r = self.llm.generate(text, max_new_tokens=tokens)
         assert r.prompt_tokens == len(ids)
-        return r.prefill_s, r.decode_tokens_per_s, list(r.token_ids), r.text
+        return _sample(r.prefill_s, r.decode_tokens_per_s, list(r.token_ids), r.text)
 
     def close(self) -> None:
         _close(self.llm)
@@ -210,9 +239,9 @@ class YirageSide:
 class LlamaCppSide:
     """llama.cpp through llama-cpp-python on the GGUF file: the prompt token ids are evaluated
     as given (no tokenization), then greedy tokens one per step; generation stops at
-    ``eos_ids`` like yirage's. ImportError without llama-cpp-python."""
+    ``eos_ids`` like yirage's. Load: a first, then two timed warm ones (the second is kept)."""
 
-    def __init__(self, gguf_path: str, threads: int, eos_ids=frozenset()):
+    def __init__(self, gguf_path: str, threads: int, prompts: dict[str, list[int]], eos_ids=()):
         import llama_cpp
 
         def make():
@@ -227,16 +256,19 @@ class LlamaCppSide:
         llm.close()
         self.llm, warm2 = make()
         self.eos_ids = set(eos_ids)
+        self.prompts = prompts
         self.info = {"version": llama_cpp.__version__, "threads": threads, "n_ctx": MAX_SEQ,
                      "n_batch": self.llm.n_batch, "n_ubatch": self.llm.context_params.n_ubatch,
                      "system_info": llama_cpp.llama_print_system_info().decode().strip(),
-                     "load": {"first_s": first_s, "warm_s": _median([warm1, warm2]),
+                     "load": {"first_s": first_s, "warm_s": statistics.median([warm1, warm2]),
                               "warm_runs_s": [warm1, warm2]}}
+        self.sample(next(iter(prompts)), 4)  # warm-up
 
-    def run(self, text: str, ids: list[int], n: int):
+    def sample(self, prompt: str, tokens: int):
         llm = self.llm
         llm.reset()  # n_tokens = 0: no prefix reuse from the previous run
-        gen = llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True)
+        gen = llm.generate(self.prompts[prompt], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                           reset=True)
         t0 = time.perf_counter()
         toks: list[int] = []
         t_first = None
@@ -246,145 +278,114 @@ class LlamaCppSide:
             if tok in self.eos_ids:
                 break
             toks.append(int(tok))
-            if len(toks) >= n:
+            if len(toks) >= tokens:
                 break
         end = time.perf_counter()
         gen.close()
         tps = (len(toks) - 1) / (end - t_first) if len(toks) > 1 else 0.0
-        return t_first - t0, tps, toks, llm.detokenize(toks).decode("utf-8", "replace")
+        return _sample(t_first - t0, tps, toks, llm.detokenize(toks).decode("utf-8", "replace"))
 
     def close(self) -> None:
         self.llm.close()
 
 
-def measure(sides: dict, prompts: dict[str, tuple[str, list[int]]], tokens: int, runs: int,
-            busy: bool = False) -> dict[str, tuple[dict, dict]]:
-    """Every side on every prompt, ``runs`` times, the sides taking turns run by run (so that
-    other load on a shared machine spreads over all of them); with ``busy``, one core is kept
-    busy meanwhile. Returns {side: (summary, {prompt: greedy token ids of the first run})}."""
-    first_text, first_ids = next(iter(prompts.values()))
-    for side in sides.values():
-        side.run(first_text, first_ids, 4)  # warm-up: first-call work outside the timings
-    raw = {s: {p: [] for p in prompts} for s in sides}
-    with BusyCore() if busy else contextlib.nullcontext():
-        for pname, (text, ids) in prompts.items():
-            for _ in range(runs):
-                for sname, side in sides.items():
-                    raw[sname][pname].append(side.run(text, ids, tokens))
-    out = {}
-    for sname, side in sides.items():
-        summary, toks = dict(side.info), {}
-        for pname, rs in raw[sname].items():
-            summary[pname] = _summary(len(prompts[pname][1]), [r[0] for r in rs], [r[1] for r in rs],
-                                      [len(r[2]) for r in rs], rs[0][3])
-            summary[pname]["deterministic"] = all(r[2] == rs[0][2] for r in rs)
-            toks[pname] = rs[0][2]
-        out[sname] = (summary, toks)
-    return out
+class TransformersSide:
+    """Hugging Face transformers (eager) on the same model file (GGUF dequantized by
+    transformers), in ``dtype`` on ``device``: time to first token from a one-token
+    ``generate``, decode tokens/s from a full one; EOS tokens dropped from the ids."""
+
+    def __init__(self, model: str, prompts: dict[str, list[int]], device: str = "cpu", dtype: str = "float32"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from yirage.models.loading import load_model
+
+        loaded = load_model(model, progress=False)
+        self.tok = loaded.tokenizer
+        t0 = time.perf_counter()
+        if loaded.format == "gguf":
+            hf = AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name,
+                                                      dtype=getattr(torch, dtype))
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=getattr(torch, dtype))
+        self.hf = hf.to(device).eval()
+        self.info = {"dtype": dtype, "load": {"first_s": time.perf_counter() - t0}}
+        self.ids = {name: torch.tensor([ids], device=device) for name, ids in prompts.items()}
+        self.kw = dict(do_sample=False, pad_token_id=self.tok.eos_token_id)
+        with torch.inference_mode():
+            for ids in self.ids.values():
+                self.hf.generate(ids, max_new_tokens=4, **self.kw)  # warm-up
+
+    def sample(self, prompt: str, tokens: int):
+        import torch
+
+        ids = self.ids[prompt]
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            self.hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **self.kw)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            gen = self.hf.generate(ids, max_new_tokens=tokens, **self.kw)
+            total = time.perf_counter() - t0
+        n = gen.shape[1] - ids.shape[1]
+        new = [t for t in gen[0, ids.shape[1]:].tolist() if t != self.tok.eos_token_id]
+        figures, out = _sample(ttft, (n - 1) / (total - ttft) if n > 1 else 0.0, new,
+                               self.tok.decode(new, skip_special_tokens=True))
+        figures["new_tokens"] = n
+        return figures, out
 
 
-def measure_busy(sides: dict, idle_side, prompts: dict[str, tuple[str, list[int]]], tokens: int,
-                 runs: int) -> tuple[dict, dict[str, tuple[dict, dict]]]:
-    """The busy scenario, run by run: ``idle_side`` (yirage with one worker) on the idle
-    machine, then one core kept busy by another process (started for the run, given a
-    32-token generation per side to settle) while every side of ``sides`` runs. Pairing the
-    two in time keeps the machine's drift (a shared host) out of their ratio. Returns
-    (idle summary, {side: (summary, {prompt: greedy token ids of the first run})})."""
-    first_text, first_ids = next(iter(prompts.values()))
-    for side in (idle_side, *sides.values()):
-        side.run(first_text, first_ids, 4)
-    idle_raw = {p: [] for p in prompts}
-    raw = {s: {p: [] for p in prompts} for s in sides}
-    for pname, (text, ids) in prompts.items():
-        for _ in range(runs):
-            idle_raw[pname].append(idle_side.run(text, ids, tokens))
-            with BusyCore():
-                for side in sides.values():
-                    side.run(text, ids, 32)
-                for sname, side in sides.items():
-                    raw[sname][pname].append(side.run(text, ids, tokens))
-
-    def summary(side, by_prompt):
-        out, toks = dict(side.info), {}
-        for pname, rs in by_prompt.items():
-            out[pname] = _summary(len(prompts[pname][1]), [r[0] for r in rs], [r[1] for r in rs],
-                                  [len(r[2]) for r in rs], rs[0][3])
-            toks[pname] = rs[0][2]
-        return out, toks
-
-    return summary(idle_side, idle_raw)[0], {s: summary(side, raw[s]) for s, side in sides.items()}
-
-
-def bench_llamacpp(gguf_path: str, prompt_ids: dict[str, list[int]], new_tokens: int, threads: int,
-                   runs: int = 3, eos_ids=frozenset(), busy: bool = False) -> tuple[dict, dict]:
-    """llama.cpp alone on the same GGUF and prompt token ids: load time (the Llama
-    constructor), prefill (prompt eval plus the first greedy token) and decode per prompt.
-    Returns the summary and {prompt: greedy token ids}; the summary is {"skipped": why}
-    without llama-cpp-python."""
-    try:
-        side = LlamaCppSide(gguf_path, threads, eos_ids)
-    except ImportError:
-        return {"skipped": LLAMACPP_MISSING}, {}
-    try:
-        return measure({"llamacpp": side}, {k: ("", v) for k, v in prompt_ids.items()}, new_tokens, runs,
-                       busy)["llamacpp"]
-    finally:
-        side.close()
-
-
-LLAMACPP_MISSING = "llama-cpp-python not installed: make bench"
-
-
-# ---- transformers ---------------------------------------------------------------------------
 def bench_transformers(model: str, prompts: dict[str, list[int]], tokens: int, runs: int,
-                       device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
-    from transformers import AutoModelForCausalLM
-
-    loaded = load_model(model, progress=False)
-    tok = loaded.tokenizer
-    t0 = time.perf_counter()
-    if loaded.format == "gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(loaded.path.parent), gguf_file=loaded.path.name,
-                                                  dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=dtype)
-    hf = hf.to(device).eval()
-    out = {"dtype": str(dtype).removeprefix("torch."), "load": {"first_s": time.perf_counter() - t0}}
-    tokens_out = {}
-    kw = dict(do_sample=False, pad_token_id=tok.eos_token_id)
-    with torch.inference_mode():
-        for name, ids_list in prompts.items():
-            ids = torch.tensor([ids_list], device=device)
-            hf.generate(ids, max_new_tokens=4, **kw)
-            ttfts, tps, counts = [], [], []
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-                ttft = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                gen = hf.generate(ids, max_new_tokens=tokens, **kw)
-                total = time.perf_counter() - t0
-                n = gen.shape[1] - ids.shape[1]
-                ttfts.append(ttft)
-                tps.append((n - 1) / (total - ttft) if n > 1 else 0.0)
-                counts.append(n)
-            new = [t for t in gen[0, ids.shape[1]:].tolist() if t != tok.eos_token_id]
-            out[name] = _summary(len(ids_list), ttfts, tps, counts,
-                                 tok.decode(new, skip_special_tokens=True))
-            tokens_out[name] = new
-    return out, tokens_out
+                       device: str = "cpu", dtype: str = "float32") -> tuple[dict, dict]:
+    """TransformersSide in this process, ``runs`` generations per prompt: (summary with each
+    prompt's ``_summary``, {prompt: greedy token ids of the first run})."""
+    side = TransformersSide(model, prompts, device, dtype)
+    rounds = {p: [{"t": side.sample(p, tokens)} for _ in range(runs)] for p in prompts}
+    out, toks = dict(side.info), {}
+    for p, rs in rounds.items():
+        out[p], toks[p] = summarize(rs, "t", len(prompts[p]))
+    return out, toks
 
 
-# ---- the run --------------------------------------------------------------------------------
-def _ratios(y: dict, l: dict, names) -> dict:
+# ---- the parent: statistics and the report ------------------------------------------------
+def summarize(rounds: list[dict], side: str, prompt_tokens: int) -> tuple[dict, list[int]] | tuple[None, None]:
+    """``side``'s figures over the rounds it answered in (``_summary`` plus whether its greedy
+    tokens were the same every run) and its first run's tokens; (None, None) if none."""
+    rs = [r[side] for r in rounds if side in r]
+    if not rs:
+        return None, None
+    figs, outs = [f for f, _ in rs], [o for _, o in rs]
+    summary = _summary(prompt_tokens, [f["prefill_s"] for f in figs], [f["decode_tokens_per_s"] for f in figs],
+                       [f["new_tokens"] for f in figs], outs[0]["text"])
+    summary["deterministic"] = all(o["tokens"] == outs[0]["tokens"] for o in outs)
+    return summary, outs[0]["tokens"]
+
+
+def side_entry(sides: Sides, rounds: dict[str, list[dict]], prompts: dict | None, side: str):
+    """(``side``'s JSON entry, {prompt: its greedy tokens}): its info and per-prompt summaries
+    if it answered on every prompt and never failed; else (its failure report, or "not run";
+    None)."""
+    per = {p: summarize(rs, side, len(prompts[p][1])) for p, rs in rounds.items()}
+    if side in sides.failures or not per or not all(v[0] for v in per.values()):
+        return (sides.report(side) if side in sides.failures else {"status": "not run"}), None
+    return sides.report(side, {p: v[0] for p, v in per.items()}), {p: v[1] for p, v in per.items()}
+
+
+def paired_ratios(rounds: dict[str, list[dict]], side: str, peer: str) -> dict:
+    """Per prompt, ``side``'s decode and prefill speed over ``peer``'s: the median of the
+    ratios within the rounds both answered in (absent where they share no round)."""
     r = {}
-    for name in names:
-        if name in y and name in l:
-            r[f"decode_{name}"] = y[name]["decode_tokens_per_s"] / l[name]["decode_tokens_per_s"]
-            r[f"prefill_{name}"] = y[name]["prefill_tokens_per_s"] / l[name]["prefill_tokens_per_s"]
-    r["load_warm (yirage s / llama.cpp s, lower is better)"] = y["load"]["warm_s"] / l["load"]["warm_s"]
-    r["load_first (yirage s / llama.cpp s, lower is better)"] = y["load"]["first_s"] / l["load"]["first_s"]
+    for prompt, rs in rounds.items():
+        for metric, key in (("decode_s_per_token", "decode"), ("prefill_s", "prefill")):
+            cmp = comparison(rs, metric, [side, peer])
+            if cmp is not None:
+                r[f"{key}_{prompt}"] = cmp.ratio(peer, side)
     return r
+
+
+def _load_ratios(y: dict, l: dict) -> dict:
+    return {"load_warm (yirage s / llama.cpp s, lower is better)": y["load"]["warm_s"] / l["load"]["warm_s"],
+            "load_first (yirage s / llama.cpp s, lower is better)": y["load"]["first_s"] / l["load"]["first_s"]}
 
 
 def _targets(y: dict, ratios: dict | None) -> dict:
@@ -398,60 +399,111 @@ def _targets(y: dict, ratios: dict | None) -> dict:
     return t
 
 
-def build(args, prompt_names: list[str], gguf_path: str, default_only: bool = False):
-    """The first yirage load, the prompts (yirage's ids), then every side: one YirageSide per
-    config (only the first, yirage's default engine, with ``default_only``) and (unless
-    skipped) a LlamaCppSide. Returns (prompts, sides, llama.cpp skip reason)."""
+def start_sides(sides: Sides, args, gguf_path: str, configs: dict[str, dict], with_transformers: bool):
+    """Start the yirage configs (the first one tokenizes the prompts), llama.cpp and
+    transformers; returns the prompts {name: (text, ids)}, or None if no yirage side started
+    (then nothing else can run: the prompts are yirage's)."""
+    prompts, eos = None, []
+    for name, extra in configs.items():
+        kw = {"model": args.model, "threads": args.threads, "extra": extra}
+        kw.update({"prompts": prompts} if prompts else {"prompt_names": tuple(args.prompt_names)})
+        if sides.start(name, SideSpec("decode:YirageSide", kw, threads=args.threads)) and prompts is None:
+            info = sides.info[name]
+            prompts = {k: tuple(v) for k, v in info.pop("prompts").items()}
+            eos = info.pop("eos_token_ids")
+    if prompts is None:
+        return None
+    ids = {k: list(v[1]) for k, v in prompts.items()}
+    if args.no_llamacpp:
+        sides.skip("llamacpp", "--no-llamacpp" if args.gguf_format == "gguf" else "the model is not a GGUF file")
+    elif importlib.util.find_spec("llama_cpp") is None:
+        sides.skip("llamacpp", LLAMACPP_MISSING)
+    else:
+        sides.start("llamacpp", SideSpec("decode:LlamaCppSide", {"gguf_path": gguf_path, "threads": args.threads,
+                                                                  "prompts": ids, "eos_ids": eos},
+                                         threads=args.threads))
+    if not with_transformers:
+        sides.skip("transformers", "--no-transformers")
+    else:
+        sides.start("transformers", SideSpec("decode:TransformersSide", {"model": args.model, "prompts": ids},
+                                             threads=args.threads))
+    return prompts
+
+
+LLAMACPP_MISSING = "llama-cpp-python not installed: make bench"
+
+
+def idle_report(args, gguf_path: str, report: dict) -> None:
+    """Every side on every prompt, ``--runs`` interleaved rounds per prompt; fills ``report``."""
     configs = yirage_configs()
-    if default_only:
-        configs = dict([next(iter(configs.items()))])
-    first_name, first_extra = next(iter(configs.items()))
-    first = _make_llm(args.model, args.threads, first_extra)
-    encode = first[0].encode_prompt
-    prompts = {"short": (PROMPT, encode(PROMPT))}
-    if "long" in prompt_names:
-        text = long_prompt(encode)
-        prompts["long"] = (text, encode(text))
-    prompts = {k: v for k, v in prompts.items() if k in prompt_names}
-    eos = set(first[0].eos_token_ids)
-    sides = {name: YirageSide(args.model, args.threads, extra, first if name == first_name else None)
-             for name, extra in configs.items()}
-    skipped = "--no-llamacpp" if args.no_llamacpp else None
-    if skipped is None:
-        try:
-            sides["llamacpp"] = LlamaCppSide(gguf_path, args.threads, eos)
-        except ImportError:
-            skipped = LLAMACPP_MISSING
-    return prompts, sides, skipped
-
-
-def busy_report(args, prompt_names: list[str], gguf_path: str, report: dict) -> None:
-    """The busy scenario (issue 7's target: yirage with --threads threads and one core busy
-    decodes at least as fast as yirage with one thread on the idle machine), measured in
-    pairs by ``measure_busy``; prints the report. yirage runs its default engine only."""
-    prompts, sides, skipped = build(args, prompt_names, gguf_path, default_only=True)
-    name = next(iter(sides))
-    idle_side = YirageSide(args.model, 1, yirage_configs()[name])   # one worker, idle machine
-    report["prompts"] = {k: {"tokens": len(v[1])} for k, v in prompts.items()}
-    report["busy_core"] = max(os.sched_getaffinity(0))
-    try:
-        idle, results = measure_busy(sides, idle_side, prompts, args.tokens, args.runs)
-    finally:
-        for side in (idle_side, *sides.values()):
-            side.close()
+    with Sides(timeout_s=args.timeout) as sides:
+        prompts = start_sides(sides, args, gguf_path, configs, not args.no_transformers)
+        rounds = {}
+        for pname in prompts or {}:
+            rounds[pname] = sides.rounds(args.runs, {"prompt": pname, "tokens": args.tokens},
+                                         limit={"transformers": args.transformers_runs})
+    report["prompts"] = {k: {"tokens": len(v[1])} for k, v in (prompts or {}).items()}
     report["loadavg_after"] = os.getloadavg()[0]
-    report["yirage_1thread_idle"] = {name: idle}
-    report[f"yirage_{args.threads}threads_one_core_busy"] = {name: results[name][0]}
-    report[f"llamacpp_{args.threads}threads_one_core_busy"] = (results["llamacpp"][0] if "llamacpp" in results
-                                                                else {"skipped": skipped})
+    figures, tokens = {}, {}
+    for side in [*configs, "llamacpp", "transformers"]:
+        figures[side], toks = side_entry(sides, rounds, prompts, side)
+        if toks is not None:
+            tokens[side] = toks
+    ys = {c: figures[c] for c in configs}
+    ref = next((tokens[c] for c in configs if c in tokens), None)  # yirage's greedy tokens
+    for peer in ("llamacpp", "transformers"):
+        if peer in tokens and ref is not None:
+            for p in prompts:
+                figures[peer][p]["vs_yirage_greedy_tokens"] = _compare(tokens[peer][p], ref[p])
+    report["yirage"] = ys
+    report["llamacpp"] = figures["llamacpp"]
+    report["transformers_eager"] = figures["transformers"]
+    ok = [c for c in configs if c in tokens]
+    if "llamacpp" in tokens:
+        report["ratios_yirage_over_llamacpp"] = {
+            c: paired_ratios(rounds, c, "llamacpp") | _load_ratios(ys[c], figures["llamacpp"]) for c in ok}
+    if "transformers" in tokens:
+        report["ratios_yirage_over_transformers"] = {c: paired_ratios(rounds, c, "transformers") for c in ok}
+    report["targets"] = {c: _targets(ys[c], report.get("ratios_yirage_over_llamacpp", {}).get(c)) for c in ok}
+
+
+def busy_report(args, gguf_path: str, report: dict) -> None:
+    """The busy scenario (issue 7's target: yirage with --threads threads and one core busy
+    decodes at least as fast as yirage with one thread on the idle machine), run by run: yirage
+    with one worker on the idle machine, then one core kept busy by another process (started for
+    the run, given a 32-token generation per side to settle) while yirage's default engine and
+    llama.cpp run. Pairing the two in time keeps the machine's drift (a shared host) out of their
+    ratio. Fills ``report``."""
+    name, extra = next(iter(yirage_configs().items()))
+    idle = "yirage_1thread_idle"
+    with Sides(timeout_s=args.timeout) as sides:
+        prompts = start_sides(sides, args, gguf_path, {name: extra}, with_transformers=False)
+        if prompts is not None:
+            sides.start(idle, SideSpec("decode:YirageSide", {"model": args.model, "threads": 1, "extra": extra,
+                                                             "prompts": prompts}, threads=1))
+        rounds = {}
+        for pname in prompts or {}:
+            rounds[pname] = []
+            for _ in range(args.runs):
+                got = {idle: sides.sample(idle, {"prompt": pname, "tokens": args.tokens})}
+                with BusyCore():
+                    for s in (name, "llamacpp"):
+                        sides.sample(s, {"prompt": pname, "tokens": 32})
+                    got |= {s: sides.sample(s, {"prompt": pname, "tokens": args.tokens}) for s in (name, "llamacpp")}
+                rounds[pname].append({k: v for k, v in got.items() if v is not None})
+    report["prompts"] = {k: {"tokens": len(v[1])} for k, v in (prompts or {}).items()}
+    report["busy_core"] = max(os.sched_getaffinity(0))
+    report["loadavg_after"] = os.getloadavg()[0]
+
+    report["yirage_1thread_idle"] = {name: side_entry(sides, rounds, prompts, idle)[0]}
+    report[f"yirage_{args.threads}threads_one_core_busy"] = {name: side_entry(sides, rounds, prompts, name)[0]}
+    report[f"llamacpp_{args.threads}threads_one_core_busy"] = side_entry(sides, rounds, prompts, "llamacpp")[0]
     cmp = {}
-    for pname in prompts:
-        busy_runs = results[name][0][pname]["runs"]["decode_tokens_per_s"]
-        idle_runs = idle[pname]["runs"]["decode_tokens_per_s"]
-        pairs = [b / a for a, b in zip(idle_runs, busy_runs) if a > 0]
-        cmp[f"{name} {pname}"] = {"median_of_pairs": _median(pairs), "pairs": pairs}
+    for pname, rs in rounds.items():
+        c = comparison(rs, "decode_s_per_token", [idle, name])
+        if c is not None:   # idle s/token over busy s/token: busy tokens/s over idle tokens/s
+            cmp[f"{name} {pname}"] = {"median_of_pairs": c.ratio(idle, name), "pairs": c.ratios(idle, name)}
     report["decode_busy_over_1thread_idle (target >= 1.0)"] = cmp
-    print(json.dumps(report, indent=2))
 
 
 def main() -> None:
@@ -468,57 +520,23 @@ def main() -> None:
     ap.add_argument("--scenario", choices=("idle", "busy"), default="idle")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers (slow)")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a side may take per generation")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    prompt_names = (args.prompts or ("short" if args.scenario == "busy" else "short,long")).split(",")
+    args.prompt_names = (args.prompts or ("short" if args.scenario == "busy" else "short,long")).split(",")
+
+    from yirage.models.loading import load_model
+    from yirage.runtime.machine import machine_record
+
     gguf = load_model(args.model, progress=False)
+    args.gguf_format = gguf.format
     if gguf.format != "gguf":
         args.no_llamacpp = True
     report = {"model": args.model, "gguf": str(gguf.path), "scenario": args.scenario, "threads": args.threads,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "max_new_tokens": args.tokens,
-              "runs": args.runs, "transformers_runs": args.transformers_runs, "machine": platform.machine(),
-              "cpus": len(os.sched_getaffinity(0)), "cpu": yr.get_backend_info("cpu").device_name,
-              "loadavg_before": os.getloadavg()[0], "llm_params": sorted(_llm_params() - {"self"})}
-
-    if args.scenario == "busy":
-        busy_report(args, prompt_names, str(gguf.path), report)
-        return
-
-    prompts, sides, llama_skipped = build(args, prompt_names, str(gguf.path))
-    report["prompts"] = {k: {"tokens": len(v[1])} for k, v in prompts.items()}
-    try:
-        results = measure(sides, prompts, args.tokens, args.runs)
-    finally:
-        for side in sides.values():
-            side.close()
-    ys = {k: v[0] for k, v in results.items() if k != "llamacpp"}
-    ref_ids = next(v[1] for k, v in results.items() if k != "llamacpp")  # yirage's greedy tokens
-    if "llamacpp" in results:
-        l, lids = results["llamacpp"]
-        for name in prompts:
-            l[name]["vs_yirage_greedy_tokens"] = _compare(lids[name], ref_ids[name])
-    else:
-        l = {"skipped": llama_skipped}
-    report["loadavg_after"] = os.getloadavg()[0]
-
-    report["yirage"] = ys
-    report["llamacpp"] = l
-    if "skipped" not in l:
-        report["ratios_yirage_over_llamacpp"] = {cfg: _ratios(y, l, prompts) for cfg, y in ys.items()}
-    if args.no_transformers:
-        report["transformers_eager"] = {"skipped": "--no-transformers"}
-    else:
-        t, tids = bench_transformers(args.model, {k: v[1] for k, v in prompts.items()}, args.tokens,
-                                     args.transformers_runs)
-        for name in prompts:
-            t[name]["vs_yirage_greedy_tokens"] = _compare(tids[name], ref_ids[name])
-        report["transformers_eager"] = t
-        report["ratios_yirage_over_transformers"] = {
-            cfg: {f"decode_{n}": y[n]["decode_tokens_per_s"] / t[n]["decode_tokens_per_s"] for n in prompts}
-            | {f"prefill_{n}": y[n]["prefill_tokens_per_s"] / t[n]["prefill_tokens_per_s"] for n in prompts}
-            for cfg, y in ys.items()}
-    report["targets"] = {cfg: _targets(y, report.get("ratios_yirage_over_llamacpp", {}).get(cfg))
-                         for cfg, y in ys.items()}
+              "runs": args.runs, "transformers_runs": args.transformers_runs,
+              "machine": machine_record(args.threads), "loadavg_before": os.getloadavg()[0],
+              "llm_params": sorted(_llm_params() - {"self"})}
+    (busy_report if args.scenario == "busy" else idle_report)(args, str(gguf.path), report)
     print(json.dumps(report, indent=2))
 
 

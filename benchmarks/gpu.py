@@ -19,6 +19,8 @@ device with the same inputs:
 Targets (issue 5, on an H100): fused graphs at least as fast as torch.compile; decode at
 least 2x transformers eager. ``--backend cpu`` runs the same comparison on the CPU (C++
 path) to check the script where no GPU is present; its figures are not GPU figures.
+``machine`` is ``yirage.runtime.machine.machine_record()`` (the host: CPU, torch and library
+versions), ``device`` the GPU's name.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import yirage as yr  # noqa: E402
 from yirage.backends import get_backend_impl  # noqa: E402
+from yirage.runtime.machine import machine_record  # noqa: E402
 
 
 def gated_mlp(g, dt):
@@ -147,7 +150,7 @@ def bench_llm(model: str, backend: str, tokens: int, runs: int) -> dict:
          "prefill_s": statistics.median(prefill), "decode_tokens_per_s": statistics.median(decode),
          "runs_decode_tokens_per_s": [round(x, 1) for x in decode], "text": r.text[:80]}
     t, t_toks = bench_transformers(model, {"prompt": ids}, tokens, runs, device=str(impl.torch_device),
-                                   dtype=getattr(torch, llm.dtype.value))
+                                   dtype=llm.dtype.value)
     t_tok = t_toks["prompt"]
     return {"model": model, "yirage": y, "transformers_eager": t,
             "decode_speedup": y["decode_tokens_per_s"] / t["prompt"]["decode_tokens_per_s"],
@@ -170,7 +173,7 @@ def main() -> None:
         sys.exit(f"benchmarks/gpu.py: {e}")
     dtype = yr.DType(args.dtype)
     report = {"backend": args.backend, "device": impl.info().device_name, "dtype": args.dtype,
-              "torch": torch.__version__, "iters": args.iters, "graphs": {}}
+              "machine": machine_record(), "iters": args.iters, "graphs": {}}
     for name in GRAPHS:
         report["graphs"][name] = bench_graph(name, args.backend, dtype, args.iters)
     if not args.skip_llm:

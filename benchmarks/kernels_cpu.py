@@ -16,6 +16,8 @@ ggml_quants.h: q4_0, q5_0, q5_1, q2_k .. q6_k, iq4_nl, iq4_xs) in GB/s of weight
 and 2 threads, each beside q4_1 measured in the same rounds (``*_vs_q4_1``). Weights are
 random valid blocks (finite fp16 scales); K is a multiple of 256 (the K-quant block).
 
+``machine`` is ``yirage.runtime.machine.machine_record()`` (threads: --threads).
+
 Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4] [--ggml-only]
 """
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import statistics
 import time
 
@@ -35,6 +36,7 @@ from gguf import quants
 
 from yirage.backends.cpu_library import library
 from yirage.dtypes import DType
+from yirage.runtime.machine import machine_record
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
 GGML_SHAPES = [(2048, 2048), (640, 2048), (4096, 4096)]    # (N, K), K % 256 == 0
@@ -146,15 +148,13 @@ def main() -> None:
     lib = library()
     ggml = [_ggml_case(lib, N, K, t, args.min_time) for t in (1, 2) for N, K in GGML_SHAPES]
     if args.ggml_only:
-        print(json.dumps({"machine": platform.processor() or platform.machine(), "ggml_gemv": ggml}, indent=1))
+        print(json.dumps({"machine": machine_record(args.threads), "ggml_gemv": ggml}, indent=1))
         return
     torch.set_num_threads(args.threads)
     noop = lib.yr_argmax   # R = 0: returns at once, measures the ctypes call itself
     overhead = _bench({"call": lambda: noop(0, 0, 0, 1)}, 0.2)["call"]
     result = {
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "machine": machine_record(),
         "ctypes_call_overhead_us": round(overhead * 1e6, 2),
         "decode_M1_hot": [_case(lib, 1, N, K, args.min_time) for N, K in SHAPES],
         "decode_M1_cold": [_case(lib, 1, N, K, args.min_time, cold=True) for N, K in SHAPES],

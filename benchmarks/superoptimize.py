@@ -23,9 +23,14 @@ group_query_attention.py, norm_transformer.py, qknorm_gqa.py), at decode-like sh
 
 ``--small`` divides the big dims (4096, 6144, KV length) by 8 for a quick run (LoRA is unchanged).
 
-Columns, per graph, all timed in the same process and interleaved round by round (each round runs
-one batch of calls of every column, so load from other processes hits them alike); each figure is
-the median over the rounds of seconds per call, after warm-up:
+Columns, per graph, timed by ``yirage.runtime.timing.compare`` (yirage's one measurement
+harness): interleaved rounds, each round one sample (a batch of calls lasting at least
+``--min-time / --rounds`` seconds) of every column in an order rotated from round to round, so
+load from other processes hits them alike; each ``us`` figure is the median over the rounds of
+microseconds per call, after warm-up, and each speedup the median over the rounds of the ratio
+of the two columns' times in the same round. All columns run in this one process (unlike
+decode.py's and embed.py's sides): they are torch functions and yirage graphs built here, not
+external engines whose crash the others must survive.
 
 - ``torch_eager``: the graph written as plain torch ops.
 - ``torch_compile``: ``torch.compile`` of that function (Inductor, default mode), warmed up
@@ -49,7 +54,8 @@ thunks) every call, and for these microsecond-sized graphs that cost can dominat
 Every graph is checked first: ``g.interpret`` (yirage's torch reference) must match the eager
 function (assert close). ``max_abs_err`` gives each yirage column's (and torch.compile's) largest
 difference from torch eager. Speedups are time ratios, > 1 means the yirage column is faster:
-``speedup_superopt_vs_compile`` = torch.compile time / superoptimized time, per graph, with its
+``speedup_superopt_vs_compile`` = torch.compile time / superoptimized time (median of the
+paired ratios), per graph, with its
 geometric mean and minimum over the graphs in ``summary`` (the same for ``yirage_fixed`` and for
 the plan columns: ``speedup_superopt_plan_vs_compile``, ``speedup_superopt_plan_vs_fixed_plan``).
 
@@ -57,6 +63,7 @@ the plan columns: ``speedup_superopt_plan_vs_compile``, ``speedup_superopt_plan_
         [--time-budget 60] [--warmup-iters N] [--profile-iters N] [--reuse-cache] [--no-plans]
         [--min-time 1.0] [--rounds 15]
 
+``machine`` is ``yirage.runtime.machine.machine_record()``.
 The machine may be shared with other jobs: figures are noisy; compare within one run.
 """
 from __future__ import annotations
@@ -72,8 +79,6 @@ import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -81,6 +86,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import yirage as yr  # noqa: E402
+from yirage.runtime import timing  # noqa: E402
+from yirage.runtime.machine import machine_record  # noqa: E402
 
 EPS = 1e-6
 
@@ -195,26 +202,10 @@ GRAPHS = {"gated_mlp": gated_mlp, "rmsnorm_matmul": rmsnorm_matmul, "lora": lora
 
 
 # ---- timing ---------------------------------------------------------------------------------------
-def _batch_time(fn, batch: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(batch):
-        fn()
-    return (time.perf_counter() - t0) / batch
-
-
-def _bench(contenders: dict, min_time: float, rounds: int) -> dict[str, float]:
-    """Median seconds per call of each contender; rounds interleave the contenders."""
-    batch = {}
-    for name, fn in contenders.items():
-        for _ in range(3):
-            fn()                                    # warm up (caches, thread pools)
-        per = _batch_time(fn, 3)
-        batch[name] = max(1, int(min_time / rounds / max(per, 1e-7)))
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            samples[name].append(_batch_time(fn, batch[name]))
-    return {name: statistics.median(v) for name, v in samples.items()}
+def _bench(contenders: dict, args) -> timing.Comparison:
+    """The contenders in ``args.rounds`` interleaved rounds of at least ``args.min_time /
+    args.rounds`` seconds per sample, after 3 warm-up calls each (caches, thread pools)."""
+    return timing.compare(contenders, rounds=args.rounds, min_sample_s=args.min_time / args.rounds, warmup=3)
 
 
 def _err(out, ref: torch.Tensor) -> float:
@@ -306,27 +297,29 @@ def run_graph(name: str, args) -> dict:
                 except Exception as e:
                     sup["plan_error"] = f"{type(e).__name__}: {e}"
         try:
-            t = _bench(contenders, args.min_time, args.rounds)
+            cmp = _bench(contenders, args)
         except Exception as e:   # e.g. the superoptimized graph fails on a later call: time without it
             sup["run_error"] = f"{type(e).__name__}: {e}"
             contenders.pop("yirage_superopt", None)
             contenders.pop("yirage_superopt_plan", None)
             opt, out_s = None, None
-            t = _bench(contenders, args.min_time, args.rounds)
+            cmp = _bench(contenders, args)
 
+    t = {name: cmp.median(name) for name in cmp.names}
     res["us"] = {k: round(v * 1e6, 2) for k, v in t.items()}
     res["max_abs_err"] = {"torch_compile": _err(out_c, ref), "yirage_fixed": _err(out_f, ref)}
     if out_s is not None:
         res["max_abs_err"]["yirage_superopt"] = _err(out_s, ref)
     res["max_abs_ref"] = float(ref.abs().max())
-    res["speedup_fixed_vs_compile"] = round(t["torch_compile"] / t["yirage_fixed"], 3)
-    if "yirage_superopt" in t:
-        res["speedup_superopt_vs_compile"] = round(t["torch_compile"] / t["yirage_superopt"], 3)
-        res["speedup_superopt_vs_fixed"] = round(t["yirage_fixed"] / t["yirage_superopt"], 3)
-        res["speedup_superopt_vs_eager"] = round(t["torch_eager"] / t["yirage_superopt"], 3)
-    if "yirage_superopt_plan" in t:
-        res["speedup_superopt_plan_vs_compile"] = round(t["torch_compile"] / t["yirage_superopt_plan"], 3)
-        res["speedup_superopt_plan_vs_fixed_plan"] = round(t["yirage_fixed_plan"] / t["yirage_superopt_plan"], 3)
+    speedups = {"fixed_vs_compile": ("torch_compile", "yirage_fixed"),
+                "superopt_vs_compile": ("torch_compile", "yirage_superopt"),
+                "superopt_vs_fixed": ("yirage_fixed", "yirage_superopt"),
+                "superopt_vs_eager": ("torch_eager", "yirage_superopt"),
+                "superopt_plan_vs_compile": ("torch_compile", "yirage_superopt_plan"),
+                "superopt_plan_vs_fixed_plan": ("yirage_fixed_plan", "yirage_superopt_plan")}
+    for key, (slow, fast) in speedups.items():
+        if slow in t and fast in t:   # slow's time over fast's, median of the paired ratios
+            res[f"speedup_{key}"] = round(cmp.ratio(slow, fast), 3)
     res["yirage_superopt"] = sup
     return res
 
@@ -370,9 +363,7 @@ def main() -> None:
         results[n] = run_graph(n, args)
         print(f"[superoptimize bench] {n}: {results[n]['us']}", file=sys.stderr, flush=True)
     out = {
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "machine": machine_record(),
         "dtype": "float32",
         "small": args.small,
         "superoptimize_available": hasattr(yr.new_kernel_graph(), "superoptimize"),
