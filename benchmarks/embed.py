@@ -1,4 +1,4 @@
-"""Embedding throughput: yirage float32 and int8 vs sentence-transformers (and ONNX Runtime if importable).
+"""Embedding throughput: yirage float32, bfloat16 and int8 vs sentence-transformers (and ONNX Runtime if importable).
 
 Prints one JSON object: sentences/s of each side on the same 512 sentences (a fixed,
 deterministic mix of short and medium English sentences, 5 to about 60 tokens), the same
@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 SIDES: dict[str, tuple[str, dict]] = {
     "yirage_float32": ("YirageSide", {}),
     "yirage_int8": ("YirageSide", {"quantization": "int8"}),
-    # "yirage_bfloat16": ("YirageSide", {"dtype": "bfloat16"}),
+    "yirage_bfloat16": ("YirageSide", {"dtype": "bfloat16"}),
     "sentence_transformers": ("SentenceTransformersSide", {}),
     "onnxruntime": ("OnnxRuntimeSide", {}),
 }
