@@ -46,3 +46,10 @@ class CacheError(YirageError):
     else ``~/.cache/yirage``) nor the per-user fallback in the temporary directory can be
     created and written, or a cache entry cannot be written or repaired. The message names
     the directory and says to point ``YIRAGE_CACHE_DIR`` at a writable directory."""
+
+
+class ConfigError(YirageError):
+    """The user config file (``$XDG_CONFIG_HOME/yirage/config.json``, see ``yirage.config``)
+    cannot be read, is malformed (not JSON, not an object, a setting of the wrong type) or
+    cannot be written. The message names the file and says how to repair it (``yirage set
+    --unset``, or edit or delete the file)."""
