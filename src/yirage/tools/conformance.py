@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
@@ -154,7 +155,11 @@ def _run_on_backend(graph: KNGraph, inputs: list[torch.Tensor], backend: Backend
     copies of ``inputs`` on its device; returned on the CPU."""
     dev = get_backend_impl(backend).torch_device
     on_device = [x.to(dev, copy=True) for x in inputs]
-    outs = graph(inputs=on_device, backend=backend.value)
+    with warnings.catch_warnings():
+        # Triton's interpreter computes the padded lanes of a block too (exp(-inf - -inf), 1/0) and
+        # numpy warns; those lanes are never stored, and what is stored is compared below
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+        outs = graph(inputs=on_device, backend=backend.value)
     return [t.cpu() for t in (*outs, *(on_device[i] for i in _written_inputs(graph)))]
 
 
