@@ -189,7 +189,7 @@ def _summary_line(summary: dict) -> str:
              + (f" ({s['fallback']} passed with some op on the torch reference)" if s["fallback"] else "")
              for b, s in summary.items() if b != "-"]
     if "-" in summary:
-        parts.append(f"{summary['-']['failed']} ops without a conformance case")
+        parts.append(f"{summary['-']['failed']} op(s) without a conformance case")
     return "; ".join(parts)
 
 

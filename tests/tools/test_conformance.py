@@ -40,7 +40,7 @@ def test_a_new_op_without_a_case_fails_the_suite(monkeypatch, run_cli):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("FAIL  -") and "new_op/coverage" in lines[0]
     assert sum(line.startswith("PASS  cpu") for line in lines) == len(CASES)
-    assert "1 ops without a conformance case" in lines[-1]
+    assert "1 op(s) without a conformance case" in lines[-1]
 
 
 def _argmax_plus_one(monkeypatch):
