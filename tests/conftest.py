@@ -2,13 +2,17 @@
 
 Without a GPU, Triton kernels run under Triton's CPU interpreter: TRITON_INTERPRET=1 is set
 here, before any test module imports triton (the flag is read when a kernel is decorated).
+XDG_CONFIG_HOME points at an empty temporary directory, so that no test reads the user config
+file of whoever runs the suite (``yirage set``).
 """
 import os
+import tempfile
 
 import torch
 
 if not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="yirage-test-config-")
 
 import pytest  # noqa: E402
 

@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     **dict.fromkeys(["DType", "bfloat16", "float16", "float32", "int8", "int32", "int64", "q4_1", "q8_0", "q4_0", "q5_0",
                      "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"], "yirage.dtypes"),
-    **dict.fromkeys(["BackendUnavailableError", "BenchmarkError", "CacheError", "GenerationError", "GraphError",
+    **dict.fromkeys(["BackendUnavailableError", "BenchmarkError", "CacheError", "ConfigError", "GenerationError", "GraphError",
                      "IndexOutOfRangeError", "ModelLoadError", "ToolchainError", "YirageError"],
                     "yirage.errors"),
     **dict.fromkeys(["Backend", "BackendInfo", "MemoryInfo", "get_available_backends", "get_backend",

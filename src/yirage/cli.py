@@ -1,5 +1,7 @@
-"""The ``yirage`` command line: ``yirage info``, ``yirage generate``, ``yirage embed``,
-``yirage models [pull NAME]``, ``yirage optimize`` and ``yirage benchmark``.
+"""The ``yirage`` command line: ``yirage info``, ``yirage test [BACKEND|all]`` (the backend
+conformance suite), ``yirage set [BACKEND | --unset]`` (the default backend in the user config
+file), ``yirage generate``, ``yirage embed``, ``yirage models [pull NAME]``, ``yirage optimize``
+(kernel providers measured into the machine profile) and ``yirage benchmark``.
 
 Every failure the user can cause (bad model, backend, prompt or numbers, a chat template
 that fails, Ctrl-C, a closed stdout) prints at most one line, ``yirage: error: ...``, on
@@ -162,9 +164,106 @@ def info() -> None:
     _print_rich(console, table)
     try:
         default, source = get_backend().value, get_backend_source()
+        if source == "config":
+            from rich.markup import escape
+
+            from .config import user_config_path
+
+            source = f"config file {escape(str(user_config_path()))}"
     except YirageError as e:
         _fail(str(e))
     _print_rich(console, f"default backend: [bold]{default}[/bold] (from {source})")
+
+
+def _case_line(r) -> str:
+    """One line of ``yirage test``: status, backend, case, largest error, tolerance, and what
+    failed (or which ops ran as their torch reference)."""
+    err = "-" if r.max_error is None else f"{r.max_error:.2e}"
+    note = r.message or (f"(ran as the torch reference, no kernel here: {', '.join(r.fallback)})" if r.fallback else "")
+    line = (f"{r.status:<5} {r.backend:<16} {r.op + '/' + r.case:<52} max error {err:>8}  "
+            f"atol {r.atol:g} rtol {r.rtol:g}")
+    return f"{line}  {note}".rstrip()
+
+
+def _summary_line(summary: dict) -> str:
+    parts = [f"{b}: {s['passed']} passed, {s['failed']} failed, {s['errors']} errors"
+             + (f" ({s['fallback']} passed with some op on the torch reference)" if s["fallback"] else "")
+             for b, s in summary.items() if b != "-"]
+    if "-" in summary:
+        parts.append(f"{summary['-']['failed']} op(s) without a conformance case")
+    return "; ".join(parts)
+
+
+@cli.command("test")
+@click.argument("backend", required=False, metavar="[BACKEND|all]")
+@click.option("-k", "select", default=None, metavar="SUBSTRING",
+              help="Run only the cases whose name (op/case, e.g. 'softmax/7x7') contains SUBSTRING.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (machine, summary, results).")
+def conformance_test(backend, select, as_json) -> None:
+    """Run the backend conformance suite on BACKEND (default: the default backend; 'all': every
+    available one): every op and fused kernel as small graphs, compared with the reference
+    interpreter. One line per case; exits 1 when a case fails or raises."""
+    from .tools.conformance import run_conformance, select_cases, summarize
+
+    if select is not None and not select_cases(select):
+        _fail(f"no conformance case matches -k {select!r} (cases are named op/case, e.g. 'softmax/7x7')")
+    try:
+        results = run_conformance(backend, select, on_result=None if as_json else lambda r: _out(_case_line(r)))
+    except YirageError as e:
+        hint = ("; run: TRITON_INTERPRET=1 yirage test triton-interpret"
+                if (backend or "").strip().lower() == "triton-interpret" else "")
+        _fail(f"{e}{hint}")
+    summary = summarize(results)
+    bad = sum(s["failed"] + s["errors"] for s in summary.values())
+    if as_json:
+        from .runtime.machine import machine_record
+
+        _out(json.dumps({"machine": machine_record(), "summary": summary, "passed": bad == 0,
+                         "results": [r.to_dict() for r in results]}))
+    else:
+        _out(_summary_line(summary))
+    if bad:
+        _fail(f"{bad} of {len(results)} conformance results failed (see the {'JSON' if as_json else 'lines above'})")
+
+
+def _show_backend_setting(path) -> None:
+    """``yirage set`` without a name: the config file's setting, then the default it gives."""
+    from .backends import get_backend, get_backend_source
+    from .config import user_backend
+
+    configured = user_backend()
+    _out(f"backend in {path}: {configured}" if configured else f"no backend set in {path}")
+    _out(f"default backend: {get_backend().value} (from {get_backend_source()})")
+
+
+@cli.command("set")
+@click.argument("backend", required=False)
+@click.option("--unset", is_flag=True, help="Remove the default backend from the config file.")
+def set_default_backend(backend, unset) -> None:
+    """Make BACKEND (a name, or 'auto') the default backend in the user config file
+    ($XDG_CONFIG_HOME/yirage/config.json, default ~/.config/yirage/config.json); YIRAGE_BACKEND
+    and yr.set_backend() still override it. Without BACKEND: show the setting."""
+    from .backends import ENV_VAR, resolve_backend
+    from .config import update_user_config, user_config_path
+
+    if backend is not None and unset:
+        _fail("give a backend name or --unset, not both")
+    try:
+        path = user_config_path()
+        if unset:
+            previous = update_user_config(backend=None).get("backend")
+            _out(f"removed backend {previous!r} from {path}" if previous is not None
+                 else f"no backend was set in {path}: nothing to remove")
+        elif backend is None:
+            _show_backend_setting(path)
+        else:
+            name = "auto" if backend.strip().lower() == "auto" else resolve_backend(backend).value
+            update_user_config(backend=name)
+            _out(f"default backend: {name} (written to {path})")
+            if os.environ.get(ENV_VAR, "").strip():
+                click.echo(f"note: {ENV_VAR}={os.environ[ENV_VAR].strip()!r} is set and overrides it here", err=True)
+    except YirageError as e:
+        _fail(str(e))
 
 
 @cli.command()

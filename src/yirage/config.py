@@ -1,6 +1,6 @@
-"""Process-wide settings read from the environment.
+"""Process-wide settings read from the environment and from the user config file.
 
-- ``YIRAGE_BACKEND``: default backend name (or ``auto``).
+- ``YIRAGE_BACKEND``: default backend name (or ``auto``); it overrides the user config file.
 - ``YIRAGE_LOG_LEVEL``: logging level of the ``yirage`` logger (DEBUG, INFO, WARNING, ...).
 - ``YIRAGE_CACHE_DIR``: where compiled kernels and converted tokenizers are cached
   (default ``~/.cache/yirage``).
@@ -13,17 +13,27 @@ one warning per process saying what was wrong; a read-only cache is not read fro
 process could not repair. When the fallback is unusable too, ``yirage.errors.CacheError``
 is raised.
 
+The user config file, ``$XDG_CONFIG_HOME/yirage/config.json`` (default
+``~/.config/yirage/config.json``; the XDG Base Directory specification ignores a relative
+``XDG_CONFIG_HOME``), is a JSON object written by ``yirage set``: ``{"backend": "cpu"}``.
+Keys this module does not know are kept when it rewrites the file, which it does atomically
+(a temporary file in the same directory, then ``os.replace``). A file that cannot be read or
+is malformed raises ``ConfigError`` naming it and saying how to repair it; it is never
+ignored. Which backend names are valid is the backend registry's business
+(``yirage.backends.get_backend``), not this module's.
+
 This module must never import a backend, torch, or any yirage module but ``errors``.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
 import tempfile
 from pathlib import Path
 
-from .errors import CacheError
+from .errors import CacheError, ConfigError
 
 logger = logging.getLogger("yirage")
 
@@ -133,3 +143,150 @@ def cache_subdir(name: str) -> Path:
     sub = cache_dir() / name
     problem = _unusable(sub)
     return sub if problem is None else _fall_back(sub, problem, name)
+
+
+# ---- the user config file ----------------------------------------------------------------
+
+#: What to do about a config file that cannot be used (completes an error message).
+_REPAIR = "run 'yirage set --unset' to reset it, or edit or delete the file"
+
+#: path -> ((mtime_ns, size, inode), parsed object): a file is parsed again only when it changes
+_parsed: dict[str, tuple[tuple[int, int, int], dict]] = {}
+
+
+def user_config_path() -> Path:
+    """The user config file: ``$XDG_CONFIG_HOME/yirage/config.json`` when XDG_CONFIG_HOME is an
+    absolute path, else ``~/.config/yirage/config.json``.
+
+    Raises:
+        ConfigError: XDG_CONFIG_HOME is unset or relative and there is no home directory.
+    """
+    xdg = os.environ.get("XDG_CONFIG_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "yirage" / "config.json"
+    try:
+        return Path.home() / ".config" / "yirage" / "config.json"
+    except RuntimeError:
+        raise ConfigError("cannot locate the user config file: there is no home directory; set "
+                          "XDG_CONFIG_HOME to an absolute path") from None
+
+
+class _MalformedConfig(ConfigError):
+    """The config file was read but holds no JSON object (``update_user_config`` sets it aside)."""
+
+
+def _parse_config(path: Path) -> dict:
+    """The JSON object in ``path``; ConfigError naming the file when it cannot be read,
+    _MalformedConfig when it holds something else."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {path} ({e.strerror or e}): {_REPAIR}") from None
+    except UnicodeDecodeError:
+        raise _MalformedConfig(f"the config file {path} is not UTF-8 text: {_REPAIR}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _MalformedConfig(f"the config file {path} is not valid JSON ({e.msg} at line {e.lineno} "
+                               f"column {e.colno}): {_REPAIR}") from None
+    if not isinstance(data, dict):
+        raise _MalformedConfig(f"the config file {path} must hold a JSON object ({{\"backend\": \"cpu\"}}), "
+                               f"got a {type(data).__name__}: {_REPAIR}")
+    return data
+
+
+def read_user_config() -> dict:
+    """The user config file's settings (a dict; empty when there is no file, or no home
+    directory to hold one). Parsed again only when the file changes (its mtime, size or inode).
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8, not JSON, or not a JSON object.
+    """
+    try:
+        path = user_config_path()
+        st = os.stat(path)
+    except (ConfigError, FileNotFoundError, NotADirectoryError):
+        return {}
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {path} ({e.strerror or e}): {_REPAIR}") from None
+    key = (st.st_mtime_ns, st.st_size, st.st_ino)
+    cached = _parsed.get(str(path))
+    if cached is None or cached[0] != key:
+        cached = _parsed[str(path)] = (key, _parse_config(path))
+    return dict(cached[1])
+
+
+def user_backend() -> str | None:
+    """The ``backend`` setting of the user config file (a name or 'auto', not checked here), or
+    None when the file sets none.
+
+    Raises:
+        ConfigError: the file is unusable (``read_user_config``) or its ``backend`` is not a
+        non-empty string.
+    """
+    value = read_user_config().get("backend")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"the config file {user_config_path()} sets backend to {value!r}, not a backend "
+                          f"name: {_REPAIR}")
+    return value.strip()
+
+
+def write_user_config(settings: dict) -> Path:
+    """Replace the user config file by ``settings`` (a JSON-ready dict), atomically: written to a
+    temporary file in the same directory (created if missing), then ``os.replace``d over it.
+    Returns the file's path.
+
+    Raises:
+        ConfigError: the directory or file cannot be written (the message names it).
+    """
+    path = user_config_path()
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(settings, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise ConfigError(f"cannot write the config file {path} ({e.strerror or e}): check the "
+                          f"permissions of {path.parent}") from None
+    return path
+
+
+def update_user_config(**changes) -> dict:
+    """Set the given keys of the user config file (a value of None removes the key), keeping
+    every other key; returns the settings it replaced (empty when there was no file). A file
+    that holds no JSON object is set aside as ``config.json.bad`` first (a warning says so), so
+    that ``yirage set --unset`` repairs it.
+
+    Raises:
+        ConfigError: the file cannot be read (other than malformed) or written.
+    """
+    path = user_config_path()
+    try:
+        settings = read_user_config()
+    except _MalformedConfig:
+        bad = path.with_name(path.name + ".bad")
+        try:
+            os.replace(path, bad)
+        except OSError as e:
+            raise ConfigError(f"cannot move the malformed config file {path} aside ({e.strerror or e}): "
+                              "edit or delete it") from None
+        logger.warning("the config file %s was malformed: moved it to %s and started a new one", path, bad)
+        settings = {}
+    previous = dict(settings)
+    for key, value in changes.items():
+        if value is None:
+            settings.pop(key, None)
+        else:
+            settings[key] = value
+    if settings != previous:  # nothing to change, nothing written (no file made to remove nothing)
+        write_user_config(settings)
+    return previous

@@ -54,3 +54,10 @@ class BenchmarkError(YirageError, ValueError):
     ``duration_seconds``, a dtype a named backend cannot hold; or a plot that cannot be drawn
     (matplotlib missing: ``pip install 'yirage[plot]'``). The message names the argument and
     what is allowed. Also a ValueError."""
+
+
+class ConfigError(YirageError):
+    """The user config file (``$XDG_CONFIG_HOME/yirage/config.json``, see ``yirage.config``)
+    cannot be read, is malformed (not JSON, not an object, a setting of the wrong type) or
+    cannot be written. The message names the file and says how to repair it (``yirage set
+    --unset``, or edit or delete the file)."""

@@ -1,7 +1,8 @@
 """The backend registry: which backends exist, which are usable here, and the default.
 
 The default backend is, in this order: the one given to ``set_backend``, else the
-``YIRAGE_BACKEND`` environment variable (a name or 'auto'), else 'auto', which picks the
+``YIRAGE_BACKEND`` environment variable (a name or 'auto'), else the ``backend`` of the user
+config file (``yirage set NAME``; read by ``yirage.config``), else 'auto', which picks the
 first available backend by priority CUDA > ROCm > XPU > MPS > CPU. Names are accepted
 case-insensitively, as are ``Backend`` members. 'triton-interpret' (Triton's CPU
 interpreter, for testing kernels) is listed after CPU, so 'auto' never picks it.
@@ -27,6 +28,7 @@ from yirage.backends.mps import MPSBackend
 from yirage.backends.rocm import ROCmBackend
 from yirage.backends.triton import TritonInterpreterBackend
 from yirage.backends.xpu import XPUBackend
+from yirage.config import user_backend, user_config_path
 from yirage.errors import BackendUnavailableError
 
 __all__ = [
@@ -123,26 +125,44 @@ def set_backend(name: str | Backend) -> Backend:
 
 
 def get_backend() -> Backend:
-    """The default backend: set_backend's choice, else YIRAGE_BACKEND, else 'auto'.
+    """The default backend: set_backend's choice, else YIRAGE_BACKEND, else the user config
+    file's ``backend`` (``yirage set``), else 'auto'.
 
-    Raises BackendUnavailableError if YIRAGE_BACKEND names an unknown or unavailable backend.
+    Raises:
+        BackendUnavailableError: YIRAGE_BACKEND or the config file names an unknown or
+            unavailable backend (the message names which of the two).
+        ConfigError: the config file is consulted and cannot be read or is malformed.
     """
     if _explicit_backend is not None:
         return _explicit_backend
     env_value = os.environ.get(ENV_VAR, "").strip()
-    if not env_value:
+    if env_value:
+        try:
+            return resolve_backend(env_value)
+        except BackendUnavailableError as error:
+            raise BackendUnavailableError(f"{ENV_VAR}={env_value!r}: {error}") from None
+    configured = user_backend()
+    if configured is None:
         return _auto_backend()
     try:
-        return resolve_backend(env_value)
+        return resolve_backend(configured)
     except BackendUnavailableError as error:
-        raise BackendUnavailableError(f"{ENV_VAR}={env_value!r}: {error}") from None
+        raise BackendUnavailableError(f"the config file {user_config_path()} sets backend {configured!r}: {error}; "
+                                      "change it with 'yirage set NAME' or remove it with 'yirage set --unset'"
+                                      ) from None
 
 
 def get_backend_source() -> str:
-    """Where the default backend comes from: 'set_backend', 'env' or 'auto'."""
+    """Where the default backend comes from: 'set_backend', 'env' (YIRAGE_BACKEND), 'config'
+    (the user config file, ``yirage.config.user_config_path()``) or 'auto'.
+
+    Raises ConfigError when the config file is consulted and is unusable.
+    """
     if _explicit_backend is not None:
         return "set_backend"
-    return "env" if os.environ.get(ENV_VAR, "").strip() else "auto"
+    if os.environ.get(ENV_VAR, "").strip():
+        return "env"
+    return "config" if user_backend() is not None else "auto"
 
 
 def get_backend_impl(name: str | Backend | None = None) -> BackendImpl:

@@ -1,0 +1,704 @@
+"""The backend conformance suite behind ``yirage test [BACKEND]`` (llama.cpp's
+``tests/test-backend-ops.cpp`` for ggml, here for yirage's backends).
+
+``CASES`` holds small kernel graphs at a few odd sizes: every op of the op table
+(``yirage.ir.ops.OPS``) and the fused kernels ``transforms/fusion.py`` makes (chains of
+elementwise ops and casts, row reductions, softmax, RMSNorm/LayerNorm with their neighbours,
+row programs after a GEMM). ``run_case`` builds one on the CPU, runs it on a backend (inputs
+copied to its device) and compares every output, and every input the graph writes in place
+(the KV caches), with the reference interpreter (``g.interpret``, torch eager) within a
+tolerance suited to the outputs' dtype; where the case has one, also with a plain-torch
+expectation (``F.gelu``, ``F.linear``, ...) that does not go through the op table. A case
+reports PASS, FAIL (the largest error and how many elements are off) or ERROR (the
+exception, in one line); ``fallback`` lists its library ops that the backend has no kernel
+for, which ran as their torch reference (they pass without testing a kernel).
+
+``run_conformance`` runs the cases on one backend, ``all`` of them, or the default, and,
+in a full run, reports a FAIL for every op of ``OPS`` that no case runs and that
+``NOT_APPLICABLE`` does not excuse: a new op without a case fails the suite.
+tests/backends/test_ops.py runs the same ``CASES`` under pytest on every backend present.
+
+This module must never loosen a tolerance for one backend, skip a case silently, or hand the
+reference's result off as the backend's: what it reports is what the backend computed.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import Backend, get_available_backends, get_backend, get_backend_impl, resolve_backend
+from ..dtypes import DType
+from ..ir import threadblock  # noqa: F401  (registers the 'customized' op in OPS)
+from ..ir.ops import OPS, dequantize
+from ..kernel import KNGraph, new_kernel_graph
+from ..transforms.fusion import VIEW_OPS, LibraryStep
+
+#: (atol, rtol) by output dtype: float32 rounding, and the half types' mantissas (10 and 7 bits)
+#: through a few roundings. Integer outputs (argmax) are exact. A case may name its own.
+TOLERANCES = {DType.float32: (1e-5, 1e-5), DType.float16: (2e-3, 2e-3), DType.bfloat16: (2e-2, 2e-2)}
+
+#: ops of OPS that no case can run, with the reason (none today: every op has a case)
+NOT_APPLICABLE: dict[str, str] = {}
+
+#: (graph, CPU inputs, {output index: what plain torch computes for it})
+Built = tuple[KNGraph, list[torch.Tensor], dict[int, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case.
+
+    ``op``: the op it is about (a name of ``OPS``) or ``fused: ...`` for a fused pattern;
+    ``name``: its sizes and dtypes, unique within ``op``; ``build() -> Built``: the graph, its
+    CPU inputs (drawn from torch's RNG, which ``run_case`` seeds) and plain-torch expectations
+    for some outputs; ``tol``: (atol, rtol), None for ``TOLERANCES`` of the outputs' dtypes.
+    An element passes when ``|got - want| <= atol + rtol * |want|`` (torch.isclose).
+    """
+
+    op: str
+    name: str
+    build: Callable[[], Built]
+    tol: tuple[float, float] | None = None
+
+    @property
+    def id(self) -> str:
+        """``op/name``, what ``-k`` matches and pytest shows."""
+        return f"{self.op}/{self.name}"
+
+
+@dataclass
+class CaseResult:
+    """The outcome of one case on one backend: ``status`` PASS, FAIL or ERROR; ``max_error`` the
+    largest absolute difference (None when nothing was compared); ``message`` what failed (one
+    line); ``fallback`` the library ops that ran as their torch reference; ``seconds`` wall time
+    (graph compile included)."""
+
+    op: str
+    case: str
+    backend: str
+    status: str
+    atol: float
+    rtol: float
+    max_error: float | None = None
+    message: str = ""
+    fallback: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of the fields (an infinite max_error becomes None)."""
+        data = asdict(self)
+        if data["max_error"] is not None and not math.isfinite(data["max_error"]):
+            data["max_error"] = None
+        data["fallback"] = list(self.fallback)
+        return data
+
+
+# ---- comparing --------------------------------------------------------------------------------
+
+def compare(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> tuple[float, str | None]:
+    """(largest absolute error, None when every element is close else what is off) of ``got``
+    against ``want`` (CPU tensors). Equal infinities and NaN against NaN count as equal; a NaN
+    or infinity against a number counts as an infinite error."""
+    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        return math.inf, (f"shape {tuple(got.shape)} {got.dtype} where the reference has "
+                          f"{tuple(want.shape)} {want.dtype}")
+    if got.numel() == 0:
+        return 0.0, None
+    g, w = got.double(), want.double()
+    err = torch.where((g == w) | (g.isnan() & w.isnan()), 0.0, (g - w).abs()).nan_to_num(nan=math.inf)
+    bad = err > atol + rtol * w.abs().nan_to_num(nan=0.0, posinf=0.0)
+    worst = float(err.max())
+    if not bool(bad.any()):
+        return worst, None
+    at = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    return worst, (f"{int(bad.sum())} of {err.numel()} elements off (largest error {worst:.3g} at {at}: "
+                   f"got {float(g[at]):.6g}, expected {float(w[at]):.6g})")
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _tolerance(case: Case, graph: KNGraph) -> tuple[float, float]:
+    if case.tol is not None:
+        return case.tol
+    dtypes = [graph.tensors[t].dtype for t in graph.outputs]
+    tols = [TOLERANCES[d] for d in dtypes if d in TOLERANCES] or [(0.0, 0.0)]
+    return max(t[0] for t in tols), max(t[1] for t in tols)
+
+
+def _written_inputs(graph: KNGraph) -> list[int]:
+    """Positions of the graph inputs that some op writes in place (OpDef.mutates)."""
+    tids = {node.inputs[m] for node in graph.ops for m in OPS[node.op].mutates}
+    return [i for i, tid in enumerate(graph.inputs) if tid in tids]
+
+
+def _fallback_ops(graph: KNGraph, backend: Backend) -> tuple[str, ...]:
+    """Library ops of ``graph`` that ``backend`` has no kernel for (the executor runs their
+    torch reference): what a PASS of this case does not test there."""
+    impl, steps = get_backend_impl(backend), graph.compile(backend.value).steps
+    return tuple(sorted({s.node.op for s in steps if isinstance(s, LibraryStep)
+                         and s.node.op not in VIEW_OPS and not impl.supports(s.node, graph)}))
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+def _run_on_backend(graph: KNGraph, inputs: list[torch.Tensor], backend: Backend) -> list[torch.Tensor]:
+    """The graph's outputs, then the inputs it writes in place, computed on ``backend`` from
+    copies of ``inputs`` on its device; returned on the CPU."""
+    dev = get_backend_impl(backend).torch_device
+    on_device = [x.to(dev, copy=True) for x in inputs]
+    with warnings.catch_warnings():
+        # Triton's interpreter computes the padded lanes of a block too (exp(-inf - -inf), 1/0) and
+        # numpy warns; those lanes are never stored, and what is stored is compared below
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+        outs = graph(inputs=on_device, backend=backend.value)
+    return [t.cpu() for t in (*outs, *(on_device[i] for i in _written_inputs(graph)))]
+
+
+def _reference(graph: KNGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same as ``_run_on_backend`` from the reference interpreter, on copies of ``inputs``."""
+    copies = [x.clone() for x in inputs]
+    outs = graph.interpret(copies)
+    return [*outs, *(copies[i] for i in _written_inputs(graph))]
+
+
+def _check(got: list[torch.Tensor], want: list[torch.Tensor], expect: dict[int, torch.Tensor],
+           n_outputs: int, tol: tuple[float, float]) -> tuple[float, str | None]:
+    """Compare every output and written input with the reference, then the outputs that have a
+    plain-torch expectation with it: (largest error, the first failure or None)."""
+    names = [f"output {i}" for i in range(n_outputs)] + [f"written input {i}" for i in range(len(got) - n_outputs)]
+    pairs = [(n, g, w) for n, g, w in zip(names, got, want)]
+    pairs += [(f"output {i} against plain torch", got[i], e) for i, e in expect.items()]
+    worst, failure = 0.0, None
+    for name, g, w in pairs:
+        err, problem = compare(g, w, *tol)
+        worst = max(worst, err)
+        if problem and failure is None:
+            failure = f"{name}: {problem}"
+    return worst, failure
+
+
+def run_case(case: Case, backend: str | Backend) -> CaseResult:
+    """Run ``case`` on ``backend`` (a name or Backend; must be available) and compare it with the
+    reference interpreter. Inputs come from torch's RNG seeded with 0 inside
+    ``torch.random.fork_rng``, so the caller's RNG state is left as it was.
+
+    Raises:
+        BackendUnavailableError: ``backend`` is unknown or unavailable here. Anything the
+        backend or the reference raises is reported as an ERROR result instead.
+    """
+    b = resolve_backend(backend)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        graph, inputs, expect = case.build()
+    atol, rtol = _tolerance(case, graph)
+    result = CaseResult(case.op, case.name, b.value, "ERROR", atol, rtol)
+    start = time.perf_counter()
+    try:
+        result.fallback = _fallback_ops(graph, b)
+        got = _run_on_backend(graph, inputs, b)
+    except Exception as error:  # a kernel that raises is a result of the suite, not its end
+        result.message = _one_line(error)
+    else:
+        try:
+            want = _reference(graph, inputs)
+        except Exception as error:
+            result.message = f"the reference interpreter failed: {_one_line(error)}"
+        else:
+            result.max_error, failure = _check(got, want, expect, len(graph.outputs), (atol, rtol))
+            result.status, result.message = ("FAIL", failure) if failure else ("PASS", "")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def conformance_backends(name: str | Backend | None = None) -> list[Backend]:
+    """The backends ``run_conformance`` runs on for ``name``: None -> the default backend
+    (``yr.get_backend()``), 'all' -> every available backend, else the named one ('auto' too).
+
+    Raises:
+        BackendUnavailableError: an unknown or unavailable backend.
+        ConfigError: the default is asked for and the user config file is unusable.
+    """
+    if name is None:
+        return [get_backend()]
+    if isinstance(name, str) and name.strip().lower() == "all":
+        return get_available_backends()
+    return [resolve_backend(name)]
+
+
+def select_cases(select: str | None = None) -> list[Case]:
+    """The cases whose id (``op/name``) contains ``select`` (case-insensitive); all for None."""
+    if not select:
+        return list(CASES)
+    return [c for c in CASES if select.lower() in c.id.lower()]
+
+
+@functools.lru_cache(maxsize=1)
+def covered_ops() -> frozenset[str]:
+    """Every op that some case's graph contains."""
+    with torch.random.fork_rng(devices=[]):
+        return frozenset(node.op for case in CASES for node in case.build()[0].ops)
+
+
+def coverage_failures() -> list[CaseResult]:
+    """A FAIL for each op of ``OPS`` that no case runs and ``NOT_APPLICABLE`` does not list."""
+    missing = sorted(set(OPS) - covered_ops() - set(NOT_APPLICABLE))
+    return [CaseResult(op, "coverage", "-", "FAIL", 0.0, 0.0,
+                       message=f"no conformance case runs op {op!r}: add one to CASES in yirage/tools/"
+                               "conformance.py, or list it in NOT_APPLICABLE with the reason")
+            for op in missing]
+
+
+def run_conformance(backend: str | Backend | None = None, select: str | None = None,
+                    on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """Run the suite: every case of ``select_cases(select)`` on every backend of
+    ``conformance_backends(backend)``, in order; ``on_result`` is called with each result as it
+    comes (for progress). A full run (``select`` None) starts with ``coverage_failures()``.
+
+    Returns the results (a case that fails or raises is a result, never an exception).
+
+    Raises:
+        BackendUnavailableError: an unknown or unavailable backend (before any case runs).
+        ConfigError: the default backend is asked for and the user config file is unusable.
+    """
+    backends = conformance_backends(backend)
+    results = []
+    for result in coverage_failures() if not select else []:
+        results.append(result)
+        if on_result:
+            on_result(result)
+    for b in backends:
+        for case in select_cases(select):
+            results.append(run_case(case, b))
+            if on_result:
+                on_result(results[-1])
+    return results
+
+
+# ---- the cases --------------------------------------------------------------------------------
+# Sizes: one element, a small odd square, and a row longer than any vector block (4097).
+
+SIZES = [(1, 1), (7, 7), (3, 4097)]
+
+
+def _dims(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def _one_op(op: str, shapes, make_inputs: Callable[[], list[torch.Tensor]], attrs: Callable[[], dict] | None = None,
+            expect: Callable | None = None) -> Callable[[], Built]:
+    """A builder: ``op`` (a builder method of the graph) applied to new inputs of ``shapes``."""
+    def build():
+        g = new_kernel_graph()
+        ins = [g.new_input(s) for s in shapes]
+        g.mark_output(getattr(g, op)(*ins, **(attrs() if attrs else {})))
+        data = make_inputs()
+        return g, data, {0: expect(*data)} if expect else {}
+    return build
+
+
+#: plain-torch meaning of each unary op (its keys are the unary ops the cases run)
+_TORCH_UNARY = {
+    "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu, "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": torch.relu, "rsqrt": torch.rsqrt,
+    "neg": torch.neg,
+}
+
+
+def _unary_cases() -> list[Case]:
+    def data(op, shape):
+        return lambda: [torch.rand(shape) + 0.1 if op in ("sqrt", "rsqrt") else torch.randn(shape)]
+    return [Case(op, _dims(s), _one_op(op, [s], data(op, s), expect=f)) for op, f in _TORCH_UNARY.items()
+            for s in SIZES]
+
+
+_BROADCASTS = [((7, 33), (7, 33)), ((7, 33), (33,)), ((7, 33), (7, 1)), ((7, 33), (1,)), ((7, 1), (7, 33)),
+               ((2, 3, 5), (3, 1)), ((1, 4097), (1, 4097)), ((4, 1, 6), (1, 5, 6))]
+
+
+def _binary_cases() -> list[Case]:
+    def data(a, b):
+        return lambda: [torch.randn(a), torch.rand(b) + 0.5]  # the divisor kept away from 0
+    return [Case(op, f"{_dims(a)},{_dims(b)}", _one_op(op, [a, b], data(a, b), expect=getattr(torch, op)))
+            for op in ("add", "sub", "mul", "div") for a, b in _BROADCASTS]
+
+
+def _elementwise_attr_cases() -> list[Case]:
+    cases = []
+    for s in SIZES:
+        cases.append(Case("clamp", _dims(s), _one_op("clamp", [s], lambda s=s: [torch.randn(s)],
+                                                     attrs=lambda: {"min_val": -0.5, "max_val": 0.25},
+                                                     expect=lambda x: x.clamp(-0.5, 0.25))))
+        cases.append(Case("scale", _dims(s), _one_op("scale", [s], lambda s=s: [torch.randn(s)],
+                                                     attrs=lambda: {"factor": 3.0}, expect=lambda x: x * 3.0)))
+    return cases
+
+
+def _cast(src: DType, dst: DType) -> Built:
+    """exp, cast, add in one kernel; a reduction cast after it."""
+    g = new_kernel_graph()
+    x = g.new_input((7, 33), src)
+    y = g.cast(g.exp(x), dst)
+    g.mark_output(g.add(y, y))
+    g.mark_output(g.cast(g.reduction(x, 1), dst))
+    return g, [torch.randn(7, 33).to(src.torch_dtype)], {}
+
+
+def _cast_cases() -> list[Case]:
+    # from float32 the cast is the same rounding as torch's .to(); from a half type the reference
+    # rounds exp's result to that type first, the fused kernel keeps float32
+    pairs = [(DType.float32, DType.float16), (DType.float32, DType.bfloat16), (DType.bfloat16, DType.float32),
+             (DType.float16, DType.bfloat16)]
+    return [Case("cast", f"{s.value}->{d.value}", functools.partial(_cast, s, d),
+                 tol=(0.0, 0.0) if s == DType.float32 else (1e-2, 1e-2)) for s, d in pairs]
+
+
+def _rows(op: str, R: int, D: int) -> Built:
+    """A row op at both ends of a 2-d tensor (reduction and softmax over dim 1 and 0)."""
+    g = new_kernel_graph()
+    x = g.new_input((R, D))
+    data = torch.randn(R, D)
+    if op == "rms_norm":
+        g.mark_output(g.rms_norm(x, (D,)))
+        return g, [data], {0: F.rms_norm(data, (D,), eps=1e-6)}
+    g.mark_output(getattr(g, op)(x, 1))
+    g.mark_output(getattr(g, op)(x, 0))
+    if op == "reduction":
+        return g, [data], {0: data.sum(1, keepdim=True), 1: data.sum(0, keepdim=True)}
+    return g, [data], {0: torch.softmax(data, 1), 1: torch.softmax(data, 0)}
+
+
+def _rms_norm_3d() -> Built:
+    g = new_kernel_graph()
+    x = g.new_input((2, 3, 5, 8))
+    g.mark_output(g.rms_norm(x, (5, 8), eps=1e-5))
+    data = torch.randn(2, 3, 5, 8)
+    return g, [data], {0: F.rms_norm(data, (5, 8), eps=1e-5)}
+
+
+def _layer_norm(shape, normalized, affine: bool) -> Built:
+    g = new_kernel_graph()
+    x = g.new_input(shape)
+    w, b = (g.new_input(normalized), g.new_input(normalized)) if affine else (None, None)
+    g.mark_output(g.layer_norm(x, normalized, w, b, eps=1e-5))
+    data = [torch.randn(shape)] + ([torch.randn(normalized), torch.randn(normalized)] if affine else [])
+    return g, data, {0: F.layer_norm(data[0], normalized, *data[1:], eps=1e-5)}
+
+
+def _row_cases() -> list[Case]:
+    cases = [Case(op, _dims((R, D)), functools.partial(_rows, op, R, D), tol=(1e-4, 1e-4))
+             for op in ("reduction", "rms_norm", "softmax") for R, D in SIZES]
+    cases.append(Case("rms_norm", "2x3x5x8 over 5x8", _rms_norm_3d))
+    cases += [Case("layer_norm", f"{_dims(s)}{' affine' if a else ''}", functools.partial(_layer_norm, s, n, a),
+                   tol=(1e-4, 1e-4))
+              for s, n, a in [((1, 1), (1,), True), ((7, 33), (33,), True), ((3, 4097), (4097,), False),
+                              ((2, 3, 5, 8), (5, 8), True)]]
+    return cases
+
+
+# ---- fused patterns ---------------------------------------------------------------------------
+
+def _norm_silu_softmax(dtype: DType) -> Built:
+    """silu(rms_norm(x) * w) and its softmax: one kernel, in a half type."""
+    g = new_kernel_graph()
+    x, w = g.new_input((7, 129), dtype), g.new_input((129,), dtype)
+    y = g.silu(g.mul(g.rms_norm(x, (129,)), w))
+    g.mark_output(y)
+    g.mark_output(g.softmax(y, -1))
+    return g, [torch.randn(7, 129).to(dtype.torch_dtype), torch.randn(129).to(dtype.torch_dtype)], {}
+
+
+def _residual_layer_norm_gelu() -> Built:
+    """BERT's layer_norm(x + residual) * w + b, then GELU (tanh): one kernel."""
+    g = new_kernel_graph()
+    x, r, w, b = g.new_input((5, 96)), g.new_input((5, 96)), g.new_input((96,)), g.new_input((96,))
+    g.mark_output(g.gelu_tanh(g.layer_norm(g.add(x, r), (96,), w, b)))
+    data = [torch.randn(5, 96), torch.randn(5, 96), torch.randn(96), torch.randn(96)]
+    want = F.gelu(F.layer_norm(data[0] + data[1], (96,), data[2], data[3]), approximate="tanh")
+    return g, data, {0: want}
+
+
+def _elementwise_chain() -> Built:
+    """clamp(square(silu(x) * y - b) / c, ...) with broadcast row and column inputs."""
+    g = new_kernel_graph()
+    x, y, b, c = g.new_input((9, 65)), g.new_input((9, 65)), g.new_input((65,)), g.new_input((9, 1))
+    g.mark_output(g.clamp(g.div(g.square(g.sub(g.mul(g.silu(x), y), b)), c), -2.0, 3.0))
+    data = [torch.randn(9, 65), torch.randn(9, 65), torch.randn(65), torch.rand(9, 1) + 0.5]
+    x_, y_, b_, c_ = data
+    return g, data, {0: ((F.silu(x_) * y_ - b_).square() / c_).clamp(-2.0, 3.0)}
+
+
+def _gated_mlp_epilogue() -> Built:
+    """silu(x @ W1) * (x @ W3): the row kernel sinks after both GEMMs."""
+    g = new_kernel_graph()
+    x, w1, w3 = g.new_input((7, 45)), g.new_input((45, 27)), g.new_input((45, 27))
+    g.mark_output(g.mul(g.silu(g.matmul(x, w1)), g.matmul(x, w3)))
+    data = [torch.randn(7, 45), torch.randn(45, 27), torch.randn(45, 27)]
+    return g, data, {0: F.silu(data[0] @ data[1]) * (data[0] @ data[2])}
+
+
+def _scores_softmax() -> Built:
+    """softmax(scale(q k^T)) v, batched over heads: GEMM, row kernel, GEMM."""
+    g = new_kernel_graph()
+    q, kt, v = g.new_input((3, 5, 16)), g.new_input((3, 16, 11)), g.new_input((3, 11, 16))
+    g.mark_output(g.matmul(g.softmax(g.scale(g.matmul(q, kt), 0.25), -1), v))
+    data = [torch.randn(3, 5, 16), torch.randn(3, 16, 11), torch.randn(3, 11, 16)]
+    return g, data, {0: torch.softmax(data[0] @ data[1] * 0.25, -1) @ data[2]}
+
+
+def _rows_of_one() -> Built:
+    """D == 1: a per-row value has the row's shape, so row ops may read one."""
+    g = new_kernel_graph()
+    x, c = g.new_input((7, 1)), g.new_input((7, 1))
+    s = g.reduction(x, 1)
+    t = g.reduction(g.exp(s), -1)
+    g.mark_output(t)
+    g.mark_output(g.softmax(g.add(t, c), -1))
+    g.mark_output(g.rms_norm(s, (1,)))
+    return g, [torch.randn(7, 1), torch.randn(7, 1)], {}
+
+
+def _fused_cases() -> list[Case]:
+    return [Case("fused: rms_norm*w, silu, softmax", d.value, functools.partial(_norm_silu_softmax, d))
+            for d in (DType.float16, DType.bfloat16)] + [
+        Case("fused: residual, layer_norm, gelu_tanh", "5x96", _residual_layer_norm_gelu, tol=(1e-4, 1e-4)),
+        Case("fused: elementwise chain", "9x65", _elementwise_chain, tol=(1e-5, 1e-4)),
+        Case("fused: matmul epilogue", "7x45 @ 45x27", _gated_mlp_epilogue, tol=(1e-4, 1e-4)),
+        Case("fused: scale, softmax between matmuls", "3x5x16", _scores_softmax, tol=(1e-4, 1e-4)),
+        Case("fused: rows of one element", "7x1", _rows_of_one),
+    ]
+
+
+# ---- library ops ------------------------------------------------------------------------------
+
+def _matmul(a_shape, b_shape) -> Built:
+    g = new_kernel_graph()
+    g.mark_output(g.matmul(g.new_input(a_shape), g.new_input(b_shape)))
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    return g, [a, b], {0: a @ b}
+
+
+def quantized(shape, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 storage, float32 values) of ``shape`` in the GGML block format ``dtype``: standard
+    normal weights quantized by the gguf package where it can (q4_0, q4_1, q5_0, q5_1, q8_0),
+    else (k-quants, IQ types) random bytes with finite fp16 scales (normals * 0.01); the values
+    decoded by gguf (``ir.ops.dequantize``)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    per, nbytes = dtype.block
+    kind = gguf.GGMLQuantizationType[dtype.value.upper()]
+    try:
+        raw = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), kind)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, size=(math.prod(shape) // per, nbytes), dtype=np.uint8)
+        for off in dtype.scale_offsets:
+            scales = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
+            raw[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    storage = torch.from_numpy(np.ascontiguousarray(raw)).reshape(dtype.storage_shape(shape))
+    return storage, dequantize(storage, dtype, tuple(shape))
+
+
+def _weight(shape, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
+    if dtype.is_quantized:
+        return quantized(shape, dtype)
+    w = torch.randn(shape)
+    return w, w
+
+
+def _linear(M: int, N: int, K: int, dtype: DType) -> Built:
+    """linear with and without bias (GEMV for M = 1, GEMM otherwise)."""
+    storage, wf = _weight((N, K), dtype)
+    g = new_kernel_graph()
+    x, w, b = g.new_input((M, K)), g.new_input((N, K), dtype), g.new_input((N,))
+    g.mark_output(g.linear(x, w, b))
+    g.mark_output(g.linear(x, w))
+    xs, bias = torch.randn(M, K), torch.randn(N)
+    return g, [xs, storage, bias], {0: F.linear(xs, wf, bias), 1: F.linear(xs, wf)}
+
+
+def _embedding(V: int, D: int, dtype: DType) -> Built:
+    storage, table = _weight((V, D), dtype)
+    g = new_kernel_graph()
+    g.mark_output(g.embedding(g.new_input((7,), DType.int64), g.new_input((V, D), dtype)))
+    ids = torch.tensor([0, V - 1, 3, 3, V // 2, 1, 2])
+    return g, [ids, storage], {0: table[ids]}
+
+
+_GGML_EXTRA = (DType.q4_0, DType.q5_0, DType.q5_1, DType.q2_k, DType.q3_k, DType.q4_k, DType.q5_k, DType.q6_k,
+               DType.iq4_nl, DType.iq4_xs)
+
+
+def _weight_cases() -> list[Case]:
+    cases = [Case("linear", f"{d.value} M={M}", functools.partial(_linear, M, 33, 96, d), tol=(1e-4, 1e-4))
+             for d in (DType.q4_1, DType.q8_0, DType.float32) for M in (1, 7)]
+    cases += [Case("linear", f"{d.value} M=3", functools.partial(_linear, 3, 17, 256, d), tol=(1e-4, 1e-4))
+              for d in _GGML_EXTRA]
+    cases += [Case("embedding", d.value, functools.partial(_embedding, 50, 64, d), tol=(0.0, 0.0))
+              for d in (DType.q4_1, DType.q8_0, DType.float32)]
+    cases += [Case("embedding", d.value, functools.partial(_embedding, 9, 256, d), tol=(0.0, 0.0))
+              for d in _GGML_EXTRA]
+    return cases
+
+
+def _linear_w8a8(M: int, K: int, N: int, group: int, bias: bool) -> Built:
+    g = new_kernel_graph()
+    x, w, s = g.new_input((M, K)), g.new_input((K, N), DType.int8), g.new_input((N,))
+    b = [g.new_input((N,))] if bias else []
+    g.mark_output(g.linear_w8a8(x, w, s, *b, group_size=group))
+    data = [torch.randn(M, K), torch.randint(-127, 128, (K, N), dtype=torch.int8), torch.rand(N) / 100 + 1e-3]
+    return g, data + ([torch.randn(N)] if bias else []), {}
+
+
+def _rope(T: int, start: int) -> Built:
+    H, Dh, S = 3, 16, 12
+    g = new_kernel_graph()
+    x, c, s = g.new_input((T, H, Dh)), g.new_input((S, Dh // 2)), g.new_input((S, Dh // 2))
+    g.mark_output(g.rope(x, c, s, g.new_input((1,), DType.int64)))
+    freqs = torch.arange(S).float()[:, None] * torch.rand(Dh // 2)[None]
+    return g, [torch.randn(T, H, Dh), freqs.cos(), freqs.sin(), torch.tensor([start])], {}
+
+
+def _attention(T: int, start: int, window: int, dtype: DType = DType.float32) -> Built:
+    """GQA (4 query heads, 2 KV heads) over a KV cache of 32 rows whose first ``start`` rows hold
+    earlier keys and values; the graph appends T rows and attends."""
+    Hq, Hkv, Dh, S = 4, 2, 16, 32
+    g = new_kernel_graph()
+    q, k, v = g.new_input((T, Hq, Dh), dtype), g.new_input((T, Hkv, Dh), dtype), g.new_input((T, Hkv, Dh), dtype)
+    kc, vc = g.new_input((S, Hkv, Dh), dtype), g.new_input((S, Hkv, Dh), dtype)
+    g.mark_output(g.attention(q, k, v, kc, vc, g.new_input((1,), DType.int64), window=window))
+    td = dtype.torch_dtype
+    caches = [torch.zeros(S, Hkv, Dh, dtype=td) for _ in range(2)]
+    for c in caches:
+        c[:start] = torch.randn(start, Hkv, Dh).to(td)
+    qkv = [torch.randn(T, h, Dh).to(td) for h in (Hq, Hkv, Hkv)]
+    return g, [*qkv, *caches, torch.tensor([start])], {}
+
+
+def _llm_layer(dtype: DType) -> Built:
+    """What an LLM in a half type runs: q8_0 linear, RoPE and attention."""
+    T, H, Dh, S = 3, 2, 16, 8
+    storage, _ = quantized((H * Dh, 64), DType.q8_0)
+    g = new_kernel_graph()
+    x, w = g.new_input((T, 64), dtype), g.new_input((H * Dh, 64), DType.q8_0)
+    c, s = g.new_input((S, Dh // 2)), g.new_input((S, Dh // 2))
+    kc, vc, pos = g.new_input((S, H, Dh), dtype), g.new_input((S, H, Dh), dtype), g.new_input((1,), DType.int64)
+    q = g.rope(g.reshape(g.linear(x, w), (T, H, Dh)), c, s, pos)
+    g.mark_output(g.attention(q, q, q, kc, vc, pos))
+    freqs = torch.arange(S).float()[:, None] * torch.rand(Dh // 2)[None]
+    td = dtype.torch_dtype
+    # x / 8 keeps q around 1 (w is standard normal): the tolerance is relative to that scale
+    return g, [(torch.randn(T, 64) / 8).to(td), storage, freqs.cos(), freqs.sin(), torch.zeros(S, H, Dh, dtype=td),
+               torch.zeros(S, H, Dh, dtype=td), torch.tensor([2])], {}
+
+
+def _attention_varlen(lengths: list[int], pad: int) -> Built:
+    """Sentences of ``lengths`` packed back to back, then ``pad`` rows of bucket padding."""
+    H, Dh = 2, 8
+    T = sum(lengths) + pad
+    g = new_kernel_graph()
+    g.mark_output(g.attention_varlen(g.new_input((T, 3 * H * Dh)), g.new_input((len(lengths) + 1,), DType.int64), H))
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return g, [torch.randn(T, 3 * H * Dh), offsets], {}
+
+
+def _attention_bidir() -> Built:
+    """Two sequences of 5, the second with its last two keys masked out (padding)."""
+    B, S, H, Dh = 2, 5, 2, 8
+    g = new_kernel_graph()
+    g.mark_output(g.attention_bidir(g.new_input((B, S, 3 * H * Dh)), g.new_input((B, S)), H))
+    mask = torch.zeros(B, S)
+    mask[1, 3:] = -math.inf
+    return g, [torch.randn(B, S, 3 * H * Dh), mask], {}
+
+
+def _argmax(R: int, D: int) -> Built:
+    """Ties (the first index wins) and a random row."""
+    g = new_kernel_graph()
+    g.mark_output(g.argmax(g.new_input((R, D)), -1))
+    data = torch.zeros(R, D)
+    data[R // 2, D // 3] = data[R // 2, D - 1] = 1.0
+    data[-1] = torch.randn(D)
+    return g, [data], {0: torch.argmax(data, -1)}
+
+
+def _views(op: str) -> Built:
+    """A view feeding a fused kernel: exp of rows 2..4, or softmax of a 33x7 reshape of 7x33."""
+    g = new_kernel_graph()
+    x = g.new_input((7, 33))
+    data = torch.randn(7, 33)
+    if op == "slice_rows":
+        g.mark_output(g.exp(g.slice_rows(x, 2, 5)))
+        return g, [data], {0: data[2:5].exp()}
+    g.mark_output(g.softmax(g.reshape(x, (33, 7)), -1))
+    return g, [data], {0: torch.softmax(data.reshape(33, 7), -1)}
+
+
+def _customized() -> Built:
+    """Mirage's gated-MLP block graph: two accumulated matmuls, silu(a1) * a3 after the loop."""
+    M, K, N = 7, 45, 27
+    g = new_kernel_graph()
+    X, W1, W3 = g.new_input((M, K)), g.new_input((K, N)), g.new_input((K, N))
+    tb = threadblock.new_threadblock_graph(grid_dim=(3, 1, 1), block_dim=(128, 1, 1), forloop_range=5,
+                                           reduction_dimx=64)
+    tX = tb.new_input(X, (-1, -1, -1), 1)
+    tW1, tW3 = tb.new_input(W1, (1, -1, -1), 0), tb.new_input(W3, (1, -1, -1), 0)
+    tb.new_output(tb.mul(tb.silu(tb.forloop_accum(tb.matmul(tX, tW1))), tb.forloop_accum(tb.matmul(tX, tW3))),
+                  (1, -1, -1))
+    g.mark_output(g.customized([X, W1, W3], tb)[0])
+    x, w1, w3 = torch.randn(M, K), torch.randn(K, N), torch.randn(K, N)
+    return g, [x, w1, w3], {0: F.silu(x @ w1) * (x @ w3)}
+
+
+def _library_cases() -> list[Case]:
+    part = functools.partial
+    return [
+        *(Case("matmul", f"{_dims(a)} @ {_dims(b)}", part(_matmul, a, b), tol=(1e-4, 1e-4))
+          for a, b in [((7, 33), (33, 5)), ((2, 1, 4, 8), (3, 8, 1)), ((1, 1), (1, 4097))]),
+        *_weight_cases(),
+        *(Case("linear_w8a8", f"M={M} K={K} N={N} group={G}{' bias' if b else ''}", part(_linear_w8a8, M, K, N, G, b),
+               tol=(1e-4, 1e-5)) for M, K, N, G, b in [(1, 64, 40, 0, True), (7, 96, 33, 0, False),
+                                                         (5, 96, 17, 16, True)]),
+        Case("rope", "T=3 start=2", part(_rope, 3, 2)),
+        Case("rope", "T=1 start=11", part(_rope, 1, 11)),
+        Case("attention", "prefill T=7", part(_attention, 7, 0, 0)),
+        Case("attention", "decode start=7", part(_attention, 1, 7, 0)),
+        Case("attention", "chunk T=3 start=5", part(_attention, 3, 5, 0)),
+        Case("attention", "window=3 T=4 start=6", part(_attention, 4, 6, 3)),
+        Case("attention", "bfloat16 decode start=9", part(_attention, 1, 9, 0, DType.bfloat16)),
+        *(Case("fused: q8_0 linear, rope, attention", d.value, part(_llm_layer, d)) for d in (DType.float16,
+                                                                                            DType.bfloat16)),
+        Case("attention_varlen", "3,0,5 pad 2", part(_attention_varlen, [3, 0, 5], 2), tol=(1e-5, 1e-4)),
+        Case("attention_varlen", "1", part(_attention_varlen, [1], 0), tol=(1e-5, 1e-4)),
+        Case("attention_bidir", "2x5 masked", _attention_bidir, tol=(1e-5, 1e-4)),
+        Case("argmax", "3x4097 ties", part(_argmax, 3, 4097)),
+        Case("argmax", "5x7 ties", part(_argmax, 5, 7)),
+        Case("slice_rows", "7x33 rows 2..4", part(_views, "slice_rows")),
+        Case("reshape", "7x33 as 33x7", part(_views, "reshape")),
+        Case("customized", "gated MLP 7x45 @ 45x27", _customized, tol=(2e-4, 2e-4)),
+    ]
+
+
+#: every case, in the order they run (ids unique: tests/tools/test_conformance.py checks)
+CASES: tuple[Case, ...] = (*_unary_cases(), *_binary_cases(), *_elementwise_attr_cases(), *_cast_cases(),
+                           *_row_cases(), *_fused_cases(), *_library_cases())
+
+
+def summarize(results: Iterable[CaseResult]) -> dict[str, dict[str, int]]:
+    """Counts per backend ('-' for coverage failures): passed, failed, errors, and how many
+    passing cases ran some library op as its torch reference (``fallback``)."""
+    summary: dict[str, dict[str, int]] = {}
+    for r in results:
+        s = summary.setdefault(r.backend, {"passed": 0, "failed": 0, "errors": 0, "fallback": 0})
+        s[{"PASS": "passed", "FAIL": "failed", "ERROR": "errors"}[r.status]] += 1
+        s["fallback"] += bool(r.status == "PASS" and r.fallback)
+    return summary
