@@ -526,6 +526,17 @@ def _linear(M: int, N: int, K: int, dtype: DType) -> Built:
     return g, [xs, storage, bias], {0: F.linear(xs, wf, bias), 1: F.linear(xs, wf)}
 
 
+def _linear_bf16_weight(M: int, N: int, K: int) -> Built:
+    """float32 x with a bfloat16 weight: a bfloat16 GEMM (x rounded to bfloat16, float32 sums
+    rounded to bfloat16, float32 bias), as torch's bfloat16 linear computes it."""
+    w = torch.randn(N, K).to(torch.bfloat16)
+    g = new_kernel_graph()
+    x, wt, b = g.new_input((M, K)), g.new_input((N, K), DType.bfloat16), g.new_input((N,))
+    g.mark_output(g.linear(x, wt, b))
+    xs, bias = torch.randn(M, K), torch.randn(N)
+    return g, [xs, w, bias], {0: F.linear(xs.to(torch.bfloat16), w).float() + bias}
+
+
 def _embedding(V: int, D: int, dtype: DType) -> Built:
     storage, table = _weight((V, D), dtype)
     g = new_kernel_graph()
@@ -543,6 +554,9 @@ def _weight_cases() -> list[Case]:
              for d in (DType.q4_1, DType.q8_0, DType.float32) for M in (1, 7)]
     cases += [Case("linear", f"{d.value} M=3", functools.partial(_linear, 3, 17, 256, d), tol=(1e-4, 1e-4))
               for d in _GGML_EXTRA]
+    # a sum may round to the neighbouring bfloat16 in another summation order: one ulp, 2^-8
+    cases += [Case("linear", f"float32 x, bfloat16 weight M={M}", functools.partial(_linear_bf16_weight, M, 40, 96),
+                   tol=(8e-3, 8e-3)) for M in (1, 9)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 50, 64, d), tol=(0.0, 0.0))
               for d in (DType.q4_1, DType.q8_0, DType.float32)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 9, 256, d), tol=(0.0, 0.0))
