@@ -51,7 +51,7 @@ def _linear_bf16_torch(x, w, bias):
     return torch.nn.functional.linear(x.to(torch.bfloat16), w).float() + (bias if bias is not None else 0)
 
 
-# (M, N, K): one row, ragged row tiles and panels, odd K, K = 1, and K past two 768-wide k-blocks
+# (M, N, K): one row, ragged row tiles and panels, odd K, K = 1, and K past a 1536-wide k-block
 BF16_SIZES = [(1, 1, 1), (7, 33, 7), (13, 70, 385), (100, 96, 128), (100, 40, 1), (29, 45, 1537)]
 
 
@@ -72,9 +72,9 @@ def test_gemm_bf16_packed(lib_bf16, M, N, K, with_bias):
 
 
 def test_gemm_bf16_rounding(lib_bf16):
-    """Round to nearest even, as torch: of x (ties, overflow to inf, inf and NaN; the 16-wide
-    vector path and the scalar tail of a row) and of the float32 sums (ties), whose
-    products are exact here, so that torch's result is the only right one."""
+    """Round to nearest even, as torch: of x (ties, overflow to inf, inf and NaN; in the vector
+    path and in the scalar tail of a row) and of the float32 sums (ties), whose products are
+    exact here, so that torch's result is the only right one."""
     ulp = 2.0 ** -7                                  # of bf16 in [1, 2)
     special = [1 + ulp / 2, 1 + 1.5 * ulp, -(1 + ulp / 2), 3.4e38, -3.4e38, float("inf"), 1e-3 + 1e-9,
                -0.0, 2 + 3 * ulp / 2, float("nan")]

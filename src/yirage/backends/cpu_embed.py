@@ -122,7 +122,7 @@ def gemm_bf16_packed(x: torch.Tensor, P: torch.Tensor, N: int, bias: torch.Tenso
     bfloat16 [N, K] (packed by ``pack_bf16``: P) summed in float32, the sums rounded to
     bfloat16 (what ``F.linear(x.bfloat16(), w)`` returns with oneDNN), then ``bias`` float32
     [N] (or none) added in float32. AVX512-BF16 vdpbf16ps in 12 x 32 register tiles (FMAs on
-    the bf16 halves with AVX-512F alone, scalar otherwise), k-blocks of 768; the sums differ
+    the bf16 halves with AVX-512F alone, scalar otherwise), k-blocks of 1536; the sums differ
     from oneDNN's by their order only. YirageError for buffers that do not fit the sizes."""
     _check_bf16_gemm(x, P, N, bias, out)
     M, K = x.shape

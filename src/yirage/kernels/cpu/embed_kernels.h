@@ -118,12 +118,12 @@ void emb_f32_rows(int mr, const float* x, int64_t ldx, const float* B, int64_t k
 // the odd element of a pair first, as the SDM defines vdpbf16ps (so the sums are the same up
 // to its flushing of denormals); the scalar path (also the AVX2 build's) does the same per column.
 #ifndef YR_EMB_KC16
-#define YR_EMB_KC16 768
+#define YR_EMB_KC16 1536
 #endif
 #ifndef YR_EMB_MR16
 #define YR_EMB_MR16 12
 #endif
-constexpr int64_t EMB_KC16 = YR_EMB_KC16;   // bf16 GEMM: k-block, even (a 768 x 32 panel is 48 KiB)
+constexpr int64_t EMB_KC16 = YR_EMB_KC16;   // bf16 GEMM: k-block, even (a 1536 x 32 panel is 96 KiB, in L2)
 #if defined(YR_AVX512)
 constexpr int EMB_MR16 = YR_EMB_MR16;       // 12 x 2 vectors = 24 accumulators of 32 zmm
 #else
@@ -155,9 +155,16 @@ inline __m512i emb_bf16_rne(__m512 v) {   // emb_bf16_rne of 16 lanes
 }
 #endif
 
-// a[0:Kp] = bf16 bits of x[0:K], then zeros.
+// a[0:Kp] = bf16 bits of x[0:K], then zeros. vcvtne2ps2bf16 (AVX512-BF16) rounds the same but
+// flushes denormals to zero and keeps NaN payloads, which changes no product of vdpbf16ps
+// (it reads denormals as zero, and a NaN is a NaN); 5% faster than the integer rounding on
+// M = 2048, K = 1536, where x's conversion takes ~7% of the GEMM's time.
 inline void emb_bf16_row(const float* x, int64_t K, uint16_t* a, int64_t Kp) {
     int64_t k = 0;
+#if defined(YR_AVX512) && defined(__AVX512BF16__)
+    for (; k + 32 <= K; k += 32)
+        _mm512_storeu_si512(a + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k)));
+#endif
 #if defined(YR_AVX512)
     for (; k + 16 <= K; k += 16)
         _mm256_storeu_si256((__m256i*)(a + k),
@@ -797,7 +804,7 @@ void yr_emb_pack_bf16(const uint16_t* w, uint16_t* P, int64_t N, int64_t K, int6
 // y[M, N] = float32(bf16(bf16(x[M, K]) @ W^T)) + bias (bias may be null; the layout and the
 // rounding in the bfloat16 section above), W packed by yr_emb_pack_bf16 (p_len uint16
 // elements). x is rounded into the calling thread's scratch first (M * Kp uint16), then the
-// tiles of yr_emb_gemm_f32 (k-blocks of 768, 12 x 32 register tiles with AVX-512) run on the
+// tiles of yr_emb_gemm_f32 (k-blocks of 1536, 12 x 32 register tiles with AVX-512) run on the
 // pairs. status: sizes outside their buffers (x_len, y_len elements) or a packed length that
 // does not fit N, K. epi, epi_args: as in yr_emb_gemm_f32.
 void yr_emb_gemm_bf16(const float* x, const uint16_t* P, const float* bias, float* y, int64_t M, int64_t N,
