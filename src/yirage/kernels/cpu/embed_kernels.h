@@ -1,8 +1,9 @@
 // Kernels of the embedding engine's encoder (BERT family, engines/embed.py): float32 GEMM on
-// weights packed once at load, W8A8 int8 GEMM (per-token activations quantized at run time,
-// per-channel int8 weights, integer dot products: AVX-512 VNNI vpdpbusd, AVX-VNNI vpdpbusd on
-// ymm, AVX2 vpmaddubsw, scalar), and bidirectional attention over sentences packed back to
-// back (varlen).
+// weights packed once at load, bfloat16 GEMM with float32 sums on weights packed once
+// (AVX512-BF16 vdpbf16ps; FMAs on the bf16 halves with AVX-512F alone; scalar), W8A8 int8 GEMM
+// (per-token activations quantized at run time, per-channel int8 weights, integer dot
+// products: AVX-512 VNNI vpdpbusd, AVX-VNNI vpdpbusd on ymm, AVX2 vpmaddubsw, scalar), and
+// bidirectional attention over sentences packed back to back (varlen).
 //
 // Included at the end of library.cpp (it uses that file's vf/VL vector helpers, vexp and
 // report()). Same rules as library.cpp: no allocation of caller memory (only thread_local
@@ -13,6 +14,8 @@
 //
 // Packed layouts (panel = 32 output columns, the last one zero-padded):
 //   float32: P[p][k][32]        = W[p*32 + j, k]                      (W [N, K] row-major)
+//   bf16:    P[p][kk][32][2]    = W[p*32 + j, 2*kk + r]               (W [N, K] bf16; K padded
+//            to even)
 //   int8:    P[p][t][32][4]     = Wt[g*G + (t % qg)*4 + r, p*32 + j]  (Wt [K, N]; quad t of
 //            group g = t / qg; qg = ceil(G/4) quads per group of G activation features, the
 //            tail of a group zero-padded), comp[g][n] = 128 * sum_{k in g} Wt[k, n] (int32;
@@ -198,7 +201,8 @@ void emb_bf16_tile(const uint16_t* a, int64_t lda, const uint16_t* B, int64_t kp
     __m512 acc[MR][2];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < 2; ++v) acc[i][v] = accumulate ? _mm512_loadu_ps(yt + i * ldt + 16 * v) : _mm512_setzero_ps();
+        for (int v = 0; v < 2; ++v)
+            acc[i][v] = accumulate ? _mm512_loadu_ps(yt + i * ldt + 16 * v) : _mm512_setzero_ps();
     for (int64_t kk = 0; kk < kp; ++kk) {
         const __m512i b0 = _mm512_loadu_si512(B + kk * 64), b1 = _mm512_loadu_si512(B + kk * 64 + 32);
 #if defined(__AVX512BF16__)
@@ -210,12 +214,13 @@ void emb_bf16_tile(const uint16_t* a, int64_t lda, const uint16_t* B, int64_t kp
         }
 #else
         const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-        const __m512 b0e = _mm512_castsi512_ps(_mm512_slli_epi32(b0, 16)), b0o = _mm512_castsi512_ps(_mm512_and_si512(b0, hi));
-        const __m512 b1e = _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16)), b1o = _mm512_castsi512_ps(_mm512_and_si512(b1, hi));
+        const auto even = [](__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); };
+        const auto odd = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, hi)); };
+        const __m512 b0e = even(b0), b0o = odd(b0), b1e = even(b1), b1o = odd(b1);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
             const __m512i x2 = _mm512_set1_epi32(*(const int32_t*)(a + i * lda + 2 * kk));
-            const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(x2, 16)), xo = _mm512_castsi512_ps(_mm512_and_si512(x2, hi));
+            const __m512 xe = even(x2), xo = odd(x2);
             acc[i][0] = _mm512_fmadd_ps(xe, b0e, _mm512_fmadd_ps(xo, b0o, acc[i][0]));
             acc[i][1] = _mm512_fmadd_ps(xe, b1e, _mm512_fmadd_ps(xo, b1o, acc[i][1]));
         }
