@@ -180,7 +180,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.gemm:
         torch.set_num_threads(args.threads)
-        cases = [_gemm_case(M, N, K, args.rounds, args.min_time / args.rounds / 4) for M in GEMM_M for N, K in GEMM_NK]
+        cases = [_gemm_case(M, N, K, args.rounds, args.min_time / args.rounds) for M in GEMM_M for N, K in GEMM_NK]
         print(json.dumps({"machine": machine_record(args.threads), "gemm": cases}, indent=1))
         return
     lib = library()
