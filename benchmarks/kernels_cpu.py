@@ -18,7 +18,15 @@ random valid blocks (finite fp16 scales); K is a multiple of 256 (the K-quant bl
 
 ``machine`` is ``yirage.runtime.machine.machine_record()`` (threads: --threads).
 
-Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4] [--ggml-only]
+``--gemm``: the embedding encoder's packed GEMMs on the MiniLM shapes (M rows x (N, K)):
+yirage's bfloat16 GEMM (``cpu_embed.bind_linear_bf16_packed``: x rounded to bf16, float32 sums
+rounded to bf16, float32 bias) against torch's oneDNN bf16 linear, as the GEMM alone on x
+already in bf16 (``onednn_bf16_gemm``) and as the same semantics (``onednn_bf16_linear``: x to
+bf16, linear, float32 result plus bias), and against yirage's float32 packed GEMM, with
+``yirage.runtime.timing.compare`` (interleaved rounds; ``ratio_*`` are medians of the paired
+per-round ratios of times, < 1: yirage's bf16 GEMM takes less time) and the machine record.
+
+Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4] [--ggml-only | --gemm]
 """
 from __future__ import annotations
 
@@ -34,15 +42,19 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
+from yirage.backends import cpu_embed
 from yirage.backends.cpu_library import library
 from yirage.dtypes import DType
 from yirage.runtime.machine import machine_record
+from yirage.runtime.timing import compare
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
 GGML_SHAPES = [(2048, 2048), (640, 2048), (4096, 4096)]    # (N, K), K % 256 == 0
 GGML_FORMATS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 GGML_COLD_BYTES = 256 << 20                      # quantized bytes cycled through when cold
 PREFILL = [(64, 1536, 576), (64, 576, 1536)]     # (M, N, K)
+GEMM_M = (32, 128, 640, 2048)                                 # --gemm: rows (tokens of a batch)
+GEMM_NK = ((1152, 384), (384, 384), (1536, 384), (384, 1536))  # MiniLM: qkv, attention out, FFN up, down
 COLD_BYTES = 128 << 20                           # fp32 weight bytes cycled through when cold
 
 
@@ -139,12 +151,39 @@ def _ggml_case(lib, N: int, K: int, threads: int, min_time: float) -> dict:
     return out
 
 
+def _gemm_case(M: int, N: int, K: int, rounds: int, min_sample_s: float) -> dict:
+    """Times of yirage's bf16 and f32 packed GEMMs and torch's oneDNN bf16 linear on one shape,
+    interleaved, with paired ratios; max_abs_diff: yirage bf16 vs oneDNN's result."""
+    x, w, bias = torch.randn(M, K), torch.randn(N, K) / K ** 0.5, torch.randn(N)
+    wb, xb = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    out = {name: torch.empty(M, N) for name in ("bf16", "f32", "onednn")}
+    cpu_embed.prepack_linear(w)
+    cand = {"yirage_bf16": cpu_embed.bind_linear_bf16_packed(x, wb, bias, out["bf16"]),
+            "onednn_bf16_gemm": lambda: F.linear(xb, wb),
+            "onednn_bf16_linear": lambda: torch.add(F.linear(x.to(torch.bfloat16), wb), bias, out=out["onednn"]),
+            "yirage_f32": cpu_embed.bind_linear_f32_packed(x, w, bias, out["f32"])}
+    c = compare(cand, rounds=rounds, min_sample_s=min_sample_s, warmup=3)
+    flop = 2 * M * N * K
+    return {"M": M, "N": N, "K": K,
+            "GFLOP_per_s": {n: round(flop / c.median(n) / 1e9, 1) for n in c.names},
+            **{f"ratio_vs_{n}": round(c.ratio("yirage_bf16", n), 3) for n in c.names if n != "yirage_bf16"},
+            "max_abs_diff_vs_onednn": float((out["bf16"] - out["onednn"]).abs().max()),
+            "timing": c.to_dict()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-time", type=float, default=0.4, help="seconds per contender and shape")
     ap.add_argument("--ggml-only", action="store_true", help="only the per-format GEMV section")
+    ap.add_argument("--gemm", action="store_true", help="only the encoder's packed GEMMs (bf16, f32) vs oneDNN bf16")
+    ap.add_argument("--rounds", type=int, default=9, help="--gemm: interleaved rounds per shape")
     args = ap.parse_args()
+    if args.gemm:
+        torch.set_num_threads(args.threads)
+        cases = [_gemm_case(M, N, K, args.rounds, args.min_time / args.rounds) for M in GEMM_M for N, K in GEMM_NK]
+        print(json.dumps({"machine": machine_record(args.threads), "gemm": cases}, indent=1))
+        return
     lib = library()
     ggml = [_ggml_case(lib, N, K, t, args.min_time) for t in (1, 2) for N, K in GGML_SHAPES]
     if args.ggml_only:

@@ -66,7 +66,8 @@ def _cpu_flags() -> set[str]:
 
 
 _LIB_VARIANT_FLAGS = {"avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"],
-                      "avxvnni": ["-march=native", "-mno-avx512f"], "scalar": ["-march=x86-64"]}
+                      "avxvnni": ["-march=native", "-mno-avx512f"], "avx512": ["-march=native", "-mno-avx512bf16"],
+                      "scalar": ["-march=x86-64"]}
 _LIB_VARIANTS: dict = {}
 
 
@@ -80,7 +81,7 @@ def lib(request):
 
 
 def _lib_variant(name: str):
-    """The library build ``name`` (native, avx2, avxvnni, scalar); skips where the CPU cannot run it."""
+    """The library build ``name`` (native, avx2, avxvnni, avx512, scalar); skips where the CPU cannot run it."""
     import platform
 
     from yirage.backends.cpu_library import bind_signatures, library
@@ -92,6 +93,8 @@ def _lib_variant(name: str):
         pytest.skip("CPU lacks AVX2/FMA/F16C")
     if name == "avxvnni" and "avx_vnni" not in _cpu_flags():
         pytest.skip("CPU lacks AVX-VNNI")
+    if name == "avx512" and not {"avx512f", "avx512bw", "f16c"} <= _cpu_flags():
+        pytest.skip("CPU lacks AVX-512F/BW")
     if name not in _LIB_VARIANTS:
         if name == "native":
             _LIB_VARIANTS[name] = library()
@@ -104,6 +107,13 @@ def _lib_variant(name: str):
 @pytest.fixture(params=["native", "avx2", "avxvnni", "scalar"])
 def lib_vnni(request):
     """``lib``'s builds plus AVX2 with AVX-VNNI (-mno-avx512f): for the int8 GEMM tests."""
+    return _lib_variant(request.param)
+
+
+@pytest.fixture(params=["native", "avx512", "avx2", "scalar"])
+def lib_bf16(request):
+    """``lib``'s builds plus AVX-512 without AVX512-BF16 (-mno-avx512bf16): for the bfloat16
+    GEMM tests (vdpbf16ps natively here, FMAs on the bf16 halves, scalar)."""
     return _lib_variant(request.param)
 
 

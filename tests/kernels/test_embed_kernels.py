@@ -1,6 +1,8 @@
 """The embedding encoder's C++ kernels (kernels/cpu/embed_kernels.h, via backends/cpu_embed.py)
 on every ISA build of the library (the ``lib`` fixture: native, AVX2, scalar): the float32 GEMM
-on packed weights vs torch in float64, the W8A8 GEMM (whole-row and grouped activation scales)
+on packed weights vs torch in float64, the bfloat16 GEMM (also on the AVX-512 build without
+AVX512-BF16) vs float32 sums of the rounded products in its order (bit for bit) and vs torch's
+oneDNN bf16 linear (to a bf16 ulp), its row epilogue, the W8A8 GEMM (whole-row and grouped activation scales)
 vs an int64 torch reference, attention over packed sentences vs torch's softmax attention, odd
 sizes, and the errors for bad sizes and offsets."""
 from __future__ import annotations
@@ -24,6 +26,127 @@ def test_gemm_f32_packed(lib, M, N, K, with_bias):
     ce.gemm_f32_packed(x, ce.pack_f32(w, lib=lib), N, bias, out, lib=lib)
     ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-4 * K ** 0.5)
+
+
+def _bf16_in_order(x, w, bias):
+    """The bfloat16 GEMM's result computed by torch in its summation order: x rounded to bf16
+    as torch rounds it, each product of two bf16 values exact in float32, summed in float32 in
+    k order, the odd element of each pair (k, k+1) first (the order of vdpbf16ps in Intel's SDM,
+    and of the kernel's FMA and scalar paths), K padded to even with a zero; the sum rounded to
+    bf16 by torch, then the bias added in float32."""
+    xr, wr = x.to(torch.bfloat16).float(), w.float()
+    K = x.shape[1]
+    if K % 2:
+        xr, wr = torch.nn.functional.pad(xr, (0, 1)), torch.nn.functional.pad(wr, (0, 1))
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(0, K, 2):
+        acc = acc + xr[:, k + 1, None] * wr[None, :, k + 1]
+        acc = acc + xr[:, k, None] * wr[None, :, k]
+    return acc.to(torch.bfloat16).float() + (bias if bias is not None else 0)
+
+
+def _linear_bf16_torch(x, w, bias):
+    """The semantics' reference: torch's bf16 linear (oneDNN here) on x rounded to bf16, its
+    bf16 result as float32, plus the bias in float32."""
+    return torch.nn.functional.linear(x.to(torch.bfloat16), w).float() + (bias if bias is not None else 0)
+
+
+# (M, N, K): one row, ragged row tiles and panels, odd K, K = 1, and K past a 1536-wide k-block
+BF16_SIZES = [(1, 1, 1), (7, 33, 7), (13, 70, 385), (100, 96, 128), (100, 40, 1), (29, 45, 1537)]
+
+
+@pytest.mark.parametrize("M,N,K", BF16_SIZES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemm_bf16_packed(lib_bf16, M, N, K, with_bias):
+    """Every build gives the float32 sums of the exact bf16 products in the kernel's order, bit
+    for bit (no denormals here, which vdpbf16ps flushes), and torch's oneDNN bf16 linear within
+    a bf16 ulp of the row's magnitude (oneDNN sums in another order)."""
+    x, w = torch.randn(M, K), torch.randn(N, K).to(torch.bfloat16)
+    bias = torch.randn(N) if with_bias else None
+    out = torch.full((M, N), float("nan"))
+    ce.gemm_bf16_packed(x, ce.pack_bf16(w, lib=lib_bf16), N, bias, out, lib=lib_bf16)
+    assert torch.equal(out, _bf16_in_order(x, w, bias))
+    ref = _linear_bf16_torch(x, w, bias)
+    row = (ref - (bias if with_bias else 0)).abs().amax(1, keepdim=True)
+    assert bool(((out - ref).abs() <= 2.0 ** -7 * row + 1e-6).all())
+
+
+def test_gemm_bf16_rounding(lib_bf16):
+    """Round to nearest even, as torch: of x (ties, overflow to inf, inf and NaN; in the vector
+    path and in the scalar tail of a row) and of the float32 sums (ties), whose products are
+    exact here, so that torch's result is the only right one."""
+    ulp = 2.0 ** -7                                  # of bf16 in [1, 2)
+    special = [1 + ulp / 2, 1 + 1.5 * ulp, -(1 + ulp / 2), 3.4e38, -3.4e38, float("inf"), 1e-3 + 1e-9,
+               -0.0, 2 + 3 * ulp / 2, float("nan")]
+    x = torch.randn(4, 40)
+    x[0, : len(special)] = torch.tensor(special)
+    x[1, 40 - len(special):] = torch.tensor(special)   # in the scalar tail (K = 40 = 2 * 16 + 8)
+    w = torch.eye(40).to(torch.bfloat16)             # one nonzero product per output
+    out = torch.empty(4, 40)
+    ce.gemm_bf16_packed(x, ce.pack_bf16(w, lib=lib_bf16), 40, None, out, lib=lib_bf16)
+    torch.testing.assert_close(out, _linear_bf16_torch(x, w, None), rtol=0, atol=0, equal_nan=True)
+    # sums that tie between two bf16 values: 1 + ulp/2 -> 1, 1 + ulp + ulp/2 -> 1 + 2 ulp
+    xs = torch.tensor([[1.0, ulp / 2], [1 + ulp, ulp / 2], [-1.0, -ulp / 2], [1.0, ulp / 2 + ulp / 64]])
+    ws, bias = torch.ones(3, 2).to(torch.bfloat16), torch.tensor([0.0, 0.25, -1.0])
+    out = torch.empty(4, 3)
+    ce.gemm_bf16_packed(xs, ce.pack_bf16(ws, lib=lib_bf16), 3, bias, out, lib=lib_bf16)
+    assert torch.equal(out, _linear_bf16_torch(xs, ws, bias))
+
+
+def test_gemm_bf16_epilogue_and_weight_updates():
+    """``bind_linear_bf16_packed``: the row epilogue runs once on every block of rows, after all
+    of that block's tiles are written (it sees the finished rows) and before nothing else
+    writes them (its own writes stay); an in-place write to the weight is seen (repacked)."""
+    import ctypes
+
+    M, N, K = 203, 100, 96                           # two row blocks of 192, four panels
+    x, w, bias = torch.randn(M, K), torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
+    out = torch.empty(M, N)
+    seen = []
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+    def epilogue(args, lo, hi):
+        seen.append((lo, hi, out[lo:hi].clone()))
+        out[lo:hi] *= 2
+
+    run = ce.bind_linear_bf16_packed(x, w, bias, out, (ctypes.cast(epilogue, ctypes.c_void_p).value, None))
+    run()
+    ref = _bf16_in_order(x, w, bias)
+    assert sorted((lo, hi) for lo, hi, _ in seen) == [(0, 192), (192, M)]
+    for lo, hi, rows in seen:
+        assert torch.equal(rows, ref[lo:hi])
+    assert torch.equal(out, 2 * ref)
+    w.mul_(-0.5)                                     # exact in bf16
+    seen.clear()
+    run()
+    assert torch.equal(out, 2 * _bf16_in_order(x, w, bias))
+
+
+def test_gemm_bf16_bad_sizes(lib_bf16):
+    """Sizes that do not fit the buffers are refused by the kernel (status; nothing written)
+    and by the wrappers (YirageError)."""
+    w = torch.randn(40, 15).to(torch.bfloat16)
+    P, x = ce.pack_bf16(w, lib=lib_bf16), torch.randn(3, 15)
+    assert P.shape == (2, 8, 32, 2)
+    with pytest.raises(YirageError, match="outside"):          # packed weight of fewer columns than N
+        ce.gemm_bf16_packed(x, P[:1].contiguous(), 40, None, torch.empty(3, 40), lib=lib_bf16)
+    with pytest.raises(YirageError, match="outside"):          # out too small
+        ce.gemm_bf16_packed(x, P, 40, None, torch.empty(2, 40), lib=lib_bf16)
+    with pytest.raises(YirageError, match="bias has 39 values"):
+        ce.gemm_bf16_packed(x, P, 40, torch.zeros(39), torch.empty(3, 40), lib=lib_bf16)
+    with pytest.raises(YirageError, match="pack_bf16"):
+        ce.pack_bf16(torch.zeros(4, 4), lib=lib_bf16)
+    st, P2 = torch.zeros(4, dtype=torch.int64), torch.full_like(P, 7.0)
+    lib_bf16.yr_emb_pack_bf16(w.data_ptr(), P2.data_ptr(), 40, 15, P.numel() - 1, st.data_ptr())
+    assert st.tolist() == [1, P.numel(), 0, P.numel()] and bool((P2 == 7.0).all())   # a packed buffer too short
+    out = torch.full((3, 40), 7.0)
+    # lengths one short of x, P and out; then K = 0 and N = 0
+    for args in [(3, 40, 15, 44, P.numel(), 120), (3, 40, 15, 45, P.numel() - 1, 120),
+                 (3, 40, 15, 45, P.numel(), 119), (3, 40, 0, 45, P.numel(), 120), (3, 0, 15, 45, P.numel(), 120)]:
+        st = torch.zeros(4, dtype=torch.int64)
+        lib_bf16.yr_emb_gemm_bf16(x.data_ptr(), P.data_ptr(), None, out.data_ptr(), *args, None, None, st.data_ptr())
+        assert st[0] == 1, args
+    assert bool((out == 7.0).all())
 
 
 def _w8a8_int64(x, w_t, w_scale, bias, group):

@@ -1,6 +1,7 @@
 """The CPU kernels of the embedding engine's encoder (``kernels/cpu/embed_kernels.h``): float32
-GEMM on weights packed once, W8A8 int8 GEMM (AVX-512 VNNI / AVX-VNNI / AVX2 / scalar) and attention over
-packed sentences (``attention_varlen``), with the binders cpu_library.py's op table uses.
+GEMM on weights packed once, bfloat16 GEMM with float32 sums on weights packed once (AVX512-BF16
+vdpbf16ps), W8A8 int8 GEMM (AVX-512 VNNI / AVX-VNNI / AVX2 / scalar) and attention over packed
+sentences (``attention_varlen``), with the binders cpu_library.py's op table uses.
 
 Packed weights are kept in a cache keyed by the weight tensor and the layout (dropped when the
 tensor is freed, repacked if it was written in place). Only weights declared constant
@@ -83,6 +84,53 @@ def gemm_f32_packed(x: torch.Tensor, P: torch.Tensor, N: int, bias: torch.Tensor
     _lib(lib).yr_emb_gemm_f32(x.data_ptr(), P.data_ptr(), _ptr(bias), out.data_ptr(), M, N, K, x.numel(),
                            P.numel(), out.numel(), None, None, st.data_ptr())
     _raise_status(st, "gemm_f32_packed")
+
+
+def pack_bf16(w: torch.Tensor, lib=None) -> torch.Tensor:
+    """``w`` bfloat16 [N, K] (out x in features) packed for ``gemm_bf16_packed``: bfloat16
+    [ceil(N/32), Kp/2, 32, 2] with Kp = K rounded up to even, the pairs (k, k+1) of each output
+    column side by side (what vdpbf16ps multiplies), zero-padded. YirageError for a tensor that
+    is not a non-empty, contiguous 2-D bfloat16 CPU tensor."""
+    _check_cpu("pack_bf16", w, torch.bfloat16)
+    if w.dim() != 2 or w.numel() == 0:
+        raise YirageError(f"pack_bf16: needs a non-empty [N, K] weight, got {tuple(w.shape)}")
+    N, K = w.shape
+    P = torch.empty(((N + _PANEL - 1) // _PANEL, (K + 1) // 2, _PANEL, 2), dtype=torch.bfloat16)
+    st = _status()
+    _lib(lib).yr_emb_pack_bf16(w.data_ptr(), P.data_ptr(), N, K, P.numel(), st.data_ptr())
+    _raise_status(st, "pack_bf16")
+    return P
+
+
+def _check_bf16_gemm(x, P, N, bias, out) -> None:
+    """YirageError unless the buffers of ``gemm_bf16_packed`` have the dtypes and devices it
+    needs, ``x`` and ``out`` are 2-D and ``bias`` has N values (the C++ kernel checks the sizes
+    against the lengths again)."""
+    for name, t, dt in (("x", x, torch.float32), ("P", P, torch.bfloat16), ("out", out, torch.float32)):
+        _check_cpu(f"gemm_bf16_packed: {name}", t, dt)
+    if x.dim() != 2 or out.dim() != 2:
+        raise YirageError(f"gemm_bf16_packed: x and out must be 2-D, got {tuple(x.shape)} and {tuple(out.shape)}")
+    if bias is not None:
+        _check_cpu("gemm_bf16_packed: bias", bias, torch.float32)
+        if bias.numel() != N:
+            raise YirageError(f"gemm_bf16_packed: bias has {bias.numel()} values, expected N = {N}")
+
+
+def gemm_bf16_packed(x: torch.Tensor, P: torch.Tensor, N: int, bias: torch.Tensor | None, out: torch.Tensor,
+                     lib=None) -> None:
+    """``out`` float32 [M, N] = float32(bf16(bf16(``x``) @ W^T)) + ``bias``: ``x`` float32 [M, K]
+    rounded to bfloat16 (round to nearest even, as ``x.to(torch.bfloat16)``), products with W
+    bfloat16 [N, K] (packed by ``pack_bf16``: P) summed in float32, the sums rounded to
+    bfloat16 (what ``F.linear(x.bfloat16(), w)`` returns with oneDNN), then ``bias`` float32
+    [N] (or none) added in float32. AVX512-BF16 vdpbf16ps in 12 x 32 register tiles (FMAs on
+    the bf16 halves with AVX-512F alone, scalar otherwise), k-blocks of 1536; the sums differ
+    from oneDNN's by their order only. YirageError for buffers that do not fit the sizes."""
+    _check_bf16_gemm(x, P, N, bias, out)
+    M, K = x.shape
+    st = _status()
+    _lib(lib).yr_emb_gemm_bf16(x.data_ptr(), P.data_ptr(), _ptr(bias), out.data_ptr(), M, N, K, x.numel(),
+                               P.numel(), out.numel(), None, None, st.data_ptr())
+    _raise_status(st, "gemm_bf16_packed")
 
 
 def _groups(K: int, group: int) -> tuple[int, int]:
@@ -263,6 +311,32 @@ def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     return run
 
 
+def bind_linear_bf16_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                            epilogue: tuple[int, int] | None = None):
+    """Thunk of a bfloat16 ``linear`` (``gemm_bf16_packed``'s rounding): ``x`` float32 [..., K],
+    ``w`` bfloat16 [N, K], ``bias`` float32 [N] or None, into ``out`` float32 [..., N]. The
+    weight is packed once per tensor (again if it was written in place or its storage
+    replaced). ``epilogue`` as in ``bind_linear_f32_packed``. YirageError (at bind time) for
+    buffers of the wrong dtype or size."""
+    N, K = w.shape
+    M = x.numel() // K
+    _check_cpu("linear (packed bfloat16): x", x, torch.float32)
+    _check_cpu("linear (packed bfloat16): out", out, torch.float32)
+    x2, o2 = x.view(M, K), out.view(M, N)
+    P = _cached(w, "bf16", pack_bf16)
+    _check_bf16_gemm(x2, P, N, bias, o2)
+    fn, st = _lib().yr_emb_gemm_bf16, _status()
+    epi = epilogue if epilogue is not None else (None, None)
+
+    def run():
+        P = _cached(w, "bf16", pack_bf16)  # repacked if w was written
+        fn(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, N, K, x2.numel(), P.numel(), o2.numel(),
+           *epi, st.data_ptr())
+        if st[0]:
+            _raise_status(st, "linear (packed bfloat16)")
+    return run
+
+
 def bind_linear_w8a8(node, graph, args, out, status, epilogue: tuple[int, int] | None = None):
     """Thunk of ``linear_w8a8`` on the C++ int8 GEMM (weights packed once per tensor);
     ``epilogue`` as in ``bind_linear_f32_packed``."""
@@ -308,5 +382,6 @@ def bind_attention_varlen(node, graph, args, out, status):
     return lambda: fn(*p)
 
 
-__all__ = ["pack_f32", "gemm_f32_packed", "pack_s8", "linear_w8a8_packed", "W8A8Scratch", "attention_varlen",
-           "mark_constant", "is_constant", "prepack_linear", "packed_linear_weight", "has_packed", "forget_packed"]
+__all__ = ["pack_f32", "gemm_f32_packed", "pack_bf16", "gemm_bf16_packed", "bind_linear_bf16_packed", "pack_s8",
+           "linear_w8a8_packed", "W8A8Scratch", "attention_varlen", "mark_constant", "is_constant", "prepack_linear",
+           "packed_linear_weight", "has_packed", "forget_packed"]

@@ -58,6 +58,9 @@ SIGNATURES: dict[str, tuple] = {
     "yr_emb_pack_f32": (_P, _P, _I, _I, _I, _P),       # w [N, K], P, N, K, p_len, status
     # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
     "yr_emb_gemm_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
+    "yr_emb_pack_bf16": (_P, _P, _I, _I, _I, _P),      # w [N, K] bf16 bits, P, N, K, p_len, status
+    # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
+    "yr_emb_gemm_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
     "yr_emb_pack_s8": (_P, _P, _P, _I, _I, _I, _I, _I, _P),  # wt [K, N], P, comp, K, N, group, p/comp_len
     # x, qbuf, sbuf, P, comp, ws, bias, y, M, N, K, group, x/q/s/p/comp/y lengths, epilogue fn, args, status
     "yr_emb_linear_w8a8": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P),

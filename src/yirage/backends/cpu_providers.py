@@ -6,15 +6,16 @@ the vendor libraries inside torch (MKL, oneDNN with AMX or AVX512-BF16 where the
 | ``linear`` float32 x, float32 w [N, K]        | ``yirage`` (packed AVX-512 GEMM), ``mkl``           |
 |                                               | (``torch.addmm``), ``onednn`` (oneDNN on a weight   |
 |                                               | reordered once, ``torch.ops.mkldnn._linear_pointwise``) |
-| ``linear`` float32 x, bfloat16 w [N, K]       | ``onednn`` (``torch.mm`` in bfloat16),              |
+| ``linear`` float32 x, bfloat16 w [N, K]       | ``yirage`` (packed ``vdpbf16ps`` GEMM),             |
+|                                               | ``onednn`` (``torch.mm`` in bfloat16),              |
 |                                               | ``onednn-packed`` (reordered weight)                |
 | ``linear_w8a8`` (int8 weights, per-token int8 | ``yirage`` (VNNI / AVX-VNNI / AVX2 GEMM),           |
 | activations)                                  | ``onednn`` (``torch._int_mm``; whole-row scales)    |
 
 A bfloat16 weight with float32 activations means: x rounded to bfloat16, products summed in
 float32, the sum rounded to bfloat16, then the float32 bias (``ir.ops`` ``linear``; what oneDNN's
-bfloat16 GEMM returns). Providers that keep a packed copy of the weight (``yirage``,
-``onednn`` float32, ``onednn-packed``) are candidates only for weights declared constant
+bfloat16 GEMM returns). Providers that keep a packed copy of the weight (``yirage`` float32 and
+bfloat16, ``onednn`` float32, ``onednn-packed``) are candidates only for weights declared constant
 (``cpu_embed.mark_constant``: the engines declare theirs); the rest read the weight as it is.
 
 For each shape class (op, dtype, M bucket, N, K, threads) ``yirage.tuning.choose`` returns the
@@ -112,6 +113,22 @@ class YirageF32(Provider):
 
     def bind(self, case, args, out, epilogue):
         return cpu_embed.bind_linear_f32_packed(args[0], args[1], _bias(args, 2), out, epilogue)
+
+
+class YirageBf16(Provider):
+    """yirage's packed bfloat16 GEMM (kernels/cpu/embed_kernels.h: ``vdpbf16ps`` 12x32 tiles with
+    AVX512-BF16, FMAs on the bfloat16 halves with AVX-512 only, scalar otherwise)."""
+
+    name, packs = "yirage", True
+
+    def applies(self, case):
+        return case.dtype == "bfloat16" and case.constant
+
+    def kind(self, case):
+        return "bf16"
+
+    def bind(self, case, args, out, epilogue):
+        return cpu_embed.bind_linear_bf16_packed(args[0], args[1], _bias(args, 2), out, epilogue)
 
 
 class MklF32(Provider):
@@ -235,7 +252,7 @@ class OneDnnInt8(Provider):
         return rows
 
 
-PROVIDERS: list[Provider] = [YirageF32(), MklF32(), OneDnnPacked("float32", "onednn"), OneDnnBf16(),
+PROVIDERS: list[Provider] = [YirageF32(), MklF32(), OneDnnPacked("float32", "onednn"), YirageBf16(), OneDnnBf16(),
                              OneDnnPacked("bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8()]
 
 

@@ -1,8 +1,9 @@
 // Kernels of the embedding engine's encoder (BERT family, engines/embed.py): float32 GEMM on
-// weights packed once at load, W8A8 int8 GEMM (per-token activations quantized at run time,
-// per-channel int8 weights, integer dot products: AVX-512 VNNI vpdpbusd, AVX-VNNI vpdpbusd on
-// ymm, AVX2 vpmaddubsw, scalar), and bidirectional attention over sentences packed back to
-// back (varlen).
+// weights packed once at load, bfloat16 GEMM with float32 sums on weights packed once
+// (AVX512-BF16 vdpbf16ps; FMAs on the bf16 halves with AVX-512F alone; scalar), W8A8 int8 GEMM
+// (per-token activations quantized at run time, per-channel int8 weights, integer dot
+// products: AVX-512 VNNI vpdpbusd, AVX-VNNI vpdpbusd on ymm, AVX2 vpmaddubsw, scalar), and
+// bidirectional attention over sentences packed back to back (varlen).
 //
 // Included at the end of library.cpp (it uses that file's vf/VL vector helpers, vexp and
 // report()). Same rules as library.cpp: no allocation of caller memory (only thread_local
@@ -13,6 +14,8 @@
 //
 // Packed layouts (panel = 32 output columns, the last one zero-padded):
 //   float32: P[p][k][32]        = W[p*32 + j, k]                      (W [N, K] row-major)
+//   bf16:    P[p][kk][32][2]    = W[p*32 + j, 2*kk + r]               (W [N, K] bf16; K padded
+//            to even)
 //   int8:    P[p][t][32][4]     = Wt[g*G + (t % qg)*4 + r, p*32 + j]  (Wt [K, N]; quad t of
 //            group g = t / qg; qg = ceil(G/4) quads per group of G activation features, the
 //            tail of a group zero-padded), comp[g][n] = 128 * sum_{k in g} Wt[k, n] (int32;
@@ -107,6 +110,179 @@ void emb_f32_rows(int mr, const float* x, int64_t ldx, const float* B, int64_t k
     }
 }
 
+// ---- bfloat16 -------------------------------------------------------------------------
+// y = float32(bf16(sum_k bf16(x[m, k]) * w[n, k])) + bias[n]: x rounded to bf16 (round to
+// nearest even, as torch's x.to(torch.bfloat16)) into a scratch A [M][Kp] (Kp = K rounded up
+// to even, the pad zero), products summed in float32, the sum rounded to bf16 (what oneDNN's
+// bf16 linear returns), then the bias added in float32. One 32-bit lane of A holds the pair
+// (x[m, 2kk], x[m, 2kk+1]); the packed weight holds the same pairs per output column
+// (P[p][kk][32][2] = W[p*32 + j, 2kk + r]), so that one vdpbf16ps adds both products of a pair
+// to 16 columns. Without AVX512-BF16 the products are FMAs on the halves shifted to float32,
+// the odd element of a pair first, as the SDM defines vdpbf16ps (so the sums are the same up
+// to its flushing of denormals); the scalar path (also the AVX2 build's) does the same per column.
+#ifndef YR_EMB_KC16
+#define YR_EMB_KC16 1536
+#endif
+#ifndef YR_EMB_MR16
+#define YR_EMB_MR16 12
+#endif
+constexpr int64_t EMB_KC16 = YR_EMB_KC16;   // bf16 GEMM: k-block, even (a 1536 x 32 panel is 96 KiB, in L2)
+#if defined(YR_AVX512)
+constexpr int EMB_MR16 = YR_EMB_MR16;       // 12 x 2 vectors = 24 accumulators of 32 zmm
+#else
+constexpr int EMB_MR16 = 4;
+#endif
+
+// bf16(f) in the high half of the float32 bits u, round to nearest even; NaN -> 0x7fc0 (c10's
+// round_to_nearest_even).
+inline uint32_t emb_bf16_rne(uint32_t u) {
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+}
+inline float emb_bits_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float emb_bf16_round(float f) {   // float32(bf16(f))
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return emb_bits_float(emb_bf16_rne(u));
+}
+#if defined(YR_AVX512)
+inline __m512i emb_bf16_rne(__m512 v) {   // emb_bf16_rne of 16 lanes
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                       _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc00000), r);
+}
+#endif
+
+// a[0:Kp] = bf16 bits of x[0:K], then zeros. vcvtne2ps2bf16 (AVX512-BF16) rounds the same but
+// flushes denormals to zero and keeps NaN payloads, which changes no product of vdpbf16ps
+// (it reads denormals as zero, and a NaN is a NaN); 5% faster than the integer rounding on
+// M = 2048, K = 1536, where x's conversion takes ~7% of the GEMM's time.
+inline void emb_bf16_row(const float* x, int64_t K, uint16_t* a, int64_t Kp) {
+    int64_t k = 0;
+#if defined(YR_AVX512) && defined(__AVX512BF16__)
+    for (; k + 32 <= K; k += 32)
+        _mm512_storeu_si512(a + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k)));
+#endif
+#if defined(YR_AVX512)
+    for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256((__m256i*)(a + k),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(emb_bf16_rne(_mm512_loadu_ps(x + k)), 16)));
+#endif
+    for (; k < K; ++k) {
+        uint32_t u;
+        std::memcpy(&u, x + k, 4);
+        a[k] = (uint16_t)(emb_bf16_rne(u) >> 16);
+    }
+    for (; k < Kp; ++k) a[k] = 0;
+}
+
+// y[i, 0:nr] = A[i, 0:2kp] . B[0:2kp, 0:32] for i < MR (B: kp pairs of the packed layout),
+// added to y when accumulate (an earlier k-block's float32 sums). On the last k-block the sums
+// are rounded to bf16 and the bias (if given) added; nr < 32 (last panel) goes through a
+// local tile, its bias added on the way out.
+#if defined(YR_AVX512)
+template <int MR>
+void emb_bf16_tile(const uint16_t* a, int64_t lda, const uint16_t* B, int64_t kp, float* y, int64_t ldy,
+                   const float* bias, bool accumulate, bool last, int nr) {
+    alignas(64) float tmp[MR][EMB_NR];
+    float* yt = y;
+    int64_t ldt = ldy;
+    if (nr < EMB_NR) {
+        for (int i = 0; i < MR; ++i)
+            for (int j = 0; j < EMB_NR; ++j) tmp[i][j] = (accumulate && j < nr) ? y[i * ldy + j] : 0.0f;
+        yt = &tmp[0][0];
+        ldt = EMB_NR;
+    }
+    __m512 acc[MR][2];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < 2; ++v)
+            acc[i][v] = accumulate ? _mm512_loadu_ps(yt + i * ldt + 16 * v) : _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < kp; ++kk) {
+        const __m512i b0 = _mm512_loadu_si512(B + kk * 64), b1 = _mm512_loadu_si512(B + kk * 64 + 32);
+#if defined(__AVX512BF16__)
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+            const __m512i x2 = _mm512_set1_epi32(*(const int32_t*)(a + i * lda + 2 * kk));
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)x2, (__m512bh)b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], (__m512bh)x2, (__m512bh)b1);
+        }
+#else
+        const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+        const auto even = [](__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); };
+        const auto odd = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, hi)); };
+        const __m512 b0e = even(b0), b0o = odd(b0), b1e = even(b1), b1o = odd(b1);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+            const __m512i x2 = _mm512_set1_epi32(*(const int32_t*)(a + i * lda + 2 * kk));
+            const __m512 xe = even(x2), xo = odd(x2);
+            acc[i][0] = _mm512_fmadd_ps(xe, b0e, _mm512_fmadd_ps(xo, b0o, acc[i][0]));
+            acc[i][1] = _mm512_fmadd_ps(xe, b1e, _mm512_fmadd_ps(xo, b1o, acc[i][1]));
+        }
+#endif
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < 2; ++v) {
+            __m512 r = acc[i][v];
+            if (last) {
+                r = _mm512_castsi512_ps(emb_bf16_rne(r));
+                if (bias && nr == EMB_NR) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + 16 * v));
+            }
+            _mm512_storeu_ps(yt + i * ldt + 16 * v, r);
+        }
+    if (nr < EMB_NR)
+        for (int i = 0; i < MR; ++i)
+            for (int j = 0; j < nr; ++j) y[i * ldy + j] = tmp[i][j] + (last && bias ? bias[j] : 0.0f);
+}
+#else
+template <int MR>
+void emb_bf16_tile(const uint16_t* a, int64_t lda, const uint16_t* B, int64_t kp, float* y, int64_t ldy,
+                   const float* bias, bool accumulate, bool last, int nr) {
+    float acc[MR][EMB_NR], be[EMB_NR], bo[EMB_NR];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < EMB_NR; ++j) acc[i][j] = (accumulate && j < nr) ? y[i * ldy + j] : 0.0f;
+    for (int64_t kk = 0; kk < kp; ++kk) {
+        for (int j = 0; j < EMB_NR; ++j) {
+            be[j] = emb_bits_float((uint32_t)B[kk * 64 + 2 * j] << 16);
+            bo[j] = emb_bits_float((uint32_t)B[kk * 64 + 2 * j + 1] << 16);
+        }
+        for (int i = 0; i < MR; ++i) {
+            const float xe = emb_bits_float((uint32_t)a[i * lda + 2 * kk] << 16);
+            const float xo = emb_bits_float((uint32_t)a[i * lda + 2 * kk + 1] << 16);
+            for (int j = 0; j < EMB_NR; ++j) {   // exact products: an FMA rounds the same
+                acc[i][j] += xo * bo[j];
+                acc[i][j] += xe * be[j];
+            }
+        }
+    }
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < nr; ++j)
+            y[i * ldy + j] = last ? emb_bf16_round(acc[i][j]) + (bias ? bias[j] : 0.0f) : acc[i][j];
+}
+#endif
+
+template <int MR>
+void emb_bf16_rows(int mr, const uint16_t* a, int64_t lda, const uint16_t* B, int64_t kp, float* y, int64_t ldy,
+                   const float* bias, bool accumulate, bool last, int nr) {
+    if constexpr (MR > 0) {
+        if (mr == MR) emb_bf16_tile<MR>(a, lda, B, kp, y, ldy, bias, accumulate, last, nr);
+        else emb_bf16_rows<MR - 1>(mr, a, lda, B, kp, y, ldy, bias, accumulate, last, nr);
+    }
+}
+
+// Scratch of the calling thread for A (bf16 rows of x), n elements.
+inline uint16_t* emb_bf16_scratch(int64_t n) {
+    static thread_local std::vector<uint16_t> buf;
+    if ((int64_t)buf.size() < n) buf.resize((size_t)n);
+    return buf.data();
+}
+
 // Work items of a GEMM: (block of EMB_MC rows) x (group of panels), so that 2+ threads
 // have work also when M is small.
 struct EmbTiles {
@@ -120,6 +296,10 @@ inline int emb_threads() {
     return 1;
 #endif
 }
+// Panels are split into the fewest power-of-two groups that give YR_EMB_TASKS tasks per
+// thread, of ceil(npanels / pgroups) panels each (an even split into more, smaller tasks
+// measured up to 13% slower for the float32 GEMM with M <= 128; 2, 4 or 8 tasks per thread
+// instead of 16 no faster for the bf16 GEMM on the MiniLM shapes).
 inline EmbTiles emb_tiles(int64_t M, int64_t N) {
     EmbTiles t;
     t.npanels = (N + EMB_NR - 1) / EMB_NR;
@@ -142,6 +322,23 @@ inline int64_t* emb_row_counters(int64_t n) {
     static thread_local std::vector<int64_t> counters;
     counters.assign((size_t)n, 0);
     return counters.data();
+}
+
+// Runs body(m0, m1, p0, p1) for every task of the tiling t (rows [m0, m1) x panels [p0, p1))
+// as an orphaned `omp for` (shared by the team of the enclosing parallel region, or run by
+// the calling thread alone), then epi on each block of rows, by the task that finished the
+// block last. done: emb_row_counters(t.mblocks) when epi is given (else null).
+template <typename Body>
+void emb_for_tasks(const EmbTiles& t, int64_t M, int64_t* done, EmbEpilogue epi, const int64_t* epi_args,
+                   const Body& body) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
+        const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
+        const int64_t m0 = mb * EMB_MC, m1 = std::min(M, m0 + EMB_MC);
+        const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
+        body(m0, m1, p0, p1);
+        if (epi && __atomic_add_fetch(done + mb, 1, __ATOMIC_ACQ_REL) == t.pgroups) epi(epi_args, m0, m1);
+    }
 }
 
 // a * b * ..., saturated at INT64_MAX (size checks stay correct for absurd sizes).
@@ -577,11 +774,8 @@ void yr_emb_gemm_f32(const float* x, const float* P, const float* bias, float* y
         !emb_check(status, emb_mul(t.npanels, EMB_NR, K), 0, p_len + 1)) return;
     if (M == 0) return;
     int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
-#pragma omp parallel for schedule(dynamic, 1) if (emb_mul(M, N, K) >= PAR_MIN_MACS)
-    for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
-        const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
-        const int64_t m0 = mb * EMB_MC, m1 = std::min(M, m0 + EMB_MC);
-        const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
+#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
+    emb_for_tasks(t, M, done, epi, epi_args, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
         for (int64_t k0 = 0; k0 < K; k0 += EMB_KC) {
             const int64_t kc = std::min(EMB_KC, K - k0);
             for (int64_t p = p0; p < p1; ++p) {
@@ -598,7 +792,62 @@ void yr_emb_gemm_f32(const float* x, const float* P, const float* bias, float* y
                         for (int j = 0; j < nr; ++j) y[m * N + n0 + j] += bias[n0 + j];
             }
         }
-        if (epi && __atomic_add_fetch(done + mb, 1, __ATOMIC_ACQ_REL) == t.pgroups) epi(epi_args, m0, m1);
+    });
+}
+
+// Packs W [N, K] bfloat16 (uint16 bits, row-major: out x in features) into P for
+// yr_emb_gemm_bf16: ceil(N / 32) panels of Kp / 2 pairs x 32 columns x 2 (Kp = K rounded up to
+// even; the pad column and the pad k are zero), p_len uint16 elements. status as above.
+void yr_emb_pack_bf16(const uint16_t* w, uint16_t* P, int64_t N, int64_t K, int64_t p_len, int64_t* status) {
+    if (!emb_check(status, N, 1, INT64_MAX) || !emb_check(status, K, 1, INT64_MAX)) return;
+    const int64_t np = (N + EMB_NR - 1) / EMB_NR, Kp = K + (K & 1);
+    if (!emb_check(status, emb_mul(np, EMB_NR, Kp), 0, p_len + 1)) return;
+    for (int64_t p = 0; p < np; ++p)
+        for (int64_t k = 0; k < Kp; ++k)
+            for (int64_t j = 0; j < EMB_NR; ++j) {
+                const int64_t n = p * EMB_NR + j;
+                P[((p * Kp + (k & ~int64_t(1))) * EMB_NR) + 2 * j + (k & 1)] = (n < N && k < K) ? w[n * K + k] : 0;
+            }
+}
+
+// y[M, N] = float32(bf16(bf16(x[M, K]) @ W^T)) + bias (bias may be null; the layout and the
+// rounding in the bfloat16 section above), W packed by yr_emb_pack_bf16 (p_len uint16
+// elements). x is rounded into the calling thread's scratch first (M * Kp uint16), then the
+// tiles of yr_emb_gemm_f32 (k-blocks of 1536, 12 x 32 register tiles with AVX-512) run on the
+// pairs. status: sizes outside their buffers (x_len, y_len elements) or a packed length that
+// does not fit N, K. epi, epi_args: as in yr_emb_gemm_f32.
+void yr_emb_gemm_bf16(const float* x, const uint16_t* P, const float* bias, float* y, int64_t M, int64_t N,
+                      int64_t K, int64_t x_len, int64_t p_len, int64_t y_len, EmbEpilogue epi,
+                      const int64_t* epi_args, int64_t* status) {
+    if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, N, 1, INT64_MAX) ||
+        !emb_check(status, K, 1, INT64_MAX)) return;
+    const EmbTiles t = emb_tiles(M, N);
+    const int64_t Kp = K + (K & 1);
+    if (!emb_check(status, emb_mul(M, K), 0, x_len + 1) || !emb_check(status, emb_mul(M, N), 0, y_len + 1) ||
+        !emb_check(status, emb_mul(t.npanels, EMB_NR, Kp), 0, p_len + 1)) return;
+    if (M == 0) return;
+    uint16_t* A = emb_bf16_scratch(M * Kp);
+    int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
+#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) emb_bf16_row(x + m * K, K, A + m * Kp, Kp);
+        emb_for_tasks(t, M, done, epi, epi_args, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+            for (int64_t k0 = 0; k0 < Kp; k0 += EMB_KC16) {
+                const int64_t kc = std::min(EMB_KC16, Kp - k0);
+                const bool last = k0 + kc == Kp;
+                for (int64_t p = p0; p < p1; ++p) {
+                    const int64_t n0 = p * EMB_NR;
+                    const int nr = (int)std::min<int64_t>(EMB_NR, N - n0);
+                    const uint16_t* B = P + (p * Kp + k0) * EMB_NR;
+                    for (int64_t m = m0; m < m1; m += EMB_MR16) {
+                        const int mr = (int)std::min<int64_t>(EMB_MR16, m1 - m);
+                        emb_bf16_rows<EMB_MR16>(mr, A + m * Kp + k0, Kp, B, kc / 2, y + m * N + n0, N,
+                                                bias ? bias + n0 : nullptr, k0 > 0, last, nr);
+                    }
+                }
+            }
+        });
     }
 }
 
@@ -660,11 +909,7 @@ void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) emb_quantize_row(x + m * K, gr, qbuf + m * gr.Kp, sbuf + m * gr.ng);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
-            const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
-            const int64_t m0 = mb * EMB_MC, m1 = std::min(M, m0 + EMB_MC);
-            const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
+        emb_for_tasks(t, M, done, epi, epi_args, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
             for (int64_t p = p0; p < p1; ++p) {
                 const int64_t n0 = p * EMB_NR;
                 const int nr = (int)std::min<int64_t>(EMB_NR, N - n0);
@@ -675,8 +920,7 @@ void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_
                                          ws + n0, bias ? bias + n0 : nullptr, y + m * N + n0, N, nr);
                 }
             }
-            if (epi && __atomic_add_fetch(done + mb, 1, __ATOMIC_ACQ_REL) == t.pgroups) epi(epi_args, m0, m1);
-        }
+        });
     }
 }
 
