@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from yirage.backends import cpu_providers  # noqa: E402
 from yirage.runtime import timing  # noqa: E402
 from yirage.runtime.machine import machine_record  # noqa: E402
-from yirage.tools.optimize import _weight_args, workload_cases  # noqa: E402
+from yirage.tools.optimize import shape_classes  # noqa: E402
 
 
 def main() -> None:
@@ -42,26 +42,20 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for w in workload_cases():
-        for dtype in w.dtypes:
-            weights = _weight_args(w, dtype)
-            for M in w.rows:
-                case = cpu_providers.Case("linear_w8a8" if dtype == "int8" else "linear", dtype, M, w.N, w.K,
-                                          w.group if dtype == "int8" else 0, constant=True)
-                cands = cpu_providers.candidates(case)
-                if len(cands) < 2:
-                    continue
-                provider, choice = cpu_providers.choose(case, weights)
-                sample = cpu_providers.sample_args(case, weights)
-                thunks = {n: p.bind(case, sample[0], sample[1], None) for n, p in cands.items()}
-                c = timing.compare(thunks, rounds=args.rounds, min_sample_s=args.min_sample)
-                fastest = c.fastest()
-                rows.append({"workload": w.name, "key": case.key(), "chosen": provider.name,
-                             "chosen_by": choice.source, "fastest": fastest,
-                             "median_us": {n: round(c.median(n) * 1e6, 1) for n in c.names},
-                             "chosen_over_fastest": round(c.ratio(provider.name, fastest), 3)})
-                print(f"[providers] {case.key()}: chose {provider.name} ({choice.source}), fastest {fastest}, "
-                      f"ratio {rows[-1]['chosen_over_fastest']}", file=sys.stderr, flush=True)
+    for w, case, weights in shape_classes():
+        cands = cpu_providers.candidates(case)
+        if len(cands) < 2:
+            continue
+        provider, choice = cpu_providers.choose(case, weights)
+        sample = cpu_providers.sample_args(case, weights)
+        thunks = {n: p.bind(case, sample[0], sample[1], None) for n, p in cands.items()}
+        c = timing.compare(thunks, rounds=args.rounds, min_sample_s=args.min_sample)
+        fastest = c.fastest()
+        rows.append({"workload": w.name, "key": case.key(), "chosen": provider.name, "chosen_by": choice.source,
+                     "fastest": fastest, "median_us": {n: round(c.median(n) * 1e6, 1) for n in c.names},
+                     "chosen_over_fastest": round(c.ratio(provider.name, fastest), 3)})
+        print(f"[providers] {case.key()}: chose {provider.name} ({choice.source}), fastest {fastest}, "
+              f"ratio {rows[-1]['chosen_over_fastest']}", file=sys.stderr, flush=True)
     ratios = [r["chosen_over_fastest"] for r in rows]
     print(json.dumps({"machine": machine_record(), "rounds": args.rounds, "rows": rows,
                       "summary": {"classes": len(rows), "worst": max(ratios, default=None),

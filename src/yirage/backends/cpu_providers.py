@@ -100,35 +100,24 @@ class Provider:
         raise NotImplementedError
 
 
-class YirageF32(Provider):
-    """yirage's packed float32 GEMM (kernels/cpu/embed_kernels.h: 12x32 AVX-512 register tiles)."""
+class YiragePacked(Provider):
+    """yirage's packed GEMM of one weight dtype (kernels/cpu/embed_kernels.h): float32 with 12x32
+    AVX-512 register tiles, or bfloat16 with ``vdpbf16ps`` tiles (AVX512-BF16; FMAs on the
+    bfloat16 halves with AVX-512 alone, scalar otherwise). Its own row-epilogue hook."""
 
     name, packs = "yirage", True
 
-    def applies(self, case):
-        return case.dtype == "float32" and case.constant
-
-    def kind(self, case):
-        return "f32"
-
-    def bind(self, case, args, out, epilogue):
-        return cpu_embed.bind_linear_f32_packed(args[0], args[1], _bias(args, 2), out, epilogue)
-
-
-class YirageBf16(Provider):
-    """yirage's packed bfloat16 GEMM (kernels/cpu/embed_kernels.h: ``vdpbf16ps`` 12x32 tiles with
-    AVX512-BF16, FMAs on the bfloat16 halves with AVX-512 only, scalar otherwise)."""
-
-    name, packs = "yirage", True
+    def __init__(self, dtype: str, kind: str, bind_packed):
+        self.dtype, self._kind, self._bind = dtype, kind, bind_packed
 
     def applies(self, case):
-        return case.dtype == "bfloat16" and case.constant
+        return case.dtype == self.dtype and case.constant
 
     def kind(self, case):
-        return "bf16"
+        return self._kind
 
     def bind(self, case, args, out, epilogue):
-        return cpu_embed.bind_linear_bf16_packed(args[0], args[1], _bias(args, 2), out, epilogue)
+        return self._bind(args[0], args[1], _bias(args, 2), out, epilogue)
 
 
 class MklF32(Provider):
@@ -252,8 +241,10 @@ class OneDnnInt8(Provider):
         return rows
 
 
-PROVIDERS: list[Provider] = [YirageF32(), MklF32(), OneDnnPacked("float32", "onednn"), YirageBf16(), OneDnnBf16(),
-                             OneDnnPacked("bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8()]
+PROVIDERS: list[Provider] = [
+    YiragePacked("float32", "f32", cpu_embed.bind_linear_f32_packed), MklF32(), OneDnnPacked("float32", "onednn"),
+    YiragePacked("bfloat16", "bf16", cpu_embed.bind_linear_bf16_packed), OneDnnBf16(),
+    OneDnnPacked("bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8()]
 
 
 def _bias(args: list[torch.Tensor], i: int) -> torch.Tensor | None:

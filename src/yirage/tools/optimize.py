@@ -81,9 +81,9 @@ def _weight_args(w: Workload, dtype: str) -> list[torch.Tensor]:
     return args
 
 
-def _measure_cases(budget_s: float, say) -> tuple[tuning.Profile, list[dict]]:
-    """Measure every (workload, dtype, rows) case with more than one provider; returns the
-    profile of the measurements and one row per case for the table."""
+def shape_classes() -> list[tuple[Workload, cpu_providers.Case, list[torch.Tensor]]]:
+    """(workload, provider case, the op's tensors with random constant weights) for every
+    (workload, dtype, rows) of ``workload_cases()``; x in the tensors is a placeholder."""
     todo = []
     for w in workload_cases():
         for dtype in w.dtypes:
@@ -92,6 +92,13 @@ def _measure_cases(budget_s: float, say) -> tuple[tuning.Profile, list[dict]]:
                 case = cpu_providers.Case("linear_w8a8" if dtype == "int8" else "linear", dtype, M, w.N, w.K,
                                           w.group if dtype == "int8" else 0, constant=True)
                 todo.append((w, case, args))
+    return todo
+
+
+def _measure_cases(budget_s: float, say) -> tuple[tuning.Profile, list[dict]]:
+    """Measure every shape class with more than one provider; returns the profile of the
+    measurements and one row per case for the table."""
+    todo = shape_classes()
     prof = tuning.Profile(tuning.profile_path(".optimize"), meta={"measured_by": "yirage optimize"})
     rows, per_case = [], budget_s / max(1, len(todo))
     for w, case, args in todo:
@@ -295,4 +302,5 @@ class BackendOptimizer:
         return doc
 
 
-__all__ = ["optimize", "auto_configure_backend", "BackendOptimizer", "workload_cases", "DEFAULT_BUDGET_S"]
+__all__ = ["optimize", "auto_configure_backend", "BackendOptimizer", "workload_cases", "shape_classes",
+           "DEFAULT_BUDGET_S"]
