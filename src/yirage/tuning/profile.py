@@ -248,9 +248,9 @@ def measure(candidates: Mapping[str, Callable[[], object]], budget_s: float = FI
                           deadline=time.perf_counter() + budget_s, min_rounds=3)
 
 
-#: a measurement is kept on disk only when every candidate's slowest round took at most this
-#: many times its fastest, and the load average was at most the usable cores
-STEADY_SPREAD = 1.5
+#: a measurement is kept on disk only when the machine was not busy and the winner was faster
+#: than the runner-up in at least this share of the paired rounds
+STEADY_SHARE = 2 / 3
 
 
 def busy_reason() -> str | None:
@@ -265,13 +265,19 @@ def busy_reason() -> str | None:
 
 
 def unsteady_reason(comparison: timing.Comparison) -> str | None:
-    """Why ``comparison``'s figures are too noisy to keep (a candidate whose rounds spread over
-    more than ``STEADY_SPREAD``x, or a busy machine), or None."""
-    for n in comparison.names:
-        samples = comparison.samples(n)
-        if max(samples) > STEADY_SPREAD * min(samples):
-            return f"{n}'s rounds spread {max(samples) / min(samples):.1f}x"
-    return busy_reason()
+    """Why ``comparison``'s choice is not worth keeping, or None: a busy machine, or a winner
+    (lowest median) that was faster than the runner-up in fewer than ``STEADY_SHARE`` of the
+    rounds (its lead is noise; a one-off slow round of another candidate does not count)."""
+    busy = busy_reason()
+    if busy or len(comparison.names) < 2:
+        return busy
+    best = comparison.fastest()
+    runner_up = min((n for n in comparison.names if n != best), key=comparison.median)
+    ratios = comparison.ratios(best, runner_up)
+    won = sum(r < 1.0 for r in ratios)
+    if won < STEADY_SHARE * len(ratios):
+        return f"{best} was faster than {runner_up} in {won} of {len(ratios)} rounds"
+    return None
 
 
 def record(key: str, comparison: timing.Comparison, source: str, profile: Profile | None = None) -> Choice:
