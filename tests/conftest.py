@@ -25,9 +25,13 @@ def _own_machine_profile(tmp_path_factory):
     a profile of the session's own, never to the user's."""
     from yirage.tuning import profile
 
-    profile.PROFILE_DIR = tmp_path_factory.mktemp("tuning")
+    before = os.environ.get(profile.PROFILE_DIR_ENV)
+    os.environ[profile.PROFILE_DIR_ENV] = str(tmp_path_factory.mktemp("tuning"))   # subprocesses too
     yield
-    profile.PROFILE_DIR = None
+    if before is None:
+        os.environ.pop(profile.PROFILE_DIR_ENV, None)
+    else:
+        os.environ[profile.PROFILE_DIR_ENV] = before
 
 
 @pytest.fixture(autouse=True)

@@ -72,7 +72,7 @@ def test_optimize_command_prints_the_table_and_json(small, yirage_cli):
 
 
 def test_auto_configure_without_measurements_uses_a_template_or_defaults(monkeypatch, tmp_path):
-    monkeypatch.setattr(tuning, "PROFILE_DIR", tmp_path)
+    monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
     tuning.reload_profile()
     monkeypatch.setattr(tuning, "templates", lambda: ())
     tuning.matching_template.cache_clear()

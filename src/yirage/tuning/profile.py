@@ -169,14 +169,16 @@ def _write_json(path: Path, doc: dict) -> None:
         raise
 
 
-#: where profiles live; None: ``$YIRAGE_CACHE_DIR/tuning`` (the test suite points it elsewhere, so
-#: that measurements taken under its load never reach a user's profile)
-PROFILE_DIR: Path | None = None
+#: where profiles live when set (a directory); else ``$YIRAGE_CACHE_DIR/tuning`` (the test suite
+#: points it elsewhere, subprocesses included, so that measurements taken under its load never
+#: reach a user's profile)
+PROFILE_DIR_ENV = "YIRAGE_PROFILE_DIR"
 
 
 def profile_path(suffix: str = "") -> Path:
-    """``$YIRAGE_CACHE_DIR/tuning/<machine key><suffix>.json`` (or under ``PROFILE_DIR``)."""
-    folder = PROFILE_DIR if PROFILE_DIR is not None else cache_subdir("tuning")
+    """``$YIRAGE_CACHE_DIR/tuning/<machine key><suffix>.json``, or in ``$YIRAGE_PROFILE_DIR``."""
+    override = os.environ.get(PROFILE_DIR_ENV)
+    folder = Path(override) if override else cache_subdir("tuning")
     return folder / f"{machine_key()}{suffix}.json"
 
 
