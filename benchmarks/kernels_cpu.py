@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -58,27 +56,11 @@ GEMM_NK = ((1152, 384), (384, 384), (1536, 384), (384, 1536))  # MiniLM: qkv, at
 COLD_BYTES = 128 << 20                           # fp32 weight bytes cycled through when cold
 
 
-def _batch_time(fn, batch: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(batch):
-        fn()
-    return (time.perf_counter() - t0) / batch
-
-
 def _bench(contenders: dict, min_time: float, rounds: int = 15) -> dict[str, float]:
-    """Median seconds per call of each contender; rounds interleave the contenders."""
-    batch = {}
-    for name, fn in contenders.items():
-        for _ in range(3):
-            fn()                                    # warm up (caches, thread pools)
-        per = _batch_time(fn, 5)
-        batch[name] = max(1, int(min_time / rounds / max(per, 1e-7) / 5))
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            for _ in range(5):
-                samples[name].append(_batch_time(fn, batch[name]))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    """Median seconds per call of each contender over ``rounds`` interleaved rounds of samples of
+    ``min_time / rounds`` seconds (``yirage.runtime.timing.compare``), after 3 warm-up calls."""
+    c = compare(contenders, rounds=rounds, min_sample_s=min_time / rounds, warmup=3)
+    return {name: c.median(name) for name in c.names}
 
 
 def _case(lib, M: int, N: int, K: int, min_time: float, cold: bool = False) -> dict:

@@ -13,7 +13,6 @@ module must never build graphs or import engines.
 """
 from __future__ import annotations
 
-import ctypes
 import weakref
 
 import torch

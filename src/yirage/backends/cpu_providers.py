@@ -32,7 +32,6 @@ itself (tuning does) or build graphs.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Callable
 
@@ -266,7 +265,8 @@ def blocked(rows: Rows, case: Case, epilogue: Epilogue | None):
     OpenMP threads, ``yr_rows_parallel``) while they are still in cache."""
     M = case.M
     if epilogue is None:
-        run = _call(rows, 0, M)
+        def run():
+            rows(0, M)
     else:
         from .cpu_library import library
 
@@ -282,10 +282,6 @@ def blocked(rows: Rows, case: Case, epilogue: Epilogue | None):
             if status[0]:
                 raise RuntimeError(f"yr_rows_parallel refused rows {status.tolist()}")  # a yirage bug
     return run
-
-
-def _call(rows: Rows, lo: int, hi: int):
-    return lambda: rows(lo, hi)
 
 
 # ---- choosing --------------------------------------------------------------------------------

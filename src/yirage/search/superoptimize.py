@@ -72,6 +72,7 @@ from ..errors import GraphError
 from ..ir.graph import KernelGraph
 from ..ir.serialize import from_json, to_json
 from ..runtime import timing
+from ..runtime.machine import all_isa_flags, cpu_model_name
 from ..runtime.executor import CompiledGraph
 from . import attention, mugraph
 
@@ -116,16 +117,8 @@ class OptimizedGraph:
 
 
 def _machine() -> str:
-    """CPU model and the ISA flags that change generated code, or the accelerator's name."""
-    parts = [platform.machine()]
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-        flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-        parts += [model, ",".join(sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "f16c"))))]
-    except OSError:
-        parts.append(platform.processor())
+    """CPU model and ISA flags (``runtime.machine``), or also the accelerator's name."""
+    parts = [platform.machine(), cpu_model_name(), ",".join(all_isa_flags())]
     if torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name(0))
     return "|".join(parts)

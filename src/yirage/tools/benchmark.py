@@ -179,7 +179,7 @@ def _block_inputs(d, dt, gen) -> list[torch.Tensor]:
 def _build_block(d, dt, quant, gen) -> Workload:
     """A BERT encoder layer (post-norm; Devlin et al. 2019) as one kernel graph:
     h = LN(x + attn(x) Wo), out = LN(h + GELU(h W1) W2), attention over packed sentences."""
-    B, S, H, Fh, heads = d["B"], d["S"], d["H"], d["ffn"], d["heads"]
+    B, S, H, heads = d["B"], d["S"], d["H"], d["heads"]
     xs = _block_inputs(d, dt, gen)
     g = new_kernel_graph()
     x, offsets, wqkv, bqkv, wo, bo, n1w, n1b, w1, b1, w2, b2, n2w, n2b = [

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends import Backend, get_available_backends, get_backend_impl, get_backend_info, resolve_backend
+from ..backends import Backend, get_available_backends, get_backend_info, resolve_backend
 from ..backends import cpu_providers
 from ..errors import YirageError
 from ..runtime.machine import machine_record, usable_cpu_count
