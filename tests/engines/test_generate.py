@@ -161,3 +161,34 @@ def test_chunked_greedy_decode_follows_transformers_to_the_cache_end(kind, tmp_p
     assert decided.sum() >= len(out.token_ids) - 2
     assert logits.argmax(-1)[decided].tolist() == torch.tensor(out.token_ids)[decided].tolist()
     assert plain.generate(text, max_new_tokens=100, chat=False).token_ids == out.token_ids
+
+
+@pytest.mark.slow
+def test_bfloat16_prefill_stays_close_to_transformers(hf_smollm):
+    """prefill_dtype='bfloat16': the prompt's quantized projections as bfloat16 GEMMs; its
+    last-position logits stay within bfloat16's error of transformers' float32 ones and pick
+    the same next token, and a short prompt (a GEMV) is computed in float32 exactly as before."""
+    llm = yr.LLM(prefill_dtype="bfloat16", max_seq_length=256)
+    ids = llm.encode_prompt(" ".join(PROMPTS))
+    assert len(ids) >= 16
+    graph, _ = llm.model.build_graph(len(ids))
+    linears = [op for op in graph.ops if op.op == "linear"]
+    assert sum(op.attrs.get("compute_dtype") == "bfloat16" for op in linears) == len(linears) - 1  # not the head
+    logits, _ = llm.steps.run(ids, 0)
+    with torch.inference_mode():
+        ref = hf_smollm(torch.tensor([ids])).logits[0, -1]
+    assert int(logits[0].argmax()) == int(ref.argmax())
+    torch.testing.assert_close(logits[0], ref, atol=0.5, rtol=0.05)
+    assert torch.nn.functional.cosine_similarity(logits[0], ref, dim=0) > 0.999
+    short, _ = llm.model.build_graph(4)
+    assert not any(op.attrs.get("compute_dtype") for op in short.ops)
+
+
+def test_bad_prefill_dtype_is_one_clear_error(tmp_path, save_tiny_model):
+    save_tiny_model("llama", tmp_path)
+    with pytest.raises(yr.GenerationError, match="prefill_dtype must be None, 'float32' or 'bfloat16'"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, prefill_dtype="int8")
+    with pytest.raises(yr.GenerationError, match="has float weights: load it with dtype='bfloat16'"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, prefill_dtype="bfloat16")
+    with pytest.raises(yr.GenerationError, match="CPU backend with float32 activations"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, dtype="bfloat16", prefill_dtype="bfloat16")

@@ -3,7 +3,9 @@ measurements go to a machine profile, --apply makes it the one the backends read
 recommendation reads it back, a saved configuration loads on this machine."""
 import json
 
+import numpy as np
 import pytest
+import torch
 
 import yirage as yr
 from yirage.backends import cpu_providers
@@ -16,9 +18,13 @@ from yirage.tuning import profile as tuning
 def small(monkeypatch):
     """Two small workloads (float32 and bfloat16 weights) instead of the registry's, no thread
     sweep, steady figures (the suite's load must not stop the profile from being written)."""
+    gguf = pytest.importorskip("gguf")
+    w = np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)
+    blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)).reshape(40, -1)
     monkeypatch.setattr(opt, "workload_cases", lambda: [
         opt.Workload("small float", 48, 32, ("float32", "bfloat16", "int8"), rows=(16, 64), group=0),
-        opt.Workload("small int8 groups", 40, 64, ("int8",), rows=(16,), group=32)])
+        opt.Workload("small int8 groups", 40, 64, ("int8",), rows=(16,), group=32),
+        opt.Workload("small q4_1", 40, 64, ("q4_1", "q4_1/bfloat16"), rows=(16,), weight=blocks)])
     monkeypatch.setattr(opt, "_embedding_threads", lambda budget: None)
     monkeypatch.setattr(tuning, "unsteady_reason", lambda c: None)
 
@@ -26,12 +32,16 @@ def small(monkeypatch):
 def test_optimize_writes_a_profile_and_apply_makes_it_the_one_used(small):
     result = opt.optimize("cpu", budget_s=2.0)
     rows = result["cases"]
-    assert len(rows) == 2 * 3 + 1
+    assert len(rows) == 2 * 3 + 1 + 2
     for r in rows:
-        case = cpu_providers.Case(r["op"], r["dtype"], r["M"], r["N"], r["K"], 32 if r["K"] == 64 else 0, True)
+        quantized = r["dtype"].startswith("q4_1")
+        case = cpu_providers.Case(r["op"], r["dtype"], r["M"], r["N"], r["K"],
+                                  32 if r["K"] == 64 and not quantized else 0, not quantized)
         assert r["key"] == case.key()
-        assert set(r["median_s"]) == (set(cpu_providers.candidates(case)) if len(cpu_providers.candidates(case)) > 1
-                                      else set())
+        cands = set(cpu_providers.candidates(case))
+        assert cands == ({"yirage", "mkl"} if r["dtype"] == "q4_1" else {"onednn"} if quantized else cands)
+        # bfloat16 compute of a quantized weight: its one provider is timed too
+        assert set(r["median_s"]) == (cands if len(cands) > 1 or quantized else set())
         if r["median_s"]:
             assert r["choice"] == min(r["median_s"], key=r["median_s"].get)
     written = json.loads(open(result["profile"]).read())
@@ -49,7 +59,7 @@ def test_optimize_writes_a_profile_and_apply_makes_it_the_one_used(small):
     assert conf["source"] == "profile" and conf["profile"] == applied["applied"]
     assert {r["key"]: r["choice"] for r in applied["cases"] if r["median_s"]}.items() <= conf["kernel_choices"].items()
     assert conf["backend"] == "cpu" and conf["threads"] >= 1 and conf["tune"] == "on"
-    assert set(conf["dtypes"]) == {"embedding", "llm", "kernel_graph"}
+    assert set(conf["dtypes"]) == {"embedding", "llm", "llm_prefill", "kernel_graph"}
 
 
 def test_optimize_errors(yirage_cli):
@@ -68,7 +78,7 @@ def test_optimize_command_prints_the_table_and_json(small, yirage_cli):
     code, out, err = yirage_cli("optimize", "--budget", "2", "--json")
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["machine"]["cpu"] == yr.get_backend_info("cpu").device_name and len(doc["cases"]) == 7
+    assert doc["machine"]["cpu"] == yr.get_backend_info("cpu").device_name and len(doc["cases"]) == 9
 
 
 def test_auto_configure_without_measurements_uses_a_template_or_defaults(monkeypatch, tmp_path):
@@ -83,13 +93,18 @@ def test_auto_configure_without_measurements_uses_a_template_or_defaults(monkeyp
         ident = tuning.machine_identity()
         tpl = {"match": {"cpu": ident["cpu"]}, "measured_on": "here",
                "entries": {"linear|float32|m512|n1536|k384|t2": {"choice": "mkl", "median_s": {"mkl": 1.0}},
-                           "linear|bfloat16|m512|n1536|k384|t2": {"choice": "onednn", "median_s": {"onednn": 0.5}}},
+                           "linear|bfloat16|m512|n1536|k384|t2": {"choice": "onednn", "median_s": {"onednn": 0.5}},
+                           "linear|q4_1|m256|n576|k576|t2": {"choice": "yirage", "median_s": {"yirage": 1.0, "mkl": 2.0}},
+                           "linear|q4_1/bfloat16|m256|n576|k576|t2": {"choice": "onednn", "median_s": {"onednn": 0.9}}},
                "extra": {"threads": {"embedding": 1}}}
         monkeypatch.setattr(tuning, "templates", lambda: (("this-machine", tpl),))
         tuning.matching_template.cache_clear()
         conf = yr.auto_configure_backend()
         assert conf["source"] == "template this-machine" and conf["threads"] == 1
         assert conf["dtypes"]["embedding"] == "bfloat16"     # bfloat16 measured at half float32's time
+        assert conf["dtypes"]["llm_prefill"] == "float32"    # 0.9x float32's time: not worth bfloat16's error
+        tpl["entries"]["linear|q4_1/bfloat16|m256|n576|k576|t2"]["median_s"]["onednn"] = 0.7
+        assert yr.auto_configure_backend()["dtypes"]["llm_prefill"] == "bfloat16"
     finally:
         tuning.matching_template.cache_clear()
         monkeypatch.undo()

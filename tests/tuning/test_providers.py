@@ -177,3 +177,50 @@ def test_a_damaged_profile_is_measured_again(monkeypatch):
     case = cpu_providers.case_of("linear", [x, w], torch.empty(4, 40))
     assert cpu_providers.choose(case, [x, w])[1].source == "measured"
     assert case.key() in json.loads(path.read_text())["entries"]     # rewritten whole
+
+
+def _quantized(N: int, K: int, fmt: str) -> torch.Tensor:
+    """A random [N, K] weight quantized to ``fmt`` by gguf-py (the independent encoder)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    w = (np.random.default_rng(0).standard_normal((N, K)) / K ** 0.5).astype(np.float32)
+    blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper()))
+    return torch.from_numpy(np.ascontiguousarray(blocks)).reshape(N, -1)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_0", "q5_1"])
+@pytest.mark.parametrize("compute,provider", [(None, "yirage"), (None, "mkl"), ("bfloat16", "onednn")])
+@pytest.mark.parametrize("M", [1, 40])
+def test_quantized_weight_providers_compute_the_reference(fmt, compute, provider, M, monkeypatch):
+    """The quantized prefill GEMM's providers, pinned, against the reference interpreter (the
+    weights decoded by ir.ops.dequantize); a scratch smaller than the weight makes the vendor
+    providers dequantize it in three row blocks."""
+    N, K = 72, 256
+    case = cpu_providers.Case("linear", f"{fmt}/bfloat16" if compute else fmt, M, N, K)
+    if provider not in cpu_providers.candidates(case):
+        assert provider == "mkl" and M < cpu_providers.VENDOR_QUANT_MIN_M   # a GEMV's rows
+        return
+    monkeypatch.setenv("YIRAGE_TUNE", "off")
+    monkeypatch.setitem(cpu_providers.DEFAULTS, case.dtype, provider)
+    monkeypatch.setattr(cpu_providers, "DEQUANT_SCRATCH_BYTES", 4 * K * 25)
+    g = yr.new_kernel_graph(backend="cpu")
+    X, W, B = g.new_input((M, K)), g.new_input((N, K), dtype=fmt), g.new_input((N,))
+    g.mark_output(g.linear(X, W, B, compute_dtype=compute))
+    ins = [torch.randn(M, K), _quantized(N, K, fmt), torch.randn(N)]
+    plan = g.compile().plan(ins)
+    assert [t.provider for t in plan.thunks if hasattr(t, "provider")] == [f"{provider} (default (YIRAGE_TUNE=off))"]
+    out, ref = plan.run()[0], g.interpret(ins)[0]
+    if compute:   # bfloat16 sums: one bfloat16 ulp where a different summation order rounds the other way
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_compute_is_only_for_quantized_weights_with_float32_x():
+    g = yr.new_kernel_graph(backend="cpu")
+    X, W = g.new_input((4, 64)), g.new_input((8, 64))
+    with pytest.raises(yr.errors.GraphError, match="compute_dtype='bfloat16': only 'bfloat16', for a block-quantized"):
+        g.linear(X, W, compute_dtype="bfloat16")
+    with pytest.raises(yr.errors.GraphError, match="compute_dtype='float16'"):
+        g.linear(X, g.new_input((8, 64), dtype="q8_0"), compute_dtype="float16")

@@ -45,7 +45,7 @@ SIGNATURES: dict[str, tuple] = {
     "yr_embedding_f32": (_P, _P, _P, _I, _I, _I, _P),
     **{f"yr_linear_{t}": (_P, _P, _P, _P, _I, _I, _I) for t in GGML_FORMATS},
     **{f"yr_embedding_{t}": (_P, _P, _P, _I, _I, _I, _P) for t in GGML_FORMATS},
-    **{f"yr_dequant_{t}": (_P, _P, _I) for t in GGML_FORMATS},  # src blocks, dst floats, nblocks
+    **{f"yr_dequant_{t}": (_P, _P, _I) for t in ("q4_1", "q8_0", *GGML_FORMATS)},  # src blocks, dst floats, nblocks
     # x, cos, sin, start_pos, out, T, H, Dh, S (table rows), status
     "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
     # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, status
@@ -129,14 +129,12 @@ def _linear(node, graph, args, out, status):
     wt = graph.tensors[node.inputs[1]]
     N, K = wt.shape
     M = x.numel() // K
-    if not wt.dtype.is_quantized:   # float32 / bfloat16 weights: the provider chosen by measurement
-        thunk = cpu_providers.bind_linear("linear", args, out)
-        if thunk is not None:
-            return thunk
-    if wt.dtype.is_quantized:
-        fn = getattr(library(), f"yr_linear_{wt.dtype.value}")
-        p = (_ptr(x), _ptr(w), _ptr(bias), _ptr(out), M, N, K)
-        return lambda: fn(*p)
+    quant = (wt.dtype.value, N, K) if wt.dtype.is_quantized else None
+    # float32 x: the provider chosen by measurement (float32, bfloat16 or GGUF-block weights)
+    thunk = cpu_providers.bind_linear("linear", args, out, quant=quant,
+                                      compute_dtype=node.attrs.get("compute_dtype"))
+    if thunk is not None:
+        return thunk
     x2, o2, w_t = x.view(M, K), out.view(M, N), w.t()
     if bias is None:
         return lambda: torch.mm(x2, w_t, out=o2)

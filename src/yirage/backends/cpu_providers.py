@@ -11,12 +11,23 @@ the vendor libraries inside torch (MKL, oneDNN with AMX or AVX512-BF16 where the
 |                                               | ``onednn-packed`` (reordered weight)                |
 | ``linear_w8a8`` (int8 weights, per-token int8 | ``yirage`` (VNNI / AVX-VNNI / AVX2 GEMM),           |
 | activations)                                  | ``onednn`` (``torch._int_mm``; whole-row scales)    |
+| ``linear`` float32 x, GGUF-block w (q4_1,     | ``yirage`` (GEMV on the blocks, or dequantize-and-  |
+| q8_0, q4_k, ...: the quantized prefill GEMM)  | pack GEMM), ``mkl`` (M >= ``VENDOR_QUANT_MIN_M``:   |
+|                                               | rows dequantized per call into a scratch, MKL GEMM) |
+| the same with ``compute_dtype='bfloat16'``    | ``onednn`` (dequantized, rounded to bfloat16,       |
+|                                               | oneDNN's bfloat16 GEMM: AMX / AVX512-BF16)          |
 
 A bfloat16 weight with float32 activations means: x rounded to bfloat16, products summed in
 float32, the sum rounded to bfloat16, then the float32 bias (``ir.ops`` ``linear``; what oneDNN's
 bfloat16 GEMM returns). Providers that keep a packed copy of the weight (``yirage`` float32 and
 bfloat16, ``onednn`` float32, ``onednn-packed``) are candidates only for weights declared constant
 (``cpu_embed.mark_constant``: the engines declare theirs); the rest read the weight as it is.
+Block-quantized weights are never kept twice: the vendor providers dequantize them at every call
+into one scratch buffer per thread (at most ``DEQUANT_SCRATCH_BYTES``; larger weights in row
+blocks), which costs K·N dequantized values per M·K·N multiply-adds and so only pays for prefill
+batches (M >= ``VENDOR_QUANT_MIN_M``). Their float32 results equal yirage's up to the order of
+the sums (both multiply the exact dequantized weights); ``compute_dtype='bfloat16'`` (an explicit
+choice: ``yr.LLM(prefill_dtype='bfloat16')``) rounds x and the weights to bfloat16.
 
 For each shape class (op, dtype, M bucket, N, K, threads) ``yirage.tuning.choose`` returns the
 provider: this machine's profile, a shipped template, or a measurement at first use (each
@@ -32,12 +43,14 @@ itself (tuning does) or build graphs.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..config import logger
+from ..dtypes import DType
 from ..ir.ops import quantize_rows_int8
 from ..runtime import timing
 from ..tuning import profile as tuning
@@ -46,15 +59,25 @@ from . import cpu_embed
 #: output bytes per row block when a vendor GEMM runs a row epilogue (a block stays in L2)
 EPILOGUE_BLOCK_BYTES = 256 * 1024
 
-#: the provider of each case with YIRAGE_TUNE=off (and of weights that are not constant)
+#: the provider of each case with YIRAGE_TUNE=off (and of weights that are not constant);
+#: block-quantized weights (dtype 'q4_1', 'q4_k', ...) default to 'yirage' too
 DEFAULTS = {"float32": "yirage", "bfloat16": "onednn", "int8": "yirage"}
+
+#: rows below which the vendor GEMMs of block-quantized weights are not candidates (dequantizing
+#: a weight per call costs about as much as its GEMM over this many rows; fewer rows take
+#: yirage's GEMV, which reads the blocks in place)
+VENDOR_QUANT_MIN_M = 16
+#: the largest float32 scratch a vendor provider dequantizes a block-quantized weight into at once
+DEQUANT_SCRATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
 class Case:
     """A linear layer to bind: ``op`` ('linear' / 'linear_w8a8'), ``dtype`` ('float32',
-    'bfloat16' (weights), 'int8'), rows ``M``, out features ``N``, in features ``K``, the int8
-    activation ``group`` (0: whole rows), and whether the weight is ``constant``."""
+    'bfloat16' (weights), 'int8', a GGUF block format such as 'q4_1' (float32 compute), or
+    '<format>/bfloat16' (its ``compute_dtype='bfloat16'``)), rows ``M``, out features ``N``, in
+    features ``K``, the int8 activation ``group`` (0: whole rows), and whether the weight is
+    ``constant``."""
 
     op: str
     dtype: str
@@ -240,10 +263,104 @@ class OneDnnInt8(Provider):
         return rows
 
 
+def quant_format(case: Case) -> str | None:
+    """The GGUF block format of a case's weight ('q4_1', ...), or None for a float/int8 weight."""
+    fmt = case.dtype.split("/")[0]
+    try:
+        return fmt if DType(fmt).is_quantized else None
+    except ValueError:
+        return None
+
+
+class YirageQuant(Provider):
+    """yirage's kernels for GGUF-block weights (kernels/cpu/library.cpp, ggml_quants.h): a GEMV
+    reading the blocks in place below ``GEMM_MIN_M`` rows, else blocks dequantized while packing
+    into the float32 GEMM's panels."""
+
+    name = "yirage"
+
+    def applies(self, case):
+        return quant_format(case) is not None and "/" not in case.dtype
+
+    def rows(self, case, args, out):
+        from .cpu_library import library
+
+        fn = getattr(library(), f"yr_linear_{case.dtype}")
+        x, w, bias, K, N = args[0], args[1], _bias(args, 2), case.K, case.N
+        bias_ptr = None if bias is None else bias.data_ptr()
+
+        def rows(lo, hi):
+            fn(x.data_ptr() + 4 * lo * K, w.data_ptr(), bias_ptr, out.data_ptr() + 4 * lo * N, hi - lo, N, K)
+        return rows
+
+
+_scratch = threading.local()
+
+
+def _dequant_scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
+    key = f"buf_{dtype}".replace(".", "_")
+    buf = getattr(_scratch, key, None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=dtype)
+        setattr(_scratch, key, buf)
+    return buf[:n]
+
+
+class VendorDequant(Provider):
+    """A vendor GEMM on a block-quantized weight: per call, blocks of weight rows dequantized
+    (``yr_dequant_<format>``, exact float32 values) into a per-thread scratch, then MKL's float32
+    GEMM (``torch.addmm``) or, for ``compute_dtype='bfloat16'``, x and the rows rounded to
+    bfloat16 and oneDNN's bfloat16 GEMM (AMX / AVX512-BF16 where the CPU has them), its
+    bfloat16 sums converted to float32 with the bias added (``ir.ops`` ``linear``)."""
+
+    def __init__(self, name: str, bf16: bool):
+        self.name, self.bf16 = name, bf16
+
+    def applies(self, case):
+        return (quant_format(case) is not None and case.dtype.endswith("/bfloat16") == self.bf16
+                and (self.bf16 or case.M >= VENDOR_QUANT_MIN_M))
+
+    def rows(self, case, args, out):
+        from .cpu_library import library
+
+        fmt = quant_format(case)
+        deq, qb = getattr(library(), f"yr_dequant_{fmt}"), DType(fmt).block[0]
+        M, N, K = case.M, case.N, case.K
+        x2, o2, w, bias = args[0].view(M, K), out.view(M, N), args[1], _bias(args, 2)
+        row_bytes = w.numel() * w.element_size() // N
+        step = max(1, min(N, DEQUANT_SCRATCH_BYTES // (4 * K)))
+        spans = [(n0, min(N, n0 + step)) for n0 in range(0, N, step)]
+        xb = torch.empty((M, K), dtype=torch.bfloat16) if self.bf16 else None
+        yb = torch.empty((M, step), dtype=torch.bfloat16) if self.bf16 else None
+
+        def rows(lo, hi):
+            wf = _dequant_scratch(step * K, torch.float32)
+            wb = _dequant_scratch(step * K, torch.bfloat16) if self.bf16 else None
+            if self.bf16:
+                xb[lo:hi].copy_(x2[lo:hi])
+            for n0, n1 in spans:
+                r = n1 - n0
+                deq(w.data_ptr() + n0 * row_bytes, wf.data_ptr(), r * K // qb)
+                wr, o = wf[:r * K].view(r, K), o2[lo:hi, n0:n1]
+                b = None if bias is None else bias[n0:n1]
+                if self.bf16:
+                    wb[:r * K].copy_(wf[:r * K])
+                    y = yb[:hi - lo, :r]
+                    torch.mm(xb[lo:hi], wb[:r * K].view(r, K).t(), out=y)
+                    _to_f32(y, b, o)
+                elif b is None:
+                    torch.mm(x2[lo:hi], wr.t(), out=o)
+                else:
+                    torch.addmm(b, x2[lo:hi], wr.t(), out=o)
+        return rows
+
+
 PROVIDERS: list[Provider] = [
     YiragePacked("float32", "f32", cpu_embed.bind_linear_f32_packed), MklF32(), OneDnnPacked("float32", "onednn"),
     YiragePacked("bfloat16", "bf16", cpu_embed.bind_linear_bf16_packed), OneDnnBf16(),
-    OneDnnPacked("bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8()]
+    OneDnnPacked("bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8(),
+    YirageQuant(), VendorDequant("mkl", bf16=False), VendorDequant("onednn", bf16=True)]
 
 
 def _bias(args: list[torch.Tensor], i: int) -> torch.Tensor | None:
@@ -285,12 +402,18 @@ def blocked(rows: Rows, case: Case, epilogue: Epilogue | None):
 
 
 # ---- choosing --------------------------------------------------------------------------------
-def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0) -> Case | None:
+def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0,
+            quant: tuple[str, int, int] | None = None, compute_dtype: str | None = None) -> Case | None:
     """The provider case of a linear op's bound tensors, or None when no provider covers it
-    (block-quantized weights, bfloat16 or float16 activations: they keep their own binders)."""
+    (bfloat16 or float16 activations: they keep their own binders). ``quant``: (GGUF block
+    format, N, K) of a block-quantized weight, whose ``compute_dtype`` may be 'bfloat16'."""
     x, w = args[0], args[1]
     if x.dtype != torch.float32 or out.dtype != torch.float32:
         return None
+    if quant is not None:
+        fmt, N, K = quant
+        dtype = f"{fmt}/bfloat16" if compute_dtype == "bfloat16" else fmt
+        return Case(op, dtype, x.numel() // K, N, K, constant=cpu_embed.is_constant(w))
     if op == "linear_w8a8":
         K, N = w.shape
         return Case(op, "int8", x.numel() // K, N, K, group, cpu_embed.is_constant(w))
@@ -307,8 +430,10 @@ def candidates(case: Case) -> dict[str, Provider]:
 
 
 def default_provider(case: Case, cands: dict[str, Provider]) -> str:
-    """``DEFAULTS[case.dtype]`` when it applies, else the first candidate."""
-    return DEFAULTS[case.dtype] if DEFAULTS[case.dtype] in cands else next(iter(cands))
+    """``DEFAULTS[case.dtype]`` ('yirage' for block-quantized weights) when it applies, else the
+    first candidate."""
+    name = DEFAULTS.get(case.dtype, "yirage")
+    return name if name in cands else next(iter(cands))
 
 
 def sample_args(case: Case, args: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -356,11 +481,13 @@ def choose(case: Case, args: list[torch.Tensor]) -> tuple[Provider, tuning.Choic
 
 
 def bind_linear(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0,
-                epilogue: Epilogue | None = None):
-    """A thunk computing a float32-activation linear layer (``linear`` with a float32 or
-    bfloat16 weight, or ``linear_w8a8``) into ``out`` with the provider chosen for its shape
-    class, and the row ``epilogue`` if given; None when no provider covers the case."""
-    case = case_of(op, args, out, group)
+                epilogue: Epilogue | None = None, quant: tuple[str, int, int] | None = None,
+                compute_dtype: str | None = None):
+    """A thunk computing a float32-activation linear layer (``linear`` with a float32, bfloat16
+    or GGUF-block weight (``quant``: its format, N, K; ``compute_dtype``: None or 'bfloat16'),
+    or ``linear_w8a8``) into ``out`` with the provider chosen for its shape class, and the row
+    ``epilogue`` if given; None when no provider covers the case."""
+    case = case_of(op, args, out, group, quant, compute_dtype)
     if case is None:
         return None
     if case.M == 0:
@@ -371,5 +498,5 @@ def bind_linear(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int
     return thunk
 
 
-__all__ = ["Case", "Provider", "PROVIDERS", "DEFAULTS", "EPILOGUE_BLOCK_BYTES", "bind_linear", "case_of",
-           "candidates", "choose", "measure"]
+__all__ = ["Case", "Provider", "PROVIDERS", "DEFAULTS", "EPILOGUE_BLOCK_BYTES", "VENDOR_QUANT_MIN_M",
+           "DEQUANT_SCRATCH_BYTES", "bind_linear", "case_of", "candidates", "choose", "measure", "quant_format"]

@@ -101,6 +101,25 @@ def _activation_dtype(dtype, backend) -> DType:
     return d
 
 
+def _prefill_dtype(prefill_dtype, backend, dtype: DType) -> DType | None:
+    """The LLM's prefill GEMM dtype: None (float32) or DType.bfloat16 (see ``LLM``)."""
+    if prefill_dtype is None:
+        return None
+    try:
+        d = as_dtype(prefill_dtype)
+    except ValueError:
+        d = None
+    if d == DType.float32:
+        return None
+    if d != DType.bfloat16:
+        raise GenerationError(f"prefill_dtype must be None, 'float32' or 'bfloat16', got {prefill_dtype!r}")
+    if backend != Backend.CPU or dtype != DType.float32:
+        raise GenerationError("prefill_dtype='bfloat16' applies to the CPU backend with float32 activations "
+                              f"(this LLM: backend {backend.value}, dtype {dtype.value}); on a GPU use "
+                              "dtype='bfloat16'")
+    return d
+
+
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes seeds up to this
 # Below this a positive temperature makes float32 logits / temperature overflow to inf (and
 # the softmax NaN); its limit, greedy decoding, is what such a temperature gets.
@@ -196,21 +215,32 @@ class LLM:
             may use).
         profiler_tensor: int64 [capacity, 6] CPU tensor recording every decode task (see
             ``yr.PersistentKernel``); ``write_trace(path)`` saves it as a Chrome/Perfetto trace.
+        prefill_dtype: None (the default: float32 GEMMs, the exact decoded weights) or
+            'bfloat16': on the CPU, prompts of at least 16 tokens run their block-quantized
+            projections as bfloat16 GEMMs (x and the decoded weights rounded to bfloat16,
+            float32 sums rounded to bfloat16: oneDNN's GEMM, with AMX or AVX512-BF16 where the
+            CPU has them). Faster prefill where the CPU has bfloat16 units, at bfloat16's
+            precision (logits then differ from float32 by about 1e-2, as llama.cpp's 8-bit
+            activations do); decode steps stay float32. ``yirage optimize`` measures it.
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
         BackendUnavailableError: the backend is unknown or unavailable.
-        GenerationError: max_seq_length is not a positive integer, or dtype is not one of
-            float32, float16, bfloat16.
+        GenerationError: max_seq_length is not a positive integer, dtype is not one of
+            float32, float16, bfloat16, or prefill_dtype is not None/'float32'/'bfloat16', is
+            'bfloat16' off the CPU backend, with non-float32 activations, or for a model
+            without block-quantized weights.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
                  max_seq_length: int = 2048, dtype=None, progress: bool = False,
                  allow_nonfinite_weights: bool = False, persistent: bool | None = None,
-                 num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None):
+                 num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
+                 prefill_dtype=None):
         max_seq_length = _positive_int("max_seq_length", max_seq_length)
         self.backend = resolve_backend(backend)
         self.dtype = _activation_dtype(dtype, self.backend)
+        self.prefill_dtype = _prefill_dtype(prefill_dtype, self.backend, self.dtype)
         loaded = load_model(model, progress=progress, allow_nonfinite=bool(allow_nonfinite_weights))
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -222,7 +252,10 @@ class LLM:
         if self.max_seq_length < max_seq_length:
             logger.warning("max_seq_length capped at %d by the model's context (max_position_embeddings)",
                            self.max_seq_length)
-        self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype)
+        if self.prefill_dtype is not None and not any(w.dtype.is_quantized for w in loaded.weights.values()):
+            raise GenerationError(f"prefill_dtype='bfloat16' computes the GEMMs of GGUF block-quantized weights in "
+                                  f"bfloat16; {self.name} has float weights: load it with dtype='bfloat16' instead")
+        self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype, self.prefill_dtype)
         if persistent is None:
             persistent = self.backend == Backend.CPU
         if profiler_tensor is not None and not persistent:

@@ -286,6 +286,10 @@ def _linear_infer(ts, attrs):
                             f"and {w.dtype.value}")
     if len(ts) == 3 and (tuple(ts[2].shape) != (w.shape[0],) or ts[2].dtype != x.dtype):
         _fail("linear", ts, f"bias must have shape ({w.shape[0]},) and x's dtype {x.dtype.value}")
+    compute = attrs.get("compute_dtype")
+    if compute is not None and (compute != "bfloat16" or not w.dtype.is_quantized or x.dtype != DType.float32):
+        _fail("linear", ts, f"compute_dtype={compute!r}: only 'bfloat16', for a block-quantized weight with "
+                            "float32 x (a float weight takes bfloat16 compute by being stored in bfloat16)")
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
@@ -294,10 +298,13 @@ def _linear_ref(args, attrs):
     x's dtype: what every linear kernel computes (float32 accumulation). A bfloat16 W with
     float32 x is a bfloat16 GEMM: x rounded to bfloat16 (nearest even), products summed in
     float32, the sum rounded to bfloat16 (what oneDNN's bfloat16 GEMM returns, as torch's
-    autocast computes a linear layer), then the float32 bias added; float32 out."""
+    autocast computes a linear layer), then the float32 bias added; float32 out. A block-quantized
+    W with ``compute_dtype='bfloat16'`` is decoded, rounded to bfloat16, and then the same."""
     x, w = args[0], args[1]
     if attrs.get("w_dtype"):
         w = dequantize(w, DType(attrs["w_dtype"]), tuple(attrs["w_shape"]))
+        if attrs.get("compute_dtype") == "bfloat16":
+            w = w.to(torch.bfloat16)
     if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
         y = F.linear(x.to(torch.bfloat16), w).float()
         return y + args[2] if len(args) == 3 else y

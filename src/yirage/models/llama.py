@@ -52,6 +52,10 @@ from ..errors import GenerationError
 from ..kernel import KNGraph
 from ..persistent_kernel import PersistentKernel
 
+#: forward passes of fewer tokens keep float32 GEMMs under ``prefill_dtype='bfloat16'``: their
+#: quantized projections read the blocks in place (GEMV), which a bfloat16 GEMM cannot beat
+PREFILL_BF16_MIN_T = 16
+
 
 class LlamaModel:
     """Weights, RoPE tables and KV cache of a loaded decoder, on one backend's device.
@@ -62,6 +66,10 @@ class LlamaModel:
         max_seq_length: KV-cache length in tokens (prompt + generated).
         dtype: activation dtype (float32, float16 or bfloat16): float weights and the KV
             cache are stored in it; norms, softmax and GEMM accumulation compute in float32.
+        prefill_dtype: None, or bfloat16: the block-quantized projections of a forward pass of
+            at least ``PREFILL_BF16_MIN_T`` tokens compute as bfloat16 GEMMs (``linear``'s
+            ``compute_dtype``: x and the decoded weights rounded to bfloat16); decode steps and
+            the LM head keep float32.
 
     Block-quantized weights (q4_1, q8_0) stay in their blocks and are decoded inside the
     GEMV/GEMM kernels; RoPE tables stay float32 ([max_seq_length, head_dim / 2]: ``cos``/``sin``,
@@ -71,12 +79,14 @@ class LlamaModel:
     (exact for float32; for float16/bfloat16 rounded like the activations).
     """
 
-    def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32):
+    def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32,
+                 prefill_dtype: DType | None = None):
         cfg = loaded.config
         self.cfg = cfg
         self.backend = backend
         self.max_seq_length = max_seq_length
         self.dtype = dtype
+        self.prefill_dtype = prefill_dtype
         self.device = get_backend_impl(backend).torch_device
         self.weights: dict[str, tuple[torch.Tensor, DType, tuple]] = {}
         offset = cfg.norm_weight_offset
@@ -151,9 +161,13 @@ class LlamaModel:
         def norm(x, w):
             return g.mul(g.rms_norm(x, (H,), eps), weight(w))
 
+        bf16 = self.prefill_dtype == DType.bfloat16 and T >= PREFILL_BF16_MIN_T
+
         def proj(x, prefix):
             bias = weight(prefix + ".bias") if prefix + ".bias" in self.weights else None
-            return g.linear(x, weight(prefix + ".weight"), bias)
+            quantized = self.weights[prefix + ".weight"][1].is_quantized
+            return g.linear(x, weight(prefix + ".weight"), bias,
+                            compute_dtype="bfloat16" if bf16 and quantized else None)
 
         embed = weight("model.embed_tokens.weight")
         h = g.embedding(ids, embed)

@@ -537,6 +537,17 @@ def _linear_bf16_weight(M: int, N: int, K: int) -> Built:
     return g, [xs, w, bias], {0: F.linear(xs.to(torch.bfloat16), w).float() + bias}
 
 
+def _linear_quant_bf16(M: int, N: int, K: int, dtype: DType) -> Built:
+    """A block-quantized weight with compute_dtype='bfloat16': the decoded weight and x rounded to
+    bfloat16, float32 sums rounded to bfloat16, float32 bias (LLM prefill's bfloat16 GEMM)."""
+    storage, wf = _weight((N, K), dtype)
+    g = new_kernel_graph()
+    x, w, b = g.new_input((M, K)), g.new_input((N, K), dtype), g.new_input((N,))
+    g.mark_output(g.linear(x, w, b, compute_dtype="bfloat16"))
+    xs, bias = torch.randn(M, K), torch.randn(N)
+    return g, [xs, storage, bias], {0: F.linear(xs.to(torch.bfloat16), wf.to(torch.bfloat16)).float() + bias}
+
+
 def _embedding(V: int, D: int, dtype: DType) -> Built:
     storage, table = _weight((V, D), dtype)
     g = new_kernel_graph()
@@ -551,12 +562,15 @@ _GGML_EXTRA = (DType.q4_0, DType.q5_0, DType.q5_1, DType.q2_k, DType.q3_k, DType
 
 def _weight_cases() -> list[Case]:
     cases = [Case("linear", f"{d.value} M={M}", functools.partial(_linear, M, 33, 96, d), tol=(1e-4, 1e-4))
-             for d in (DType.q4_1, DType.q8_0, DType.float32) for M in (1, 7)]
+             for d in (DType.q4_1, DType.q8_0, DType.float32) for M in (1, 7, 20)]
     cases += [Case("linear", f"{d.value} M=3", functools.partial(_linear, 3, 17, 256, d), tol=(1e-4, 1e-4))
               for d in _GGML_EXTRA]
     # a sum may round to the neighbouring bfloat16 in another summation order: one ulp, 2^-8
     cases += [Case("linear", f"float32 x, bfloat16 weight M={M}", functools.partial(_linear_bf16_weight, M, 40, 96),
                    tol=(8e-3, 8e-3)) for M in (1, 9)]
+    cases += [Case("linear", f"{d.value} weight, bfloat16 compute M={M}",
+                   functools.partial(_linear_quant_bf16, M, 40, 256, d), tol=(8e-3, 8e-3))
+              for d in (DType.q4_1, DType.q4_k) for M in (3, 20)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 50, 64, d), tol=(0.0, 0.0))
               for d in (DType.q4_1, DType.q8_0, DType.float32)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 9, 256, d), tol=(0.0, 0.0))

@@ -33,10 +33,18 @@ MIRAGE_LINEARS = ((8, 4096, 4096), (2, 6144, 4096), (16, 256, 256))
 DEFAULT_BUDGET_S = 60.0
 
 
+#: prompt lengths (M) the LLM's quantized prefill GEMMs are measured at
+PREFILL_BUCKETS = (16, 64, 256, 512)
+#: the projections of an LLM layer measured (one per distinct shape and format)
+LLM_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+
+
 @dataclass(frozen=True)
 class Workload:
     """A linear layer shape of a workload: ``name`` (what uses it), N, K, the ``dtypes`` it runs
-    in, the ``rows`` it is measured at, and the int8 activation ``group``."""
+    in (a GGUF block format such as 'q4_1', and '<format>/bfloat16' for its bfloat16 compute),
+    the ``rows`` it is measured at, the int8 activation ``group``, and the real ``weight`` of a
+    block-quantized layer (uint8 blocks; None: random weights are made)."""
 
     name: str
     N: int
@@ -44,12 +52,37 @@ class Workload:
     dtypes: tuple[str, ...]
     rows: tuple[int, ...] = M_BUCKETS
     group: int = 0
+    weight: torch.Tensor | None = None
+
+
+def _llm_workloads() -> list[Workload]:
+    """The block-quantized projections of the default LLM's first layer (its real weights), as
+    prefill GEMMs in float32 and in bfloat16 compute; none when the model is not installed."""
+    from ..models.loading import load_model
+    from ..models.registry import DEFAULT_MODEL
+
+    try:
+        loaded = load_model(DEFAULT_MODEL, progress=False)
+    except YirageError:
+        return []
+    out, seen = [], set()
+    for proj in LLM_PROJECTIONS:
+        w = loaded.weights.get(f"model.layers.0.{proj}.weight")
+        if w is None or not w.dtype.is_quantized:
+            continue
+        N, K = w.shape
+        if (N, K, w.dtype) not in seen:
+            seen.add((N, K, w.dtype))
+            fmt = w.dtype.value
+            out.append(Workload(f"{DEFAULT_MODEL} {proj}", N, K, (fmt, f"{fmt}/bfloat16"), PREFILL_BUCKETS,
+                                weight=w.data))
+    return out
 
 
 def workload_cases() -> list[Workload]:
-    """The linear shapes of the default embedding model (float32, bfloat16, int8) and of Mirage's
-    graph family (float32). The registry's LLMs use GGUF block-quantized weights, whose GEMMs
-    have a single provider (yirage's) and nothing to measure."""
+    """The linear shapes of the default embedding model (float32, bfloat16, int8), of the default
+    LLM's quantized prefill GEMMs (float32 and bfloat16 compute) and of Mirage's graph family
+    (float32)."""
     from ..models.bert import BertConfig, int8_group
     from ..models.registry import DEFAULT_EMBEDDING_MODEL, resolve_embedding_model
 
@@ -63,13 +96,17 @@ def workload_cases() -> list[Workload]:
         for what, N, K in (("qkv", 3 * H, H), ("attention out", H, H), ("intermediate", I, H), ("output", H, I)):
             cases.append(Workload(f"{DEFAULT_EMBEDDING_MODEL} {what}", N, K, ("float32", "bfloat16", "int8"),
                                   group=int8_group(config)))
+    cases += _llm_workloads()
     for M, N, K in MIRAGE_LINEARS:
         cases.append(Workload(f"Mirage {M}x{K}x{N}", N, K, ("float32",), rows=(M,)))
     return cases
 
 
 def _weight_args(w: Workload, dtype: str) -> list[torch.Tensor]:
-    """Random constant weights of the workload (x is made by the provider's measurement)."""
+    """Random constant weights of the workload, or its real block-quantized ones (x is made by
+    the provider's measurement)."""
+    if w.weight is not None:
+        return [torch.empty(0), w.weight]
     if dtype == "int8":
         args = [torch.empty(0), torch.randint(-127, 128, (w.K, w.N), dtype=torch.int8), torch.rand(w.N) / 100,
                 torch.randn(w.N)]
@@ -90,7 +127,7 @@ def shape_classes() -> list[tuple[Workload, cpu_providers.Case, list[torch.Tenso
             args = _weight_args(w, dtype)
             for M in w.rows:
                 case = cpu_providers.Case("linear_w8a8" if dtype == "int8" else "linear", dtype, M, w.N, w.K,
-                                          w.group if dtype == "int8" else 0, constant=True)
+                                          w.group if dtype == "int8" else 0, constant=w.weight is None)
                 todo.append((w, case, args))
     return todo
 
@@ -105,7 +142,8 @@ def _measure_cases(budget_s: float, say) -> tuple[tuning.Profile, list[dict]]:
         cands = cpu_providers.candidates(case)
         row = {"workload": w.name, "op": case.op, "dtype": case.dtype, "M": case.M, "N": case.N, "K": case.K,
                "key": case.key(), "median_s": {}, "choice": next(iter(cands))}
-        if len(cands) > 1:
+        # bfloat16 compute of a quantized weight has one provider, timed to recommend it or not
+        if len(cands) > 1 or case.dtype.endswith("/bfloat16"):
             comparison = cpu_providers.measure(case, args, per_case)
             tuning.record(case.key(), comparison, "yirage optimize", prof)
             row.update(median_s={n: comparison.median(n) for n in comparison.names}, choice=comparison.fastest(),
@@ -193,19 +231,31 @@ def optimize(backend: str | None = None, budget_s: float = DEFAULT_BUDGET_S, app
             "threads": threads, "busy": busy}
 
 
-def _recommended_dtypes(backend: Backend, entries: dict) -> dict[str, str]:
-    """The activation dtype per workload: on GPUs bfloat16 (their tensor cores); on the CPU the
-    embedding model's bfloat16 when its measured GEMMs take under 0.8x float32's time at the
-    encoder's batch sizes, else float32; LLMs and kernel graphs float32 on the CPU."""
-    if backend not in (Backend.CPU, Backend.TRITON_INTERPRET):
-        return {"embedding": "bfloat16", "llm": "bfloat16", "kernel_graph": "float32"}
-    best = {"float32": 0.0, "bfloat16": 0.0}
+def _bfloat16_pays(entries: dict, float32: str, bfloat16: str) -> bool:
+    """Do the measured GEMMs of dtype ``bfloat16`` take under 0.8x those of ``float32`` (the
+    fastest provider of each, summed over the shape classes of M 256 and 512 measured in both)?"""
+    best: dict[str, dict[str, float]] = {float32: {}, bfloat16: {}}
     for key, e in entries.items():
         op, dtype, m = key.split("|")[:3]
         if op == "linear" and dtype in best and m in ("m256", "m512") and e.get("median_s"):
-            best[dtype] += min(e["median_s"].values())
-    faster = best["bfloat16"] and best["float32"] and best["bfloat16"] < 0.8 * best["float32"]
-    return {"embedding": "bfloat16" if faster else "float32", "llm": "float32", "kernel_graph": "float32"}
+            best[dtype][key.replace(dtype, "", 1)] = min(e["median_s"].values())
+    both = set(best[float32]) & set(best[bfloat16])
+    f32, bf16 = (sum(best[d][k] for k in both) for d in (float32, bfloat16))
+    return bool(both) and bf16 < 0.8 * f32
+
+
+def _recommended_dtypes(backend: Backend, entries: dict) -> dict[str, str]:
+    """The dtype per workload: on GPUs bfloat16 (their tensor cores); on the CPU the embedding
+    model's bfloat16 when its measured GEMMs take under 0.8x float32's time at the encoder's batch
+    sizes, else float32; an LLM's activations float32, its ``prefill_dtype`` bfloat16 when the
+    quantized prefill GEMMs in bfloat16 compute measured under 0.8x float32's; kernel graphs
+    float32."""
+    if backend not in (Backend.CPU, Backend.TRITON_INTERPRET):
+        return {"embedding": "bfloat16", "llm": "bfloat16", "llm_prefill": "bfloat16", "kernel_graph": "float32"}
+    formats = {key.split("|")[1].split("/")[0] for key in entries if key.split("|")[1].endswith("/bfloat16")}
+    prefill = any(_bfloat16_pays(entries, f, f"{f}/bfloat16") for f in formats)
+    return {"embedding": "bfloat16" if _bfloat16_pays(entries, "float32", "bfloat16") else "float32",
+            "llm": "float32", "llm_prefill": "bfloat16" if prefill else "float32", "kernel_graph": "float32"}
 
 
 def auto_configure_backend() -> dict:
@@ -213,7 +263,8 @@ def auto_configure_backend() -> dict:
 
     Returns a dict: ``backend`` (what 'auto' resolves to), ``threads`` (the embedding encoder's
     measured best thread count, else the usable cores), ``dtypes`` (recommended activation dtype
-    per workload: embedding, llm, kernel_graph), ``kernel_choices`` ({shape class: provider}),
+    per workload: embedding, llm, llm_prefill (``yr.LLM``'s ``prefill_dtype``), kernel_graph),
+    ``kernel_choices`` ({shape class: provider}),
     ``profile`` (the path of this machine's profile, or None if it has none yet), ``source``
     ('profile', 'template <name>' or 'defaults'), ``tune`` (YIRAGE_TUNE's mode).
     """

@@ -862,6 +862,19 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
     gemv_q8_0(x, w, bias, y, M, N, K, YR_ALL_GROUPS);
 }
 
+// Dequantization of nblocks consecutive blocks into nblocks * 32 floats, bitwise equal to
+// gguf.quants.dequantize (the vendor GEMM providers of cpu_providers.py dequantize a block of
+// weight rows per call; the other formats' yr_dequant_T are in ggml_quants.h).
+void yr_dequant_q4_1(const uint8_t* src, float* dst, int64_t nblocks) {
+#pragma omp parallel for schedule(static) if (nblocks * QK >= PAR_MIN_ELEMS)
+    for (int64_t b = 0; b < nblocks; ++b) dequant_block_q4_1(src + b * Q4_1_BYTES, dst + b * QK);
+}
+
+void yr_dequant_q8_0(const uint8_t* src, float* dst, int64_t nblocks) {
+#pragma omp parallel for schedule(static) if (nblocks * QK >= PAR_MIN_ELEMS)
+    for (int64_t b = 0; b < nblocks; ++b) dequant_block_q8_0(src + b * Q8_0_BYTES, dst + b * QK);
+}
+
 void yr_linear_f32(const float* x, const float* w, const float* bias, float* y,
                    int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
