@@ -44,7 +44,8 @@ yirage with one worker on the idle machine runs just before, and the ratio of ea
 is reported (their median is issue 7's busy-core figure).
 
 If ``yr.LLM`` takes a ``persistent`` keyword, yirage is measured with persistent=True and
-persistent=False; if it takes a thread-count keyword (num_threads, threads, num_workers), it
+persistent=False (and, if it takes ``prefill_dtype``, persistent=True with bfloat16 prefill GEMMs:
+its greedy tokens may differ from float32's); if it takes a thread-count keyword (num_threads, threads, num_workers), it
 gets --threads. ``machine`` is ``yirage.runtime.machine.machine_record()``.
 The machine may be shared with other jobs: figures are noisy; compare within one run.
 """
@@ -162,10 +163,15 @@ def _llm_params() -> set[str]:
 
 
 def yirage_configs() -> dict[str, dict]:
-    """The yr.LLM keyword sets to measure: both persistent modes if LLM takes ``persistent``."""
-    if "persistent" in _llm_params():
-        return {"persistent=True": {"persistent": True}, "persistent=False": {"persistent": False}}
-    return {"default": {}}
+    """The yr.LLM keyword sets to measure: both persistent modes if LLM takes ``persistent``, and
+    the persistent one with bfloat16 prefill GEMMs if it takes ``prefill_dtype``."""
+    params = _llm_params()
+    if "persistent" not in params:
+        return {"default": {}}
+    configs = {"persistent=True": {"persistent": True}, "persistent=False": {"persistent": False}}
+    if "prefill_dtype" in params:
+        configs["persistent=True prefill_dtype=bfloat16"] = {"persistent": True, "prefill_dtype": "bfloat16"}
+    return configs
 
 
 def _thread_kwargs(threads: int) -> dict:

@@ -134,6 +134,22 @@ def test_other_backends_match_the_cpu(model):
             _assert_close(other.encode(sents, convert_to_tensor=True).cpu().numpy(), model.encode(sents))
 
 
+def test_threads_get_the_embeddings_they_would_get_alone(model, reference):
+    """8 threads encoding different slices (batch sizes 3 to 10: their batches interleave) get
+    exactly the embeddings of the same calls made one after another, which match
+    sentence-transformers."""
+    import concurrent.futures
+
+    sents, ref = reference
+    calls = [(sents[i * 25:(i + 1) * 25], 3 + i) for i in range(8)]
+    alone = [model.encode(s, batch_size=b) for s, b in calls]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda c: model.encode(c[0], batch_size=c[1]), calls))
+    for i, (a, t) in enumerate(zip(alone, together)):
+        np.testing.assert_array_equal(t, a)
+        _assert_close(t, ref[i * 25:(i + 1) * 25])
+
+
 def test_normalize_and_shapes(model, st_model):
     sents = ["first sentence", "a second, longer sentence than the first", ""]
     dim = model.get_sentence_embedding_dimension()

@@ -192,3 +192,35 @@ def test_bad_prefill_dtype_is_one_clear_error(tmp_path, save_tiny_model):
         yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, prefill_dtype="bfloat16")
     with pytest.raises(yr.GenerationError, match="CPU backend with float32 activations"):
         yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, dtype="bfloat16", prefill_dtype="bfloat16")
+
+
+@pytest.mark.slow
+def test_threads_get_the_answers_they_would_get_alone(smollm):
+    """8 threads on one yr.LLM (greedy and seeded sampling, some streaming): each result equals
+    the same call made alone, one after another."""
+    import concurrent.futures
+
+    calls = [dict(prompt=PROMPTS[i % len(PROMPTS)], max_new_tokens=10,
+                  **({"temperature": 0.7, "seed": i} if i % 2 else {})) for i in range(8)]
+    alone = [smollm.generate(**c).token_ids for c in calls]
+
+    def run(i):
+        if i % 3 == 0:
+            stream = smollm.generate(**calls[i], stream=True)
+            "".join(stream)
+            return stream.result.token_ids
+        return smollm.generate(**calls[i]).token_ids
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, range(8)))
+    assert together == alone
+
+
+@pytest.mark.slow
+def test_an_open_stream_in_the_same_thread_is_a_clear_error(smollm):
+    stream = smollm.generate(PROMPTS[0], max_new_tokens=8, stream=True)
+    next(iter(stream))
+    with pytest.raises(yr.GenerationError, match="still streaming in this thread"):
+        smollm.generate(PROMPTS[1], max_new_tokens=2)
+    stream.close()
+    assert stream.result is None
+    assert smollm.generate(PROMPTS[1], max_new_tokens=2).token_ids   # the model is free again

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import threading
 from collections import OrderedDict
 from typing import Sequence
 
@@ -111,6 +112,7 @@ class EmbeddingModel:
         if self.device.type == "cpu":
             _declare_constant_weights(self._inputs)
         self._plans: OrderedDict[tuple[int, int], tuple] = OrderedDict()
+        self._lock = threading.Lock()  # one batch at a time: plans own their input/output buffers
         self.plan_shapes: set[tuple[int, int]] = set()  # every (batch, padded length) compiled so far
         logger.info("loaded embedding model %s on %s (dim %d, max_seq_length %d)", directory,
                     self.backend.value, self.spec.embedding_dim, self.max_seq_length)
@@ -134,6 +136,9 @@ class EmbeddingModel:
         Returns: float32 embeddings, in the order of ``sentences``.
         Raises:
             YirageError: an item that is not a str, or a bad ``batch_size``.
+
+        Safe to call from several threads: each call gets the embeddings it would get alone
+        (the batches of concurrent calls run one at a time).
         """
         single = isinstance(sentences, str)
         items = [sentences] if single else _as_list(sentences)
@@ -147,7 +152,8 @@ class EmbeddingModel:
             n_batches = math.ceil(len(items) / batch_size)
             for b in range(n_batches):
                 idx = order[b * batch_size:(b + 1) * batch_size]
-                out[idx] = self._embed_batch([ids[i] for i in idx])
+                with self._lock:
+                    out[idx] = self._embed_batch([ids[i] for i in idx])
                 if show_progress_bar:
                     print(f"\rembedding: batch {b + 1}/{n_batches}", end="", file=sys.stderr, flush=True)
             if show_progress_bar:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import numbers
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -265,6 +266,10 @@ class LLM:
         self.steps = StepRunner(self.model, persistent=self.persistent, num_workers=num_workers,
                                 profiler_tensor=profiler_tensor)
         self.steps.prepare(1)  # build and compile the decode step now, not inside the first timing
+        # one sequence at a time: a generation owns the KV cache and the step plans from its
+        # prompt to its last token (GenerationStream.__iter__ holds the lock)
+        self._sequence_lock = threading.Lock()
+        self._sequence_thread: int | None = None
         self.eos_token_ids = set(self.config.eos_token_ids)
         logger.info("loaded %s on %s (max_seq_length=%d, dtype=%s)", self.name, self.backend.value,
                     self.max_seq_length, self.dtype.value)
@@ -327,8 +332,13 @@ class LLM:
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True.
         Raises: GenerationError for bad arguments (see ``check_generation_args``), a prompt
-            that is not text, is empty or does not fit in max_seq_length, or a chat template
-            that fails to render (see ``encode_prompt``).
+            that is not text, is empty or does not fit in max_seq_length, a chat template
+            that fails to render (see ``encode_prompt``), or a second generation started in a
+            thread whose earlier stream on this LLM is still open.
+
+        Safe to call from several threads: each call gets the answer it would get alone.
+        Generations run one at a time (a call waits for the one before to finish; a stream
+        holds the model from its first piece until it is exhausted or closed).
         """
         check_generation_args(max_new_tokens, temperature, top_k, top_p, seed)
         if stop is not None and not isinstance(stop, str) and not (
@@ -354,15 +364,41 @@ class LLM:
 
 
 class GenerationStream:
-    """Iterator of decoded text pieces; ``result`` is set when generation ends."""
+    """Iterator of decoded text pieces; ``result`` is set when generation ends. While it is
+    open (started, not exhausted or closed) it holds its LLM: other threads' generations wait,
+    and a new generation in the same thread is a GenerationError."""
 
     def __init__(self, llm: LLM, prompt_ids: list[int], max_new_tokens: int, sampling: _Sampling,
                  stops: list[str]):
         self.llm, self.prompt_ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
         self.sampling, self.stops = sampling, stops
         self.result: GenerationResult | None = None
+        self._pieces: Iterator[str] | None = None
 
     def __iter__(self) -> Iterator[str]:
+        if self._pieces is None:
+            self._pieces = self._locked()
+        return self._pieces
+
+    def close(self) -> None:
+        """Stop the generation early (``result`` stays None) and free the model for the next."""
+        if self._pieces is not None:
+            self._pieces.close()
+
+    def _locked(self) -> Iterator[str]:
+        llm, me = self.llm, threading.get_ident()
+        if llm._sequence_thread == me:
+            raise GenerationError("another generation on this LLM is still streaming in this thread: exhaust "
+                                  "or close() it before starting the next (one yr.LLM runs one sequence at a "
+                                  "time; calls from other threads wait their turn)")
+        with llm._sequence_lock:
+            llm._sequence_thread = me
+            try:
+                yield from self._generate()
+            finally:
+                llm._sequence_thread = None
+
+    def _generate(self) -> Iterator[str]:
         llm, t0 = self.llm, time.perf_counter()
         budget = min(self.max_new_tokens, llm.max_seq_length - len(self.prompt_ids))
         out: list[int] = []
