@@ -421,6 +421,71 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
 
 
 @cli.command()
+@click.option("-m", "--model", default="smollm2-135m-instruct", show_default=True,
+              help="The LLM: a short name (yirage models), a GGUF file or a Hugging Face directory; "
+                   "'none' to serve embeddings only.")
+@click.option("--embedding-model", default=None,
+              help="An embedding model to serve on /v1/embeddings (e.g. all-minilm-l6-v2).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (1-65535).")
+@click.option("--backend", default=None, help="cpu, cuda, rocm, xpu, mps or auto (default: YIRAGE_BACKEND or auto).")
+@click.option("--parallel", type=int, default=1, show_default=True,
+              help="Sequences decoded at once (continuous batching; only 1 for now).")
+@click.option("--ctx-size", type=int, default=4096, show_default=True,
+              help="The LLM's KV-cache capacity in tokens (prompt + reply).")
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ requests.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the API key from this file's first line.")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Generation requests that may wait for the engine; more get HTTP 429.")
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a request may take, waiting included; then HTTP 504.")
+def serve(model, embedding_model, host, port, backend, parallel, ctx_size, api_key, api_key_file, max_queue,
+          timeout) -> None:
+    """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
+    /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        _fail(f"yirage serve needs the serve extra ({e.name} is missing): pip install 'yirage[serve]'")
+    try:
+        if parallel != 1:
+            raise GenerationError(f"--parallel {parallel}: continuous batching is not built yet; requests run one "
+                                  "at a time (--parallel 1) and wait in a queue (--max-queue)")
+        for name, value in (("--ctx-size", ctx_size), ("--max-queue", max_queue)):
+            if value < 1:
+                raise GenerationError(f"{name} must be a positive integer, got {value}")
+        if not 1 <= port <= 65535:
+            raise GenerationError(f"--port must be in 1..65535, got {port}")
+        if not timeout > 0:
+            raise GenerationError(f"--timeout must be a positive number of seconds, got {timeout}")
+        if api_key and api_key_file:
+            raise GenerationError("give --api-key or --api-key-file, not both")
+        if api_key_file:
+            try:
+                api_key = open(api_key_file, encoding="utf-8").readline().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise GenerationError(f"cannot read --api-key-file {api_key_file}: {getattr(e, 'strerror', None) or e}")
+            if not api_key:
+                raise GenerationError(f"--api-key-file {api_key_file} is empty")
+        llm = None if model.lower() == "none" else model
+        if llm is None and embedding_model is None:
+            raise GenerationError("nothing to serve: give an LLM (-m) or an --embedding-model")
+        from .serve import ServeOptions, run_server
+
+        options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout)
+        click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
+                   "GET /health answers 200 when ready)", err=True)
+        error = run_server(options, host, port)
+    except YirageError as e:
+        _fail(str(e))
+    if error:
+        _fail(error)
+
+
+@cli.command()
 @click.option("--backend", default=None, help="The backend whose kernel providers to measure (cpu; default: cpu).")
 @click.option("--budget", type=float, default=60.0, show_default=True,
               help="Seconds of measuring in all, shared by the shape classes.")

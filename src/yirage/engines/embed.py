@@ -144,22 +144,7 @@ class EmbeddingModel:
         items = [sentences] if single else _as_list(sentences)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise YirageError(f"encode: batch_size must be a positive integer, got {batch_size!r}")
-        dim = self.spec.embedding_dim
-        out = torch.empty((len(items), dim), dtype=torch.float32)
-        if items:
-            ids = [e.ids for e in self._fast_tokenizer.encode_batch(items, add_special_tokens=True)]
-            order = sorted(range(len(items)), key=lambda i: -len(ids[i]))
-            n_batches = math.ceil(len(items) / batch_size)
-            for b in range(n_batches):
-                idx = order[b * batch_size:(b + 1) * batch_size]
-                with self._lock:
-                    out[idx] = self._embed_batch([ids[i] for i in idx])
-                if show_progress_bar:
-                    print(f"\rembedding: batch {b + 1}/{n_batches}", end="", file=sys.stderr, flush=True)
-            if show_progress_bar:
-                print(file=sys.stderr, flush=True)
-        if self.spec.normalize or normalize_embeddings:
-            out = F.normalize(out, p=2, dim=1)
+        out = self._encode_ids(self.tokenize(items), batch_size, normalize_embeddings, show_progress_bar)
         if single:
             out = out[0]
         if convert_to_tensor:
@@ -167,6 +152,55 @@ class EmbeddingModel:
         if convert_to_numpy:
             return out.numpy()
         return list(out) if not single else out
+
+    def tokenize(self, sentences: Sequence[str]) -> list[list[int]]:
+        """Token ids of each sentence as ``encode`` feeds them: special tokens added, cut to
+        ``max_seq_length``. YirageError for an item that is not a str."""
+        items = _as_list(sentences)
+        if not items:
+            return []
+        return [e.ids for e in self._fast_tokenizer.encode_batch(items, add_special_tokens=True)]
+
+    def encode_ids(self, ids: Sequence[Sequence[int]], batch_size: int = 32,
+                   normalize_embeddings: bool = False) -> torch.Tensor:
+        """Embeddings, float32 [len(ids), dim], of token id lists given as they are (with the
+        model's special tokens if it expects them: ``tokenize`` adds them to text).
+
+        Raises YirageError for an empty list, an id outside the vocabulary, a list longer than
+        ``max_seq_length``, or a bad ``batch_size``."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise YirageError(f"encode: batch_size must be a positive integer, got {batch_size!r}")
+        vocab = self.config.vocab_size
+        rows = []
+        for i, seq in enumerate(ids):
+            seq = list(seq)
+            if not seq or len(seq) > self.max_seq_length:
+                raise YirageError(f"token list {i} has {len(seq)} tokens: give 1 to {self.max_seq_length} "
+                                  "(the model's max_seq_length)")
+            bad = next((t for t in seq if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise YirageError(f"token list {i} holds {bad!r}: token ids are integers in [0, {vocab})")
+            rows.append(seq)
+        return self._encode_ids(rows, batch_size, normalize_embeddings)
+
+    def _encode_ids(self, ids: list[list[int]], batch_size: int, normalize: bool,
+                    show_progress_bar: bool | None = None) -> torch.Tensor:
+        """Pooled float32 [len(ids), dim] embeddings of checked token id lists, batched longest
+        first; one batch at a time runs on the model's plans (the lock)."""
+        out = torch.empty((len(ids), self.spec.embedding_dim), dtype=torch.float32)
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        n_batches = math.ceil(len(ids) / batch_size)
+        for b in range(n_batches):
+            idx = order[b * batch_size:(b + 1) * batch_size]
+            with self._lock:
+                out[idx] = self._embed_batch([ids[i] for i in idx])
+            if show_progress_bar:
+                print(f"\rembedding: batch {b + 1}/{n_batches}", end="", file=sys.stderr, flush=True)
+        if show_progress_bar and n_batches:
+            print(file=sys.stderr, flush=True)
+        if self.spec.normalize or normalize:
+            out = F.normalize(out, p=2, dim=1)
+        return out
 
     def _embed_batch(self, ids: list[list[int]]) -> torch.Tensor:
         """Pooled embeddings [len(ids), dim] (float32, CPU) of one batch of token id lists, run

@@ -37,8 +37,8 @@ class GenerationResult:
     Attributes:
         text: the generated text (special tokens and the stop string removed).
         token_ids: generated token ids (EOS excluded).
-        finish_reason: 'stop' (EOS or a stop string) or 'length' (max_new_tokens or
-            the KV cache is full).
+        finish_reason: 'stop' (EOS or a stop string), 'length' (max_new_tokens or
+            the KV cache is full) or 'cancelled' (``GenerationStream.cancel``).
         prefill_s: seconds from the call to the first new token (time to first token).
         decode_tokens_per_s: tokens/s over the decode steps after the first token
             (0.0 when fewer than two tokens were generated).
@@ -310,13 +310,36 @@ class LLM:
         return list(ids)
 
     # ---- generation ---------------------------------------------------------------------
+    def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
+        """The token ids ``generate`` feeds for ``prompt``: ``encode_prompt``'s, or a list of
+        token ids as given (each checked against the vocabulary). GenerationError for a prompt
+        that is not text, messages or token ids, is empty, or does not fit in max_seq_length."""
+        if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            vocab = self.config.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise GenerationError(f"token id {bad} in the prompt is out of range [0, {vocab}): the "
+                                      "model's vocabulary")
+            ids = [int(t) for t in prompt]
+        else:
+            ids = self.encode_prompt(prompt, chat)
+        if not ids:
+            raise GenerationError("the prompt encodes to 0 tokens: give a non-empty prompt")
+        if len(ids) >= self.max_seq_length:
+            raise GenerationError(f"the prompt is {len(ids)} tokens but max_seq_length is "
+                                  f"{self.max_seq_length}: shorten the prompt or raise max_seq_length")
+        return ids
+
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop: "str | Sequence[str] | None" = None, stream: bool = False, chat: bool = True):
+                 stop: "str | Sequence[str] | None" = None, stream: bool = False, chat: bool = True,
+                 ignore_eos: bool = False):
         """Generate a continuation of ``prompt``.
 
         Args:
-            prompt: a string or a non-empty list of chat messages ({'role', 'content'}).
+            prompt: a string, a non-empty list of chat messages ({'role', 'content'}), or a
+                non-empty list of token ids (fed as they are).
             max_new_tokens: positive integer, upper bound on generated tokens.
             temperature: finite, >= 0: 0 for greedy decoding (so are positive values below
                 1e-30, where the scaled logits would overflow: greedy is their limit), > 0
@@ -329,6 +352,8 @@ class LLM:
             stream: if True, return an iterator of text pieces; its ``result`` attribute
                 holds the GenerationResult once it is exhausted.
             chat: apply the chat template to a string prompt.
+            ignore_eos: keep generating past end-of-sequence tokens (benchmarks): only
+                ``max_new_tokens`` and ``stop`` end the generation.
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True.
         Raises: GenerationError for bad arguments (see ``check_generation_args``), a prompt
@@ -344,18 +369,13 @@ class LLM:
         if stop is not None and not isinstance(stop, str) and not (
                 isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
             raise GenerationError(f"stop must be a string, a list of strings or None, got {stop!r}")
-        ids = self.encode_prompt(prompt, chat)
-        if not ids:
-            raise GenerationError("the prompt encodes to 0 tokens: give a non-empty prompt")
-        if len(ids) >= self.max_seq_length:
-            raise GenerationError(f"the prompt is {len(ids)} tokens but max_seq_length is "
-                                  f"{self.max_seq_length}: shorten the prompt or raise max_seq_length")
+        ids = self.prompt_ids(prompt, chat)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
         temperature = float(temperature) if temperature >= _GREEDY_BELOW else 0.0
         sampling = _Sampling(temperature, int(top_k) if top_k is not None else None,
                              float(top_p) if top_p is not None else None, gen)
-        stream_obj = GenerationStream(self, ids, int(max_new_tokens), sampling, stops)
+        stream_obj = GenerationStream(self, ids, int(max_new_tokens), sampling, stops, bool(ignore_eos))
         if stream:
             return stream_obj
         for _ in stream_obj:
@@ -369,11 +389,18 @@ class GenerationStream:
     and a new generation in the same thread is a GenerationError."""
 
     def __init__(self, llm: LLM, prompt_ids: list[int], max_new_tokens: int, sampling: _Sampling,
-                 stops: list[str]):
+                 stops: list[str], ignore_eos: bool = False):
         self.llm, self.prompt_ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
-        self.sampling, self.stops = sampling, stops
+        self.sampling, self.stops, self.ignore_eos = sampling, stops, ignore_eos
         self.result: GenerationResult | None = None
         self._pieces: Iterator[str] | None = None
+        self._cancelled = threading.Event()
+        self.generated = 0   # new tokens so far (the KV cache holds prompt + generated - 1 rows)
+
+    def cancel(self) -> None:
+        """Ask the generation to end after the token being computed (from any thread); its
+        ``result`` then has finish_reason 'cancelled'."""
+        self._cancelled.set()
 
     def __iter__(self) -> Iterator[str]:
         if self._pieces is None:
@@ -409,7 +436,11 @@ class GenerationStream:
         # decode loop inside the scheduler); the tokens are then streamed one by one.
         chunked = self.sampling.temperature == 0 and llm.steps.persistent
         pending: collections.deque[int] = collections.deque()
+        chunked = chunked and not self.ignore_eos   # the greedy loop stops at EOS by itself
         while len(out) < budget:
+            if self._cancelled.is_set():
+                finish = "cancelled"
+                break
             if not pending:
                 if chunked and out and len(feed) == 1:
                     got = llm.steps.run_greedy(feed[0], pos, min(GREEDY_CHUNK, budget - len(out)))
@@ -426,10 +457,11 @@ class GenerationStream:
                 t_first = time.perf_counter()
                 prefill_s = t_first - t0
             feed = [tok]
-            if tok in llm.eos_token_ids:
+            if tok in llm.eos_token_ids and not self.ignore_eos:
                 finish = "stop"
                 break
             out.append(tok)
+            self.generated = len(out)
             text = llm.tokenizer.decode(out, skip_special_tokens=True)
             cut = _first_stop(text, self.stops)
             if cut is not None:

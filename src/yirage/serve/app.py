@@ -1,0 +1,367 @@
+"""``yirage serve``: an OpenAI-compatible HTTP API over ``yr.LLM`` and ``yr.EmbeddingModel``,
+built on FastAPI and uvicorn, with Prometheus metrics.
+
+Endpoints (OpenAI's API reference; vLLM's and llama-server's extensions where named):
+
+| endpoint | what |
+|---|---|
+| ``GET /v1/models`` | the served models |
+| ``POST /v1/chat/completions`` | chat (``stream`` as SSE ``chat.completion.chunk`` events) |
+| ``POST /v1/completions`` | text or token-id prompts, ``ignore_eos``, ``stream`` |
+| ``POST /v1/embeddings`` | strings or token id lists; ``encoding_format`` float or base64 |
+| ``GET /health`` | 503 while the models load, then 200 |
+| ``GET /metrics`` | Prometheus text format |
+
+Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with a
+4xx status for what the client can fix (malformed JSON, a bad or unsupported field, an unknown
+model: 400/404; no or a wrong API key: 401; too many waiting requests: 429) and 503 while
+loading; a request that runs past ``timeout_s`` gets 504. Generations run on one engine thread
+(``engine.py``), one at a time; embeddings run in the server's thread pool (the model is
+thread-safe).
+
+This module must never compute a token or an embedding itself: it parses, queues and formats.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import logger
+from ..errors import YirageError
+from .engine import GenerationJob, LLMEngine, QueueFull
+from .metrics import Metrics
+from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
+
+
+@dataclass
+class ServeOptions:
+    """What ``create_app`` serves: ``model`` (an LLM: a registry name, GGUF file or HF
+    directory; None for none), ``embedding_model`` (likewise, or None), ``backend``, ``ctx_size``
+    (the LLM's max_seq_length in tokens), ``api_key`` (None: no authentication),
+    ``max_queue`` (waiting generation requests), ``timeout_s`` (seconds per request)."""
+
+    model: str | None = None
+    embedding_model: str | None = None
+    backend: str | None = None
+    ctx_size: int = 4096
+    api_key: str | None = None
+    max_queue: int = 64
+    timeout_s: float = 600.0
+
+
+@dataclass
+class _State:
+    options: ServeOptions
+    metrics: Metrics = field(default_factory=Metrics)
+    llm: Any = None
+    engine: LLMEngine | None = None
+    embedder: Any = None
+    ready: bool = False
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def names(self, kind: str) -> set[str]:
+        """The names a request may give for the served LLM ('llm') or embedding model."""
+        spec, obj = (self.options.model, self.llm) if kind == "llm" else (self.options.embedding_model, self.embedder)
+        if obj is None:
+            return set()
+        return {n for n in (spec, getattr(obj, "name", None)) if n}
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           metrics: Metrics | None = None) -> JSONResponse:
+    if metrics is not None:
+        metrics.errors.labels(status=str(status)).inc()
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+def create_app(options: ServeOptions, llm=None, embedder=None,
+               load: Callable[[ServeOptions], tuple[Any, Any]] | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """The FastAPI application of ``yirage serve``.
+
+    Args:
+        options: what to serve (``ServeOptions``).
+        llm, embedder: models already loaded (tests); the server is ready at once.
+        load: otherwise, called in a background thread at startup with ``options``; returns
+            (llm or None, embedding model or None). Until it returns, ``/health`` and every
+            endpoint answer 503.
+        on_load_error: called with the message when ``load`` raises (the CLI stops the server).
+    """
+    state = _State(options)
+
+    def become_ready(model, emb) -> None:
+        state.llm, state.embedder = model, emb
+        if model is not None:
+            state.engine = LLMEngine(model, options.max_queue, state.metrics)
+        state.ready = True
+
+    def load_in_background() -> None:
+        try:
+            become_ready(*load(options))
+            logger.info("yirage serve: models loaded")
+        except Exception as e:  # noqa: BLE001 - reported through /health and on_load_error
+            state.load_error = str(e) if isinstance(e, YirageError) else f"{type(e).__name__}: {e}"
+            if on_load_error is not None:
+                on_load_error(state.load_error)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if load is None:
+            become_ready(llm, embedder)
+        else:
+            threading.Thread(target=load_in_background, name="yirage-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.close()
+
+    app = FastAPI(title="yirage", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.yirage = state
+
+    # ---- errors: always an OpenAI-style body ------------------------------------------------
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, e: BadRequest):
+        return _error(e.status, e.message, e.param, e.kind, state.metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.method} {request.url.path}: see GET /v1/models, POST "
+                    "/v1/chat/completions, /v1/completions, /v1/embeddings",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return _error(e.status_code, msg, metrics=state.metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return _error(400, str(e), metrics=state.metrics)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        key = options.api_key
+        if key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {key}":
+                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              kind="authentication_error", metrics=state.metrics)
+        return await call_next(request)
+
+    def ready() -> _State:
+        if state.load_error is not None:
+            raise BadRequest(f"the model failed to load: {state.load_error}", 503, kind="service_unavailable")
+        if not state.ready:
+            raise BadRequest("the model is still loading: retry shortly", 503, kind="service_unavailable")
+        return state
+
+    async def body(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+    def check_model(name: str, kind: str) -> None:
+        names = state.names(kind)
+        if not names:
+            what = "an LLM (-m MODEL)" if kind == "llm" else "an embedding model (--embedding-model M)"
+            raise BadRequest(f"this server has no {what}", 404, param="model", kind="not_found_error")
+        if name not in names:
+            raise BadRequest(f"model {name!r} is not served here; served: {', '.join(sorted(names))}", 404,
+                             param="model", kind="not_found_error")
+
+    # ---- routes ---------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if state.load_error is not None:
+            return _error(503, f"the model failed to load: {state.load_error}", kind="service_unavailable")
+        if not state.ready:
+            return _error(503, "loading", kind="service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        data, ctype = state.metrics.render()
+        return Response(data, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        s = ready()
+        data = [{"id": n, "object": "model", "created": s.created, "owned_by": "yirage"}
+                for kind in ("llm", "embedding") for n in sorted(s.names(kind))[:1]]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        s = ready()
+        req = parse(ChatCompletionRequest, await body(request))
+        check_model(req.model, "llm")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        ids = _prompt_ids(s.llm, messages, chat=True)
+        return await _respond(s, req, ids, req.token_limit(), "chat", ignore_eos=False)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        s = ready()
+        req = parse(CompletionRequest, await body(request))
+        check_model(req.model, "llm")
+        ids = _prompt_ids(s.llm, req.single_prompt(), chat=False)
+        return await _respond(s, req, ids, req.max_tokens, "text", ignore_eos=req.ignore_eos)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        s = ready()
+        req = parse(EmbeddingRequest, await body(request))
+        check_model(req.model, "embedding")
+        dim = s.embedder.get_sentence_embedding_dimension()
+        if req.dimensions is not None and req.dimensions != dim:
+            raise BadRequest(f"'dimensions' {req.dimensions}: this model's embeddings have {dim}", param="dimensions")
+        texts, id_lists = req.items()
+
+        def run():
+            lists = s.embedder.tokenize(texts) if texts is not None else id_lists
+            return lists, s.embedder.encode_ids(lists)
+        try:
+            lists, vectors = await run_in_threadpool(run)
+        except YirageError as e:
+            raise BadRequest(str(e), param="input") from None
+        s.metrics.embedding_inputs.inc(len(lists))
+        tokens = sum(len(x) for x in lists)
+        data = [{"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
+                for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": req.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return app
+
+
+def _prompt_ids(llm, prompt, chat: bool) -> list[int]:
+    """The prompt's token ids (checked here, before the request queues); BadRequest if bad."""
+    try:
+        return llm.prompt_ids(prompt, chat)
+    except YirageError as e:
+        raise BadRequest(str(e), param="messages" if chat else "prompt") from None
+
+
+def _encode_vector(v, fmt: str):
+    if fmt == "base64":   # little-endian float32 bytes, as OpenAI's clients decode them
+        return base64.b64encode(v.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
+    return v.tolist()
+
+
+def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool) -> GenerationJob:
+    kwargs = {"max_new_tokens": limit or s.llm.max_seq_length, "temperature": req.temperature,
+              "top_p": req.top_p if req.top_p < 1.0 else None, "seed": req.seed, "stop": req.stops() or None,
+              "ignore_eos": ignore_eos}
+    return GenerationJob(ids, kwargs, n=req.n, chat=False)
+
+
+async def _respond(s: _State, req, ids: list[int], limit: int | None, kind: str, ignore_eos: bool):
+    try:
+        job = s.engine.submit(_job(s, req, ids, limit, ignore_eos))
+    except QueueFull as e:
+        raise BadRequest(str(e), 429, kind="rate_limit_error") from None
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    meta = {"id": rid, "created": int(time.time()), "model": req.model}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_sse(s, job, meta, kind, len(ids), include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        results = await asyncio.wait_for(_results(job), timeout=s.options.timeout_s)
+    except asyncio.TimeoutError:
+        job.cancelled.set()
+        raise BadRequest(f"the request did not finish within {s.options.timeout_s:g} s (--timeout)", 504,
+                         kind="timeout") from None
+    except asyncio.CancelledError:
+        job.cancelled.set()
+        raise
+    completion = sum(len(r.token_ids) for r in results)
+    if kind == "chat":
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                    "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+                   for i, r in enumerate(results)]
+        obj = "text_completion"
+    return {**meta, "object": obj, "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                      "total_tokens": len(ids) + completion}}
+
+
+async def _results(job: GenerationJob) -> list:
+    """Wait for the job's end; its results, or BadRequest with the engine's message."""
+    while True:
+        event = await job.events.get()
+        if event[0] == "done":
+            return event[1]
+        if event[0] == "error":
+            raise BadRequest(event[1])
+
+
+def _sse_data(obj) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_tokens: int,
+               include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed completion: chunks as the pieces come, each choice's final
+    chunk with its finish reason, the usage chunk if asked for, then ``data: [DONE]``."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(i: int, text: str | None, finish: str | None = None, first: bool = False) -> bytes:
+        if kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return _sse_data({**meta, "object": obj, "choices": [choice]})
+
+    deadline = time.monotonic() + s.options.timeout_s
+    started: set[int] = set()
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                job.cancelled.set()
+                yield _sse_data({"error": {"message": f"the request did not finish within {s.options.timeout_s:g} s "
+                                                      "(--timeout)", "type": "timeout", "param": None, "code": 504}})
+                break
+            if event[0] == "piece":
+                _, i, text = event
+                if kind == "chat" and i not in started:
+                    started.add(i)
+                    yield chunk(i, None, first=True)
+                yield chunk(i, text)
+            elif event[0] == "error":
+                yield _sse_data({"error": {"message": event[1], "type": "invalid_request_error", "param": None,
+                                           "code": 400}})
+                break
+            else:
+                results = event[1]
+                for i, r in enumerate(results):
+                    if kind == "chat" and i not in started:
+                        yield chunk(i, None, first=True)
+                    yield chunk(i, None, r.finish_reason)
+                if include_usage:
+                    completion = sum(len(r.token_ids) for r in results)
+                    yield _sse_data({**meta, "object": obj, "choices": [],
+                                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                               "total_tokens": prompt_tokens + completion}})
+                break
+        yield b"data: [DONE]\n\n"
+    finally:   # the client went away (or the stream ended): stop the generation
+        job.cancelled.set()

@@ -1,0 +1,208 @@
+"""The request bodies of ``yirage serve``'s OpenAI-compatible API, as pydantic models, and the
+checks that turn a bad body into one clear message (``BadRequest``, answered with HTTP 400).
+
+The fields follow OpenAI's API reference (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``). A field the API defines but yirage does not implement is refused when it
+asks for something (``logprobs: true``, a non-zero penalty, tools, a JSON ``response_format``);
+a field the API does not define is refused by name. Nothing is silently ignored.
+
+This module must never touch an engine: it only parses and checks.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+#: the most stop strings a request may give (OpenAI's limit)
+MAX_STOPS = 4
+#: the most choices (``n``) a request may ask for
+MAX_N = 8
+
+
+class BadRequest(Exception):
+    """A request the server refuses with HTTP ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.kind = message, status, param, kind
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    """One part of a message's content list; only ``{"type": "text", "text": ...}``."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """A chat message: ``role`` and ``content`` (a string, a list of text parts, or null for an
+    assistant turn); ``name`` is accepted and not used."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Sampling(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: Union[str, list[str], None] = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # defined by the API, implemented only at their neutral values
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        return v
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check_supported(self) -> None:
+        """BadRequest for a defined field asking for what yirage does not implement."""
+        unsupported = {"frequency_penalty": self.frequency_penalty != 0, "presence_penalty": self.presence_penalty != 0,
+                       "logprobs": bool(self.logprobs), "logit_bias": bool(self.logit_bias)}
+        for name, asked in unsupported.items():
+            if asked:
+                raise BadRequest(f"'{name}' is not supported by yirage serve: leave it out", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("'stream_options' is only allowed with 'stream': true", param="stream_options")
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: ResponseFormat | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise BadRequest("tool calls are not supported by yirage serve: leave 'tools' out", param="tools")
+        if self.top_logprobs:
+            raise BadRequest("'top_logprobs' is not supported by yirage serve", param="top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise BadRequest(f"response_format '{self.response_format.type}' (grammar-constrained JSON) is not "
+                             "supported by yirage serve yet: ask for JSON in the prompt instead",
+                             param="response_format")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise BadRequest("'max_tokens' and 'max_completion_tokens' differ: give one", param="max_tokens")
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` a string or token ids (one prompt; a list of
+    several prompts is refused), ``ignore_eos`` (vLLM's extension, for benchmarks)."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    ignore_eos: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo or self.suffix or (self.best_of not in (None, 1)):
+            name = "echo" if self.echo else "suffix" if self.suffix else "best_of"
+            raise BadRequest(f"'{name}' is not supported by yirage serve", param=name)
+
+    def single_prompt(self) -> "str | list[int]":
+        """The one prompt: a string or a list of token ids. BadRequest for several or none."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise BadRequest(f"one prompt per request, got {len(p)}: send them as separate requests "
+                                 "(the server runs them concurrently)", param="prompt")
+            p = p[0]
+        if not p:
+            raise BadRequest("the prompt is empty", param="prompt")
+        return p
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: ``input`` a string, a list of strings, a list of token ids or a
+    list of token id lists; ``encoding_format`` 'float' or 'base64' (little-endian float32)."""
+
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    def items(self) -> tuple[list[str] | None, list[list[int]] | None]:
+        """(texts, None) or (None, token id lists). BadRequest for an empty input."""
+        x = self.input
+        if isinstance(x, str):
+            x = [x]
+        if not x:
+            raise BadRequest("'input' is empty", param="input")
+        if isinstance(x[0], str):
+            return list(x), None
+        if isinstance(x[0], int):
+            return None, [list(x)]
+        return None, [list(s) for s in x]
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """``body`` (parsed JSON) as ``model``; BadRequest naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field (not part of the API, or not supported by yirage serve)"
+        raise BadRequest(f"{where or 'body'}: {msg}", param=where or None) from None
+    if hasattr(req, "check_supported"):
+        req.check_supported()
+    return req

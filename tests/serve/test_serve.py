@@ -1,0 +1,236 @@
+"""``yirage serve`` over real HTTP, called the way users call it: the ``openai`` client (and
+httpx for malformed requests). Every answer is checked against the engines called directly
+(``yr.LLM.generate``, ``yr.EmbeddingModel.encode``)."""
+import concurrent.futures
+import contextlib
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import yirage as yr
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from yirage.serve import ServeOptions, create_app  # noqa: E402
+
+LLM_NAME, EMB_NAME = "smollm2-135m-instruct", "all-minilm-l6-v2"
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serve ``app`` on a free local port in a thread; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return yr.EmbeddingModel(EMB_NAME, backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def url(smollm, embedder):
+    app = create_app(ServeOptions(LLM_NAME, EMB_NAME, max_queue=16, timeout_s=120), llm=smollm, embedder=embedder)
+    with running(app) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 12 times 7?"}]
+
+
+@pytest.mark.slow
+def test_models_and_health(client, url):
+    assert {m.id for m in client.models.list().data} == {LLM_NAME, EMB_NAME}
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_chat_completion_equals_the_engine(client, smollm):
+    r = client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=12, temperature=0)
+    ref = smollm.generate(MESSAGES, max_new_tokens=12, temperature=0)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(smollm.encode_prompt(MESSAGES))
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 12 "}, {"type": "text", "text": "times 7?"}]}]
+    same = client.chat.completions.create(model=LLM_NAME, messages=[MESSAGES[0], *parts], max_completion_tokens=12,
+                                          temperature=0)
+    assert same.choices[0].message.content == ref.text
+    seeded = [client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=8, temperature=0.9,
+                                             seed=5, n=2) for _ in range(2)]
+    assert [c.message.content for c in seeded[0].choices] == [c.message.content for c in seeded[1].choices]
+    assert len(seeded[0].choices) == 2
+
+
+@pytest.mark.slow
+def test_streamed_chat_gives_the_same_text_then_usage(client):
+    full = client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_completions_with_token_ids_and_ignore_eos(client, smollm):
+    ids = smollm.encode_prompt("Count to 3.")
+    r = client.completions.create(model=LLM_NAME, prompt=ids, max_tokens=40, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    ref = smollm.generate(ids, max_new_tokens=40, ignore_eos=True)
+    assert r.choices[0].text == ref.text
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=LLM_NAME, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
+    assert text == smollm.generate("The capital of France is", max_new_tokens=8, chat=False).text
+
+
+@pytest.mark.slow
+def test_embeddings_float_base64_and_token_ids(client, embedder):
+    texts = ["The cat sat on the mat.", "Un chat est assis.", "Compilers fuse kernels."]
+    ref = embedder.encode(texts)
+    b64 = client.embeddings.create(model=EMB_NAME, input=texts)   # the client asks for base64
+    assert [d.index for d in b64.data] == [0, 1, 2]
+    np.testing.assert_array_equal(np.array([d.embedding for d in b64.data], dtype=np.float32), ref)
+    flt = client.embeddings.create(model=EMB_NAME, input=texts[0], encoding_format="float")
+    np.testing.assert_array_equal(np.array(flt.data[0].embedding, dtype=np.float32), embedder.encode(texts[:1])[0])
+    ids = embedder.tokenize(texts[:2])
+    by_ids = client.embeddings.create(model=EMB_NAME, input=ids, encoding_format="float")
+    np.testing.assert_allclose(np.array([d.embedding for d in by_ids.data]), ref[:2], rtol=1e-5, atol=1e-6)
+    assert by_ids.usage.prompt_tokens == sum(len(x) for x in ids)
+
+
+@pytest.mark.slow
+def test_concurrent_requests_get_their_own_answers(client, smollm):
+    prompts = [f"Name {k} fruits." for k in range(2, 10)]
+    alone = [smollm.generate(p, max_new_tokens=10, temperature=0).text for p in prompts]
+
+    def ask(p):
+        return client.chat.completions.create(model=LLM_NAME, messages=[{"role": "user", "content": p}],
+                                              max_tokens=10, temperature=0).choices[0].message.content
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, prompts)) == alone
+
+
+BAD = [  # (body, status, words in the message)
+    ('{"model": "smollm2-135m-instruct", "messages": [', 400, "not valid JSON"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": LLM_NAME, "messages": []}, 400, "messages"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "temperature": 3}, 400, "temperature"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "bogus": 1}, 400, "unknown field"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "json_object"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ({"model": LLM_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages"),
+    ({"model": "gpt-4o", "messages": MESSAGES}, 404, "not served here"),
+    ({"model": LLM_NAME, "messages": [{"role": "user", "content": "x " * 5000}]}, 400, "max_seq_length"),
+    ([1, 2], 400, "JSON object"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body,status,words", BAD)
+def test_bad_requests_get_one_clear_4xx(url, body, status, words):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{url}/v1/chat/completions", headers={"content-type": "application/json"}, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["code"] == status
+
+
+@pytest.mark.slow
+def test_bad_completion_and_embedding_requests(url):
+    cases = [("/v1/completions", {"model": LLM_NAME, "prompt": [10 ** 9]}, 400, "out of range"),
+             ("/v1/completions", {"model": LLM_NAME, "prompt": ["a", "b"]}, 400, "one prompt per request"),
+             ("/v1/embeddings", {"model": EMB_NAME, "input": []}, 400, "empty"),
+             ("/v1/embeddings", {"model": EMB_NAME, "input": [[1, 2, 10 ** 9]]}, 400, "token ids are integers"),
+             ("/v1/embeddings", {"model": LLM_NAME, "input": "x"}, 404, "not served here"),
+             ("/v1/nothing", {}, 404, "no route")]
+    for path, body, status, words in cases:
+        r = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
+
+
+@pytest.mark.slow
+def test_metrics_count_what_was_served(client, url):
+    client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=4, temperature=0)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("yirage_requests_running", "yirage_requests_waiting", "yirage_generation_tokens_total",
+                 "yirage_time_to_first_token_seconds_bucket", "yirage_inter_token_latency_seconds_bucket",
+                 "yirage_kv_cache_usage_ratio", "yirage_request_errors_total"):
+        assert name in text
+    tokens = next(float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("yirage_generation_tokens_total"))
+    assert tokens >= 4
+
+
+@pytest.mark.slow
+def test_api_key_loading_and_queue_limit(smollm):
+    release = threading.Event()
+
+    def load(options):
+        release.wait(30)
+        return smollm, None
+    app = create_app(ServeOptions(LLM_NAME, api_key="sekret", max_queue=1), load=load)
+    with running(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 503
+        r = httpx.post(f"{base}/v1/chat/completions", json={"model": LLM_NAME, "messages": MESSAGES},
+                       headers={"authorization": "Bearer sekret"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        release.set()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
+        long = dict(model=LLM_NAME, prompt="Once upon a time", max_tokens=300, temperature=0,
+                    extra_body={"ignore_eos": True})
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(good.completions.create, **long)
+            time.sleep(0.5)                                   # the first runs, the second waits
+            second = pool.submit(good.completions.create, **long)
+            time.sleep(0.3)
+            with pytest.raises(openai.RateLimitError, match="--max-queue"):
+                good.completions.create(**long)
+            assert first.result().usage.completion_tokens == 300
+            assert second.result().usage.completion_tokens == 300
+
+
+def test_serve_cli_errors(yirage_cli):
+    code, out, err = yirage_cli("serve", "--parallel", "4")
+    assert code == 1 and "continuous batching" in err and len(err.splitlines()) == 1
+    code, out, err = yirage_cli("serve", "-m", "none")
+    assert code == 1 and "nothing to serve" in err
+    code, out, err = yirage_cli("serve", "--api-key", "a", "--api-key-file", "b")
+    assert code == 1 and "not both" in err
