@@ -8,7 +8,7 @@
     print(yr.explain(model, x))                 # partitions, and why each torch op stayed
 
 Dynamo captures FX graphs; AOTAutograd turns them into core-ATen inference graphs
-(backend.py); the lowering table (lowering.py) says which ATen ops become yirage IR; the
+(compiler.py); the lowering table (lowering.py) says which ATen ops become yirage IR; the
 partitioner (partition.py) groups those into partitions, each compiled as a ``KNGraph`` (a
 µGraph) for the chosen backend, and leaves the rest as torch ops in the same GraphModule.
 
@@ -28,7 +28,7 @@ def backend(gm, example_inputs, mode: str | None = None, options: dict | None = 
     """torch.compile's "yirage" backend: dynamo calls it with each captured FX graph and its
     example inputs and runs what it returns. ``mode``/``options``: see ``compile``. Raises
     TorchCompileError for bad options (dynamo wraps it in ``BackendCompilerFailed``)."""
-    from .backend import backend as _backend
+    from .compiler import backend as _backend
     return _backend(gm, example_inputs, mode=mode, options=options)
 
 
@@ -54,14 +54,14 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
         torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
 
     Returns the compiled module (what ``torch.compile`` returns). Inference only: a graph that
-    needs gradients runs eager with one warning (see yirage/dynamo/backend.py).
+    needs gradients runs eager with one warning (see yirage/dynamo/compiler.py).
 
     Raises:
         TorchCompileError: an unknown mode or option key (the message lists the valid ones) or
             a bad option value, checked here before anything compiles.
     """
     import torch
-    from .backend import YirageBackend
+    from .compiler import YirageBackend
     return torch.compile(model, backend=YirageBackend(mode, options), **torch_compile_kwargs)
 
 

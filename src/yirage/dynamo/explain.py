@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import YirageBackend
+from .compiler import YirageBackend
 from .partition import GraphReport
 
 

@@ -91,7 +91,7 @@ class _Support(OperatorSupportBase):
 
     def __init__(self, options: CompileOptions):
         self.options = options
-        self.declined: dict[Node, str] = {}
+        self.declined: dict[str, str] = {}  # node name -> reason (fusing copies the nodes)
 
     def is_node_supported(self, submodules, node: Node) -> bool:
         if node.op != "call_function":
@@ -105,7 +105,7 @@ class _Support(OperatorSupportBase):
         else:
             why = lowering.check(node)
         if why:
-            self.declined[node] = why
+            self.declined[node.name] = why
             return False
         return True
 
@@ -128,7 +128,7 @@ def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, 
         compute = sum(1 for n in nodes if n.target not in VIEW_TARGETS)
         if compute < options.min_block_size:
             for n in nodes:
-                support.declined[n] = (f"in a partition of {compute} compute op(s), fewer than "
+                support.declined[n.name] = (f"in a partition of {compute} compute op(s), fewer than "
                                        f"min_block_size={options.min_block_size}")
         else:
             kept.append(p)
@@ -141,7 +141,7 @@ def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, 
             setattr(gm, node.target, part)
             report.partitions.append(part.report)
         elif node.op == "call_function":
-            why = support.declined.get(node, f"no lowering for {node_op(node)}")
+            why = support.declined.get(node.name, f"no lowering for {node_op(node)}")
             report.torch_ops.append(TorchOp(node.name, node_op(node), why))
             logger.debug("yirage torch.compile: %s (%s) stays in torch: %s", node.name, node_op(node), why)
     gm.recompile()

@@ -1,4 +1,4 @@
-"""The torch.compile backend: dynamo's FX graph -> AOTAutograd -> partitions -> yirage.
+"""The torch.compile backend (compiler side): dynamo's FX graph -> AOTAutograd -> partitions -> yirage.
 
 ``YirageBackend(mode, options)`` is what ``torch.compile(m, backend=...)`` calls with each
 graph dynamo captures. It runs AOTAutograd with the core ATen decomposition table
@@ -31,11 +31,19 @@ from torch.fx import GraphModule
 
 from ..config import logger
 from ..errors import TorchCompileError
+from .lowering import LOWERINGS
 from .options import CompileOptions, parse_options
 from .partition import GraphReport, YirageFallbackWarning, lower_graph
 
 #: verify's tolerances (rtol, atol) per output dtype: float32 tight, half types looser
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def decompositions() -> dict:
+    """The core ATen decomposition table less the ops the lowering table lowers whole (silu,
+    gelu, ...: decomposed, they would reach the partitioner as several ops, some without a
+    lowering). An op kept whole that a lowering then declines still runs in torch."""
+    return {op: fn for op, fn in core_aten_decompositions().items() if op not in LOWERINGS}
 
 
 def needs_grad(example_inputs) -> bool:
@@ -66,8 +74,7 @@ class YirageBackend:
     def __call__(self, gm: GraphModule, example_inputs):
         if needs_grad(example_inputs):
             return self._eager_for_grad(gm)
-        compiler = aot_autograd(fw_compiler=self._compile_inference,
-                                decompositions=core_aten_decompositions())
+        compiler = aot_autograd(fw_compiler=self._compile_inference, decompositions=decompositions())
         return compiler(gm, example_inputs)
 
     def _eager_for_grad(self, gm: GraphModule):
