@@ -240,21 +240,36 @@ def _check_to_copy(node):
                    lambda n: _tensors_ok(n, same_dtype=False))(node)
 
 
-@lowers(aten._to_copy.default, check=_check_to_copy)
+#: bits of mantissa: a cast to fewer bits rounds
+_MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+
+
+def _check_narrowing(node):
+    """A cast that drops mantissa bits is lowered only where nothing lowered reads it: a
+    fused kernel rounds a value to its dtype only when it stores it (transforms/fusion.py
+    treats ``cast`` as the value itself), so ``x.to(bfloat16) * 2`` fused would skip the
+    rounding that eager does."""
+    src, dst = _val(node.args[0]).dtype, _val(node).dtype
+    if _MANTISSA[dst] < _MANTISSA[src] and any(u.target in LOWERINGS for u in node.users):
+        return (f"a narrowing cast {src} -> {dst} read by lowered ops (a fused kernel would not "
+                "round between them)")
+    return None
+
+
+@lowers(aten._to_copy.default, check=_all_of(_check_to_copy, _check_narrowing))
 def _to_copy(e, node):
     return e.g.cast(e[node.args[0]], as_dtype(_val(node).dtype))
 
 
 # ---- views --------------------------------------------------------------------------------
 
-@lowers(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-        check=_all_of(_no_kwargs(), _tensors_ok))
+@lowers(aten.view.default, aten._unsafe_view.default, check=_all_of(_no_kwargs(), _tensors_ok))
 def _reshape(e, node):
     return e.g.reshape(e[node.args[0]], tuple(_val(node).shape))
 
 
 #: ops that only change the shape: they do not count towards ``min_block_size``
-VIEW_TARGETS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, operator.getitem}
+VIEW_TARGETS = {aten.view.default, aten._unsafe_view.default, operator.getitem}
 
 
 # ---- row ops: softmax, layer_norm, sum/mean over the last dim -----------------------------

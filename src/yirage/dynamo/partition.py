@@ -93,21 +93,23 @@ class _Support(OperatorSupportBase):
         self.options = options
         self.declined: dict[str, str] = {}  # node name -> reason (fusing copies the nodes)
 
-    def is_node_supported(self, submodules, node: Node) -> bool:
-        if node.op != "call_function":
-            return False
+    def reason(self, node: Node) -> str | None:
+        """Why the call_function ``node`` stays in torch, or None when it lowers."""
         name = node_op(node)
         lowering = LOWERINGS.get(node.target)
         if lowering is None:
-            why = f"no lowering for {name}"
-        elif name in self.options.torch_executed_ops or name.rsplit(".", 1)[0] in self.options.torch_executed_ops:
-            why = "listed in torch_executed_ops"
-        else:
-            why = lowering.check(node)
+            return f"no lowering for {name}"
+        if name in self.options.torch_executed_ops or name.rsplit(".", 1)[0] in self.options.torch_executed_ops:
+            return "listed in torch_executed_ops"
+        return lowering.check(node)
+
+    def is_node_supported(self, submodules, node: Node) -> bool:
+        if node.op != "call_function":
+            return False
+        why = self.reason(node)
         if why:
             self.declined[node.name] = why
-            return False
-        return True
+        return why is None
 
 
 def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, GraphReport]:
@@ -141,7 +143,8 @@ def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, 
             setattr(gm, node.target, part)
             report.partitions.append(part.report)
         elif node.op == "call_function":
-            why = support.declined.get(node.name, f"no lowering for {node_op(node)}")
+            why = (support.declined.get(node.name) or support.reason(node)
+                   or "lowers, but the partitioner left it out of every partition")
             report.torch_ops.append(TorchOp(node.name, node_op(node), why))
             logger.debug("yirage torch.compile: %s (%s) stays in torch: %s", node.name, node_op(node), why)
     gm.recompile()
