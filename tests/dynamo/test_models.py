@@ -127,3 +127,22 @@ def test_bert_matches_eager():
     parts = _yirage_partitions(be)
     assert parts and sum(p.num_compute_ops for p in parts) >= 20
     assert not any(p.runs_in == "torch" for r in be.reports for p in r.partitions)
+
+
+def test_new_shapes():
+    """yr.compile compiles each shape statically (yirage lowers static shapes only so far); a
+    dynamic graph (torch.compile's automatic dynamic shapes) runs in torch with one warning."""
+    model = MLP().eval()
+    compiled, be = yr.compile(model), YirageBackend()
+    static = torch.compile(model, backend=be, dynamic=False)
+    with torch.no_grad():
+        for rows in (2, 3, 4):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(compiled(x), model(x), **TOL)
+            torch.testing.assert_close(static(x), model(x), **TOL)
+    assert [len(r.partitions) for r in be.reports] == [1, 1, 1]
+    torch._dynamo.reset()
+    be = YirageBackend()
+    with torch.no_grad(), pytest.warns(YirageFallbackWarning, match="symbolic"):
+        torch.compile(model, backend=be, dynamic=True)(torch.randn(5, 32))
+    assert not be.reports[0].partitions

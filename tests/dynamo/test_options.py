@@ -162,3 +162,22 @@ def test_cache_dir_receives_the_kernels(tmp_path):
     report = yr.explain(model, x, options={"cache_dir": str(tmp_path)})
     assert report.yirage_partitions
     assert any(tmp_path.rglob("*")), "no kernel was written to cache_dir"
+
+
+def test_max_autotune_superoptimizes_each_partition():
+    model, x = MLP().eval(), torch.randn(4, 16)
+    report = yr.explain(model, x, mode="max-autotune", options={"time_budget_s": 1})
+    (part,) = report.yirage_partitions
+    assert part.compiled_as.startswith("superoptimize: ")
+    with torch.no_grad():
+        torch.testing.assert_close(report.outputs, model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_default_and_reduce_overhead_use_the_fixed_fusion():
+    model, x = MLP().eval(), torch.randn(4, 16)
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        report = yr.explain(model, x, mode=mode)
+        (part,) = report.yirage_partitions
+        assert part.compiled_as.startswith("fixed fusion: ")
+        assert "as fixed fusion" in str(report)

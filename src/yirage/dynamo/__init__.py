@@ -52,6 +52,9 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
             ``cache_dir`` (where compiled kernels go), ``time_budget_s`` (max-autotune's budget
             per partition, default 10).
         torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
+            ``dynamic`` defaults to False here: yirage lowers static shapes only so far, so
+            each new input shape compiles anew (up to dynamo's recompile limit) instead of
+            one dynamic graph that would run in torch.
 
     Returns the compiled module (what ``torch.compile`` returns). Inference only: a graph that
     needs gradients runs eager with one warning (see yirage/dynamo/compiler.py).
@@ -62,6 +65,7 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
     """
     import torch
     from .compiler import YirageBackend
+    torch_compile_kwargs.setdefault("dynamic", False)
     return torch.compile(model, backend=YirageBackend(mode, options), **torch_compile_kwargs)
 
 

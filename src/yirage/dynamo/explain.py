@@ -57,6 +57,7 @@ class ExplainReport:
         """The report as plain data (JSON-serializable)."""
         return {"graphs": [{"reason": g.reason,
                             "partitions": [{"name": p.name, "runs_in": p.runs_in, "reason": p.reason,
+                                            "compiled_as": p.compiled_as,
                                             "ops": list(p.ops)} for p in g.partitions],
                             "torch_ops": [{"node": t.node, "op": t.op, "reason": t.reason} for t in g.torch_ops]}
                            for g in self.graphs]}
@@ -73,6 +74,8 @@ class ExplainReport:
                     lines.append(f"  {p.name:<22} {p.runs_in:<8} {len(p.ops):>4}  {detail}")
                     if p.reason:
                         lines.append(f"  {'':<36}why: {p.reason}")
+                    elif p.compiled_as:
+                        lines.append(f"  {'':<36}as {p.compiled_as}")
             if g.torch_ops:
                 lines.append(f"  {'torch node':<22} {'op':<28} why not in yirage")
                 for t in g.torch_ops:

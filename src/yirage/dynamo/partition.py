@@ -45,13 +45,15 @@ class YirageFallbackWarning(UserWarning):
 
 @dataclass
 class PartitionReport:
-    """One partition: ``name`` (its submodule, e.g. "fused_0"), the ATen ops in it, where it
-    runs ("yirage" or "torch") and, for "torch", why (``reason``)."""
+    """One partition: ``name`` (its submodule, e.g. "yirage_partition_0"), the ATen ops in
+    it, where it runs ("yirage" or "torch"), for "torch" why (``reason``), and for "yirage"
+    how its µGraph was compiled (``compiled_as``)."""
 
     name: str
     ops: list[str]
     runs_in: str = "yirage"
     reason: str | None = None
+    compiled_as: str = ""  # "fixed fusion: N launch(es)" or "superoptimize: <the winner>"
 
     @property
     def num_compute_ops(self) -> int:
@@ -148,6 +150,13 @@ def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, 
             report.torch_ops.append(TorchOp(node.name, node_op(node), why))
             logger.debug("yirage torch.compile: %s (%s) stays in torch: %s", node.name, node_op(node), why)
     gm.recompile()
+    symbolic = [t.node for t in report.torch_ops if "symbolic shape" in t.reason]
+    if symbolic:
+        warnings.warn(f"yirage: {len(symbolic)} op(s) of this graph ({', '.join(symbolic[:3])}"
+                      f"{', ...' if len(symbolic) > 3 else ''}) have symbolic (dynamic) shapes, which "
+                      "yirage does not lower yet: they run in torch. torch.compile(..., dynamic=False) "
+                      "(yr.compile's default) compiles each shape statically instead",
+                      YirageFallbackWarning, stacklevel=2)
     return gm, report
 
 
@@ -231,8 +240,10 @@ class YiragePartition(torch.nn.Module):
         self._constants = [c.to(impl.torch_device) for c in e.constants]
         if self.options.mode == "max-autotune":
             self._runner = g.superoptimize(backend=self.backend, time_budget_s=self.options.time_budget_s)
+            self.report.compiled_as = f"superoptimize: {self._runner.description}"
         else:
             self._runner = g.compile(self.backend)
+            self.report.compiled_as = f"fixed fusion: {self._runner.num_kernels} launch(es)"
 
     def _fall_back(self, what: str, error: Exception) -> None:
         ops = ", ".join(dict.fromkeys(self.report.ops))
