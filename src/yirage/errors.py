@@ -71,3 +71,11 @@ class TorchCompileError(YirageError):
     that needs gradients; with ``verify=True``, a first call whose outputs differ from eager
     (the message names the output and the error). Raised inside torch.compile, dynamo wraps it
     in its ``BackendCompilerFailed``, whose message carries this one."""
+
+
+class YirageFallbackWarning(UserWarning):
+    """The torch.compile front end runs something in torch instead of yirage that it was
+    asked to compile: a partition that failed to lower, compile or run (``fallback="eager"``),
+    a graph that needs gradients, or ops with dynamic shapes. One warning per occurrence,
+    naming the ops and the reason; ``yr.explain`` lists them too. Filter it with
+    ``warnings.filterwarnings("ignore", category=yr.YirageFallbackWarning)``."""

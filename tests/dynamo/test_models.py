@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import yirage as yr
 from yirage.dynamo.compiler import YirageBackend
-from yirage.dynamo.partition import YirageFallbackWarning
+from yirage.errors import YirageFallbackWarning
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -68,6 +68,18 @@ def test_model_matches_eager(model, shape):
     x = torch.randn(shape)
     out, ref, be = _compiled_run(model.eval(), x)
     torch.testing.assert_close(out, ref, **TOL)
+    parts = _yirage_partitions(be)
+    assert len(parts) == 1 and not any(t for r in be.reports for t in r.torch_ops)
+    assert parts[0].num_compute_ops >= 3
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("make_model", [MLP, Block])
+def test_half_precision_models_match_eager(make_model, dtype, tol):
+    model, x = make_model().eval().to(dtype), torch.randn(3, 5, 32, dtype=dtype)
+    out, ref, be = _compiled_run(model, x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     parts = _yirage_partitions(be)
     assert len(parts) == 1 and not any(t for r in be.reports for t in r.torch_ops)
     assert parts[0].num_compute_ops >= 3

@@ -16,8 +16,7 @@ import yirage as yr
 from yirage.dynamo import lowering
 from yirage.dynamo.compiler import YirageBackend
 from yirage.dynamo.options import VALID_KEYS, parse_options
-from yirage.dynamo.partition import YirageFallbackWarning
-from yirage.errors import GraphError, TorchCompileError
+from yirage.errors import GraphError, TorchCompileError, YirageFallbackWarning
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]

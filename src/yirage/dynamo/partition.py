@@ -32,15 +32,10 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from ..backends import get_backend_impl, resolve_backend
 from ..config import logger
 from ..dtypes import as_dtype
-from ..errors import TorchCompileError
+from ..errors import TorchCompileError, YirageFallbackWarning
 from ..kernel import KNGraph
 from .lowering import LOWERINGS, VIEW_TARGETS, Emitter, rewrite_linear
 from .options import CompileOptions, op_name
-
-
-class YirageFallbackWarning(UserWarning):
-    """A partition (or a whole graph that needs gradients) runs as torch ops instead of
-    yirage; the message says which ops and why."""
 
 
 @dataclass
@@ -262,6 +257,9 @@ class YiragePartition(torch.nn.Module):
         return self._runner is not None
 
     def forward(self, *inputs):
+        """Run the partition on the tensors the parent graph passes (in the order of the
+        torch module's placeholders); returns what the torch module would (one tensor or a
+        tuple)."""
         if self._runner is None:
             return self.torch_module(*inputs)
         self._calls += 1
