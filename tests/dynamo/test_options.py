@@ -57,6 +57,18 @@ def test_register_makes_the_name_known():
     assert "yirage" in torch._dynamo.list_backends(exclude_tags=())
 
 
+def test_import_yirage_registers_the_name_when_dynamo_is_loaded():
+    """A source tree without the installed entry point: ``import yirage`` after torch._dynamo
+    registers the name itself (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+    code = ("import torch._dynamo\nfrom torch._dynamo.backends import registry\n"
+            "assert 'yirage' not in registry._COMPILER_FNS\nimport yirage\n"
+            "assert registry._COMPILER_FNS['yirage'] is yirage.dynamo.backend\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("mode, options, message", [
     (None, {"min_blok_size": 3}, r"unknown option\(s\) 'min_blok_size'; valid options: backend, dtype, "
                                  r"min_block_size, torch_executed_ops, fallback, verify, cache_dir, time_budget_s"),

@@ -128,7 +128,7 @@ def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, 
         if compute < options.min_block_size:
             for n in nodes:
                 support.declined[n.name] = (f"in a partition of {compute} compute op(s), fewer than "
-                                       f"min_block_size={options.min_block_size}")
+                                            f"min_block_size={options.min_block_size}")
         else:
             kept.append(p)
     if kept:
