@@ -240,17 +240,13 @@ def _check_to_copy(node):
                    lambda n: _tensors_ok(n, same_dtype=False))(node)
 
 
-#: bits of mantissa: a cast to fewer bits rounds
-_MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-
-
 def _check_narrowing(node):
-    """A cast that drops mantissa bits is lowered only where nothing lowered reads it: a
-    fused kernel rounds a value to its dtype only when it stores it (transforms/fusion.py
-    treats ``cast`` as the value itself), so ``x.to(bfloat16) * 2`` fused would skip the
-    rounding that eager does."""
+    """A cast to a half type (float16, bfloat16) from another dtype is lowered only where
+    nothing lowered reads it: a fused kernel rounds a value to its dtype only when it stores it
+    (transforms/fusion.py treats ``cast`` as the value itself), so ``x.to(bfloat16) * 2`` fused
+    would skip the rounding (and float16's overflow to inf) that eager does."""
     src, dst = _val(node.args[0]).dtype, _val(node).dtype
-    if _MANTISSA[dst] < _MANTISSA[src] and any(u.target in LOWERINGS for u in node.users):
+    if dst != src and dst != torch.float32 and any(u.target in LOWERINGS for u in node.users):
         return (f"a narrowing cast {src} -> {dst} read by lowered ops (a fused kernel would not "
                 "round between them)")
     return None
