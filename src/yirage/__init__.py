@@ -5,11 +5,13 @@
     g = yr.new_kernel_graph(); ...; g(inputs=[...])
     llm = yr.LLM("smollm2-135m-instruct"); print(llm.generate("Hi").text)
 
-This module only re-exports the public API; nothing else lives here. The exports load on
+This module only re-exports the public API (and registers torch.compile's "yirage" backend
+when torch._dynamo is already loaded); nothing else lives here. The exports load on
 first use (PEP 562), so ``import yirage`` and the ``yirage`` command start without torch:
 the CLI can then answer ``--help`` at once and turn a Ctrl-C during start-up into one line.
 """
 import importlib
+import sys as _sys
 
 from .config import configure_logging as _configure_logging
 
@@ -20,7 +22,8 @@ _EXPORTS = {
     **dict.fromkeys(["DType", "bfloat16", "float16", "float32", "int8", "int32", "int64", "q4_1", "q8_0", "q4_0", "q5_0",
                      "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"], "yirage.dtypes"),
     **dict.fromkeys(["BackendUnavailableError", "BenchmarkError", "CacheError", "ConfigError", "GenerationError", "GraphError",
-                     "IndexOutOfRangeError", "ModelLoadError", "ToolchainError", "YirageError"],
+                     "IndexOutOfRangeError", "ModelLoadError", "ToolchainError", "TorchCompileError", "YirageError",
+                     "YirageFallbackWarning"],
                     "yirage.errors"),
     **dict.fromkeys(["Backend", "BackendInfo", "MemoryInfo", "get_available_backends", "get_backend",
                      "get_backend_info", "get_memory_info", "is_backend_available", "set_backend"],
@@ -33,6 +36,7 @@ _EXPORTS = {
     "EmbeddingModel": "yirage.engines.embed",
     **dict.fromkeys(["auto_configure_backend", "BackendOptimizer"], "yirage.tools.optimize"),
     "benchmark_backends": "yirage.tools.benchmark",
+    **dict.fromkeys(["compile", "explain"], "yirage.dynamo"),
 }
 _ALIASES = {
     # The runnable kernel graph (``yr.new_kernel_graph()`` returns one); the IR class it
@@ -43,6 +47,12 @@ _ALIASES = {
 __all__ = sorted([*_EXPORTS, *_ALIASES])
 
 _configure_logging()
+
+# torch.compile's "yirage" backend comes from the installed entry point; a source tree that is
+# not installed gets it here when torch._dynamo is already loaded (never loaded for this).
+# By name, like the exports: the modules below this one import ``yirage`` for its version.
+if "torch._dynamo" in _sys.modules:
+    importlib.import_module("yirage.dynamo").register()
 
 
 def __getattr__(name: str):

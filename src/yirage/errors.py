@@ -61,3 +61,21 @@ class ConfigError(YirageError):
     cannot be read, is malformed (not JSON, not an object, a setting of the wrong type) or
     cannot be written. The message names the file and says how to repair it (``yirage set
     --unset``, or edit or delete the file)."""
+
+
+class TorchCompileError(YirageError):
+    """The torch.compile front end (``yirage.dynamo``: ``torch.compile(m, backend="yirage")``,
+    ``yr.compile``, ``yr.explain``) was asked for something it cannot do: an unknown ``mode``, an
+    unknown option or an option of the wrong type (the message names the valid ones); with
+    ``fallback="raise"``, a partition that could not be lowered, compiled or run, or a graph
+    that needs gradients; with ``verify=True``, a first call whose outputs differ from eager
+    (the message names the output and the error). Raised inside torch.compile, dynamo wraps it
+    in its ``BackendCompilerFailed``, whose message carries this one."""
+
+
+class YirageFallbackWarning(UserWarning):
+    """The torch.compile front end runs something in torch instead of yirage that it was
+    asked to compile: a partition that failed to lower, compile or run (``fallback="eager"``),
+    a graph that needs gradients, or ops with dynamic shapes. One warning per occurrence,
+    naming the ops and the reason; ``yr.explain`` lists them too. Filter it with
+    ``warnings.filterwarnings("ignore", category=yr.YirageFallbackWarning)``."""

@@ -1,0 +1,89 @@
+"""The torch.compile front end: ``torch.compile(model, backend="yirage")``, ``yr.compile``,
+``yr.explain``.
+
+    import torch, yirage as yr
+    m = yr.compile(model)                       # or torch.compile(model, backend="yirage")
+    with torch.no_grad():
+        y = m(x)
+    print(yr.explain(model, x))                 # partitions, and why each torch op stayed
+
+Dynamo captures FX graphs; AOTAutograd turns them into core-ATen inference graphs
+(compiler.py); the lowering table (lowering.py) says which ATen ops become yirage IR; the
+partitioner (partition.py) groups those into partitions, each compiled as a ``KNGraph`` (a
+µGraph) for the chosen backend, and leaves the rest as torch ops in the same GraphModule.
+
+The name "yirage" reaches torch through the ``torch_dynamo_backends`` entry point of the
+installed package (no import needed); ``register()`` adds it by hand (``import yirage``
+calls it when ``torch._dynamo`` is already loaded, and importing this package does).
+
+This package must never import anything above it (engines, models, the CLI); and this
+``__init__`` stays light: the compiler modules load on first use.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
+    """torch.compile's "yirage" backend: dynamo calls it with each captured FX graph and its
+    example inputs and runs what it returns. ``mode``/``options``: see ``compile``. Raises
+    TorchCompileError for bad options (dynamo wraps it in ``BackendCompilerFailed``)."""
+    from .compiler import backend as _backend
+    return _backend(gm, example_inputs, mode=mode, options=options)
+
+
+def compile(model, mode: str | None = None, options: dict | None = None, **torch_compile_kwargs):  # noqa: A001
+    """``torch.compile(model, backend=<yirage>)``: PyTorch inference through yirage.
+
+    Args:
+        model: a ``torch.nn.Module`` or a function of tensors.
+        mode: None (the fixed fusion of each partition); "reduce-overhead" (plan reuse: each
+            partition keeps its bound plan between calls with the same input tensors, as None
+            does on the CPU; GPU backends capture it after a few calls); "max-autotune"
+            (``superoptimize`` each partition within ``options["time_budget_s"]``).
+        options: a dict with any of
+            ``backend`` (a yirage backend name; default ``yr.get_backend()``),
+            ``dtype`` (None only, for now),
+            ``min_block_size`` (int >= 1, default 2: smaller partitions stay torch),
+            ``torch_executed_ops`` (ATen op names such as "aten.gelu" that always run in torch),
+            ``fallback`` ("eager", default: a partition that fails runs in torch with one
+            ``YirageFallbackWarning``; "raise": TorchCompileError),
+            ``verify`` (bool: compare the first call of each graph with eager),
+            ``cache_dir`` (where compiled kernels go), ``time_budget_s`` (max-autotune's budget
+            per partition, default 10).
+        torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
+            ``dynamic`` defaults to False here: yirage lowers static shapes only so far, so
+            each new input shape compiles anew (up to dynamo's recompile limit) instead of
+            one dynamic graph that would run in torch.
+
+    Returns the compiled module (what ``torch.compile`` returns). Inference only: a graph that
+    needs gradients runs eager with one warning (see yirage/dynamo/compiler.py).
+
+    Raises:
+        TorchCompileError: an unknown mode or option key (the message lists the valid ones) or
+            a bad option value, checked here before anything compiles.
+    """
+    import torch
+    from .compiler import YirageBackend
+    torch_compile_kwargs.setdefault("dynamic", False)
+    return torch.compile(model, backend=YirageBackend(mode, options), **torch_compile_kwargs)
+
+
+def explain(model, *inputs, mode: str | None = None, options: dict | None = None, **kwargs):
+    """Compile ``model`` for yirage, run it once on ``inputs`` under ``torch.no_grad()`` and
+    return an ``ExplainReport`` (partitions, their ops, every torch op and why it was not
+    lowered; ``print`` it for a table). See yirage/dynamo/explain.py."""
+    from .explain import explain as _explain
+    return _explain(model, *inputs, mode=mode, options=options, **kwargs)
+
+
+def register() -> None:
+    """Register ``backend`` as torch.compile's "yirage" backend if torch does not know the
+    name yet (it does when the package's entry point is installed). Imports torch._dynamo."""
+    from torch._dynamo.backends import registry
+    if "yirage" not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=backend, name="yirage")
+
+
+if "torch._dynamo" in sys.modules:
+    register()

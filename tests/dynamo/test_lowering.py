@@ -1,0 +1,119 @@
+"""Every entry of the lowering table against torch eager, and the preconditions that decline.
+
+Each case compiles a small function with ``min_block_size=1`` and checks that the ATen op it
+names ran inside a yirage partition and that the result matches eager. ``test_every_lowering
+_has_a_case`` fails when an op is added to the table without a case here.
+"""
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from yirage.dynamo.compiler import YirageBackend
+from yirage.dynamo.lowering import LOWERINGS
+from yirage.dynamo.options import op_name
+
+aten = torch.ops.aten
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _pos(*shape):
+    return torch.rand(*shape) + 0.1
+
+
+#: case id -> (function, inputs, the ops (names) that must run in yirage)
+CASES = {
+    "add": (lambda x, y: x + y, lambda: [torch.randn(4, 8), torch.randn(8)], ["aten.add.Tensor"]),
+    "add_alpha": (lambda x, y: torch.add(x, y, alpha=2.5), lambda: [torch.randn(4, 8), torch.randn(4, 8)],
+                  ["aten.add.Tensor"]),
+    "add_scalar": (lambda x: aten.add.Scalar(x, 1.5), lambda: [torch.randn(4, 8)], ["aten.add.Scalar"]),
+    "sub": (lambda x, y: x - y, lambda: [torch.randn(4, 8), torch.randn(4, 1)], ["aten.sub.Tensor"]),
+    "rsub_scalar": (lambda x: 2.0 - x, lambda: [torch.randn(4, 8)], ["aten.sub.Tensor"]),
+    "sub_scalar": (lambda x: aten.sub.Scalar(x, 0.25), lambda: [torch.randn(4, 8)], ["aten.sub.Scalar"]),
+    "mul": (lambda x, y: x * y, lambda: [torch.randn(2, 4, 8), torch.randn(4, 8)], ["aten.mul.Tensor"]),
+    "mul_scalar": (lambda x: aten.mul.Scalar(x, 3.0), lambda: [torch.randn(4, 8)], ["aten.mul.Scalar"]),
+    "div": (lambda x, y: x / y, lambda: [torch.randn(4, 8), _pos(4, 8)], ["aten.div.Tensor"]),
+    "div_scalar": (lambda x: aten.div.Scalar(x, 7.0), lambda: [torch.randn(4, 8)], ["aten.div.Scalar"]),
+    "exp": (torch.exp, lambda: [torch.randn(4, 8)], ["aten.exp.default"]),
+    "sqrt": (torch.sqrt, lambda: [_pos(4, 8)], ["aten.sqrt.default"]),
+    "rsqrt": (torch.rsqrt, lambda: [_pos(4, 8)], ["aten.rsqrt.default"]),
+    "neg": (torch.neg, lambda: [torch.randn(4, 8)], ["aten.neg.default"]),
+    "relu": (torch.relu, lambda: [torch.randn(4, 8)], ["aten.relu.default"]),
+    "silu": (F.silu, lambda: [torch.randn(4, 8)], ["aten.silu.default"]),
+    "gelu": (F.gelu, lambda: [torch.randn(4, 8)], ["aten.gelu.default"]),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda: [torch.randn(4, 8)], ["aten.gelu.default"]),
+    "clamp": (lambda x: torch.clamp(x, -0.5, 0.75), lambda: [torch.randn(4, 8)], ["aten.clamp.default"]),
+    "clamp_min": (lambda x: aten.clamp_min.default(x, 0.1), lambda: [torch.randn(4, 8)], ["aten.clamp_min.default"]),
+    "clamp_max": (lambda x: aten.clamp_max.default(x, 0.1), lambda: [torch.randn(4, 8)], ["aten.clamp_max.default"]),
+    "to_copy": (lambda x: (x * 2.0).to(torch.bfloat16), lambda: [torch.randn(4, 8)], ["aten._to_copy.default"]),
+    "to_copy_widen": (lambda x: x.to(torch.float32) * 2.0, lambda: [torch.randn(4, 8, dtype=torch.bfloat16)],
+                      ["aten._to_copy.default"]),
+    "view": (lambda x: x.view(8, 4) * 2.0, lambda: [torch.randn(4, 8)], ["aten.view.default"]),
+    "reshape": (lambda x: aten.reshape.default(x, [2, 16]) + 1.0, lambda: [torch.randn(4, 8)],
+                ["aten.view.default"]),
+    "unsafe_view": (lambda x: aten._unsafe_view.default(x * 2.0, [32]), lambda: [torch.randn(4, 8)],
+                    ["aten._unsafe_view.default"]),
+    "softmax": (lambda x: torch.softmax(x, -1), lambda: [torch.randn(3, 5, 8)], ["aten._softmax.default"]),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, (8,), w, b), lambda: [torch.randn(3, 8), torch.randn(8), torch.randn(8)],
+                   ["aten.native_layer_norm.default", "getitem"]),
+    "layer_norm_plain": (lambda x: F.layer_norm(x, (8,)), lambda: [torch.randn(2, 3, 8)],
+                         ["aten.native_layer_norm.default"]),
+    "sum": (lambda x: x.sum(-1), lambda: [torch.randn(3, 5, 8)], ["aten.sum.dim_IntList"]),
+    "sum_keepdim": (lambda x: x.sum(-1, keepdim=True), lambda: [torch.randn(3, 8)], ["aten.sum.dim_IntList"]),
+    "mean": (lambda x: x.mean(-1), lambda: [torch.randn(3, 8)], ["aten.mean.dim"]),
+    "mm": (torch.mm, lambda: [torch.randn(4, 8), torch.randn(8, 6)], ["aten.mm.default"]),
+    "bmm": (torch.bmm, lambda: [torch.randn(2, 4, 8), torch.randn(2, 8, 6)], ["aten.bmm.default"]),
+    "addmm": (torch.addmm, lambda: [torch.randn(6), torch.randn(4, 8), torch.randn(8, 6)], ["aten.addmm.default"]),
+    "linear": (F.linear, lambda: [torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6)], ["aten.linear.default"]),
+    "linear_nobias": (F.linear, lambda: [torch.randn(4, 8), torch.randn(6, 8)], ["aten.linear.default"]),
+}
+
+def _compile_run(fn, inputs, **options):
+    be = YirageBackend(options={"min_block_size": 1, **options})
+    with torch.no_grad():
+        out = torch.compile(fn, backend=be, fullgraph=True)(*inputs)
+    return out, be
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lowering_matches_eager(case):
+    fn, make_inputs, ops = CASES[case]
+    inputs = make_inputs()
+    out, be = _compile_run(fn, inputs)
+    torch.testing.assert_close(out, fn(*inputs), **TOL)
+    ran = {o for r in be.reports for p in r.partitions if p.runs_in == "yirage" for o in p.ops}
+    assert set(ops) <= ran, (ops, ran, [t for r in be.reports for t in r.torch_ops])
+
+
+def test_every_lowering_has_a_case():
+    covered = {o for _, _, ops in CASES.values() for o in ops}
+    table = {op_name(t) if hasattr(t, "overloadpacket") else t.__name__ for t in LOWERINGS}
+    assert table - covered == set()
+
+
+@pytest.mark.parametrize("fn, inputs, op, why", [
+    (lambda x: torch.softmax(x, 0), [torch.randn(3, 8)], "aten._softmax.default", "not the last dim"),
+    (lambda x, y: x + y, [torch.randn(3, 8), torch.randn(3, 8, dtype=torch.float16)], "aten.add.Tensor",
+     "mixed dtypes"),
+    (lambda x: x.sum(0), [torch.randn(3, 8)], "aten.sum.dim_IntList", "not the last dim"),
+    (lambda x: x.to(torch.bfloat16).to(torch.float32) * 2.0, [torch.randn(3, 8)], "aten._to_copy.default",
+     "narrowing cast"),
+    (lambda x: torch.relu(x * 2), [torch.arange(8).reshape(2, 4)], "aten.relu.default", "torch.int64"),
+])
+def test_preconditions_decline_with_a_reason(fn, inputs, op, why):
+    out, be = _compile_run(fn, inputs)
+    torch.testing.assert_close(out, fn(*inputs))
+    reasons = {t.op: t.reason for r in be.reports for t in r.torch_ops}
+    assert why in reasons[op], reasons
+
+
+def test_layer_norm_with_used_statistics_stays_torch():
+    def fn(x):
+        out, mean, rstd = aten.native_layer_norm.default(x, [8], None, None, 1e-5)
+        return out * 2.0, mean
+    x = torch.randn(3, 8)
+    out, be = _compile_run(fn, [x])
+    torch.testing.assert_close(out, fn(x))
+    reasons = {t.op: t.reason for r in be.reports for t in r.torch_ops}
+    assert "mean/rstd outputs are used" in reasons["aten.native_layer_norm.default"]
