@@ -57,15 +57,19 @@ def test_register_makes_the_name_known():
     assert "yirage" in torch._dynamo.list_backends(exclude_tags=())
 
 
-def test_import_yirage_registers_the_name_when_dynamo_is_loaded():
-    """A source tree without the installed entry point: ``import yirage`` after torch._dynamo
-    registers the name itself (checked in a fresh interpreter)."""
+@pytest.mark.parametrize("import_first", [False, True])
+def test_backend_name_works_in_a_fresh_process(import_first):
+    """``torch.compile(m, backend="yirage")`` in a new interpreter, with no yirage import (the
+    installed entry point) and with ``import yirage`` after torch._dynamo (which must not
+    register the name a second time: torch would refuse the entry point as a duplicate)."""
     import subprocess
     import sys
-    code = ("import torch._dynamo\nfrom torch._dynamo.backends import registry\n"
-            "assert 'yirage' not in registry._COMPILER_FNS\nimport yirage\n"
-            "assert registry._COMPILER_FNS['yirage'] is yirage.dynamo.backend\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = ("import torch, torch._dynamo\n" + ("import yirage\n" if import_first else "") +
+            "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())\nx = torch.randn(2, 8)\n"
+            "with torch.no_grad():\n    y = torch.compile(m, backend='yirage')(x)\n"
+            "    assert (y - m(x)).abs().max() < 1e-5\n"
+            "import sys\nassert 'yirage.dynamo' in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

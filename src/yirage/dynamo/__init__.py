@@ -80,7 +80,11 @@ def explain(model, *inputs, mode: str | None = None, options: dict | None = None
 def register() -> None:
     """Register ``backend`` as torch.compile's "yirage" backend if torch does not know the
     name yet (it does when the package's entry point is installed). Imports torch._dynamo."""
+    from importlib.metadata import entry_points
+
     from torch._dynamo.backends import registry
+    if any(ep.name == "yirage" for ep in entry_points(group="torch_dynamo_backends")):
+        return   # torch loads the installed entry point itself (registering here too is a duplicate)
     if "yirage" not in registry._COMPILER_FNS:
         registry.register_backend(compiler_fn=backend, name="yirage")
 
