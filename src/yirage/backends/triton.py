@@ -53,8 +53,10 @@ def _types(node, graph):
 
 
 def _linear_ok(node, graph) -> bool:
+    """Float x with a same-dtype or q4_1/q8_0 weight; not ``compute_dtype='bfloat16'`` (a CPU
+    prefill option: it runs as the op's torch reference here)."""
     x, w = _types(node, graph)[:2]
-    return x.dtype.is_float and (w.dtype in _QUANT or w.dtype == x.dtype)
+    return x.dtype.is_float and (w.dtype in _QUANT or w.dtype == x.dtype) and not node.attrs.get("compute_dtype")
 
 
 def _embedding_ok(node, graph) -> bool:
