@@ -231,6 +231,100 @@ class KernelGraph:
     def silu(self, x): return self._add("silu", [x])
     def relu(self, x): return self._add("relu", [x])
 
+    def tanh(self, x):
+        """Elementwise ``torch.tanh`` of a float tensor (same shape and dtype; computed in float32)."""
+        return self._add("tanh", [x])
+
+    def sigmoid(self, x):
+        """Elementwise ``torch.sigmoid``: ``1 / (1 + exp(-x))`` (float; computed in float32)."""
+        return self._add("sigmoid", [x])
+
+    def erf(self, x):
+        """Elementwise ``torch.erf`` (float; computed in float32, absolute error <= 5e-7 on the CPU)."""
+        return self._add("erf", [x])
+
+    def log(self, x):
+        """Elementwise natural logarithm ``torch.log`` (float; -inf at 0, NaN below)."""
+        return self._add("log", [x])
+
+    def exp2(self, x):
+        """Elementwise ``2 ** x`` (``torch.exp2``; float)."""
+        return self._add("exp2", [x])
+
+    def abs(self, x):
+        """Elementwise ``|x|`` (``torch.abs``; float)."""
+        return self._add("abs", [x])
+
+    def reciprocal(self, x):
+        """Elementwise ``1 / x`` (``torch.reciprocal``; float; inf at 0)."""
+        return self._add("reciprocal", [x])
+
+    def maximum(self, a, b):
+        """Elementwise ``torch.maximum(a, b)`` with broadcasting: one float dtype; NaN if either is NaN."""
+        return self._add("maximum", [a, b])
+
+    def minimum(self, a, b):
+        """Elementwise ``torch.minimum(a, b)`` with broadcasting: one float dtype; NaN if either is NaN."""
+        return self._add("minimum", [a, b])
+
+    def pow(self, x, exponent):
+        """``torch.pow(x, exponent)``: ``exponent`` a tensor of x's float dtype (broadcast, op ``pow``)
+        or a real number (op ``pow_scalar``, attr ``exponent``; +-inf allowed, NaN rejected). A
+        negative base gives a real result only for an integer exponent (NaN otherwise), as in
+        torch. GraphError for non-float inputs, mismatched dtypes or shapes that do not broadcast."""
+        if isinstance(exponent, DTensor):
+            return self._add("pow", [x, exponent])
+        return self._add("pow_scalar", [x], exponent=_real("pow", "exponent", exponent, finite=False))
+
+    # comparisons and logical ops: bool outputs (yr.bool, torch.bool storage)
+    def _compare(self, op: str, a, b):
+        """``op`` (a name of ``ir.ops.COMPARE``) of two tensors of one float or bool dtype,
+        broadcast; a bool tensor. GraphError for other dtypes or shapes that do not broadcast."""
+        return self._add(op, [a, b])
+
+    def eq(self, a, b):
+        """Elementwise ``a == b`` (``torch.eq``): one float (or bool) dtype, broadcast; bool out."""
+        return self._compare("eq", a, b)
+
+    def ne(self, a, b):
+        """Elementwise ``a != b`` (``torch.ne``; true where either is NaN); bool out."""
+        return self._compare("ne", a, b)
+
+    def lt(self, a, b):
+        """Elementwise ``a < b`` (``torch.lt``): one float (or bool) dtype, broadcast; bool out."""
+        return self._compare("lt", a, b)
+
+    def le(self, a, b):
+        """Elementwise ``a <= b`` (``torch.le``); bool out."""
+        return self._compare("le", a, b)
+
+    def gt(self, a, b):
+        """Elementwise ``a > b`` (``torch.gt``); bool out."""
+        return self._compare("gt", a, b)
+
+    def ge(self, a, b):
+        """Elementwise ``a >= b`` (``torch.ge``); bool out."""
+        return self._compare("ge", a, b)
+
+    def logical_and(self, a, b):
+        """Elementwise ``a & b`` of two bool tensors, broadcast (``torch.logical_and``); GraphError
+        for a non-bool input."""
+        return self._add("logical_and", [a, b])
+
+    def logical_or(self, a, b):
+        """Elementwise ``a | b`` of two bool tensors, broadcast (``torch.logical_or``)."""
+        return self._add("logical_or", [a, b])
+
+    def logical_not(self, x):
+        """Elementwise ``~x`` of a bool tensor (``torch.logical_not``)."""
+        return self._add("logical_not", [x])
+
+    def where(self, cond, a, b):
+        """``torch.where(cond, a, b)``: ``a`` where the bool ``cond`` is true, else ``b``; the three
+        broadcast together; ``a`` and ``b`` share one float (or bool) dtype, which the output has.
+        GraphError for a non-bool condition, mismatched branch dtypes or shapes that do not broadcast."""
+        return self._add("where", [cond, a, b])
+
     def gelu(self, x, approximate: str = "none"):
         """GELU (Hendrycks & Gimpel 2016), as torch's ``F.gelu(x, approximate=...)``:
         ``"none"`` is the exact erf form ``0.5 x (1 + erf(x / sqrt(2)))`` (op ``gelu``),
@@ -260,11 +354,12 @@ class KernelGraph:
         return self._add("clamp", [x], min_val=lo, max_val=hi)
 
     def cast(self, x, dtype):
-        """Elementwise conversion to another floating-point ``dtype`` (yr.float32/float16/
-        bfloat16; to half types rounding to nearest even, like torch's ``Tensor.to``)."""
+        """Elementwise conversion between floating-point dtypes and bool (yr.float32/float16/
+        bfloat16/bool; to half types rounding to nearest even, like torch's ``Tensor.to``; to
+        bool ``x != 0``; from bool 0 or 1). GraphError for another source or target dtype."""
         dtype = _dtype("cast", dtype)
-        if not dtype.is_float:
-            raise GraphError(f"cast: target dtype must be floating point, got {dtype.value}")
+        if not (dtype.is_float or dtype == DType.bool):
+            raise GraphError(f"cast: target dtype must be floating point or bool, got {dtype.value}")
         return self._add("cast", [x], dtype=dtype.value)
 
     def scale(self, x, factor: float):

@@ -127,8 +127,17 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 UNARY: dict[str, Callable] = {
     "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu,
     "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "log": torch.log, "exp2": torch.exp2,
+    "abs": torch.abs, "reciprocal": torch.reciprocal,
 }
-BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+                               "maximum": torch.maximum, "minimum": torch.minimum, "pow": torch.pow}
+#: comparisons: two inputs of one float (or bool) dtype, a bool output
+COMPARE: dict[str, Callable] = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le,
+                                "gt": torch.gt, "ge": torch.ge}
+#: logical ops over bool inputs, a bool output
+LOGICAL: dict[str, Callable] = {"logical_and": torch.logical_and, "logical_or": torch.logical_or,
+                                "logical_not": torch.logical_not}
 
 for _n, _f in UNARY.items():
     _register(_n, "elementwise", 1, _unary_infer(_n),
@@ -137,8 +146,55 @@ for _n, _f in BINARY.items():
     _register(_n, "elementwise", 2, _binary_infer(_n),
               (lambda f: lambda args, attrs: f(args[0], args[1]))(_f))
 
+
+def _row_dtype(t: TensorType) -> bool:
+    """True for the dtypes a row program loads and stores: the float types and bool."""
+    return t.dtype.is_float or t.dtype == DType.bool
+
+
+def _compare_infer(name):
+    def infer(ts, attrs):
+        a, b = ts
+        if not (_row_dtype(a) and a.dtype == b.dtype):
+            _fail(name, ts, f"needs two floating-point (or two bool) inputs of one dtype, got "
+                            f"{a.dtype.value} and {b.dtype.value}")
+        return TensorType(broadcast_shape(name, a, b), DType.bool)
+    return infer
+
+
+def _logical_infer(name):
+    def infer(ts, attrs):
+        if any(t.dtype != DType.bool for t in ts):
+            _fail(name, ts, f"needs bool inputs, got {', '.join(t.dtype.value for t in ts)}")
+        shape = ts[0].shape if len(ts) == 1 else broadcast_shape(name, ts[0], ts[1])
+        return TensorType(shape, DType.bool)
+    return infer
+
+
+def _where_infer(ts, attrs):
+    c, a, b = ts
+    if c.dtype != DType.bool:
+        _fail("where", ts, f"the condition must be bool, got {c.dtype.value}")
+    if not (_row_dtype(a) and a.dtype == b.dtype):
+        _fail("where", ts, f"the two branches must share one floating-point (or bool) dtype, got "
+                           f"{a.dtype.value} and {b.dtype.value}")
+    shape = broadcast_shape("where", TensorType(broadcast_shape("where", c, a), a.dtype), b)
+    return TensorType(shape, a.dtype)
+
+
+for _n, _f in COMPARE.items():
+    _register(_n, "elementwise", 2, _compare_infer(_n), (lambda f: lambda args, attrs: f(args[0], args[1]))(_f))
+for _n, _f in LOGICAL.items():
+    _register(_n, "elementwise", 1 if _n == "logical_not" else 2, _logical_infer(_n),
+              (lambda f: lambda args, attrs: f(*args))(_f))
+_register("where", "elementwise", 3, _where_infer, lambda args, a: torch.where(args[0], args[1], args[2]))
+_register("pow_scalar", "elementwise", 1, _unary_infer("pow_scalar"),
+          lambda args, a: torch.pow(args[0], a["exponent"]))
+
+
 def _cast_infer(ts, attrs):
-    _float("cast", ts)
+    if not _row_dtype(ts[0]):
+        _fail("cast", ts, f"casts floating-point and bool tensors, got {ts[0].dtype.value}")
     return TensorType(ts[0].shape, DType(attrs["dtype"]))
 
 

@@ -14,8 +14,14 @@ new kernel starts. Composite ops are expanded as
   reduction(x) = sum(x)
 
 Statements: ``load`` (an input in one of the modes ``full`` [R, D], ``row`` [D] broadcast
-over rows, ``col`` [R] one per row, ``scalar``), unary/binary ops from ir.ops,
-``affine`` (a*x + b), and the row reductions ``sum``/``max``.
+over rows, ``col`` [R] one per row, ``scalar``), unary/binary ops from ir.ops (``UNARY``,
+``BINARY``, ``COMPARE``, ``LOGICAL``), ``where`` (three arguments), ``pow_scalar`` (attr
+``exponent``), ``to_bool`` (x != 0), ``affine`` (a*x + b), and the row reductions
+``sum``/``max``.
+
+Every value is float32, bool values included: a bool is carried as 0.0 or 1.0 (a bool input
+is loaded as 0/1, comparisons and logical ops make 0/1, a cast to bool is ``to_bool``), and
+stored as ``v != 0`` into a bool output; ``where`` takes its condition as ``c != 0``.
 
 This pass must never emit code: codegen renders FusedKernel for a target language.
 """
@@ -25,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..dtypes import DType
-from ..ir.ops import OPS, UNARY, BINARY
+from ..ir.ops import BINARY, COMPARE, LOGICAL, OPS, UNARY
 
 VEC, RS = "vec", "rs"
 VIEW_OPS = ("reshape", "slice_rows")  # library ops that alias their input's buffer
@@ -193,9 +199,13 @@ def _emit(kern: FusedKernel, node, graph, kind: str) -> None:
         # a row op over a per-row value (rows of one element, D == 1): reductions read vec
         # values, so spread it over the (one-element) row first
         args = [kern.stmt(VEC, "affine", [args[0]], a=1.0, b=0.0)]
-    if op in UNARY or op in BINARY:
+    if op in UNARY or op in BINARY or op in COMPARE or op in LOGICAL or op == "where":
         kind = RS if all(kern.kind_of(s) == RS for s in args) else VEC
         sid = kern.stmt(kind, op, args)
+    elif op == "pow_scalar":
+        sid = kern.stmt(kind, "pow_scalar", args, exponent=a["exponent"])
+    elif op == "cast" and a["dtype"] == DType.bool.value:  # 0/1 from here on, as a bool value is
+        sid = kern.stmt(kern.kind_of(args[0]), "to_bool", args)
     elif op == "cast":  # the value itself; the output's dtype decides the store
         sid = args[0]
     elif op == "clamp":
