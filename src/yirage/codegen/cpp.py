@@ -132,6 +132,9 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
             init = "0.0f" if s.op == "sum" else "(-std::numeric_limits<float>::infinity())"
             lines.append(f"    float v{s.id} = {init};")
             clauses += f" reduction({'+' if s.op == 'sum' else 'max'}:v{s.id})"
+            if s.op == "max":  # std::max drops NaN: count NaNs beside it, as torch's max keeps them
+                lines.append(f"    float v{s.id}_nan = 0.0f;")
+                clauses += f" reduction(+:v{s.id}_nan)"
         lines.append(f"    #pragma omp simd{clauses}")
         lines.append("    for (int64_t j = 0; j < D; ++j) {")
         body_ids = [s.id for s in stmts if s.id in phase and phase[s.id] == p and s.op not in ("sum", "max")]
@@ -149,7 +152,12 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
         for s in accs:
             a = f"v{s.args[0]}"
             lines.append(f"      v{s.id} = {'v%d + %s' % (s.id, a) if s.op == 'sum' else 'std::max(v%d, %s)' % (s.id, a)};")
+            if s.op == "max":
+                lines.append(f"      v{s.id}_nan += ({a} != {a}) ? 1.0f : 0.0f;")
         lines.append("    }")
+        for s in accs:
+            if s.op == "max":
+                lines.append(f"    if (v{s.id}_nan != 0.0f) v{s.id} = std::numeric_limits<float>::quiet_NaN();")
     for sid, outs in rs_outs.items():
         for n, d in outs:
             lines.append(f"    out{n}[r] = {_store(d, f'v{sid}')};")

@@ -293,7 +293,7 @@ class _Renderer:
         self.cols("tl.program_id(1) * BLOCK_D" if self.split else None, 1)
         for s in self.k.stmts:
             if _is_reduction(self.k, s):
-                fn = "tl.sum" if s.op == "sum" else "tl.max"
+                fn = "tl.sum" if s.op == "sum" else "_max_rows"
                 self.emit(f"v{s.id} = {fn}({self.masked(s)}, axis=1, keep_dims=True)")
             else:
                 self.emit(f"v{s.id} = {self.expr(s)}")
@@ -342,9 +342,9 @@ class _Renderer:
                 if s.op == "sum":
                     self.emit(f"acc{s.id} += {self.masked(s)}", 2)
                 else:
-                    self.emit(f"acc{s.id} = tl.maximum(acc{s.id}, {self.masked(s)})", 2)
+                    self.emit(f"acc{s.id} = _max_acc(acc{s.id}, {self.masked(s)})", 2)
             for s in accs:
-                fn = "tl.sum" if s.op == "sum" else "tl.max"
+                fn = "tl.sum" if s.op == "sum" else "_max_rows"
                 self.emit(f"v{s.id} = {fn}(acc{s.id}, axis=1, keep_dims=True)")
         self.store_rs()
 
@@ -392,6 +392,20 @@ def _to_bf16(x):
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _max_rows(t, axis: tl.constexpr, keep_dims: tl.constexpr):
+    # tl.max where a NaN wins, as in torch (a GPU's max instruction drops NaN)
+    m = tl.max(t, axis=axis, keep_dims=keep_dims)
+    nans = tl.sum(tl.where(t != t, 1.0, 0.0), axis=axis, keep_dims=keep_dims)
+    return tl.where(nans > 0.0, float("nan"), m)
+
+
+@triton.jit
+def _max_acc(acc, x):
+    # elementwise running max where a NaN wins
+    return tl.where(x != x, x, tl.where(acc != acc, acc, tl.maximum(acc, x)))
 
 
 @triton.jit

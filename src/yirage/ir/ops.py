@@ -21,6 +21,7 @@ This module must never generate code or depend on a backend.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -243,9 +244,9 @@ def _rms_norm_ref(args, attrs):
     return y.to(x.dtype)
 
 
-def _softmax_infer(ts, attrs):
-    _float("softmax", ts)
-    _norm_dim("softmax", ts[0], attrs["dim"])
+def _softmax_infer(ts, attrs, name="softmax"):
+    _float(name, ts)
+    _norm_dim(name, ts[0], attrs["dim"])
     return ts[0]
 
 
@@ -274,7 +275,45 @@ def layer_norm_reference(args, attrs):
     return F.layer_norm(x.float(), tuple(attrs["normalized_shape"]), w, b, attrs["eps"]).to(x.dtype)
 
 
+def _dims_infer(name):
+    """Shape rule of the any-dim reductions: ``attrs["dims"]``, in-range dims (negative count from
+    the end) that form one contiguous range; the output keeps them with size 1."""
+    def infer(ts, attrs):
+        _float(name, ts)
+        x = ts[0]
+        dims = sorted(_norm_dim(name, x, d) for d in attrs["dims"])
+        if not dims or dims != list(range(dims[0], dims[0] + len(dims))):
+            _fail(name, ts, f"dims {tuple(attrs['dims'])} must be one or more distinct, adjacent dims "
+                            "(reduce non-adjacent dims one after the other)")
+        shape = list(x.shape)
+        for d in dims:
+            shape[d] = 1
+        return TensorType(tuple(shape), x.dtype)
+    return infer
+
+
+def _var_ref(x: torch.Tensor, dims, correction: float) -> torch.Tensor:
+    """torch.var, quiet about N - correction <= 0 (the result is then inf or NaN, as asked)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="var\\(\\): degrees of freedom")
+        return torch.var(x, dim=dims, correction=correction, keepdim=True)
+
+
+#: any-dim reductions: the torch function over float32 (keepdim=True), then cast back
+REDUCTIONS: dict[str, Callable] = {
+    "sum": lambda x, dims, a: x.sum(dim=dims, keepdim=True),
+    "mean": lambda x, dims, a: x.mean(dim=dims, keepdim=True),
+    "amax": lambda x, dims, a: x.amax(dim=dims, keepdim=True),
+    "amin": lambda x, dims, a: x.amin(dim=dims, keepdim=True),
+    "var": lambda x, dims, a: _var_ref(x, dims, a["correction"]),
+}
+
 _register("reduction", "row", 1, _reduction_infer, _reduction_ref)
+for _n, _f in REDUCTIONS.items():
+    _register(_n, "row", 1, _dims_infer(_n),
+              (lambda f: lambda args, a: f(args[0].float(), tuple(a["dims"]), a).to(args[0].dtype))(_f))
+_register("log_softmax", "row", 1, lambda ts, attrs: _softmax_infer(ts, attrs, "log_softmax"),
+          lambda args, a: torch.log_softmax(args[0].float(), dim=a["dim"]).to(args[0].dtype))
 _register("layer_norm", "row", -1, _layer_norm_infer, layer_norm_reference)
 _register("rms_norm", "row", 1, _rms_norm_infer, _rms_norm_ref)
 _register("softmax", "row", 1, _softmax_infer,
@@ -636,3 +675,64 @@ def _slice_infer(ts, attrs):
 
 _register("slice_rows", "library", 1, _slice_infer, lambda args, a: args[0][a["start"]:a["end"]])
 _register("reshape", "library", 1, _reshape_infer, lambda args, a: args[0].reshape(a["shape"]))
+
+
+# ---- layout ops: copies of strided views (kernels of their own; a view op would need no copy) --
+
+def _permute_infer(ts, attrs):
+    x, dims = ts[0], tuple(attrs["dims"])
+    if sorted(dims) != list(range(len(x.shape))):
+        _fail("permute", ts, f"dims {dims} must be a permutation of 0..{len(x.shape) - 1}")
+    return TensorType(tuple(x.shape[d] for d in dims), x.dtype)
+
+
+def _expand_infer(ts, attrs):
+    x, shape = ts[0], tuple(attrs["shape"])
+    lead = len(shape) - len(x.shape)
+    if lead < 0 or any(n <= 0 for n in shape) or any(
+            x.shape[i] not in (1, shape[i + lead]) for i in range(len(x.shape))):
+        _fail("expand", ts, f"cannot expand to {shape}: each dim of x must be 1 or equal the new one "
+                            "(new dims go in front)")
+    return TensorType(shape, x.dtype)
+
+
+def _slice_dim_infer(ts, attrs):
+    x, d = ts[0], attrs["dim"]
+    _norm_dim("slice", x, d)
+    start, end, step = attrs["start"], attrs["end"], attrs["step"]
+    if step < 1 or not 0 <= start < end <= x.shape[d]:
+        _fail("slice", ts, f"need step >= 1 and 0 <= start < end <= {x.shape[d]} along dim {d}, "
+                           f"got start={start} end={end} step={step}")
+    shape = list(x.shape)
+    shape[d] = (end - start + step - 1) // step
+    return TensorType(tuple(shape), x.dtype)
+
+
+def _select_infer(ts, attrs):
+    x, d, i = ts[0], attrs["dim"], attrs["index"]
+    _norm_dim("select", x, d)
+    if not 0 <= i < x.shape[d]:
+        _fail("select", ts, f"index {i} is out of range [0, {x.shape[d]}) along dim {d}")
+    return TensorType(x.shape[:d] + x.shape[d + 1:], x.dtype)
+
+
+def _cat_infer(ts, attrs):
+    d = attrs["dim"]
+    x = ts[0]
+    _norm_dim("cat", x, d)
+    for t in ts[1:]:
+        if t.dtype != x.dtype or len(t.shape) != len(x.shape) or any(
+                t.shape[i] != x.shape[i] for i in range(len(x.shape)) if i != d):
+            _fail("cat", ts, f"every input must have the first's dtype {x.dtype.value} and rank, and equal "
+                             f"sizes except along dim {d}")
+    shape = list(x.shape)
+    shape[d] = sum(t.shape[d] for t in ts)
+    return TensorType(tuple(shape), x.dtype)
+
+
+_register("permute", "library", 1, _permute_infer, lambda args, a: args[0].permute(*a["dims"]).contiguous())
+_register("expand", "library", 1, _expand_infer, lambda args, a: args[0].expand(*a["shape"]).contiguous())
+_register("slice", "library", 1, _slice_dim_infer,
+          lambda args, a: args[0][(slice(None),) * a["dim"] + (slice(a["start"], a["end"], a["step"]),)].contiguous())
+_register("select", "library", 1, _select_infer, lambda args, a: args[0].select(a["dim"], a["index"]).contiguous())
+_register("cat", "library", -1, _cat_infer, lambda args, a: torch.cat(list(args), dim=a["dim"]))

@@ -507,6 +507,113 @@ def _layer_norm(shape, normalized, affine: bool) -> Built:
     return g, data, {0: F.layer_norm(data[0], normalized, *data[1:], eps=1e-5)}
 
 
+def _any_dim(op: str, shape, dim, keepdim: bool, dtype: DType, **attrs) -> Built:
+    """One any-dim reduction (or softmax/log_softmax when ``keepdim`` is None) of a ``dtype`` input
+    with a NaN in its first element for amax/amin (it must win)."""
+    g = new_kernel_graph()
+    x = g.new_input(shape, dtype)
+    data = torch.randn(shape)
+    if op in ("amax", "amin"):
+        data.view(-1)[0] = math.nan
+    data = data.to(dtype.torch_dtype)
+    if keepdim is None:
+        g.mark_output(getattr(g, op)(x, dim))
+        return g, [data], {0: getattr(torch, op)(data.float(), dim).to(dtype.torch_dtype)}
+    g.mark_output(getattr(g, op)(x, dim, keepdim=keepdim, **attrs))
+    f = getattr(torch, op)
+    with warnings.catch_warnings():  # var over one element (N - correction = 0): NaN, as asked
+        warnings.filterwarnings("ignore", message="var\\(\\): degrees of freedom")
+        want = (f(data.float(), dim=dim, keepdim=keepdim, **attrs) if dim is not None
+                else f(data.float(), **attrs) if op == "var" else f(data.float()))
+    return g, [data], {0: want.to(dtype.torch_dtype)}
+
+
+def _any_dim_cases() -> list[Case]:
+    part = functools.partial
+    cases = []
+    for op in ("sum", "mean", "amax", "amin", "var"):
+        for shape, dim, keep in [((7, 33), 0, True), ((7, 33), 1, False), ((2, 3, 5, 8), (1, 2), False),
+                                 ((2, 3, 5, 8), (-2, -1), True), ((3, 4097), -1, True), ((5, 1, 3), 1, False),
+                                 ((4, 7, 9), None, False)]:
+            for d in _HALF_AND_FLOAT if shape == (7, 33) else (DType.float32,):
+                attrs = {"correction": 0 if dim == 0 else 1} if op == "var" else {}
+                cases.append(Case(op, f"{_dims(shape)} dim={dim} keepdim={keep} {d.value}",
+                                  part(_any_dim, op, shape, dim, keep, d, **attrs), tol=(1e-4, 1e-4)
+                                  if d == DType.float32 else None))
+    cases += [Case("fused: group_norm", f"{_dims(s)} groups={G}{' affine' if a else ''} {d.value}",
+                   part(_group_norm, s, G, a, d), tol=(1e-4, 1e-4) if d == DType.float32 else (2e-2, 2e-2))
+              for s, G, a, d in [((2, 6, 5, 7), 3, True, DType.float32), ((3, 4), 2, False, DType.float32),
+                                 ((1, 8, 33), 8, True, DType.float32), ((2, 6, 5, 7), 2, True, DType.float16),
+                                 ((2, 6, 5, 7), 6, True, DType.bfloat16)]]
+    for op in ("softmax", "log_softmax"):
+        for shape, dim in [((7, 33), 0), ((7, 33), -1), ((2, 3, 5, 8), 1), ((3, 4097), 0)]:
+            for d in _HALF_AND_FLOAT if shape == (7, 33) else (DType.float32,):
+                cases.append(Case(op, f"{_dims(shape)} dim={dim} {d.value}", part(_any_dim, op, shape, dim, None, d),
+                                  tol=(1e-4, 1e-4) if d == DType.float32 else None))
+    return cases
+
+
+def _group_norm(shape, groups: int, affine: bool, dtype: DType) -> Built:
+    """group_norm (a builder composite: reshape, layer_norm, reshape, mul, add) against F.group_norm."""
+    g = new_kernel_graph()
+    C = shape[1]
+    x = g.new_input(shape, dtype)
+    w, b = (g.new_input((C,), dtype), g.new_input((C,), dtype)) if affine else (None, None)
+    g.mark_output(g.group_norm(x, groups, w, b, eps=1e-5))
+    td = dtype.torch_dtype
+    data = [torch.randn(shape).to(td)] + ([torch.randn(C).to(td), torch.randn(C).to(td)] if affine else [])
+    want = F.group_norm(data[0].float(), groups, *[t.float() for t in data[1:]], eps=1e-5).to(td)
+    return g, data, {0: want}
+
+
+def _data(shape, dtype: DType) -> torch.Tensor:
+    """Random values of ``dtype``: normals (float), a random mask (bool), -50..49 (integers)."""
+    if dtype == DType.bool:
+        return torch.randn(shape) > 0
+    if dtype.is_float:
+        return torch.randn(shape).to(dtype.torch_dtype)
+    return torch.randint(-50, 50, shape, dtype=dtype.torch_dtype)
+
+
+def _layout(op: str, shapes, dtype: DType, torch_fn: Callable, *args, **kwargs) -> Built:
+    """One layout op over inputs of ``shapes`` (``cat`` takes them as a list) against ``torch_fn``."""
+    g = new_kernel_graph()
+    xs = [g.new_input(s, dtype) for s in shapes]
+    g.mark_output(getattr(g, op)(xs if op == "cat" else xs[0], *args, **kwargs))
+    data = [_data(s, dtype) for s in shapes]
+    return g, data, {0: torch_fn(*data).contiguous()}
+
+
+_LAYOUT_DTYPES = (DType.float32, DType.float16, DType.bfloat16, DType.bool, DType.int64, DType.int32)
+
+
+def _layout_cases() -> list[Case]:
+    part = functools.partial
+    specs = [  # (op in OPS, builder method, shapes, its args, torch)
+        ("permute", "permute", [(2, 3, 5)], ((2, 0, 1),), lambda x: x.permute(2, 0, 1)),
+        ("permute", "permute", [(2, 3, 5, 7)], ((0, 2, 1, -1),), lambda x: x.permute(0, 2, 1, 3)),
+        ("permute", "transpose", [(7, 33)], (0, 1), lambda x: x.t()),
+        ("expand", "expand", [(3, 1)], ((2, 3, 33),), lambda x: x.expand(2, 3, 33)),
+        ("expand", "expand", [(1, 5)], ((-1, 5),), lambda x: x.expand(-1, 5)),
+        ("expand", "broadcast_to", [(4, 1, 6)], ((4, 5, 6),), lambda x: x.expand(4, 5, 6)),
+        ("slice", "slice", [(7, 33)], (1, 3, 30, 2), lambda x: x[:, 3:30:2]),
+        ("slice", "slice", [(9, 4, 5)], (0, -4, None), lambda x: x[-4:]),
+        ("slice", "slice", [(3, 4097)], (-1, 1, 4097, 7), lambda x: x[:, 1::7]),
+        ("select", "select", [(7, 33)], (1, -1), lambda x: x[:, -1]),
+        ("select", "select", [(2, 3, 5)], (1, 2), lambda x: x[:, 2]),
+        ("select", "select", [(5,)], (0, 3), lambda x: x[3]),
+        ("cat", "cat", [(2, 5), (3, 5), (1, 5)], (0,), lambda *xs: torch.cat(xs, 0)),
+        ("cat", "cat", [(2, 3, 4), (2, 1, 4)], (1,), lambda *xs: torch.cat(xs, 1)),
+        ("cat", "cat", [(3, 4097), (3, 2)], (-1,), lambda *xs: torch.cat(xs, -1)),
+    ]
+    cases = []
+    for op, method, shapes, args, fn in specs:
+        for d in _LAYOUT_DTYPES if shapes[0] in ((2, 3, 5), (7, 33), (2, 5)) else (DType.float32,):
+            name = f"{method} {'+'.join(map(_dims, shapes))} {args} {d.value}"
+            cases.append(Case(op, name, part(_layout, method, shapes, d, fn, *args), tol=(0.0, 0.0)))
+    return cases
+
+
 def _row_cases() -> list[Case]:
     cases = [Case(op, _dims((R, D)), functools.partial(_rows, op, R, D), tol=(1e-4, 1e-4))
              for op in ("reduction", "rms_norm", "softmax") for R, D in SIZES]
@@ -847,7 +954,7 @@ def _library_cases() -> list[Case]:
 #: every case, in the order they run (ids unique: tests/tools/test_conformance.py checks)
 CASES: tuple[Case, ...] = (*_unary_cases(), *_binary_cases(), *_minmax_pow_cases(), *_bool_cases(),
                            *_elementwise_attr_cases(), *_cast_cases(),
-                           *_row_cases(), *_fused_cases(), *_library_cases())
+                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_fused_cases(), *_library_cases())
 
 
 def summarize(results: Iterable[CaseResult]) -> dict[str, dict[str, int]]:
