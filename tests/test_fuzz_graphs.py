@@ -77,6 +77,10 @@ BINARY = ["add", "sub", "mul", "div"]
 OPS = UNARY + BINARY * 2 + ["clamp", "scale", "reduction", "rms_norm", "softmax", "softmax", "matmul",
                             "matmul", "linear", "linear", "reshape", "slice_rows", "argmax", "cast"]
 OPS = OPS[:4] + ["linear_w8a8"] + OPS[4:]  # early: hypothesis draws the list's head more often
+# the elementwise ops of the grown IR whose domain is every real (drawn like the ones above); the
+# comparisons, where, any-dim reductions and layout ops are covered by the conformance suite only
+NEW_UNARY, NEW_BINARY = ["tanh", "sigmoid", "abs", "erf"], ["maximum", "minimum"]
+UNARY, BINARY, OPS = UNARY + NEW_UNARY, BINARY + NEW_BINARY, OPS + NEW_UNARY + NEW_BINARY
 LOWP_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
 
 

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     **dict.fromkeys(["DType", "bfloat16", "float16", "float32", "int8", "int32", "int64", "q4_1", "q8_0", "q4_0", "q5_0",
-                     "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"], "yirage.dtypes"),
+                     "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "bool_"], "yirage.dtypes"),
     **dict.fromkeys(["BackendUnavailableError", "BenchmarkError", "CacheError", "ConfigError", "GenerationError", "GraphError",
                      "IndexOutOfRangeError", "ModelLoadError", "ToolchainError", "TorchCompileError", "YirageError",
                      "YirageFallbackWarning"],
@@ -42,6 +42,8 @@ _ALIASES = {
     # The runnable kernel graph (``yr.new_kernel_graph()`` returns one); the IR class it
     # extends is ``yirage.ir.graph.KernelGraph``.
     "KernelGraph": "KNGraph",
+    # torch's spelling of the bool dtype (yirage.dtypes cannot name a module global ``bool``)
+    "bool": "bool_",
 }
 
 __all__ = sorted([*_EXPORTS, *_ALIASES])

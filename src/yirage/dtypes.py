@@ -36,6 +36,7 @@ class DType(enum.Enum):
     int32 = "int32"
     int64 = "int64"
     int8 = "int8"  # per-channel int8 weights (linear_w8a8)
+    bool = "bool"  # torch.bool storage (one byte, 0 or 1): comparisons, masks, where's condition
     q8_0 = "q8_0"
     q4_1 = "q4_1"
     q4_0 = "q4_0"
@@ -94,6 +95,7 @@ _TORCH = {
     DType.int32: torch.int32,
     DType.int64: torch.int64,
     DType.int8: torch.int8,
+    DType.bool: torch.bool,
 }
 #: (weights per block, bytes per block) of each block-quantized type (llama.cpp ggml-common.h)
 _BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_0: (32, 18), DType.q5_0: (32, 22),
@@ -106,6 +108,7 @@ _SCALES = {DType.q8_0: (0,), DType.q4_1: (0, 2), DType.q4_0: (0,), DType.q5_0: (
 
 float32, float16, bfloat16 = DType.float32, DType.float16, DType.bfloat16
 int32, int64, int8, q8_0, q4_1 = DType.int32, DType.int64, DType.int8, DType.q8_0, DType.q4_1
+bool_ = DType.bool  # ``yr.bool_`` (numpy's spelling: ``bool`` is Python's); ``yr.DType.bool`` too
 q4_0, q5_0, q5_1 = DType.q4_0, DType.q5_0, DType.q5_1
 q2_k, q3_k, q4_k, q5_k, q6_k = DType.q2_k, DType.q3_k, DType.q4_k, DType.q5_k, DType.q6_k
 iq4_nl, iq4_xs = DType.iq4_nl, DType.iq4_xs

@@ -88,7 +88,7 @@ def unary_graph(R, D, dtype=yr.float32):
     g = yr.new_kernel_graph()
     x, p = g.new_input((R, D), dtype), g.new_input((R, D), dtype)
     for op in UNARY:
-        g.mark_output(getattr(g, op)(p if op in ("sqrt", "rsqrt") else x))
+        g.mark_output(getattr(g, op)(p if op in ("sqrt", "rsqrt", "log", "reciprocal") else x))
     g.mark_output(g.clamp(x, -0.5, 0.75))
     g.mark_output(g.clamp(x, float("-inf"), 0.25))
     g.mark_output(g.scale(x, 1.75))
@@ -113,6 +113,9 @@ def broadcast_graph(R, D, dtype=yr.float32, row_sum=True):
     g.mark_output(g.div(x, e))
     g.mark_output(g.sub(w, c))            # row op col: a full tile from two broadcasts
     g.mark_output(g.div(c, s))            # rs output from col and scalar loads
+    g.mark_output(g.maximum(x, w))
+    g.mark_output(g.minimum(c, e))
+    g.mark_output(g.pow(e, c))            # a positive base
     if row_sum:
         g.mark_output(g.reduction(g.mul(g.add(x, e), w), -1))
     ins = [rand((2, R, D), dtype), rand((D,), dtype), rand((2, R, 1), dtype),

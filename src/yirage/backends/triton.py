@@ -24,6 +24,7 @@ import os
 from typing import Callable
 
 from ..dtypes import DType
+from .strided_views import copies, mid_view, reduced_dims
 from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from .triton_threadblock import bind_customized, customized_ok
 
@@ -139,6 +140,42 @@ def _argmax(node, graph, args, out, status):
     return lambda: fn(x2, o1)
 
 
+def _reduce_mid(node, graph, args, out, status):
+    """reduction/sum/mean/amax/amin/var over non-trailing dims (kernels/triton/strided.py)."""
+    outer, n, inner = mid_view(graph.tensors[node.inputs[0]].shape, reduced_dims(node, graph))
+    fn, x, corr = _lib().reduce_mid, args[0], float(node.attrs.get("correction", 0.0))
+    return lambda: fn(x, out, outer, n, inner, node.op, corr)
+
+
+def _softmax_mid(node, graph, args, out, status):
+    """softmax/log_softmax over a non-last dim (kernels/triton/strided.py)."""
+    outer, n, inner = mid_view(graph.tensors[node.inputs[0]].shape, reduced_dims(node, graph))
+    fn, x, log = _lib().softmax_mid, args[0], node.op == "log_softmax"
+    return lambda: fn(x, out, outer, n, inner, log)
+
+
+def _layout(node, graph, args, out, status):
+    """permute, expand, slice, select, cat: strided copies (strided_views.copies; strided.py),
+    their metadata made once here."""
+    lib, calls = _lib(), []
+    for c in copies(node, graph):
+        meta = lib.strided_copy_meta(c.sizes, c.src_strides, c.dst_strides, out.device)
+        total = 1
+        for n in c.sizes:
+            total *= n
+        calls.append((args[c.input], meta, total, c.src_offset, c.dst_offset))
+    fn = lib.strided_copy
+
+    def run():
+        for src, meta, total, so, do in calls:
+            fn(src, out, meta, total, so, do)
+    return run
+
+
+def _always(node, graph) -> bool:
+    return True
+
+
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status) -> thunk)
 OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
@@ -150,6 +187,10 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "argmax": (_float_first, _argmax),
     "linear_w8a8": (_linear_w8a8_ok, _linear_w8a8),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (triton_threadblock.py)
+    **{op: (_float_first, _reduce_mid) for op in ("reduction", "sum", "mean", "amax", "amin", "var")},
+    "softmax": (_float_first, _softmax_mid),
+    "log_softmax": (_float_first, _softmax_mid),
+    **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat")},
 }
 
 

@@ -9,7 +9,8 @@ runtime (kernels/cpu/persistent.cpp). The row loop is OpenMP-parallel; the loop 
 *phases* at each row reduction, each phase one ``omp simd`` loop. A vec value defined in
 one phase and read in a later one is kept in a per-thread row buffer; plain input loads
 are simply reloaded. All arithmetic is float32; float16/bfloat16 are converted on load
-and store (bfloat16 rounds to nearest even).
+and store (bfloat16 rounds to nearest even); bool (uint8_t storage) is loaded as 0.0f/1.0f and
+stored as ``v != 0``.
 
 This module must never compile or load anything: runtime/cpp_kernels.py and
 runtime/toolchain.py do that.
@@ -26,7 +27,7 @@ from ..transforms.fusion import RS, VEC, FusedKernel, phases
 HEADER = '#include "yirage_prelude.h"\n'
 
 
-_CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t"}
+_CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t", DType.bool: "uint8_t"}
 
 _UNARY = {
     "exp": "std::exp({0})", "sqrt": "std::sqrt({0})", "rsqrt": "(1.0f / std::sqrt({0}))",
@@ -35,8 +36,23 @@ _UNARY = {
     "gelu": "(0.5f * {0} * (1.0f + yr_erf({0} * 0.70710678118654752f)))",  # yr_erf: yirage_prelude.h
     # tanh GELU as 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): silu's form
     "gelu_tanh": "({0} / (1.0f + std::exp(-1.5957691216057308f * ({0} + 0.044715f * {0} * {0} * {0}))))",
+    "tanh": "std::tanh({0})", "sigmoid": "(1.0f / (1.0f + std::exp(-{0})))",
+    "erf": "yr_erf({0})", "log": "std::log({0})", "exp2": "std::exp2({0})", "abs": "std::fabs({0})",
+    "reciprocal": "(1.0f / {0})",
+    # bool values are 0.0f / 1.0f (transforms/fusion.py)
+    "logical_not": "({0} == 0.0f ? 1.0f : 0.0f)", "to_bool": "({0} != 0.0f ? 1.0f : 0.0f)",
 }
-_BINARY = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})"}
+_BINARY = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    # torch.maximum/minimum propagate NaN (std::max would drop it): a + b is NaN then
+    "maximum": "(({0} != {0} || {1} != {1}) ? ({0} + {1}) : std::max({0}, {1}))",
+    "minimum": "(({0} != {0} || {1} != {1}) ? ({0} + {1}) : std::min({0}, {1}))",
+    "pow": "std::pow({0}, {1})",
+    "eq": "({0} == {1} ? 1.0f : 0.0f)", "ne": "({0} != {1} ? 1.0f : 0.0f)", "lt": "({0} < {1} ? 1.0f : 0.0f)",
+    "le": "({0} <= {1} ? 1.0f : 0.0f)", "gt": "({0} > {1} ? 1.0f : 0.0f)", "ge": "({0} >= {1} ? 1.0f : 0.0f)",
+    "logical_and": "(({0} != 0.0f && {1} != 0.0f) ? 1.0f : 0.0f)",
+    "logical_or": "(({0} != 0.0f || {1} != 0.0f) ? 1.0f : 0.0f)",
+}
 
 
 def _f(x: float) -> str:
@@ -52,6 +68,8 @@ def _load(kernel: FusedKernel, idx: int) -> str:
 
 
 def _store(dtype: DType, v: str) -> str:
+    if dtype == DType.bool:
+        return f"(uint8_t)({v} != 0.0f)"
     return f"yr_f32_to_bf16({v})" if dtype == DType.bfloat16 else f"({_CTYPE[dtype]}){v}"
 
 
@@ -63,6 +81,11 @@ def _expr(kernel: FusedKernel, s) -> str:
         return _UNARY[s.op].format(*a)
     if s.op in _BINARY:
         return _BINARY[s.op].format(*a)
+    if s.op == "where":
+        return f"({a[0]} != 0.0f ? {a[1]} : {a[2]})"
+    if s.op == "pow_scalar":
+        e = float(s.attrs["exponent"])
+        return f"({a[0]} * {a[0]})" if e == 2.0 else f"std::pow({a[0]}, {_f(e)})"
     if s.op == "clamp":
         return f"std::min(std::max({a[0]}, {_f(s.attrs['lo'])}), {_f(s.attrs['hi'])})"
     if s.op == "affine":
@@ -75,8 +98,11 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
     phase, avail = phases(kernel)
     stmts = kernel.stmts
     reloadable = {s.id for s in stmts if s.op == "load" and s.kind == VEC}
-    vec_outs = {sid: (n, d) for n, (sid, _, d) in enumerate(kernel.outputs) if stmts[sid].kind == VEC}
-    rs_outs = {sid: (n, d) for n, (sid, _, d) in enumerate(kernel.outputs) if stmts[sid].kind == RS}
+    # one statement may be stored to several outputs (a value and its casts)
+    vec_outs: dict[int, list[tuple[int, DType]]] = {}
+    rs_outs: dict[int, list[tuple[int, DType]]] = {}
+    for n, (sid, _, d) in enumerate(kernel.outputs):
+        (vec_outs if stmts[sid].kind == VEC else rs_outs).setdefault(sid, []).append((n, d))
     reductions = [s for s in stmts if s.op in ("sum", "max") and s.kind == RS]
     n_phases = max([phase[s.id] + 1 for s in stmts if s.kind == VEC and s.op not in ("sum", "max")]
                    + [avail[s.id] for s in reductions], default=0)
@@ -106,6 +132,9 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
             init = "0.0f" if s.op == "sum" else "(-std::numeric_limits<float>::infinity())"
             lines.append(f"    float v{s.id} = {init};")
             clauses += f" reduction({'+' if s.op == 'sum' else 'max'}:v{s.id})"
+            if s.op == "max":  # std::max drops NaN: count NaNs beside it, as torch's max keeps them
+                lines.append(f"    float v{s.id}_nan = 0.0f;")
+                clauses += f" reduction(+:v{s.id}_nan)"
         lines.append(f"    #pragma omp simd{clauses}")
         lines.append("    for (int64_t j = 0; j < D; ++j) {")
         body_ids = [s.id for s in stmts if s.id in phase and phase[s.id] == p and s.op not in ("sum", "max")]
@@ -118,15 +147,20 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
             lines.append(f"      const float v{sid} = {_expr(kernel, stmts[sid])};")
             if sid in slot:
                 lines.append(f"      scratch[{slot[sid]} * D + j] = v{sid};")
-            if sid in vec_outs:
-                n, d = vec_outs[sid]
+            for n, d in vec_outs.get(sid, ()):
                 lines.append(f"      out{n}[r * D + j] = {_store(d, f'v{sid}')};")
         for s in accs:
             a = f"v{s.args[0]}"
             lines.append(f"      v{s.id} = {'v%d + %s' % (s.id, a) if s.op == 'sum' else 'std::max(v%d, %s)' % (s.id, a)};")
+            if s.op == "max":
+                lines.append(f"      v{s.id}_nan += ({a} != {a}) ? 1.0f : 0.0f;")
         lines.append("    }")
-    for sid, (n, d) in rs_outs.items():
-        lines.append(f"    out{n}[r] = {_store(d, f'v{sid}')};")
+        for s in accs:
+            if s.op == "max":
+                lines.append(f"    if (v{s.id}_nan != 0.0f) v{s.id} = std::numeric_limits<float>::quiet_NaN();")
+    for sid, outs in rs_outs.items():
+        for n, d in outs:
+            lines.append(f"    out{n}[r] = {_store(d, f'v{sid}')};")
     lines.append("  }")
     body = "\n".join(lines)
     # The launch entry (OpenMP over all R rows) and the task entry for the persistent kernel

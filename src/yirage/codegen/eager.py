@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..ir.ops import BINARY, UNARY
+from ..ir.ops import BINARY, COMPARE, LOGICAL, UNARY
 from ..transforms.fusion import RS, FusedKernel
 
 
@@ -49,6 +49,14 @@ class EagerKernel:
                 v[s.id] = UNARY[s.op](a[0])
             elif s.op in BINARY:
                 v[s.id] = BINARY[s.op](a[0], a[1])
+            elif s.op in COMPARE or s.op in LOGICAL:  # bool values are 0.0 / 1.0 floats
+                v[s.id] = (COMPARE.get(s.op) or LOGICAL[s.op])(*(x if s.op in COMPARE else x != 0 for x in a)).float()
+            elif s.op == "to_bool":
+                v[s.id] = (a[0] != 0).float()
+            elif s.op == "where":
+                v[s.id] = torch.where(a[0] != 0, a[1], a[2])
+            elif s.op == "pow_scalar":
+                v[s.id] = torch.pow(a[0], s.attrs["exponent"])
             elif s.op == "clamp":
                 v[s.id] = a[0].clamp(s.attrs["lo"], s.attrs["hi"])
             elif s.op == "affine":
@@ -62,4 +70,4 @@ class EagerKernel:
         for (sid, _, _), out in zip(k.outputs, outs):
             val = v[sid]
             shape = (R, 1) if k.stmts[sid].kind == RS else (R, k.D)
-            out.view(shape).copy_(val.expand(shape))
+            out.view(shape).copy_((val != 0 if out.dtype == torch.bool else val).expand(shape))

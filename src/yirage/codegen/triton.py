@@ -17,7 +17,9 @@ one: ``[1, BLOCK_D]`` for row inputs, ``[BLOCK_R, 1]`` for per-row values, a 0-d
 ``col`` ``[r]``, ``scalar`` ``[0]``. All arithmetic is float32: loads convert with
 ``.to(tl.float32)``, stores convert to the output dtype, rounding to nearest even
 (float32 -> bfloat16 goes through the module's ``_to_bf16``: the GPU's ``cvt.rn``, or the
-same rounding done on the bits under Triton's interpreter, which would truncate).
+same rounding done on the bits under Triton's interpreter, which would truncate). A bool
+(``tl.int1``) is loaded as 0.0/1.0 and stored as ``v != 0``; ``tanh`` and ``pow`` are the
+module's ``_tanh``/``_pow`` (core ``tl`` ops only: libdevice does not run in the interpreter).
 Masked lanes never reach a reduction (``where(cols < D, v, 0 / -inf)``).
 
 Two code shapes (``code_shape``):
@@ -70,7 +72,8 @@ _MAX_GRID_Y = 65535
 
 MODES = ("auto", "persistent", "looped")
 
-_TL_DTYPE = {DType.float32: "tl.float32", DType.float16: "tl.float16", DType.bfloat16: "tl.bfloat16"}
+_TL_DTYPE = {DType.float32: "tl.float32", DType.float16: "tl.float16", DType.bfloat16: "tl.bfloat16",
+             DType.bool: "tl.int1"}
 
 _UNARY = {
     "exp": "tl.exp({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
@@ -80,8 +83,25 @@ _UNARY = {
     "gelu": "(0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476)))",  # erf form (F.gelu default)
     # F.gelu(approximate="tanh"): 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
     "gelu_tanh": "({0} / (1.0 + tl.exp(-1.5957691216057308 * ({0} + 0.044715 * {0} * {0} * {0}))))",
+    "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))", "erf": "tl.erf({0})", "log": "tl.log({0})",
+    "exp2": "tl.exp2({0})", "abs": "tl.abs({0})", "reciprocal": "(1.0 / {0})",
+    "tanh": "_tanh({0})",  # HEADER: libdevice's tanh does not run under the interpreter
+    # bool values are 0.0 / 1.0 (transforms/fusion.py)
+    "logical_not": "tl.where({0} == 0.0, 1.0, 0.0)", "to_bool": "tl.where({0} != 0.0, 1.0, 0.0)",
 }
-_BINARY = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})"}
+_BINARY = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    # torch.maximum/minimum propagate NaN: a + b is NaN when either is
+    # (nested where, no `|`: the interpreter cannot `|` a 0-d scalar load's mask with a tile)
+    "maximum": "tl.where({0} != {0}, {0}, tl.where({1} != {1}, {1}, tl.maximum({0}, {1})))",
+    "minimum": "tl.where({0} != {0}, {0}, tl.where({1} != {1}, {1}, tl.minimum({0}, {1})))",
+    "pow": "_pow({0}, {1})",
+    "eq": "tl.where({0} == {1}, 1.0, 0.0)", "ne": "tl.where({0} != {1}, 1.0, 0.0)",
+    "lt": "tl.where({0} < {1}, 1.0, 0.0)", "le": "tl.where({0} <= {1}, 1.0, 0.0)",
+    "gt": "tl.where({0} > {1}, 1.0, 0.0)", "ge": "tl.where({0} >= {1}, 1.0, 0.0)",
+    "logical_and": "tl.where({0} != 0.0, tl.where({1} != 0.0, 1.0, 0.0), 0.0)",
+    "logical_or": "tl.where({0} != 0.0, 1.0, tl.where({1} != 0.0, 1.0, 0.0))",
+}
 
 
 def _lit(x: float) -> str:
@@ -200,6 +220,11 @@ class _Renderer:
             return _UNARY[s.op].format(*a)
         if s.op in _BINARY:
             return _BINARY[s.op].format(*a)
+        if s.op == "where":
+            return f"tl.where({a[0]} != 0.0, {a[1]}, {a[2]})"
+        if s.op == "pow_scalar":
+            e = float(s.attrs["exponent"])
+            return f"({a[0]} * {a[0]})" if e == 2.0 else f"_pow({a[0]}, {_lit(e)})"
         if s.op == "clamp":  # NaN stays NaN, like torch.clamp
             lo, hi = _lit(s.attrs["lo"]), _lit(s.attrs["hi"])
             return f"tl.where({a[0]} < {lo}, {lo}, tl.where({a[0]} > {hi}, {hi}, {a[0]}))"
@@ -220,6 +245,8 @@ class _Renderer:
     def _cast(v: str, d: DType) -> str:
         if d == DType.float32:
             return v
+        if d == DType.bool:
+            return f"({v} != 0.0)"
         if d == DType.bfloat16:
             return f"_to_bf16({v})"
         return f"{v}.to({_TL_DTYPE[d]})"
@@ -266,7 +293,7 @@ class _Renderer:
         self.cols("tl.program_id(1) * BLOCK_D" if self.split else None, 1)
         for s in self.k.stmts:
             if _is_reduction(self.k, s):
-                fn = "tl.sum" if s.op == "sum" else "tl.max"
+                fn = "tl.sum" if s.op == "sum" else "_max_rows"
                 self.emit(f"v{s.id} = {fn}({self.masked(s)}, axis=1, keep_dims=True)")
             else:
                 self.emit(f"v{s.id} = {self.expr(s)}")
@@ -315,9 +342,9 @@ class _Renderer:
                 if s.op == "sum":
                     self.emit(f"acc{s.id} += {self.masked(s)}", 2)
                 else:
-                    self.emit(f"acc{s.id} = tl.maximum(acc{s.id}, {self.masked(s)})", 2)
+                    self.emit(f"acc{s.id} = _max_acc(acc{s.id}, {self.masked(s)})", 2)
             for s in accs:
-                fn = "tl.sum" if s.op == "sum" else "tl.max"
+                fn = "tl.sum" if s.op == "sum" else "_max_rows"
                 self.emit(f"v{s.id} = {fn}(acc{s.id}, axis=1, keep_dims=True)")
         self.store_rs()
 
@@ -333,7 +360,7 @@ def render_kernel(kernel: FusedKernel, name: str, mode: str = "auto") -> str:
     ``mode`` (``auto``, ``persistent`` or ``looped``) picks the code shape
     (``code_shape``); launch it with ``launch_config(kernel, R, mode)``. The text needs
     the module ``HEADER`` (imports and the ``_to_bf16`` helper); ``render_module`` adds it.
-    Raises NotImplementedError for a dtype other than float32/float16/bfloat16 or an
+    Raises NotImplementedError for a dtype other than float32/float16/bfloat16/bool or an
     unknown statement.
     """
     return _Renderer(kernel, name, mode).render()
@@ -365,6 +392,43 @@ def _to_bf16(x):
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _max_rows(t, axis: tl.constexpr, keep_dims: tl.constexpr):
+    # tl.max where a NaN wins, as in torch (a GPU's max instruction drops NaN)
+    m = tl.max(t, axis=axis, keep_dims=keep_dims)
+    nans = tl.sum(tl.where(t != t, 1.0, 0.0), axis=axis, keep_dims=keep_dims)
+    return tl.where(nans > 0.0, float("nan"), m)
+
+
+@triton.jit
+def _max_acc(acc, x):
+    # elementwise running max where a NaN wins
+    return tl.where(x != x, x, tl.where(acc != acc, acc, tl.maximum(acc, x)))
+
+
+@triton.jit
+def _tanh(x):
+    # odd Taylor series below |x| = 0.25 (error < 1e-9), else sign(x) (1 - e) / (1 + e), e = exp(-2|x|)
+    a = tl.abs(x)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397
+                                                                                  + x2 * 0.021869488536155203))))
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0.25, small, tl.where(x < 0.0, -big, big))
+
+
+@triton.jit
+def _pow(a, b):
+    # torch.pow in float32: |a| ** b = exp2(b log2 |a|), negative for a < 0 and an odd integer b,
+    # NaN for a < 0 and a non-integer b; pow(a, 0) = pow(1, b) = 1
+    # (nested where, no `&`/`|`: the interpreter cannot combine a 0-d scalar's mask with a tile)
+    r = tl.exp2(b * tl.log2(tl.abs(a)))
+    odd_r = tl.where(tl.floor(b * 0.5) * 2.0 != b, -r, r)
+    r = tl.where(a < 0.0, tl.where(tl.floor(b) == b, odd_r, float("nan")), r)
+    return tl.where(b == 0.0, 1.0, tl.where(a == 1.0, 1.0, r))
 
 
 '''

@@ -231,6 +231,100 @@ class KernelGraph:
     def silu(self, x): return self._add("silu", [x])
     def relu(self, x): return self._add("relu", [x])
 
+    def tanh(self, x):
+        """Elementwise ``torch.tanh`` of a float tensor (same shape and dtype; computed in float32)."""
+        return self._add("tanh", [x])
+
+    def sigmoid(self, x):
+        """Elementwise ``torch.sigmoid``: ``1 / (1 + exp(-x))`` (float; computed in float32)."""
+        return self._add("sigmoid", [x])
+
+    def erf(self, x):
+        """Elementwise ``torch.erf`` (float; computed in float32, absolute error <= 5e-7 on the CPU)."""
+        return self._add("erf", [x])
+
+    def log(self, x):
+        """Elementwise natural logarithm ``torch.log`` (float; -inf at 0, NaN below)."""
+        return self._add("log", [x])
+
+    def exp2(self, x):
+        """Elementwise ``2 ** x`` (``torch.exp2``; float)."""
+        return self._add("exp2", [x])
+
+    def abs(self, x):
+        """Elementwise ``|x|`` (``torch.abs``; float)."""
+        return self._add("abs", [x])
+
+    def reciprocal(self, x):
+        """Elementwise ``1 / x`` (``torch.reciprocal``; float; inf at 0)."""
+        return self._add("reciprocal", [x])
+
+    def maximum(self, a, b):
+        """Elementwise ``torch.maximum(a, b)`` with broadcasting: one float dtype; NaN if either is NaN."""
+        return self._add("maximum", [a, b])
+
+    def minimum(self, a, b):
+        """Elementwise ``torch.minimum(a, b)`` with broadcasting: one float dtype; NaN if either is NaN."""
+        return self._add("minimum", [a, b])
+
+    def pow(self, x, exponent):
+        """``torch.pow(x, exponent)``: ``exponent`` a tensor of x's float dtype (broadcast, op ``pow``)
+        or a real number (op ``pow_scalar``, attr ``exponent``; +-inf allowed, NaN rejected). A
+        negative base gives a real result only for an integer exponent (NaN otherwise), as in
+        torch. GraphError for non-float inputs, mismatched dtypes or shapes that do not broadcast."""
+        if isinstance(exponent, DTensor):
+            return self._add("pow", [x, exponent])
+        return self._add("pow_scalar", [x], exponent=_real("pow", "exponent", exponent, finite=False))
+
+    # comparisons and logical ops: bool outputs (yr.bool, torch.bool storage)
+    def _compare(self, op: str, a, b):
+        """``op`` (a name of ``ir.ops.COMPARE``) of two tensors of one float or bool dtype,
+        broadcast; a bool tensor. GraphError for other dtypes or shapes that do not broadcast."""
+        return self._add(op, [a, b])
+
+    def eq(self, a, b):
+        """Elementwise ``a == b`` (``torch.eq``): one float (or bool) dtype, broadcast; bool out."""
+        return self._compare("eq", a, b)
+
+    def ne(self, a, b):
+        """Elementwise ``a != b`` (``torch.ne``; true where either is NaN); bool out."""
+        return self._compare("ne", a, b)
+
+    def lt(self, a, b):
+        """Elementwise ``a < b`` (``torch.lt``): one float (or bool) dtype, broadcast; bool out."""
+        return self._compare("lt", a, b)
+
+    def le(self, a, b):
+        """Elementwise ``a <= b`` (``torch.le``); bool out."""
+        return self._compare("le", a, b)
+
+    def gt(self, a, b):
+        """Elementwise ``a > b`` (``torch.gt``); bool out."""
+        return self._compare("gt", a, b)
+
+    def ge(self, a, b):
+        """Elementwise ``a >= b`` (``torch.ge``); bool out."""
+        return self._compare("ge", a, b)
+
+    def logical_and(self, a, b):
+        """Elementwise ``a & b`` of two bool tensors, broadcast (``torch.logical_and``); GraphError
+        for a non-bool input."""
+        return self._add("logical_and", [a, b])
+
+    def logical_or(self, a, b):
+        """Elementwise ``a | b`` of two bool tensors, broadcast (``torch.logical_or``)."""
+        return self._add("logical_or", [a, b])
+
+    def logical_not(self, x):
+        """Elementwise ``~x`` of a bool tensor (``torch.logical_not``)."""
+        return self._add("logical_not", [x])
+
+    def where(self, cond, a, b):
+        """``torch.where(cond, a, b)``: ``a`` where the bool ``cond`` is true, else ``b``; the three
+        broadcast together; ``a`` and ``b`` share one float (or bool) dtype, which the output has.
+        GraphError for a non-bool condition, mismatched branch dtypes or shapes that do not broadcast."""
+        return self._add("where", [cond, a, b])
+
     def gelu(self, x, approximate: str = "none"):
         """GELU (Hendrycks & Gimpel 2016), as torch's ``F.gelu(x, approximate=...)``:
         ``"none"`` is the exact erf form ``0.5 x (1 + erf(x / sqrt(2)))`` (op ``gelu``),
@@ -260,11 +354,12 @@ class KernelGraph:
         return self._add("clamp", [x], min_val=lo, max_val=hi)
 
     def cast(self, x, dtype):
-        """Elementwise conversion to another floating-point ``dtype`` (yr.float32/float16/
-        bfloat16; to half types rounding to nearest even, like torch's ``Tensor.to``)."""
+        """Elementwise conversion between floating-point dtypes and bool (yr.float32/float16/
+        bfloat16/bool; to half types rounding to nearest even, like torch's ``Tensor.to``; to
+        bool ``x != 0``; from bool 0 or 1). GraphError for another source or target dtype."""
         dtype = _dtype("cast", dtype)
-        if not dtype.is_float:
-            raise GraphError(f"cast: target dtype must be floating point, got {dtype.value}")
+        if not (dtype.is_float or dtype == DType.bool):
+            raise GraphError(f"cast: target dtype must be floating point or bool, got {dtype.value}")
         return self._add("cast", [x], dtype=dtype.value)
 
     def scale(self, x, factor: float):
@@ -279,6 +374,65 @@ class KernelGraph:
         """Sum over ``dim`` (an integer, negative counts from the end), keeping it with size 1
         (Mirage semantics)."""
         return self._add("reduction", [x], dim=_int("reduction", "dim", dim))
+
+    def _reduce(self, op: str, x, dim, keepdim: bool, **attrs):
+        """``op`` (a name of ``ir.ops.REDUCTIONS``) of ``x`` over ``dim``: an integer, a sequence of
+        adjacent integers, or None for every dim. The IR op keeps the dims with size 1; with
+        ``keepdim=False`` a ``reshape`` (a view, no copy) drops them (every dim: a 0-d tensor)."""
+        self._check_tensors(op, [x])
+        if dim is None:
+            dims = tuple(range(len(x.shape)))
+        elif _as_int(dim) is not None:
+            dims = (_int(op, "dim", dim),)
+        elif isinstance(dim, (list, tuple)):
+            dims = tuple(_int(op, "dim", d) for d in dim)
+        else:
+            raise GraphError(f"{op}: dim must be an integer, a sequence of integers or None, got {_describe(dim)}")
+        if not isinstance(keepdim, bool):
+            raise GraphError(f"{op}: keepdim must be a bool, got {_describe(keepdim)}")
+        if len({d % max(1, len(x.shape)) for d in dims}) != len(dims):
+            raise GraphError(f"{op}: dim {dims} names a dim twice")
+        out = self._add(op, [x], dims=dims, **attrs)
+        if keepdim:
+            return out
+        drop = {d % len(x.shape) for d in dims}
+        return self._add("reshape", [out], shape=tuple(n for i, n in enumerate(x.shape) if i not in drop))
+
+    def sum(self, x, dim=None, keepdim: bool = False):
+        """``torch.sum(x, dim, keepdim)`` of a float tensor, computed in float32, in x's dtype.
+
+        ``dim``: an integer, a sequence of adjacent dims (negative count from the end), or None
+        (every dim). Over the trailing dims it is a fused row program; over others a kernel of
+        its own (the CPU's C++ / a Triton kernel over an [outer, n, inner] view). GraphError for
+        a non-float x, a dim out of range, repeated or non-adjacent dims, or a non-bool keepdim."""
+        return self._reduce("sum", x, dim, keepdim)
+
+    def mean(self, x, dim=None, keepdim: bool = False):
+        """``torch.mean(x, dim, keepdim)``; ``dim`` and errors as ``sum``."""
+        return self._reduce("mean", x, dim, keepdim)
+
+    def amax(self, x, dim=None, keepdim: bool = False):
+        """``torch.amax(x, dim, keepdim)`` (NaN wins); ``dim`` and errors as ``sum``."""
+        return self._reduce("amax", x, dim, keepdim)
+
+    def amin(self, x, dim=None, keepdim: bool = False):
+        """``torch.amin(x, dim, keepdim)`` (NaN wins); ``dim`` and errors as ``sum``."""
+        return self._reduce("amin", x, dim, keepdim)
+
+    def var(self, x, dim=None, correction: float = 1, keepdim: bool = False):
+        """``torch.var(x, dim, correction=correction, keepdim=keepdim)``: the sum of squared
+        deviations from the mean over ``dim`` divided by ``max(0, N - correction)`` (N elements;
+        1 is Bessel's correction, 0 the biased variance). ``correction`` a finite real >= 0;
+        ``dim`` and other errors as ``sum``."""
+        c = _real("var", "correction", correction)
+        if c < 0:
+            raise GraphError(f"var: correction must be >= 0, got {correction!r}")
+        return self._reduce("var", x, dim, keepdim, correction=c)
+
+    def log_softmax(self, x, dim: int = -1):
+        """``torch.log_softmax(x, dim)`` of a float tensor (computed in float32): ``x - max -
+        log(sum(exp(x - max)))`` over ``dim``. GraphError for a non-float x or a bad dim."""
+        return self._add("log_softmax", [x], dim=_int("log_softmax", "dim", dim))
 
     def rms_norm(self, x, normalized_shape: Sequence[int], eps: float = 1e-6):
         """RMSNorm without weight (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) over
@@ -307,8 +461,44 @@ class KernelGraph:
         return self._add("layer_norm", [x, *affine], normalized_shape=shape, eps=e,
                          has_weight=weight is not None, has_bias=bias is not None)
 
+    def group_norm(self, x, num_groups: int, weight=None, bias=None, eps: float = 1e-5):
+        """GroupNorm (Wu & He 2018), torch's ``F.group_norm(x, num_groups, weight, bias, eps)``: x
+        [N, C, *spatial] (a float dtype), its C channels split into ``num_groups`` groups, each
+        (sample, group) normalized over its C / G channels and spatial positions ((x - mean) /
+        sqrt(var + eps), biased variance, in float32), then ``* weight[c] + bias[c]`` (optional [C]
+        tensors of x's dtype).
+
+        Not an op of its own: the builder records ``reshape`` to [N, G, C/G * prod(spatial)],
+        ``layer_norm`` over the last dim (a fused row program), ``reshape`` back, then ``mul``/``add``
+        with the weight and bias as [C, 1, ...] (one elementwise kernel). With a half dtype the
+        normalized value is rounded to it before the affine step (F.group_norm rounds once).
+
+        GraphError: x has fewer than 2 dims, ``num_groups`` is not a positive integer dividing C,
+        ``eps`` is not a finite number >= 0, or weight/bias are not [C] of x's dtype."""
+        self._check_tensors("group_norm", [x] + [t for t in (weight, bias) if t is not None])
+        G = _int("group_norm", "num_groups", num_groups)
+        if len(x.shape) < 2:
+            raise GraphError(f"group_norm: x must be [N, C, *spatial], got shape {x.shape}")
+        N, C = x.shape[0], x.shape[1]
+        if G <= 0 or C % G:
+            raise GraphError(f"group_norm: num_groups {G} must be a positive divisor of the {C} channels "
+                             f"of x (shape {x.shape})")
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and (t.shape != (C,) or t.dtype != x.dtype):
+                raise GraphError(f"group_norm: {name} must be ({C},) of x's dtype {x.dtype.value}, "
+                                 f"got {t.shape} {t.dtype.value}")
+        D = math.prod(x.shape) // (N * G)
+        y = self.reshape(self.layer_norm(self.reshape(x, (N, G, D)), (D,), eps=eps), x.shape)
+        per_channel = (C, *([1] * (len(x.shape) - 2)))
+        if weight is not None:
+            y = self.mul(y, self.reshape(weight, per_channel))
+        if bias is not None:
+            y = self.add(y, self.reshape(bias, per_channel))
+        return y
+
     def softmax(self, x, dim: int = -1):
-        """Softmax over ``dim`` (an integer; computed in float32)."""
+        """Softmax over ``dim`` (an integer, any dim; computed in float32). Over the last dim a
+        fused row program, over another a kernel of its own."""
         return self._add("softmax", [x], dim=_int("softmax", "dim", dim))
 
     # library ops
@@ -392,6 +582,75 @@ class KernelGraph:
     def reshape(self, x, shape: Sequence[int]):
         """Same elements, new shape (positive integers; a view of contiguous data)."""
         return self._add("reshape", [x], shape=_shape("reshape", "shape", shape))
+
+    # layout ops: each a copy into a new contiguous tensor (a kernel of its own; any dtype)
+    def _dim(self, op: str, x, dim) -> int:
+        """``dim`` as a non-negative int for ``x``; GraphError when not an in-range integer."""
+        self._check_tensors(op, [x])
+        d, n = _int(op, "dim", dim), len(x.shape)
+        if not -n <= d < n:
+            raise GraphError(f"{op}: dim {d} is out of range for a {n}-d tensor (shape {x.shape})")
+        return d % n
+
+    def permute(self, x, dims: Sequence[int]):
+        """``x.permute(dims).contiguous()``: output dim i is input dim ``dims[i]`` (a permutation;
+        negative dims count from the end). A copy. GraphError unless ``dims`` is a permutation."""
+        self._check_tensors("permute", [x])
+        n = len(x.shape)
+        if not isinstance(dims, (list, tuple)):
+            raise GraphError(f"permute: dims must be a sequence of integers, got {_describe(dims)}")
+        ds = tuple(d + n if d < 0 else d for d in (_int("permute", "dims", d) for d in dims))
+        return self._add("permute", [x], dims=ds)
+
+    def transpose(self, x, dim0: int, dim1: int):
+        """``x.transpose(dim0, dim1).contiguous()`` (a ``permute``; a copy). GraphError for a bad dim."""
+        d0, d1 = self._dim("transpose", x, dim0), self._dim("transpose", x, dim1)
+        dims = list(range(len(x.shape)))
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+        return self._add("permute", [x], dims=tuple(dims))
+
+    def expand(self, x, shape: Sequence[int]):
+        """``x.expand(shape).contiguous()`` (torch's ``broadcast_to``, materialized): dims of size 1
+        repeat, new dims go in front, -1 keeps a dim. A copy. GraphError when x does not broadcast
+        to ``shape``."""
+        self._check_tensors("expand", [x])
+        if not isinstance(shape, (list, tuple)):
+            raise GraphError(f"expand: shape must be a sequence of integers, got {_describe(shape)}")
+        lead = len(shape) - len(x.shape)
+        dims = tuple(x.shape[i - lead] if _int("expand", "shape", n) == -1 and i >= lead else _int("expand", "shape", n)
+                     for i, n in enumerate(shape))
+        return self._add("expand", [x], shape=dims)
+
+    broadcast_to = expand
+
+    def slice(self, x, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1):
+        """``x[..., start:end:step, ...]`` along ``dim``, copied (torch's ``aten.slice``): start/end as
+        in Python (None: the ends; negative counts from the end; clamped to the dim), step >= 1.
+        GraphError for a bad dim, a step < 1 or an empty result."""
+        d = self._dim("slice", x, dim)
+        n = x.shape[d]
+        st = _int("slice", "step", step)
+        lo = 0 if start is None else _int("slice", "start", start)
+        hi = n if end is None else _int("slice", "end", end)
+        lo, hi = (lo + n if lo < 0 else lo), (hi + n if hi < 0 else hi)
+        lo, hi = min(max(lo, 0), n), min(max(hi, 0), n)
+        return self._add("slice", [x], dim=d, start=lo, end=hi, step=st)
+
+    def select(self, x, dim: int, index: int):
+        """``x.select(dim, index)``, copied: the dim is removed (a 1-d x gives a 0-d tensor); a
+        negative index counts from the end. GraphError for a bad dim or an index out of range."""
+        d = self._dim("select", x, dim)
+        i = _int("select", "index", index)
+        return self._add("select", [x], dim=d, index=i + x.shape[d] if i < 0 else i)
+
+    def cat(self, tensors: Sequence, dim: int = 0):
+        """``torch.cat(tensors, dim)``: one dtype and rank, equal sizes except along ``dim``. GraphError
+        for an empty list, mismatched inputs or a bad dim."""
+        tensors = list(tensors)
+        if not tensors:
+            raise GraphError("cat: needs at least one tensor")
+        self._check_tensors("cat", tensors)
+        return self._add("cat", tensors, dim=self._dim("cat", tensors[0], dim))
 
     def slice_rows(self, x, start: int, end: int):
         """Rows ``start:end`` of the first dim (a view; no copy). ``start`` and ``end`` are

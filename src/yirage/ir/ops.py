@@ -21,6 +21,7 @@ This module must never generate code or depend on a backend.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -127,8 +128,17 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 UNARY: dict[str, Callable] = {
     "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu,
     "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "log": torch.log, "exp2": torch.exp2,
+    "abs": torch.abs, "reciprocal": torch.reciprocal,
 }
-BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+                               "maximum": torch.maximum, "minimum": torch.minimum, "pow": torch.pow}
+#: comparisons: two inputs of one float (or bool) dtype, a bool output
+COMPARE: dict[str, Callable] = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le,
+                                "gt": torch.gt, "ge": torch.ge}
+#: logical ops over bool inputs, a bool output
+LOGICAL: dict[str, Callable] = {"logical_and": torch.logical_and, "logical_or": torch.logical_or,
+                                "logical_not": torch.logical_not}
 
 for _n, _f in UNARY.items():
     _register(_n, "elementwise", 1, _unary_infer(_n),
@@ -137,8 +147,55 @@ for _n, _f in BINARY.items():
     _register(_n, "elementwise", 2, _binary_infer(_n),
               (lambda f: lambda args, attrs: f(args[0], args[1]))(_f))
 
+
+def _row_dtype(t: TensorType) -> bool:
+    """True for the dtypes a row program loads and stores: the float types and bool."""
+    return t.dtype.is_float or t.dtype == DType.bool
+
+
+def _compare_infer(name):
+    def infer(ts, attrs):
+        a, b = ts
+        if not (_row_dtype(a) and a.dtype == b.dtype):
+            _fail(name, ts, f"needs two floating-point (or two bool) inputs of one dtype, got "
+                            f"{a.dtype.value} and {b.dtype.value}")
+        return TensorType(broadcast_shape(name, a, b), DType.bool)
+    return infer
+
+
+def _logical_infer(name):
+    def infer(ts, attrs):
+        if any(t.dtype != DType.bool for t in ts):
+            _fail(name, ts, f"needs bool inputs, got {', '.join(t.dtype.value for t in ts)}")
+        shape = ts[0].shape if len(ts) == 1 else broadcast_shape(name, ts[0], ts[1])
+        return TensorType(shape, DType.bool)
+    return infer
+
+
+def _where_infer(ts, attrs):
+    c, a, b = ts
+    if c.dtype != DType.bool:
+        _fail("where", ts, f"the condition must be bool, got {c.dtype.value}")
+    if not (_row_dtype(a) and a.dtype == b.dtype):
+        _fail("where", ts, f"the two branches must share one floating-point (or bool) dtype, got "
+                           f"{a.dtype.value} and {b.dtype.value}")
+    shape = broadcast_shape("where", TensorType(broadcast_shape("where", c, a), a.dtype), b)
+    return TensorType(shape, a.dtype)
+
+
+for _n, _f in COMPARE.items():
+    _register(_n, "elementwise", 2, _compare_infer(_n), (lambda f: lambda args, attrs: f(args[0], args[1]))(_f))
+for _n, _f in LOGICAL.items():
+    _register(_n, "elementwise", 1 if _n == "logical_not" else 2, _logical_infer(_n),
+              (lambda f: lambda args, attrs: f(*args))(_f))
+_register("where", "elementwise", 3, _where_infer, lambda args, a: torch.where(args[0], args[1], args[2]))
+_register("pow_scalar", "elementwise", 1, _unary_infer("pow_scalar"),
+          lambda args, a: torch.pow(args[0], a["exponent"]))
+
+
 def _cast_infer(ts, attrs):
-    _float("cast", ts)
+    if not _row_dtype(ts[0]):
+        _fail("cast", ts, f"casts floating-point and bool tensors, got {ts[0].dtype.value}")
     return TensorType(ts[0].shape, DType(attrs["dtype"]))
 
 
@@ -187,9 +244,9 @@ def _rms_norm_ref(args, attrs):
     return y.to(x.dtype)
 
 
-def _softmax_infer(ts, attrs):
-    _float("softmax", ts)
-    _norm_dim("softmax", ts[0], attrs["dim"])
+def _softmax_infer(ts, attrs, name="softmax"):
+    _float(name, ts)
+    _norm_dim(name, ts[0], attrs["dim"])
     return ts[0]
 
 
@@ -218,7 +275,45 @@ def layer_norm_reference(args, attrs):
     return F.layer_norm(x.float(), tuple(attrs["normalized_shape"]), w, b, attrs["eps"]).to(x.dtype)
 
 
+def _dims_infer(name):
+    """Shape rule of the any-dim reductions: ``attrs["dims"]``, in-range dims (negative count from
+    the end) that form one contiguous range; the output keeps them with size 1."""
+    def infer(ts, attrs):
+        _float(name, ts)
+        x = ts[0]
+        dims = sorted(_norm_dim(name, x, d) for d in attrs["dims"])
+        if not dims or dims != list(range(dims[0], dims[0] + len(dims))):
+            _fail(name, ts, f"dims {tuple(attrs['dims'])} must be one or more distinct, adjacent dims "
+                            "(reduce non-adjacent dims one after the other)")
+        shape = list(x.shape)
+        for d in dims:
+            shape[d] = 1
+        return TensorType(tuple(shape), x.dtype)
+    return infer
+
+
+def _var_ref(x: torch.Tensor, dims, correction: float) -> torch.Tensor:
+    """torch.var, quiet about N - correction <= 0 (the result is then inf or NaN, as asked)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="var\\(\\): degrees of freedom")
+        return torch.var(x, dim=dims, correction=correction, keepdim=True)
+
+
+#: any-dim reductions: the torch function over float32 (keepdim=True), then cast back
+REDUCTIONS: dict[str, Callable] = {
+    "sum": lambda x, dims, a: x.sum(dim=dims, keepdim=True),
+    "mean": lambda x, dims, a: x.mean(dim=dims, keepdim=True),
+    "amax": lambda x, dims, a: x.amax(dim=dims, keepdim=True),
+    "amin": lambda x, dims, a: x.amin(dim=dims, keepdim=True),
+    "var": lambda x, dims, a: _var_ref(x, dims, a["correction"]),
+}
+
 _register("reduction", "row", 1, _reduction_infer, _reduction_ref)
+for _n, _f in REDUCTIONS.items():
+    _register(_n, "row", 1, _dims_infer(_n),
+              (lambda f: lambda args, a: f(args[0].float(), tuple(a["dims"]), a).to(args[0].dtype))(_f))
+_register("log_softmax", "row", 1, lambda ts, attrs: _softmax_infer(ts, attrs, "log_softmax"),
+          lambda args, a: torch.log_softmax(args[0].float(), dim=a["dim"]).to(args[0].dtype))
 _register("layer_norm", "row", -1, _layer_norm_infer, layer_norm_reference)
 _register("rms_norm", "row", 1, _rms_norm_infer, _rms_norm_ref)
 _register("softmax", "row", 1, _softmax_infer,
@@ -580,3 +675,64 @@ def _slice_infer(ts, attrs):
 
 _register("slice_rows", "library", 1, _slice_infer, lambda args, a: args[0][a["start"]:a["end"]])
 _register("reshape", "library", 1, _reshape_infer, lambda args, a: args[0].reshape(a["shape"]))
+
+
+# ---- layout ops: copies of strided views (kernels of their own; a view op would need no copy) --
+
+def _permute_infer(ts, attrs):
+    x, dims = ts[0], tuple(attrs["dims"])
+    if sorted(dims) != list(range(len(x.shape))):
+        _fail("permute", ts, f"dims {dims} must be a permutation of 0..{len(x.shape) - 1}")
+    return TensorType(tuple(x.shape[d] for d in dims), x.dtype)
+
+
+def _expand_infer(ts, attrs):
+    x, shape = ts[0], tuple(attrs["shape"])
+    lead = len(shape) - len(x.shape)
+    if lead < 0 or any(n <= 0 for n in shape) or any(
+            x.shape[i] not in (1, shape[i + lead]) for i in range(len(x.shape))):
+        _fail("expand", ts, f"cannot expand to {shape}: each dim of x must be 1 or equal the new one "
+                            "(new dims go in front)")
+    return TensorType(shape, x.dtype)
+
+
+def _slice_dim_infer(ts, attrs):
+    x, d = ts[0], attrs["dim"]
+    _norm_dim("slice", x, d)
+    start, end, step = attrs["start"], attrs["end"], attrs["step"]
+    if step < 1 or not 0 <= start < end <= x.shape[d]:
+        _fail("slice", ts, f"need step >= 1 and 0 <= start < end <= {x.shape[d]} along dim {d}, "
+                           f"got start={start} end={end} step={step}")
+    shape = list(x.shape)
+    shape[d] = (end - start + step - 1) // step
+    return TensorType(tuple(shape), x.dtype)
+
+
+def _select_infer(ts, attrs):
+    x, d, i = ts[0], attrs["dim"], attrs["index"]
+    _norm_dim("select", x, d)
+    if not 0 <= i < x.shape[d]:
+        _fail("select", ts, f"index {i} is out of range [0, {x.shape[d]}) along dim {d}")
+    return TensorType(x.shape[:d] + x.shape[d + 1:], x.dtype)
+
+
+def _cat_infer(ts, attrs):
+    d = attrs["dim"]
+    x = ts[0]
+    _norm_dim("cat", x, d)
+    for t in ts[1:]:
+        if t.dtype != x.dtype or len(t.shape) != len(x.shape) or any(
+                t.shape[i] != x.shape[i] for i in range(len(x.shape)) if i != d):
+            _fail("cat", ts, f"every input must have the first's dtype {x.dtype.value} and rank, and equal "
+                             f"sizes except along dim {d}")
+    shape = list(x.shape)
+    shape[d] = sum(t.shape[d] for t in ts)
+    return TensorType(tuple(shape), x.dtype)
+
+
+_register("permute", "library", 1, _permute_infer, lambda args, a: args[0].permute(*a["dims"]).contiguous())
+_register("expand", "library", 1, _expand_infer, lambda args, a: args[0].expand(*a["shape"]).contiguous())
+_register("slice", "library", 1, _slice_dim_infer,
+          lambda args, a: args[0][(slice(None),) * a["dim"] + (slice(a["start"], a["end"], a["step"]),)].contiguous())
+_register("select", "library", 1, _select_infer, lambda args, a: args[0].select(a["dim"], a["index"]).contiguous())
+_register("cat", "library", -1, _cat_infer, lambda args, a: torch.cat(list(args), dim=a["dim"]))

@@ -309,13 +309,15 @@ def _one_op(op: str, shapes, make_inputs: Callable[[], list[torch.Tensor]], attr
 _TORCH_UNARY = {
     "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu, "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": torch.relu, "rsqrt": torch.rsqrt,
-    "neg": torch.neg,
+    "neg": torch.neg, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "log": torch.log,
+    "exp2": torch.exp2, "abs": torch.abs, "reciprocal": torch.reciprocal,
 }
 
 
 def _unary_cases() -> list[Case]:
     def data(op, shape):
-        return lambda: [torch.rand(shape) + 0.1 if op in ("sqrt", "rsqrt") else torch.randn(shape)]
+        positive = op in ("sqrt", "rsqrt", "log", "reciprocal")
+        return lambda: [torch.rand(shape) + 0.1 if positive else torch.randn(shape)]
     return [Case(op, _dims(s), _one_op(op, [s], data(op, s), expect=f)) for op, f in _TORCH_UNARY.items()
             for s in SIZES]
 
@@ -329,6 +331,118 @@ def _binary_cases() -> list[Case]:
         return lambda: [torch.randn(a), torch.rand(b) + 0.5]  # the divisor kept away from 0
     return [Case(op, f"{_dims(a)},{_dims(b)}", _one_op(op, [a, b], data(a, b), expect=getattr(torch, op)))
             for op in ("add", "sub", "mul", "div") for a, b in _BROADCASTS]
+
+
+def _typed(op: str, specs, data: list[torch.Tensor], expect: Callable | None = None, **attrs) -> Built:
+    """``op`` (a builder method) applied to new inputs of (shape, DType) ``specs`` holding ``data``."""
+    g = new_kernel_graph()
+    g.mark_output(getattr(g, op)(*[g.new_input(shape, d) for shape, d in specs], **attrs))
+    return g, data, {0: expect(*data)} if expect else {}
+
+
+_HALF_AND_FLOAT = (DType.float32, DType.float16, DType.bfloat16)
+
+
+def _minmax_pow_cases() -> list[Case]:
+    """maximum/minimum (NaN propagates), pow with a tensor exponent (negative bases with integer
+    exponents, NaN with others) and with a scalar one."""
+    def minmax(op, a, b, d):
+        def build():
+            x, y = torch.randn(a), torch.randn(b)
+            x.view(-1)[0] = math.nan   # NaN wins in torch.maximum / minimum
+            x, y = x.to(d.torch_dtype), y.to(d.torch_dtype)
+            return _typed(op, [(a, d), (b, d)], [x, y], getattr(torch, op))
+        return build
+
+    def pow_tensor(a, b, d):
+        def build():
+            x = torch.randn(a).to(d.torch_dtype)
+            e = torch.randint(-3, 4, b).float()
+            e.view(-1)[-1] = 0.5      # a non-integer exponent: NaN for a negative base
+            return _typed("pow", [(a, d), (b, d)], [x, e.to(d.torch_dtype)], torch.pow)
+        return build
+
+    def pow_scalar(shape, exponent, positive):
+        def build():
+            x = torch.rand(shape) + 0.5 if positive else torch.randn(shape)
+            return _typed("pow", [(shape, DType.float32)], [x], lambda t: torch.pow(t, exponent), exponent=exponent)
+        return build
+
+    cases = [Case(op, f"{_dims(a)},{_dims(b)} {d.value}", minmax(op, a, b, d))
+             for op in ("maximum", "minimum") for a, b in [((7, 33), (33,)), ((3, 4097), (3, 1)), ((1, 1), (1,))]
+             for d in _HALF_AND_FLOAT]
+    cases += [Case("pow", f"{_dims(a)},{_dims(b)} {d.value}", pow_tensor(a, b, d), tol=(1e-4, 1e-4))
+              for a, b in [((7, 33), (33,)), ((2, 3, 5), (3, 1))] for d in _HALF_AND_FLOAT]
+    cases += [Case("pow_scalar", f"{_dims(s)} ** {e}", pow_scalar(s, e, pos), tol=(1e-5, 1e-4))
+              for s, e, pos in [((7, 33), 2.0, False), ((7, 33), 3.0, False), ((3, 4097), 0.5, True),
+                                ((1, 1), -1.5, True)]]
+    return cases
+
+
+def _bool_cases() -> list[Case]:
+    """Comparisons (ties included), logical ops, where and casts to and from bool."""
+    def ints(shape, d):  # small integers: equal elements are common
+        return torch.randint(-2, 3, shape).to(d.torch_dtype)
+
+    def compare(op, a, b, d):
+        def build():
+            if d == DType.bool:
+                x, y = torch.randn(a) > 0, torch.randn(b) > 0
+            else:
+                x, y = ints(a, d), ints(b, d)
+                x.view(-1)[0] = math.nan  # NaN compares unequal to everything
+            return _typed(op, [(a, d), (b, d)], [x, y], getattr(torch, op))
+        return build
+
+    def logical(op, shapes):
+        def build():
+            data = [torch.randn(s) > 0 for s in shapes]
+            return _typed(op, [(s, DType.bool) for s in shapes], data, getattr(torch, op))
+        return build
+
+    def where(c, a, b, d):
+        def build():
+            make = (lambda s: torch.randn(s) > 0) if d == DType.bool else (lambda s: torch.randn(s).to(d.torch_dtype))
+            data = [torch.randn(c) > 0, make(a), make(b)]
+            return _typed("where", [(c, DType.bool), (a, d), (b, d)], data, torch.where)
+        return build
+
+    def casts(d):
+        def build():
+            g = new_kernel_graph()
+            x = g.new_input((7, 33), d)
+            m = g.cast(x, DType.bool)
+            g.mark_output(m)
+            g.mark_output(g.cast(m, d))
+            g.mark_output(g.cast(g.gt(x, x), DType.float32))
+            data = ints((7, 33), d)
+            return g, [data], {0: data != 0, 1: (data != 0).to(d.torch_dtype)}
+        return build
+
+    cases = [Case(op, f"{_dims(a)},{_dims(b)} {d.value}", compare(op, a, b, d))
+             for op in ("eq", "ne", "lt", "le", "gt", "ge") for a, b in [((7, 33), (33,)), ((3, 4097), (3, 1))]
+             for d in _HALF_AND_FLOAT]
+    cases += [Case(op, "7x33,7x1 bool", compare(op, (7, 33), (7, 1), DType.bool)) for op in ("eq", "ne")]
+    cases += [Case(op, ",".join(map(_dims, shapes)), logical(op, shapes))
+              for op, shapes in [("logical_and", [(7, 33), (33,)]), ("logical_or", [(3, 4097), (3, 1)]),
+                                 ("logical_not", [(7, 33)]), ("logical_not", [(1, 1)])]]
+    cases += [Case("where", f"{_dims(c)},{_dims(a)},{_dims(b)} {d.value}", where(c, a, b, d))
+              for c, a, b in [((7, 33), (7, 33), (7, 33)), ((7, 1), (33,), (7, 33)), ((3, 4097), (1,), (3, 1))]
+              for d in (*_HALF_AND_FLOAT, DType.bool)]
+    cases += [Case("cast", f"{d.value}<->bool", casts(d)) for d in _HALF_AND_FLOAT]
+    return cases
+
+
+def _new_elementwise_fused(dtype: DType) -> Built:
+    """tanh, sigmoid, erf, log, exp2, abs, reciprocal, pow and a mask in one kernel, in ``dtype``."""
+    g = new_kernel_graph()
+    x, y = g.new_input((5, 67), dtype), g.new_input((67,), dtype)
+    a = g.mul(g.tanh(x), g.sigmoid(y))
+    b = g.add(g.erf(x), g.log(g.add(g.abs(x), g.exp2(y))))
+    c = g.where(g.lt(a, b), g.reciprocal(g.add(g.abs(b), g.abs(a))), g.pow(g.abs(x), 1.5))
+    g.mark_output(c)
+    g.mark_output(g.softmax(g.minimum(c, g.maximum(a, b)), -1))
+    return g, [torch.randn(5, 67).to(dtype.torch_dtype), torch.randn(67).to(dtype.torch_dtype)], {}
 
 
 def _elementwise_attr_cases() -> list[Case]:
@@ -391,6 +505,113 @@ def _layer_norm(shape, normalized, affine: bool) -> Built:
     g.mark_output(g.layer_norm(x, normalized, w, b, eps=1e-5))
     data = [torch.randn(shape)] + ([torch.randn(normalized), torch.randn(normalized)] if affine else [])
     return g, data, {0: F.layer_norm(data[0], normalized, *data[1:], eps=1e-5)}
+
+
+def _any_dim(op: str, shape, dim, keepdim: bool, dtype: DType, **attrs) -> Built:
+    """One any-dim reduction (or softmax/log_softmax when ``keepdim`` is None) of a ``dtype`` input
+    with a NaN in its first element for amax/amin (it must win)."""
+    g = new_kernel_graph()
+    x = g.new_input(shape, dtype)
+    data = torch.randn(shape)
+    if op in ("amax", "amin"):
+        data.view(-1)[0] = math.nan
+    data = data.to(dtype.torch_dtype)
+    if keepdim is None:
+        g.mark_output(getattr(g, op)(x, dim))
+        return g, [data], {0: getattr(torch, op)(data.float(), dim).to(dtype.torch_dtype)}
+    g.mark_output(getattr(g, op)(x, dim, keepdim=keepdim, **attrs))
+    f = getattr(torch, op)
+    with warnings.catch_warnings():  # var over one element (N - correction = 0): NaN, as asked
+        warnings.filterwarnings("ignore", message="var\\(\\): degrees of freedom")
+        want = (f(data.float(), dim=dim, keepdim=keepdim, **attrs) if dim is not None
+                else f(data.float(), **attrs) if op == "var" else f(data.float()))
+    return g, [data], {0: want.to(dtype.torch_dtype)}
+
+
+def _any_dim_cases() -> list[Case]:
+    part = functools.partial
+    cases = []
+    for op in ("sum", "mean", "amax", "amin", "var"):
+        for shape, dim, keep in [((7, 33), 0, True), ((7, 33), 1, False), ((2, 3, 5, 8), (1, 2), False),
+                                 ((2, 3, 5, 8), (-2, -1), True), ((3, 4097), -1, True), ((5, 1, 3), 1, False),
+                                 ((4, 7, 9), None, False)]:
+            for d in _HALF_AND_FLOAT if shape == (7, 33) else (DType.float32,):
+                attrs = {"correction": 0 if dim == 0 else 1} if op == "var" else {}
+                cases.append(Case(op, f"{_dims(shape)} dim={dim} keepdim={keep} {d.value}",
+                                  part(_any_dim, op, shape, dim, keep, d, **attrs), tol=(1e-4, 1e-4)
+                                  if d == DType.float32 else None))
+    cases += [Case("fused: group_norm", f"{_dims(s)} groups={G}{' affine' if a else ''} {d.value}",
+                   part(_group_norm, s, G, a, d), tol=(1e-4, 1e-4) if d == DType.float32 else (2e-2, 2e-2))
+              for s, G, a, d in [((2, 6, 5, 7), 3, True, DType.float32), ((3, 4), 2, False, DType.float32),
+                                 ((1, 8, 33), 8, True, DType.float32), ((2, 6, 5, 7), 2, True, DType.float16),
+                                 ((2, 6, 5, 7), 6, True, DType.bfloat16)]]
+    for op in ("softmax", "log_softmax"):
+        for shape, dim in [((7, 33), 0), ((7, 33), -1), ((2, 3, 5, 8), 1), ((3, 4097), 0)]:
+            for d in _HALF_AND_FLOAT if shape == (7, 33) else (DType.float32,):
+                cases.append(Case(op, f"{_dims(shape)} dim={dim} {d.value}", part(_any_dim, op, shape, dim, None, d),
+                                  tol=(1e-4, 1e-4) if d == DType.float32 else None))
+    return cases
+
+
+def _group_norm(shape, groups: int, affine: bool, dtype: DType) -> Built:
+    """group_norm (a builder composite: reshape, layer_norm, reshape, mul, add) against F.group_norm."""
+    g = new_kernel_graph()
+    C = shape[1]
+    x = g.new_input(shape, dtype)
+    w, b = (g.new_input((C,), dtype), g.new_input((C,), dtype)) if affine else (None, None)
+    g.mark_output(g.group_norm(x, groups, w, b, eps=1e-5))
+    td = dtype.torch_dtype
+    data = [torch.randn(shape).to(td)] + ([torch.randn(C).to(td), torch.randn(C).to(td)] if affine else [])
+    want = F.group_norm(data[0].float(), groups, *[t.float() for t in data[1:]], eps=1e-5).to(td)
+    return g, data, {0: want}
+
+
+def _data(shape, dtype: DType) -> torch.Tensor:
+    """Random values of ``dtype``: normals (float), a random mask (bool), -50..49 (integers)."""
+    if dtype == DType.bool:
+        return torch.randn(shape) > 0
+    if dtype.is_float:
+        return torch.randn(shape).to(dtype.torch_dtype)
+    return torch.randint(-50, 50, shape, dtype=dtype.torch_dtype)
+
+
+def _layout(op: str, shapes, dtype: DType, torch_fn: Callable, *args, **kwargs) -> Built:
+    """One layout op over inputs of ``shapes`` (``cat`` takes them as a list) against ``torch_fn``."""
+    g = new_kernel_graph()
+    xs = [g.new_input(s, dtype) for s in shapes]
+    g.mark_output(getattr(g, op)(xs if op == "cat" else xs[0], *args, **kwargs))
+    data = [_data(s, dtype) for s in shapes]
+    return g, data, {0: torch_fn(*data).contiguous()}
+
+
+_LAYOUT_DTYPES = (DType.float32, DType.float16, DType.bfloat16, DType.bool, DType.int64, DType.int32)
+
+
+def _layout_cases() -> list[Case]:
+    part = functools.partial
+    specs = [  # (op in OPS, builder method, shapes, its args, torch)
+        ("permute", "permute", [(2, 3, 5)], ((2, 0, 1),), lambda x: x.permute(2, 0, 1)),
+        ("permute", "permute", [(2, 3, 5, 7)], ((0, 2, 1, -1),), lambda x: x.permute(0, 2, 1, 3)),
+        ("permute", "transpose", [(7, 33)], (0, 1), lambda x: x.t()),
+        ("expand", "expand", [(3, 1)], ((2, 3, 33),), lambda x: x.expand(2, 3, 33)),
+        ("expand", "expand", [(1, 5)], ((-1, 5),), lambda x: x.expand(-1, 5)),
+        ("expand", "broadcast_to", [(4, 1, 6)], ((4, 5, 6),), lambda x: x.expand(4, 5, 6)),
+        ("slice", "slice", [(7, 33)], (1, 3, 30, 2), lambda x: x[:, 3:30:2]),
+        ("slice", "slice", [(9, 4, 5)], (0, -4, None), lambda x: x[-4:]),
+        ("slice", "slice", [(3, 4097)], (-1, 1, 4097, 7), lambda x: x[:, 1::7]),
+        ("select", "select", [(7, 33)], (1, -1), lambda x: x[:, -1]),
+        ("select", "select", [(2, 3, 5)], (1, 2), lambda x: x[:, 2]),
+        ("select", "select", [(5,)], (0, 3), lambda x: x[3]),
+        ("cat", "cat", [(2, 5), (3, 5), (1, 5)], (0,), lambda *xs: torch.cat(xs, 0)),
+        ("cat", "cat", [(2, 3, 4), (2, 1, 4)], (1,), lambda *xs: torch.cat(xs, 1)),
+        ("cat", "cat", [(3, 4097), (3, 2)], (-1,), lambda *xs: torch.cat(xs, -1)),
+    ]
+    cases = []
+    for op, method, shapes, args, fn in specs:
+        for d in _LAYOUT_DTYPES if shapes[0] in ((2, 3, 5), (7, 33), (2, 5)) else (DType.float32,):
+            name = f"{method} {'+'.join(map(_dims, shapes))} {args} {d.value}"
+            cases.append(Case(op, name, part(_layout, method, shapes, d, fn, *args), tol=(0.0, 0.0)))
+    return cases
 
 
 def _row_cases() -> list[Case]:
@@ -466,6 +687,17 @@ def _rows_of_one() -> Built:
     return g, [torch.randn(7, 1), torch.randn(7, 1)], {}
 
 
+def _value_and_its_cast() -> Built:
+    """One value stored to two outputs (itself and its float16 cast) from one statement."""
+    g = new_kernel_graph()
+    e = g.exp(g.new_input((7, 33)))
+    g.mark_output(e)
+    g.mark_output(g.cast(e, DType.float16))
+    g.mark_output(g.reduction(e, -1))
+    g.mark_output(g.cast(g.reduction(e, -1), DType.bfloat16))
+    return g, [torch.randn(7, 33)], {}
+
+
 def _fused_cases() -> list[Case]:
     return [Case("fused: rms_norm*w, silu, softmax", d.value, functools.partial(_norm_silu_softmax, d))
             for d in (DType.float16, DType.bfloat16)] + [
@@ -474,7 +706,10 @@ def _fused_cases() -> list[Case]:
         Case("fused: matmul epilogue", "7x45 @ 45x27", _gated_mlp_epilogue, tol=(1e-4, 1e-4)),
         Case("fused: scale, softmax between matmuls", "3x5x16", _scores_softmax, tol=(1e-4, 1e-4)),
         Case("fused: rows of one element", "7x1", _rows_of_one),
-    ]
+        Case("fused: a value and its cast as outputs", "7x33", _value_and_its_cast, tol=(1e-4, 2e-3)),
+    ] + [Case("fused: tanh, sigmoid, erf, log, exp2, abs, reciprocal, pow, where", d.value,
+              functools.partial(_new_elementwise_fused, d), tol=(1e-4, 1e-4) if d == DType.float32 else None)
+         for d in _HALF_AND_FLOAT]
 
 
 # ---- library ops ------------------------------------------------------------------------------
@@ -717,8 +952,9 @@ def _library_cases() -> list[Case]:
 
 
 #: every case, in the order they run (ids unique: tests/tools/test_conformance.py checks)
-CASES: tuple[Case, ...] = (*_unary_cases(), *_binary_cases(), *_elementwise_attr_cases(), *_cast_cases(),
-                           *_row_cases(), *_fused_cases(), *_library_cases())
+CASES: tuple[Case, ...] = (*_unary_cases(), *_binary_cases(), *_minmax_pow_cases(), *_bool_cases(),
+                           *_elementwise_attr_cases(), *_cast_cases(),
+                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_fused_cases(), *_library_cases())
 
 
 def summarize(results: Iterable[CaseResult]) -> dict[str, dict[str, int]]:

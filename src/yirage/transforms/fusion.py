@@ -4,18 +4,27 @@ A fused kernel (``FusedKernel``) is a *row program*: every value it computes is 
 ``vec`` value (one element per position of a row of width ``D``) or an ``rs`` value (one
 scalar per row, e.g. a sum). The tensors it touches are viewed as ``(R, D)`` where
 ``D`` is the product of the ``k`` trailing dims of the group's shape. Elementwise ops,
-``reduction`` over the last dim, ``softmax`` over the last dim and ``rms_norm`` are
-expanded into the primitive statements below and fused greedily in topological order:
+``reduction``/``sum``/``mean``/``amax``/``amin``/``var`` over the trailing dims,
+``softmax``/``log_softmax`` over the last dim and the norms are expanded into the primitive
+statements below (the same ops over other dims are library steps: kernels of their own) and fused greedily in topological order:
 an op joins the open kernel when its shape fits, otherwise (or after any library op) a
 new kernel starts. Composite ops are expanded as
   rms_norm(x)  = x * rsqrt(sum(x*x) / D + eps)
   layer_norm(x, w, b) = xc * rsqrt(sum(xc*xc) / D + eps) * w + b,  xc = x - sum(x) / D
   softmax(x)   = e / sum(e)  with  e = exp(x - max(x))
-  reduction(x) = sum(x)
+  reduction(x) = sum(x);  mean(x) = sum(x) / D;  amax(x) = max(x);  amin(x) = -max(-x)
+  var(x) = sum(xc*xc) / max(0, D - correction),  xc = x - sum(x) / D
+  log_softmax(x) = (x - max(x)) - log(sum(exp(x - max(x))))
 
 Statements: ``load`` (an input in one of the modes ``full`` [R, D], ``row`` [D] broadcast
-over rows, ``col`` [R] one per row, ``scalar``), unary/binary ops from ir.ops,
-``affine`` (a*x + b), and the row reductions ``sum``/``max``.
+over rows, ``col`` [R] one per row, ``scalar``), unary/binary ops from ir.ops (``UNARY``,
+``BINARY``, ``COMPARE``, ``LOGICAL``), ``where`` (three arguments), ``pow_scalar`` (attr
+``exponent``), ``to_bool`` (x != 0), ``affine`` (a*x + b), and the row reductions
+``sum``/``max``.
+
+Every value is float32, bool values included: a bool is carried as 0.0 or 1.0 (a bool input
+is loaded as 0/1, comparisons and logical ops make 0/1, a cast to bool is ``to_bool``), and
+stored as ``v != 0`` into a bool output; ``where`` takes its condition as ``c != 0``.
 
 This pass must never emit code: codegen renders FusedKernel for a target language.
 """
@@ -25,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..dtypes import DType
-from ..ir.ops import OPS, UNARY, BINARY
+from ..ir.ops import BINARY, COMPARE, LOGICAL, OPS, UNARY
 
 VEC, RS = "vec", "rs"
 VIEW_OPS = ("reshape", "slice_rows")  # library ops that alias their input's buffer
@@ -149,6 +158,9 @@ def _row_k(node, graph) -> int | None:
     x = graph.tensors[node.inputs[0]]
     if node.op in ("rms_norm", "layer_norm"):
         return len(node.attrs["normalized_shape"])
+    if "dims" in node.attrs:  # sum, mean, amax, amin, var: adjacent dims, fused when they are trailing
+        dims = sorted(d % len(x.shape) for d in node.attrs["dims"])
+        return len(dims) if dims[-1] == len(x.shape) - 1 else None
     if node.attrs["dim"] % len(x.shape) == len(x.shape) - 1:
         return 1
     return None
@@ -193,17 +205,37 @@ def _emit(kern: FusedKernel, node, graph, kind: str) -> None:
         # a row op over a per-row value (rows of one element, D == 1): reductions read vec
         # values, so spread it over the (one-element) row first
         args = [kern.stmt(VEC, "affine", [args[0]], a=1.0, b=0.0)]
-    if op in UNARY or op in BINARY:
+    if op in UNARY or op in BINARY or op in COMPARE or op in LOGICAL or op == "where":
         kind = RS if all(kern.kind_of(s) == RS for s in args) else VEC
         sid = kern.stmt(kind, op, args)
+    elif op == "pow_scalar":
+        sid = kern.stmt(kind, "pow_scalar", args, exponent=a["exponent"])
+    elif op == "cast" and a["dtype"] == DType.bool.value:  # 0/1 from here on, as a bool value is
+        sid = kern.stmt(kern.kind_of(args[0]), "to_bool", args)
     elif op == "cast":  # the value itself; the output's dtype decides the store
         sid = args[0]
     elif op == "clamp":
         sid = kern.stmt(kind, "clamp", args, lo=a["min_val"], hi=a["max_val"])
     elif op == "scale":
         sid = kern.stmt(kind, "affine", args, a=a["factor"], b=0.0)
-    elif op == "reduction":
+    elif op in ("reduction", "sum"):
         sid = kern.stmt(RS, "sum", args)
+    elif op == "mean":
+        sid = kern.stmt(RS, "affine", [kern.stmt(RS, "sum", args)], a=1.0 / kern.D, b=0.0)
+    elif op == "amax":
+        sid = kern.stmt(RS, "max", args)
+    elif op == "amin":  # min(x) = -max(-x)
+        sid = kern.stmt(RS, "neg", [kern.stmt(RS, "max", [kern.stmt(VEC, "neg", args)])])
+    elif op == "var":  # sum((x - mean)^2) / max(0, D - correction), two passes as torch.var
+        mean = kern.stmt(RS, "affine", [kern.stmt(RS, "sum", args)], a=1.0 / kern.D, b=0.0)
+        xc = kern.stmt(VEC, "sub", [args[0], mean])
+        denom = max(0.0, kern.D - a["correction"])
+        sid = kern.stmt(RS, "affine", [kern.stmt(RS, "sum", [kern.stmt(VEC, "square", [xc])])],
+                        a=1.0 / denom if denom else math.inf, b=0.0)
+    elif op == "log_softmax":  # x - max - log(sum(exp(x - max)))
+        xm = kern.stmt(VEC, "sub", [args[0], kern.stmt(RS, "max", args)])
+        lse = kern.stmt(RS, "log", [kern.stmt(RS, "sum", [kern.stmt(VEC, "exp", [xm])])])
+        sid = kern.stmt(VEC, "sub", [xm, lse])
     elif op == "rms_norm":
         x = args[0]
         ss = kern.stmt(RS, "sum", [kern.stmt(VEC, "square", [x])])
