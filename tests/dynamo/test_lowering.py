@@ -4,7 +4,6 @@ Each case compiles a small function with ``min_block_size=1`` and checks that th
 names ran inside a yirage partition and that the result matches eager. ``test_every_lowering
 _has_a_case`` fails when an op is added to the table without a case here.
 """
-import operator
 
 import pytest
 import torch
@@ -67,6 +66,30 @@ CASES = {
     "addmm": (torch.addmm, lambda: [torch.randn(6), torch.randn(4, 8), torch.randn(8, 6)], ["aten.addmm.default"]),
     "linear": (F.linear, lambda: [torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6)], ["aten.linear.default"]),
     "linear_nobias": (F.linear, lambda: [torch.randn(4, 8), torch.randn(6, 8)], ["aten.linear.default"]),
+    **{name: (getattr(torch, name), lambda: [torch.randn(3, 7)], [f"aten.{name}.default"])
+       for name in ("tanh", "sigmoid", "erf", "exp2", "abs")},
+    "log": (torch.log, lambda: [_pos(3, 7)], ["aten.log.default"]),
+    "reciprocal": (torch.reciprocal, lambda: [_pos(3, 7)], ["aten.reciprocal.default"]),
+    "maximum": (torch.maximum, lambda: [torch.randn(3, 7), torch.randn(7)], ["aten.maximum.default"]),
+    "minimum": (torch.minimum, lambda: [torch.randn(3, 7), torch.randn(3, 7)], ["aten.minimum.default"]),
+    "pow": (torch.pow, lambda: [_pos(3, 7), torch.randn(3, 7)], ["aten.pow.Tensor_Tensor"]),
+    "pow_scalar": (lambda x: x ** 2.5, lambda: [_pos(3, 7)], ["aten.pow.Tensor_Scalar"]),
+    "softmax_dim0": (lambda x: torch.softmax(x, 0), lambda: [torch.randn(3, 5, 8)], ["aten._softmax.default"]),
+    "log_softmax": (lambda x: torch.log_softmax(x, 1), lambda: [torch.randn(3, 5, 8)], ["aten._log_softmax.default"]),
+    "sum_dim0": (lambda x: x.sum(0), lambda: [torch.randn(3, 5, 8)], ["aten.sum.dim_IntList"]),
+    "mean_dims": (lambda x: x.mean((1, 2), keepdim=True), lambda: [torch.randn(3, 5, 8)], ["aten.mean.dim"]),
+    "amax": (lambda x: x.amax(1), lambda: [torch.randn(3, 5, 8)], ["aten.amax.default"]),
+    "amin": (lambda x: x.amin(-1, keepdim=True), lambda: [torch.randn(3, 5, 8)], ["aten.amin.default"]),
+    "var": (lambda x: x.var(1), lambda: [torch.randn(3, 5, 8)], ["aten.var.correction"]),
+    "var_biased": (lambda x: torch.var(x, -1, correction=0), lambda: [torch.randn(3, 8)], ["aten.var.correction"]),
+    "permute": (lambda x: x.permute(2, 0, 1) * 2.0, lambda: [torch.randn(3, 5, 8)], ["aten.permute.default"]),
+    "transpose": (lambda x: x.transpose(0, 1).contiguous() + 1.0, lambda: [torch.randn(3, 5)],
+                  ["aten.permute.default"]),
+    "expand": (lambda x: x.expand(4, 3, 5) * 2.0, lambda: [torch.randn(3, 1)], ["aten.expand.default"]),
+    "slice": (lambda x: x[:, 1:7:2] * 2.0, lambda: [torch.randn(3, 8)], ["aten.slice.Tensor"]),
+    "select": (lambda x: x[:, 2] * 2.0, lambda: [torch.randn(3, 8)], ["aten.select.int"]),
+    "cat": (lambda x, y: torch.cat([x * 2.0, y], 1), lambda: [torch.randn(3, 4), torch.randn(3, 5)],
+            ["aten.cat.default"]),
 }
 
 def _compile_run(fn, inputs, **options):
@@ -93,10 +116,9 @@ def test_every_lowering_has_a_case():
 
 
 @pytest.mark.parametrize("fn, inputs, op, why", [
-    (lambda x: torch.softmax(x, 0), [torch.randn(3, 8)], "aten._softmax.default", "not the last dim"),
+    (lambda x: x.sum((0, 2)), [torch.randn(3, 4, 8)], "aten.sum.dim_IntList", "not adjacent"),
     (lambda x, y: x + y, [torch.randn(3, 8), torch.randn(3, 8, dtype=torch.float16)], "aten.add.Tensor",
      "mixed dtypes"),
-    (lambda x: x.sum(0), [torch.randn(3, 8)], "aten.sum.dim_IntList", "not the last dim"),
     (lambda x: x.to(torch.bfloat16).to(torch.float32) * 2.0, [torch.randn(3, 8)], "aten._to_copy.default",
      "narrowing cast"),
     (lambda x: torch.relu(x * 2), [torch.arange(8).reshape(2, 4)], "aten.relu.default", "torch.int64"),

@@ -4,7 +4,6 @@ Every test also checks that yirage partitions actually ran (``yr.explain`` count
 partitions of the backend's reports), so none can pass by an all-eager fallback.
 """
 import importlib.metadata
-import warnings
 
 import pytest
 import torch

@@ -141,11 +141,6 @@ def _no_kwargs(*allowed):
     return check
 
 
-def _last_dim(node: Node, dim) -> str | None:
-    n = _val(node.args[0]).dim()
-    return None if dim % n == n - 1 else f"dim {dim} is not the last dim of a {n}-d tensor (only the last is lowered)"
-
-
 # ---- elementwise --------------------------------------------------------------------------
 
 def _check_binary(node: Node) -> str | None:
@@ -184,9 +179,37 @@ for _name in ("add", "sub", "mul", "div"):
     lowers(_packet.Tensor, _packet.Scalar, check=_check_binary)(_binary(_name))
 
 _unary_check = _all_of(_no_kwargs(), _tensors_ok)
-for _name in ("exp", "sqrt", "rsqrt", "neg", "relu", "silu"):
+for _name in ("exp", "sqrt", "rsqrt", "neg", "relu", "silu", "tanh", "sigmoid", "erf", "log", "exp2", "abs",
+              "reciprocal"):
     lowers(getattr(aten, _name).default, check=_unary_check)(
         (lambda ir: lambda e, node: getattr(e.g, ir)(e[node.args[0]]))(_name))
+
+
+def _check_two_tensors(node: Node) -> str | None:
+    if not all(isinstance(a, Node) for a in node.args[:2]):
+        return "a scalar operand"
+    return _all_of(_no_kwargs(), _tensors_ok)(node)
+
+
+for _name in ("maximum", "minimum"):
+    lowers(getattr(aten, _name).default, check=_check_two_tensors)(
+        (lambda ir: lambda e, node: getattr(e.g, ir)(e[node.args[0]], e[node.args[1]]))(_name))
+
+
+@lowers(aten.pow.Tensor_Tensor, check=_check_two_tensors)
+def _pow(e, node):
+    return e.g.pow(e[node.args[0]], e[node.args[1]])
+
+
+def _check_pow_scalar(node):
+    if not _is_scalar(node.args[1]):
+        return f"exponent {node.args[1]!r} is not a real scalar"
+    return _all_of(_no_kwargs(), _tensors_ok)(node)
+
+
+@lowers(aten.pow.Tensor_Scalar, check=_check_pow_scalar)
+def _pow_scalar(e, node):
+    return e.g.pow(e[node.args[0]], float(node.args[1]))
 
 
 def _check_gelu(node):
@@ -273,12 +296,17 @@ VIEW_TARGETS = {aten.view.default, aten._unsafe_view.default, operator.getitem}
 def _check_softmax(node):
     if node.args[2]:
         return "half_to_float=True"
-    return _all_of(_no_kwargs(), _tensors_ok, lambda n: _last_dim(n, n.args[1]))(node)
+    return _all_of(_no_kwargs(), _tensors_ok)(node)
 
 
 @lowers(aten._softmax.default, check=_check_softmax)
 def _softmax(e, node):
-    return e.g.softmax(e[node.args[0]], -1)
+    return e.g.softmax(e[node.args[0]], node.args[1])
+
+
+@lowers(aten._log_softmax.default, check=_check_softmax)
+def _log_softmax(e, node):
+    return e.g.log_softmax(e[node.args[0]], node.args[1])
 
 
 def _check_layer_norm(node):
@@ -321,23 +349,101 @@ def _getitem(e, node):
     return e.env[node.args[0]][node.args[1]]
 
 
+def _reduce_dims(node):
+    """The reduced dims of a sum/mean/amax/amin/var node (None: every dim)."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return [dims] if isinstance(dims, int) else dims
+
+
 def _check_reduce(node):
-    x, dims = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if node.kwargs.get("dtype") is not None:
         return f"dtype={node.kwargs['dtype']}"
-    if not isinstance(dims, (list, tuple)) or len(dims) != 1:
-        return f"dims {dims!r}: only one dim (the last) is lowered"
-    return _all_of(_no_kwargs("dtype", "keepdim"), _tensors_ok, lambda n: _last_dim(n, dims[0]))(node)
+    dims, n = _reduce_dims(node), _val(node.args[0]).dim() if _val(node.args[0]) is not None else 0
+    if dims is not None and len(dims) > 0:
+        ds = sorted(d % n for d in dims) if n else []
+        if ds and ds != list(range(ds[0], ds[0] + len(ds))):
+            return f"dims {list(dims)} are not adjacent"
+    elif dims is not None:
+        return "an empty dim list"
+    if node.target is aten.var.correction:
+        c = node.kwargs.get("correction", 1)
+        if not _is_scalar(c if c is not None else 1) or (c is not None and c < 0):
+            return f"correction {c!r}"
+    return _all_of(_no_kwargs("dtype", "keepdim", "correction"), _tensors_ok)(node)
 
 
-@lowers(aten.sum.dim_IntList, aten.mean.dim, check=_check_reduce)
+@lowers(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction,
+        check=_check_reduce)
 def _reduce(e, node):
-    x = e[node.args[0]]
-    r = e.g.reduction(x, -1)
-    if node.target is aten.mean.dim:
-        r = e.g.scale(r, 1.0 / x.shape[-1])
+    x, dims = e[node.args[0]], _reduce_dims(node)
+    name = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "amax",
+            aten.amin.default: "amin", aten.var.correction: "var"}[node.target]
+    extra = {}
+    if name == "var":
+        c = node.kwargs.get("correction", 1)
+        extra["correction"] = 1 if c is None else c
+    r = getattr(e.g, name)(x, None if dims is None else list(dims), keepdim=True, **extra)
     out_shape = tuple(_val(node).shape)
-    return r if out_shape == r.shape else e.g.reshape(r, out_shape)
+    return r if out_shape == tuple(r.shape) else e.g.reshape(r, out_shape)
+
+
+# ---- layout: permute, expand, slice, select, cat (copies) ---------------------------------
+
+@lowers(aten.permute.default, check=_all_of(_no_kwargs(), _tensors_ok))
+def _permute(e, node):
+    return e.g.permute(e[node.args[0]], list(node.args[1]))
+
+
+def _check_expand(node):
+    if node.kwargs.get("implicit", False):
+        return "implicit=True"
+    return _all_of(_no_kwargs("implicit"), _tensors_ok)(node)
+
+
+@lowers(aten.expand.default, check=_check_expand)
+def _expand(e, node):
+    return e.g.expand(e[node.args[0]], tuple(_val(node).shape))
+
+
+def _check_slice(node):
+    args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
+    dim, start, end, step = (args[0] if args[0] is not None else 0), args[1], args[2], args[3] or 1
+    for a in (dim, step, *(x for x in (start, end) if x is not None)):
+        if not isinstance(a, int):
+            return f"slice bound {a!r} is not an integer"
+    if step < 1:
+        return f"step {step}"
+    return _all_of(_no_kwargs(), _tensors_ok)(node)
+
+
+@lowers(aten.slice.Tensor, check=_check_slice)
+def _slice(e, node):
+    args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
+    dim, start, end, step = (args[0] if args[0] is not None else 0), args[1], args[2], args[3] or 1
+    n = _val(node.args[0]).shape[dim]
+    end = None if end is not None and end >= n else end   # INT64_MAX: to the end
+    return e.g.slice(e[node.args[0]], dim, start, end, step)
+
+
+@lowers(aten.select.int, check=_all_of(_no_kwargs(), _tensors_ok))
+def _select(e, node):
+    return e.g.select(e[node.args[0]], node.args[1], node.args[2])
+
+
+def _check_cat(node):
+    tensors = node.args[0]
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, Node) for t in tensors):
+        return "its inputs are not a list of tensors"
+    shapes = [tuple(_val(t).shape) for t in tensors if _val(t) is not None]
+    if any(len(sh) != len(shapes[0]) for sh in shapes):
+        return "inputs of different ranks (legacy empty tensors)"
+    return _all_of(_no_kwargs("dim"), _tensors_ok)(node)
+
+
+@lowers(aten.cat.default, check=_check_cat)
+def _cat(e, node):
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    return e.g.cat([e[t] for t in node.args[0]], dim)
 
 
 # ---- matmuls ------------------------------------------------------------------------------
