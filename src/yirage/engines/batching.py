@@ -1,7 +1,7 @@
 """Continuous batching: many sequences decoded together, one forward step for all of them.
 
 ``BatchEngine`` keeps up to ``max_slots`` sequences in flight, each in its own slot of the
-batch KV cache (``LlamaModel.alloc_batch_cache``). Each ``step()`` builds one batch (as
+batch KV cache (``LlamaModel.new_batch_cache``). Each ``step()`` builds one batch (as
 llama.cpp's server slots and vLLM's scheduler do):
 
 - one row per decoding sequence (its last sampled token, at its next position);
@@ -152,7 +152,7 @@ class BatchEngine:
                                   f"{llm.max_seq_length}], got {max_batch_tokens}")
         self.llm, self.model = llm, llm.model
         self.max_slots, self.max_batch_tokens = max_slots, max_batch_tokens
-        self.model.alloc_batch_cache(max_slots)
+        self.cache = self.model.new_batch_cache(max_slots)   # this engine's own KV cache
         self.scratch_slot = max_slots
         self._free = list(range(max_slots - 1, -1, -1))   # pop() hands out slot 0 first
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -298,7 +298,7 @@ class BatchEngine:
             return self._plans[key]
         if len(self._plans) >= MAX_PLANS:
             self._plans.popitem(last=False)
-        g, tensors = self.model.build_batch_graph(T, R)
+        g, tensors = self.model.build_batch_graph(T, R, self.cache)
         dev = self.model.device
         idx = [torch.zeros(n, dtype=torch.int64, device=dev) for n in (T, T, T, R)]
         plan = g.compile(self.model.backend.value).plan([*idx, *tensors])

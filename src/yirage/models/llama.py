@@ -44,6 +44,8 @@ itself (the executor does) or parse model files (models/loading.py does).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..backends import Backend, get_backend_impl
@@ -55,6 +57,17 @@ from ..persistent_kernel import PersistentKernel
 #: forward passes of fewer tokens keep float32 GEMMs under ``prefill_dtype='bfloat16'``: their
 #: quantized projections read the blocks in place (GEMV), which a bfloat16 GEMM cannot beat
 PREFILL_BF16_MIN_T = 16
+
+
+@dataclass
+class BatchKVCache:
+    """The KV cache of continuous batching (``LlamaModel.new_batch_cache``): ``slots`` sequence
+    slots plus a scratch slot (index ``slots``) for padding rows; ``k``/``v`` one tensor per
+    layer [slots + 1, max_seq_length, Hkv, Dh]."""
+
+    slots: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
 
 
 class LlamaModel:
@@ -149,37 +162,36 @@ class LlamaModel:
         self._head(g, weight, h if T == 1 else g.slice_rows(h, T - 1, T))
         return g, tensors
 
-    def alloc_batch_cache(self, slots: int) -> None:
-        """Allocate (or re-allocate, zeroed) the KV cache of continuous batching: per layer
-        ``batch_k_cache[i]`` / ``batch_v_cache[i]`` [slots + 1, max_seq_length, Hkv, Dh] in the
-        activation dtype. Slot ``slots`` is the scratch slot that padding rows write. Costs
-        2 * layers * (slots + 1) * max_seq_length * Hkv * Dh elements."""
+    def new_batch_cache(self, slots: int) -> "BatchKVCache":
+        """A zeroed KV cache for continuous batching (``build_batch_graph``): per layer
+        [slots + 1, max_seq_length, Hkv, Dh] keys and values in the activation dtype, on the
+        device. Slot ``slots`` is the scratch slot that padding rows write. Costs
+        2 * layers * (slots + 1) * max_seq_length * Hkv * Dh elements. GenerationError unless
+        ``slots`` is a positive integer."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise GenerationError(f"slots must be a positive integer, got {slots!r}")
         cfg = self.cfg
         shape = (slots + 1, self.max_seq_length, cfg.num_kv_heads, cfg.head_dim)
-        self.batch_slots = slots
-        self.batch_k_cache = [torch.zeros(shape, dtype=self.dtype.torch_dtype, device=self.device)
-                              for _ in range(cfg.num_layers)]
-        self.batch_v_cache = [torch.zeros(shape, dtype=self.dtype.torch_dtype, device=self.device)
-                              for _ in range(cfg.num_layers)]
 
-    def build_batch_graph(self, T: int, R: int) -> tuple[KNGraph, list[torch.Tensor]]:
+        def zeros():
+            return [torch.zeros(shape, dtype=self.dtype.torch_dtype, device=self.device)
+                    for _ in range(cfg.num_layers)]
+        return BatchKVCache(slots, zeros(), zeros())
+
+    def build_batch_graph(self, T: int, R: int, cache: "BatchKVCache") -> tuple[KNGraph, list[torch.Tensor]]:
         """The forward graph of one continuous-batching step: T rows from any number of
         sequences (decode rows and chunks of prompts in prefill), each at its own position in
-        its own slot of the batch KV cache (``alloc_batch_cache`` first), one GEMM per
-        projection over all T rows; logits only for R of the rows.
+        its own slot of ``cache`` (``new_batch_cache``), one GEMM per projection over all T
+        rows; logits only for R of the rows.
 
         Graph inputs, in order: ``ids`` [T] int64 (token ids), ``positions`` [T] int64 (each
         row's position in its sequence), ``slots`` [T] int64 (each row's KV-cache slot; padding
-        rows use the scratch slot ``batch_slots``), ``sample_rows`` [R] int64 (the rows whose
+        rows use the scratch slot ``cache.slots``), ``sample_rows`` [R] int64 (the rows whose
         logits are needed, in [0, T)); then the returned tensors (tables, weights, caches).
         Outputs: logits [R, vocab] (float32 with float32 activations, else the activation
         dtype) and their argmax [R] int64. Out-of-range ids, positions, slots or sample rows
         raise IndexOutOfRangeError when the plan runs. Projections compute in float32 whatever
-        ``prefill_dtype`` is. GenerationError when the batch cache is not allocated."""
-        if getattr(self, "batch_k_cache", None) is None:
-            raise GenerationError("build_batch_graph needs the batch KV cache: call alloc_batch_cache(slots) first")
+        ``prefill_dtype`` is."""
         g = KNGraph(self.backend.value)
         ids = g.new_input((T,), DType.int64, "ids")
         positions = g.new_input((T,), DType.int64, "positions")
@@ -190,7 +202,7 @@ class LlamaModel:
             g, ids, T, False, lambda x, c, s: g.rope_rows(x, c, s, positions),
             lambda i, q, k, v, kc, vc: g.attention_rows(q, k, v, kc, vc, slots, positions, scale,
                                                         window=self.layer_window(i)),
-            self.batch_k_cache, self.batch_v_cache)
+            cache.k, cache.v)
         self._head(g, weight, g.embedding(sample_rows, h))  # the sampled rows of h [T, H] (checked ids)
         return g, tensors
 
