@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.engines.batching import BatchEngine
-from yirage.engines.generate import _Sampling
+from yirage.engines.batching import BatchEngine, make_sampling
 from yirage.tools.conformance import CASES, run_case
 
 Hq, Hkv, Dh, S = 6, 2, 10, 24
@@ -136,11 +135,12 @@ def test_batched_greedy_equals_each_prompt_alone(smollm, alone):
     stops = [None, "3.", None, None, None, None]
     seqs = [eng.add(smollm.prompt_ids(p), max_new_tokens=n, stops=[s] if s else None)
             for p, n, s in zip(PROMPTS[:5], MAX_NEW, stops)]
-    slots_seen, late, joined_while_decoding = {}, None, False
+    slots_seen, late, joined_while_decoding, pieces = {}, None, False, {}
     while eng.has_work():
         decoding = [s for s in eng.running if not s.in_prefill]
         for ev in eng.step():
             assert ev.seq.finished == (ev.finish is not None)
+            pieces.setdefault(ev.seq.id, []).append(ev.seq.take_text())   # streaming, as a server does
         for s in eng.running:
             slots_seen.setdefault(s.id, s.slot)
         if late is None and eng.steps == 3:     # a request joins while others decode
@@ -162,6 +162,7 @@ def test_batched_greedy_equals_each_prompt_alone(smollm, alone):
         got = s.result()
         assert got.token_ids == want.token_ids, (i, got.token_ids, want.token_ids)
         assert (got.text, got.finish_reason) == (want.text, want.finish_reason), i
+        assert "".join(pieces[s.id]) == got.text
     assert seqs[1].finish_reason == "stop" and "3." not in seqs[1].text
     assert len(set(slots_seen.values())) == 4 and len(slots_seen) == 6   # 6 sequences on 4 slots
     assert not eng.has_work() and sorted(eng._free) == [0, 1, 2, 3]
@@ -207,6 +208,6 @@ def test_engine_rejects_bad_requests(smollm):
         eng.add([1, 2], max_new_tokens=0)
     with pytest.raises(yr.GenerationError, match="max_batch_tokens"):
         BatchEngine(smollm, max_slots=8, max_batch_tokens=4)
-    s = eng.add([1, 2], _Sampling(0.0, None, None))
+    s = eng.add([1, 2], make_sampling(0.0))
     eng.cancel(s)
     assert [(e.token, e.finish) for e in eng.step()] == [(None, "cancelled")] and not eng.has_work()

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import GenerationError
-from .generate import GenerationResult, _first_stop, _positive_int, _Sampling, _stable_len
+from .generate import GenerationResult, _first_stop, _positive_int, _Sampling, _stable_len, make_sampling
 
 #: the most compiled step plans kept (one per (row bucket, sample-row bucket)); the oldest goes
 MAX_PLANS = 16
@@ -169,8 +169,8 @@ class BatchEngine:
         Args:
             prompt_ids: non-empty list of token ids, each in [0, vocab), fewer than the LLM's
                 max_seq_length.
-            sampling: an ``engines.generate._Sampling`` (temperature 0 = greedy; its generator
-                seeded for repeatable sampling); None for greedy.
+            sampling: the sequence's sampler, ``make_sampling(temperature, top_k, top_p, seed)``
+                (its own seeded generator: repeatable); None for greedy.
             max_new_tokens: positive integer; also capped by the KV cache's end.
             stops: strings that end the sequence (not included in its text).
             ignore_eos: keep going past EOS tokens.
@@ -185,7 +185,7 @@ class BatchEngine:
             raise GenerationError(f"the prompt is {len(prompt_ids)} tokens but max_seq_length is "
                                   f"{self.llm.max_seq_length}")
         seq = Sequence([int(t) for t in prompt_ids], _positive_int("max_new_tokens", max_new_tokens),
-                       sampling or _Sampling(0.0, None, None), list(stops or []), bool(ignore_eos))
+                       sampling or make_sampling(), list(stops or []), bool(ignore_eos))
         with self._lock:
             self._waiting.append(seq)
         return seq

@@ -89,6 +89,18 @@ class _Sampling:
         return int(torch.multinomial(probs, 1, generator=self.generator)[0])
 
 
+def make_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                  seed: int | None = None) -> _Sampling:
+    """The sampler of one sequence, as ``LLM.generate`` makes it (for ``BatchEngine.add``):
+    temperature (0, or below 1e-30: greedy), top-k, top-p, and a CPU ``torch.Generator``
+    seeded with ``seed`` (None: torch's default generator). Raises GenerationError for values
+    ``check_generation_args`` rejects."""
+    check_generation_args(1, temperature, top_k, top_p, seed)
+    gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+    return _Sampling(float(temperature) if temperature >= _GREEDY_BELOW else 0.0,
+                     int(top_k) if top_k is not None else None, float(top_p) if top_p is not None else None, gen)
+
+
 def _activation_dtype(dtype, backend) -> DType:
     """The LLM's activation DType: ``dtype`` checked, or the backend's default when None."""
     if dtype is None:
@@ -391,12 +403,9 @@ class LLM:
                 isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
             raise GenerationError(f"stop must be a string, a list of strings or None, got {stop!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        temperature = float(temperature) if temperature >= _GREEDY_BELOW else 0.0
 
         def sampling() -> _Sampling:
-            gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-            return _Sampling(temperature, int(top_k) if top_k is not None else None,
-                             float(top_p) if top_p is not None else None, gen)
+            return make_sampling(temperature, top_k, top_p, seed)
 
         if is_batch(prompt):
             if stream:
