@@ -206,6 +206,8 @@ def test_engine_rejects_bad_requests(smollm):
             eng.add(bad)
     with pytest.raises(yr.GenerationError, match="max_new_tokens"):
         eng.add([1, 2], max_new_tokens=0)
+    with pytest.raises(yr.GenerationError, match="stops must be"):
+        eng.add([1, 2], stops="3.")
     with pytest.raises(yr.GenerationError, match="max_batch_tokens"):
         BatchEngine(smollm, max_slots=8, max_batch_tokens=4)
     s = eng.add([1, 2], make_sampling(0.0))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections import abc
 import numbers
 import threading
 import time
@@ -174,16 +175,19 @@ class BatchEngine:
             max_new_tokens: positive integer; also capped by the KV cache's end.
             stops: strings that end the sequence (not included in its text).
             ignore_eos: keep going past EOS tokens.
-        Returns the Sequence handle. Raises GenerationError for a bad prompt or max_new_tokens.
+        Returns the Sequence handle. Raises GenerationError for a bad prompt, max_new_tokens or
+        stops.
         """
         vocab = self.llm.config.vocab_size
-        if (isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, collections.abc.Sequence)
+        if (isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, abc.Sequence)
                 or not prompt_ids or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                              and 0 <= t < vocab for t in prompt_ids)):
             raise GenerationError(f"prompt_ids must be a non-empty list of token ids in [0, {vocab})")
         if len(prompt_ids) >= self.llm.max_seq_length:
             raise GenerationError(f"the prompt is {len(prompt_ids)} tokens but max_seq_length is "
                                   f"{self.llm.max_seq_length}")
+        if stops is not None and (isinstance(stops, str) or not all(isinstance(x, str) for x in stops)):
+            raise GenerationError(f"stops must be a list of strings or None, got {stops!r}")
         seq = Sequence([int(t) for t in prompt_ids], _positive_int("max_new_tokens", max_new_tokens),
                        sampling or make_sampling(), list(stops or []), bool(ignore_eos))
         with self._lock:
