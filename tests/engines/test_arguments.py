@@ -108,8 +108,8 @@ def test_bad_prompt(llm, prompt, fragment):
 
 def test_bad_chat_messages(llm, template):
     template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    with pytest.raises(yr.GenerationError, match="chat message 0 must be a dict"):
-        llm.generate(["w5"], max_new_tokens=2)
+    with pytest.raises(yr.GenerationError, match="chat message 1 must be a dict"):
+        llm.generate([{"role": "user", "content": "w5"}, "w6"], max_new_tokens=2)
     with pytest.raises(yr.GenerationError, match=r"chat message 1 \('content'\) is not valid Unicode"):
         llm.generate([{"role": "user", "content": "w5"}, {"role": "user", "content": "\udcfe"}], max_new_tokens=2)
 

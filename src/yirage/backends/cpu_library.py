@@ -4,7 +4,8 @@ attention_varlen: cpu_embed.py). Linear layers with float32 activations and floa
 int8 (``linear_w8a8``) weights run on the provider chosen by measurement for their shape class
 (cpu_providers.py: yirage's packed GEMMs, MKL, oneDNN).
 
-Quantized linear layers, embeddings, RoPE, attention and argmax call the hand-written C++
+Quantized linear layers, embeddings, RoPE, attention (and their batched-step forms rope_rows
+and attention_rows) and argmax call the hand-written C++
 of ``yirage/kernels/cpu/library.cpp`` (q4_1/q8_0; the other GGML block formats of
 ``GGML_FORMATS`` in its header ``ggml_quants.h``, read in place the same way; built once by runtime/toolchain.py, bound through
 ctypes with the ``SIGNATURES`` below); ``matmul`` uses torch (BLAS). ``supports`` says
@@ -52,6 +53,10 @@ SIGNATURES: dict[str, tuple] = {
     "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P),
     # the same with the sliding window (0: full causal; W >= 1: keys p - W < j <= p) before status
     "yr_attention_window": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
+    # x, cos, sin, positions [T], out, T, H, Dh, S (table rows), status
+    "yr_rope_rows": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
+    # q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale, window, status
+    "yr_attention_rows": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
     "yr_rows_parallel": (_P, _P, _I, _I, _I, _I, _P),   # row task fn, its args, lo, hi, rows, min_rows, status
     # embedding encoder (kernels/cpu/embed_kernels.h); the trailing _I are buffer lengths, then status
@@ -194,6 +199,25 @@ def _attention(node, graph, args, out, status):
     return lambda: fn(*p)
 
 
+def _rope_rows(node, graph, args, out, status):
+    """yr_rope_rows: each row of x at its own position (continuous batching)."""
+    x, cos, sin, pos = args
+    T, H, Dh = x.shape
+    fn = library().yr_rope_rows
+    p = (_ptr(x), _ptr(cos), _ptr(sin), _ptr(pos), _ptr(out), T, H, Dh, cos.shape[0], _ptr(status))
+    return lambda: fn(*p)
+
+
+def _attention_rows(node, graph, args, out, status):
+    """yr_attention_rows: each row over its own slot of the KV caches (continuous batching)."""
+    q, k, v, kc, vc, slots, pos = args
+    T, Hq, Dh = q.shape
+    fn = library().yr_attention_rows
+    p = (*map(_ptr, (q, k, v, kc, vc, slots, pos, out)), T, Hq, k.shape[1], Dh, kc.shape[0], kc.shape[1],
+         node.attrs["scale"], node.attrs.get("window", 0), _ptr(status))
+    return lambda: fn(*p)
+
+
 def _attention_bidir(node, graph, args, out, status):
     """Encoder attention with a key-padding mask: torch's fused scaled_dot_product_attention
     (flash-attention CPU kernel) over views of the packed qkv, written into ``out``."""
@@ -231,6 +255,8 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "embedding": (_embedding_ok, _embedding),
     "rope": (_float32_first, _rope),
     "attention": (_float32_first, _attention),
+    "rope_rows": (_float32_first, _rope_rows),
+    "attention_rows": (_float32_first, _attention_rows),
     "argmax": (_float32_first, _argmax),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)
     "attention_bidir": (_float32_first, _attention_bidir),

@@ -89,6 +89,18 @@ class _Sampling:
         return int(torch.multinomial(probs, 1, generator=self.generator)[0])
 
 
+def make_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                  seed: int | None = None) -> _Sampling:
+    """The sampler of one sequence, as ``LLM.generate`` makes it (for ``BatchEngine.add``):
+    temperature (0, or below 1e-30: greedy), top-k, top-p, and a CPU ``torch.Generator``
+    seeded with ``seed`` (None: torch's default generator). Raises GenerationError for values
+    ``check_generation_args`` rejects."""
+    check_generation_args(1, temperature, top_k, top_p, seed)
+    gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+    return _Sampling(float(temperature) if temperature >= _GREEDY_BELOW else 0.0,
+                     int(top_k) if top_k is not None else None, float(top_p) if top_p is not None else None, gen)
+
+
 def _activation_dtype(dtype, backend) -> DType:
     """The LLM's activation DType: ``dtype`` checked, or the backend's default when None."""
     if dtype is None:
@@ -223,11 +235,19 @@ class LLM:
             CPU has them). Faster prefill where the CPU has bfloat16 units, at bfloat16's
             precision (logits then differ from float32 by about 1e-2, as llama.cpp's 8-bit
             activations do); decode steps stay float32. ``yirage optimize`` measures it.
+        max_batch: the most sequences ``generate([p1, p2, ...])`` runs together (slots of its
+            continuous-batching KV cache, allocated on the first batch call: 2 * layers *
+            (max_batch + 1) * max_seq_length * kv_heads * head_dim elements); more prompts wait
+            for a free slot.
+        max_batch_tokens: the token budget of one batched step (decode rows plus prefill
+            chunks); default min(max_seq_length, max(128, max_batch)); it must lie in
+            [max_batch, max_seq_length].
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
         BackendUnavailableError: the backend is unknown or unavailable.
-        GenerationError: max_seq_length is not a positive integer, dtype is not one of
+        GenerationError: max_seq_length, max_batch or max_batch_tokens is not a positive
+            integer, dtype is not one of
             float32, float16, bfloat16, or prefill_dtype is not None/'float32'/'bfloat16', is
             'bfloat16' off the CPU backend, with non-float32 activations, or for a model
             without block-quantized weights.
@@ -237,8 +257,11 @@ class LLM:
                  max_seq_length: int = 2048, dtype=None, progress: bool = False,
                  allow_nonfinite_weights: bool = False, persistent: bool | None = None,
                  num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
-                 prefill_dtype=None):
+                 prefill_dtype=None, max_batch: int = 8, max_batch_tokens: int | None = None):
         max_seq_length = _positive_int("max_seq_length", max_seq_length)
+        self.max_batch = _positive_int("max_batch", max_batch)
+        if max_batch_tokens is not None:
+            max_batch_tokens = _positive_int("max_batch_tokens", max_batch_tokens)
         self.backend = resolve_backend(backend)
         self.dtype = _activation_dtype(dtype, self.backend)
         self.prefill_dtype = _prefill_dtype(prefill_dtype, self.backend, self.dtype)
@@ -271,6 +294,11 @@ class LLM:
         self._sequence_lock = threading.Lock()
         self._sequence_thread: int | None = None
         self.eos_token_ids = set(self.config.eos_token_ids)
+        # generate([p1, p2, ...]): a continuous-batching engine, made on the first batch (it
+        # allocates its own KV cache); one batch call at a time
+        self._max_batch_tokens = max_batch_tokens
+        self._batch_engine = None
+        self._batch_lock = threading.Lock()
         logger.info("loaded %s on %s (max_seq_length=%d, dtype=%s)", self.name, self.backend.value,
                     self.max_seq_length, self.dtype.value)
 
@@ -314,7 +342,7 @@ class LLM:
         """The token ids ``generate`` feeds for ``prompt``: ``encode_prompt``'s, or a list of
         token ids as given (each checked against the vocabulary). GenerationError for a prompt
         that is not text, messages or token ids, is empty, or does not fit in max_seq_length."""
-        if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt and all(
+        if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)) and prompt and all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             vocab = self.config.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -339,7 +367,11 @@ class LLM:
 
         Args:
             prompt: a string, a non-empty list of chat messages ({'role', 'content'}), or a
-                non-empty list of token ids (fed as they are).
+                non-empty list of token ids (fed as they are). A batch: a non-empty list of
+                strings, of message lists or of token-id lists runs every prompt on the
+                continuous-batching engine (up to ``max_batch`` at once, the others joining as
+                slots free up) and returns a list of GenerationResult in prompt order, each
+                the result the prompt gets alone (the same seed seeds every prompt's sampler).
             max_new_tokens: positive integer, upper bound on generated tokens.
             temperature: finite, >= 0: 0 for greedy decoding (so are positive values below
                 1e-30, where the scaled logits would overflow: greedy is their limit), > 0
@@ -355,11 +387,12 @@ class LLM:
             ignore_eos: keep generating past end-of-sequence tokens (benchmarks): only
                 ``max_new_tokens`` and ``stop`` end the generation.
 
-        Returns: GenerationResult, or a GenerationStream when ``stream`` is True.
+        Returns: GenerationResult, or a GenerationStream when ``stream`` is True; a list of
+            GenerationResult for a batch.
         Raises: GenerationError for bad arguments (see ``check_generation_args``), a prompt
             that is not text, is empty or does not fit in max_seq_length, a chat template
-            that fails to render (see ``encode_prompt``), or a second generation started in a
-            thread whose earlier stream on this LLM is still open.
+            that fails to render (see ``encode_prompt``), ``stream`` with a batch, or a second
+            generation started in a thread whose earlier stream on this LLM is still open.
 
         Safe to call from several threads: each call gets the answer it would get alone.
         Generations run one at a time (a call waits for the one before to finish; a stream
@@ -369,18 +402,65 @@ class LLM:
         if stop is not None and not isinstance(stop, str) and not (
                 isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
             raise GenerationError(f"stop must be a string, a list of strings or None, got {stop!r}")
-        ids = self.prompt_ids(prompt, chat)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        temperature = float(temperature) if temperature >= _GREEDY_BELOW else 0.0
-        sampling = _Sampling(temperature, int(top_k) if top_k is not None else None,
-                             float(top_p) if top_p is not None else None, gen)
+
+        def sampling() -> _Sampling:
+            return make_sampling(temperature, top_k, top_p, seed)
+
+        if is_batch(prompt):
+            if stream:
+                raise GenerationError("stream=True takes one prompt; a batch of prompts returns a list of results")
+            all_ids = [self.prompt_ids(p, chat) for p in prompt]
+            return self._generate_batch(all_ids, int(max_new_tokens), sampling, stops, bool(ignore_eos))
+        ids = self.prompt_ids(prompt, chat)
+        sampling = sampling()
         stream_obj = GenerationStream(self, ids, int(max_new_tokens), sampling, stops, bool(ignore_eos))
         if stream:
             return stream_obj
         for _ in stream_obj:
             pass
         return stream_obj.result
+
+
+    def batch_engine(self):
+        """This LLM's continuous-batching engine (``engines.batching.BatchEngine`` with
+        ``max_batch`` slots), made on first use. Callers that drive it hold no lock of the LLM:
+        one thread must step it at a time (``generate`` of a batch does, under its own lock)."""
+        if self._batch_engine is None:
+            from .batching import BatchEngine
+            tokens = self._max_batch_tokens or min(self.max_seq_length, max(128, self.max_batch))
+            self._batch_engine = BatchEngine(self, self.max_batch, tokens)
+        return self._batch_engine
+
+    def _generate_batch(self, all_ids: list[list[int]], max_new_tokens: int, sampling, stops: list[str],
+                        ignore_eos: bool) -> list[GenerationResult]:
+        """Every prompt of ``all_ids`` through the batch engine, to the end; results in order."""
+        with self._batch_lock:
+            engine = self.batch_engine()
+            seqs = [engine.add(ids, sampling(), max_new_tokens, stops, ignore_eos) for ids in all_ids]
+            try:
+                while not all(s.finished for s in seqs):
+                    engine.step()
+            finally:
+                if not all(s.finished for s in seqs):   # an error mid-way: free this call's slots
+                    for s in seqs:
+                        engine.cancel(s)
+                    engine.step()   # only cancelled sequences left: it drops them, runs nothing
+            return [s.result() for s in seqs]
+
+
+def is_batch(prompt) -> bool:
+    """True when ``prompt`` is a batch for ``LLM.generate``: a non-empty list (or tuple) of
+    strings, of chat-message lists or of token-id lists. A list of messages (mappings) and a
+    list of token ids are single prompts."""
+    if isinstance(prompt, (str, bytes, bytearray, Mapping)) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    if all(isinstance(p, str) for p in prompt):
+        return True
+    return all(isinstance(p, Sequence) and not isinstance(p, (str, bytes, bytearray)) and p
+               and (all(isinstance(m, Mapping) for m in p)
+                    or all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p))
+               for p in prompt)
 
 
 class GenerationStream:

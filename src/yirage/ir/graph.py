@@ -566,6 +566,37 @@ class KernelGraph:
             raise GraphError(f"attention: window must be None, 0 (full causal) or a positive integer, got {w}")
         return self._add("attention", [q, k, v, k_cache, v_cache, start_pos], scale=scale, window=w)
 
+    def rope_rows(self, x, cos, sin, positions):
+        """Rotate-half RoPE with a position per row (continuous batching: rows of several
+        sequences at their own positions). x [T, H, Dh] (float), cos/sin [max_seq, Dh/2]
+        (float32), positions int64 [T]: row t is rotated at positions[t]. Returns [T, H, Dh].
+        GraphError for bad shapes or dtypes; a position outside [0, max_seq) raises
+        IndexOutOfRangeError when the graph runs. Source: Su et al. 2021; transformers' Llama."""
+        return self._add("rope_rows", [x, cos, sin, positions])
+
+    def attention_rows(self, q, k, v, k_cache, v_cache, slots, positions, scale: float | None = None,
+                       window: int | None = None):
+        """Causal grouped-query attention of rows from several sequences, each over its own slot
+        of a KV cache: the attention of a continuous-batching step (decode rows and chunked
+        prefill rows together).
+
+        q [T, Hq, Dh]; k, v [T, Hkv, Dh]; caches [num_slots, max_seq, Hkv, Dh] (one float dtype,
+        updated in place); slots, positions int64 [T]. First each row t writes its k/v at
+        ``cache[slots[t], positions[t]]``; then row t attends the keys ``j <= positions[t]`` of
+        its own slot (``window`` W >= 1: also ``j > positions[t] - W``, as ``attention``), so
+        the rows of one sequence's prefill chunk see each other causally. Returns [T, Hq, Dh].
+        ``scale`` multiplies q.k (default ``Dh ** -0.5``). GraphError for bad shapes, dtypes, a
+        non-finite scale or a window that is not a non-negative integer; a slot outside
+        [0, num_slots) or a position outside [0, max_seq) raises IndexOutOfRangeError when the
+        graph runs (nothing is written).
+        """
+        self._check_tensors("attention_rows", [q, k, v, k_cache, v_cache, slots, positions])
+        scale = _real("attention_rows", "scale", scale) if scale is not None else q.shape[-1] ** -0.5
+        w = 0 if window is None else _int("attention_rows", "window", window)
+        if w < 0:
+            raise GraphError(f"attention_rows: window must be None, 0 (full causal) or a positive integer, got {w}")
+        return self._add("attention_rows", [q, k, v, k_cache, v_cache, slots, positions], scale=scale, window=w)
+
     def attention_bidir(self, qkv, key_mask, num_heads: int, scale: float | None = None):
         """Bidirectional multi-head attention (encoders: BERT) with a key-padding mask.
 

@@ -12,7 +12,8 @@ Each ``OpDef`` has
   v to the KV cache inputs 3 and 4); schedulers must not reorder a reader of such an input
   across the op,
 - ``index_input``: the position of the input holding run-time indices (embedding's ids,
-  RoPE's and attention's start_pos), or None. Kernels check those values against the
+  RoPE's and attention's start_pos, rope_rows' and attention_rows' positions; attention_rows
+  also indexes with its slots, input 5), or None. Kernels check those values against the
   buffer they index before any read or write and report a violation, which the executor
   (and every reference here) raises as ``IndexOutOfRangeError`` (``index_error``).
 
@@ -61,7 +62,8 @@ def _register(name, kind, arity, infer, reference, mutates=(), index_input=None)
 
 
 #: What the run-time index of each checked op is called in error messages.
-INDEX_NAMES = {"embedding": "token id", "rope": "start_pos", "attention": "start_pos"}
+INDEX_NAMES = {"embedding": "token id", "rope": "start_pos", "attention": "start_pos",
+               "rope_rows": "position", "attention_rows": "slot or position"}
 
 
 def index_error(op: str, value: int, lo: int, hi: int) -> IndexOutOfRangeError:
@@ -69,6 +71,9 @@ def index_error(op: str, value: int, lo: int, hi: int) -> IndexOutOfRangeError:
     hint = {"embedding": "token ids must be below the embedding table's row count (the vocabulary)",
             "rope": "start_pos + T must not exceed the rows of the cos/sin tables",
             "attention": "start_pos + T must not exceed the rows of the KV cache (max_seq_length)",
+            "rope_rows": "every row's position must be below the rows of the cos/sin tables",
+            "attention_rows": "every row's slot must be below the KV cache's slot count and its position "
+                              "below its length (max_seq_length)",
             }.get(op, "")
     return IndexOutOfRangeError(f"{op}: {INDEX_NAMES.get(op, 'index')} {value} is out of range "
                                 f"[{lo}, {hi}): {hint}")
@@ -558,6 +563,93 @@ def attention_reference(q, k, v, k_cache, v_cache, start: int, scale: float, win
     return out.to(q.dtype)
 
 
+def _rope_rows_infer(ts, attrs):
+    x, cos, sin, pos = ts
+    if len(x.shape) != 3 or x.shape[-1] % 2:
+        _fail("rope_rows", ts, "x must be [T, heads, head_dim] with an even head_dim")
+    if len(cos.shape) != 2 or cos.shape != sin.shape or cos.shape[1] != x.shape[-1] // 2:
+        _fail("rope_rows", ts, "cos and sin tables must both be [max_seq, head_dim // 2]")
+    if pos.shape != (x.shape[0],) or pos.dtype != DType.int64:
+        _fail("rope_rows", ts, f"positions must be an int64 tensor of shape ({x.shape[0]},): one per row of x")
+    if not x.dtype.is_float or cos.dtype != DType.float32 or sin.dtype != DType.float32:
+        _fail("rope_rows", ts, "x must be floating point and the cos/sin tables float32")
+    return x
+
+
+def _check_rows(op: str, values: torch.Tensor, hi: int) -> None:
+    """IndexOutOfRangeError for the first of ``values`` (int64 [T]) outside [0, hi)."""
+    bad = (values < 0) | (values >= hi)
+    if bool(bad.any()):
+        raise index_error(op, int(values[bad][0]), 0, hi)
+
+
+def rope_rows_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with a position per row: row t of x [T, H, Dh] (any float dtype, computed
+    in float32 and cast back) is rotated at ``positions[t]`` (int64 [T]) with the tables cos/sin
+    [max_seq, Dh/2] float32. IndexOutOfRangeError for a position outside [0, max_seq)."""
+    _check_rows("rope_rows", positions, cos.shape[0])
+    half = x.shape[-1] // 2
+    idx = positions.long().to(cos.device)
+    c, s = cos[idx].unsqueeze(1), sin[idx].unsqueeze(1)
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def _attention_rows_infer(ts, attrs):
+    q, k, v, kc, vc, slots, pos = ts
+    if len(q.shape) != 3 or len(k.shape) != 3 or k.shape != v.shape:
+        _fail("attention_rows", ts, "q must be [T, Hq, Dh]; k and v [T, Hkv, Dh]")
+    T, hq, dh = q.shape
+    if k.shape[0] != T or k.shape[2] != dh or hq % k.shape[1]:
+        _fail("attention_rows", ts, "k/v must have the same T and Dh as q, and Hq divisible by Hkv (GQA)")
+    if kc.shape != vc.shape or len(kc.shape) != 4 or kc.shape[2:] != k.shape[1:]:
+        _fail("attention_rows", ts, "KV caches must both be [slots, max_seq, Hkv, Dh]")
+    for name, t in (("slots", slots), ("positions", pos)):
+        if t.shape != (T,) or t.dtype != DType.int64:
+            _fail("attention_rows", ts, f"{name} must be an int64 tensor of shape ({T},): one per row")
+    if not q.dtype.is_float or len({t.dtype for t in ts[:5]}) != 1:
+        _fail("attention_rows", ts, "q, k, v and the KV caches must share one floating-point dtype")
+    window = attrs.get("window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise GraphError(f"attention_rows: window must be 0 (full causal) or a positive integer, got {window!r}")
+    return q
+
+
+def attention_rows_reference(q, k, v, k_cache, v_cache, slots, positions, scale: float,
+                             window: int = 0) -> torch.Tensor:
+    """Causal GQA attention of rows from several sequences, each over its own slot of a KV cache
+    (continuous batching: decode rows and prefill chunks in one batch).
+
+    Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [num_slots, max_seq, Hkv, Dh], one float dtype
+    (computed in float32, returned in q's dtype); slots, positions int64 [T]. First every row t
+    writes k[t], v[t] at ``cache[slots[t], positions[t]]`` (rows in order: if two rows name the
+    same place the later one's write lands); then row t, query head h, attends the keys ``j`` of
+    its slot with ``j <= positions[t]`` (and ``j > positions[t] - window`` for ``window >= 1``),
+    KV head ``h // (Hq // Hkv)``. Rows of one sequence's prefill chunk thus see each other
+    causally. IndexOutOfRangeError (nothing written) for a slot outside [0, num_slots) or a
+    position outside [0, max_seq).
+    """
+    T, hq, _ = q.shape
+    n_slots, S = k_cache.shape[:2]
+    _check_rows("attention_rows", slots, n_slots)
+    _check_rows("attention_rows", positions, S)
+    sl, ps = slots.tolist(), positions.tolist()
+    for t in range(T):
+        k_cache[sl[t], ps[t]] = k[t]
+        v_cache[sl[t], ps[t]] = v[t]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    rep = hq // k.shape[1]
+    for t in range(T):
+        p = ps[t]
+        j0 = max(0, p - window + 1) if window else 0
+        keys = k_cache[sl[t], j0:p + 1].float().repeat_interleave(rep, 1)  # [L, Hq, Dh]
+        vals = v_cache[sl[t], j0:p + 1].float().repeat_interleave(rep, 1)
+        w = torch.softmax(torch.einsum("hd,lhd->hl", q[t].float(), keys) * scale, dim=-1)
+        out[t] = torch.einsum("hl,lhd->hd", w, vals)
+    return out.to(q.dtype)
+
+
 def _argmax_infer(ts, attrs):
     d = _norm_dim("argmax", ts[0], attrs["dim"])
     if d != len(ts[0].shape) - 1:
@@ -576,6 +668,11 @@ _register("attention", "library", 6, _attention_infer,
           lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"], a.get("window", 0)),
           mutates=(3, 4),
           index_input=5)
+_register("rope_rows", "library", 4, _rope_rows_infer,
+          lambda args, a: rope_rows_reference(*args), index_input=3)
+_register("attention_rows", "library", 7, _attention_rows_infer,
+          lambda args, a: attention_rows_reference(*args, a["scale"], a.get("window", 0)),
+          mutates=(3, 4), index_input=6)
 def _attention_bidir_infer(ts, attrs):
     qkv, mask = ts
     h = attrs["num_heads"]

@@ -44,6 +44,8 @@ itself (the executor does) or parse model files (models/loading.py does).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..backends import Backend, get_backend_impl
@@ -55,6 +57,17 @@ from ..persistent_kernel import PersistentKernel
 #: forward passes of fewer tokens keep float32 GEMMs under ``prefill_dtype='bfloat16'``: their
 #: quantized projections read the blocks in place (GEMV), which a bfloat16 GEMM cannot beat
 PREFILL_BF16_MIN_T = 16
+
+
+@dataclass
+class BatchKVCache:
+    """The KV cache of continuous batching (``LlamaModel.new_batch_cache``): ``slots`` sequence
+    slots plus a scratch slot (index ``slots``) for padding rows; ``k``/``v`` one tensor per
+    layer [slots + 1, max_seq_length, Hkv, Dh]."""
+
+    slots: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
 
 
 class LlamaModel:
@@ -137,20 +150,81 @@ class LlamaModel:
     def build_graph(self, T: int) -> tuple[KNGraph, list[torch.Tensor]]:
         """The forward graph for T new tokens, and the tensors for every input except
         the first two (``ids`` [T] int64 and ``start_pos`` [1] int64)."""
-        cfg = self.cfg
         g = KNGraph(self.backend.value)
+        ids = g.new_input((T,), DType.int64, "ids")
+        start = g.new_input((1,), DType.int64, "start_pos")
+        bf16 = self.prefill_dtype == DType.bfloat16 and T >= PREFILL_BF16_MIN_T
+        scale = self.cfg.attention_scale
+        h, tensors, weight = self._trunk(
+            g, ids, T, bf16, lambda x, c, s: g.rope(x, c, s, start),
+            lambda i, q, k, v, kc, vc: g.attention(q, k, v, kc, vc, start, scale, window=self.layer_window(i)),
+            self.k_cache, self.v_cache)
+        self._head(g, weight, h if T == 1 else g.slice_rows(h, T - 1, T))
+        return g, tensors
+
+    def new_batch_cache(self, slots: int) -> "BatchKVCache":
+        """A zeroed KV cache for continuous batching (``build_batch_graph``): per layer
+        [slots + 1, max_seq_length, Hkv, Dh] keys and values in the activation dtype, on the
+        device. Slot ``slots`` is the scratch slot that padding rows write. Costs
+        2 * layers * (slots + 1) * max_seq_length * Hkv * Dh elements. GenerationError unless
+        ``slots`` is a positive integer."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise GenerationError(f"slots must be a positive integer, got {slots!r}")
+        cfg = self.cfg
+        shape = (slots + 1, self.max_seq_length, cfg.num_kv_heads, cfg.head_dim)
+
+        def zeros():
+            return [torch.zeros(shape, dtype=self.dtype.torch_dtype, device=self.device)
+                    for _ in range(cfg.num_layers)]
+        return BatchKVCache(slots, zeros(), zeros())
+
+    def build_batch_graph(self, T: int, R: int, cache: "BatchKVCache") -> tuple[KNGraph, list[torch.Tensor]]:
+        """The forward graph of one continuous-batching step: T rows from any number of
+        sequences (decode rows and chunks of prompts in prefill), each at its own position in
+        its own slot of ``cache`` (``new_batch_cache``), one GEMM per projection over all T
+        rows; logits only for R of the rows.
+
+        Graph inputs, in order: ``ids`` [T] int64 (token ids), ``positions`` [T] int64 (each
+        row's position in its sequence), ``slots`` [T] int64 (each row's KV-cache slot; padding
+        rows use the scratch slot ``cache.slots``), ``sample_rows`` [R] int64 (the rows whose
+        logits are needed, in [0, T)); then the returned tensors (tables, weights, caches).
+        Outputs: logits [R, vocab] (float32 with float32 activations, else the activation
+        dtype) and their argmax [R] int64. Out-of-range ids, positions, slots or sample rows
+        raise IndexOutOfRangeError when the plan runs. Projections compute in float32 whatever
+        ``prefill_dtype`` is."""
+        g = KNGraph(self.backend.value)
+        ids = g.new_input((T,), DType.int64, "ids")
+        positions = g.new_input((T,), DType.int64, "positions")
+        slots = g.new_input((T,), DType.int64, "slots")
+        sample_rows = g.new_input((R,), DType.int64, "sample_rows")
+        scale = self.cfg.attention_scale
+        h, tensors, weight = self._trunk(
+            g, ids, T, False, lambda x, c, s: g.rope_rows(x, c, s, positions),
+            lambda i, q, k, v, kc, vc: g.attention_rows(q, k, v, kc, vc, slots, positions, scale,
+                                                        window=self.layer_window(i)),
+            cache.k, cache.v)
+        self._head(g, weight, g.embedding(sample_rows, h))  # the sampled rows of h [T, H] (checked ids)
+        return g, tensors
+
+    def _trunk(self, g: KNGraph, ids, T: int, bf16: bool, rope, attend, k_caches, v_caches):
+        """Embedding and every decoder layer over T rows: (h [T, hidden], the tensors of the
+        inputs it added, the ``weight(name)`` input maker). ``rope(x, cos, sin)`` rotates q or
+        k; ``attend(layer, q, k, v, k_cache, v_cache)`` is the attention of a layer."""
+        cfg = self.cfg
         tensors: list[torch.Tensor] = []
 
         def inp(t: torch.Tensor, dtype=None, shape=None, name=None):
             tensors.append(t)
             return g.new_input(shape or tuple(t.shape), dtype or as_dtype(t.dtype), name)
 
-        def weight(name: str):
-            data, dtype, shape = self.weights[name]
-            return inp(data, dtype, shape, name)
+        added: dict[str, object] = {}
 
-        ids = g.new_input((T,), DType.int64, "ids")
-        start = g.new_input((1,), DType.int64, "start_pos")
+        def weight(name: str):  # one graph input per weight (the tied LM head reuses the embedding's)
+            if name not in added:
+                data, dtype, shape = self.weights[name]
+                added[name] = inp(data, dtype, shape, name)
+            return added[name]
+
         cos, sin = inp(self.cos, name="rope_cos"), inp(self.sin, name="rope_sin")
         if self.local_cos is not None:  # Gemma 3's sliding layers
             local_cos = inp(self.local_cos, name="rope_cos_local")
@@ -161,16 +235,13 @@ class LlamaModel:
         def norm(x, w):
             return g.mul(g.rms_norm(x, (H,), eps), weight(w))
 
-        bf16 = self.prefill_dtype == DType.bfloat16 and T >= PREFILL_BF16_MIN_T
-
         def proj(x, prefix):
             bias = weight(prefix + ".bias") if prefix + ".bias" in self.weights else None
             quantized = self.weights[prefix + ".weight"][1].is_quantized
             return g.linear(x, weight(prefix + ".weight"), bias,
                             compute_dtype="bfloat16" if bf16 and quantized else None)
 
-        embed = weight("model.embed_tokens.weight")
-        h = g.embedding(ids, embed)
+        h = g.embedding(ids, weight("model.embed_tokens.weight"))
         if h.dtype != self.dtype:  # a quantized table decodes to float32
             h = g.cast(h, self.dtype)
         if self.embed_scale is not None:  # Gemma: times sqrt(hidden)
@@ -185,9 +256,9 @@ class LlamaModel:
                 q = g.mul(g.rms_norm(q, (Dh,), eps), weight(f"{p}.self_attn.q_norm.weight"))
                 k = g.mul(g.rms_norm(k, (Dh,), eps), weight(f"{p}.self_attn.k_norm.weight"))
             rc, rs = (local_cos, local_sin) if self.layer_uses_local_rope(i) else (cos, sin)
-            q, k = g.rope(q, rc, rs, start), g.rope(k, rc, rs, start)
-            kc, vc = inp(self.k_cache[i], name=f"k_cache.{i}"), inp(self.v_cache[i], name=f"v_cache.{i}")
-            a = g.attention(q, k, v, kc, vc, start, cfg.attention_scale, window=self.layer_window(i))
+            q, k = rope(q, rc, rs), rope(k, rc, rs)
+            kc, vc = inp(k_caches[i], name=f"k_cache.{i}"), inp(v_caches[i], name=f"v_cache.{i}")
+            a = attend(i, q, k, v, kc, vc)
             o = proj(g.reshape(a, (T, hq * Dh)), f"{p}.self_attn.o_proj")
             if cfg.sandwich_norms:  # Gemma: the attention output normalised before the residual add
                 h = g.add(h, norm(o, f"{p}.post_attention_layernorm.weight"))
@@ -201,13 +272,17 @@ class LlamaModel:
             if cfg.sandwich_norms:  # Gemma: the MLP output normalised before the residual add
                 m = norm(m, f"{p}.post_feedforward_layernorm.weight")
             h = g.add(h, m)
-        last = norm(h if T == 1 else g.slice_rows(h, T - 1, T), "model.norm.weight")
-        head = embed if "lm_head.weight" not in self.weights else weight("lm_head.weight")
+        return h, tensors, weight
+
+    def _head(self, g: KNGraph, weight, rows) -> None:
+        """Final RMSNorm and LM head of ``rows`` [R, hidden]: marks logits [R, vocab] and their
+        argmax [R] as the graph's outputs."""
+        cfg = self.cfg
+        last = g.mul(g.rms_norm(rows, (cfg.hidden_size,), cfg.rms_norm_eps), weight("model.norm.weight"))
+        head = weight("model.embed_tokens.weight") if "lm_head.weight" not in self.weights else weight("lm_head.weight")
         logits = g.linear(last, head)
         g.mark_output(logits)
         g.mark_output(g.argmax(logits, -1))
-        return g, tensors
-
 
     def decode_kernel(self, num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
                       adaptive_workers: bool = False) -> PersistentKernel:

@@ -847,6 +847,41 @@ def _attention(T: int, start: int, window: int, dtype: DType = DType.float32) ->
     return g, [*qkv, *caches, torch.tensor([start])], {}
 
 
+def _rope_rows(positions: list[int]) -> Built:
+    """Rows at their own positions (repeats and out-of-order ones included), against plain torch."""
+    T, H, Dh, S = len(positions), 3, 18, 13
+    g = new_kernel_graph()
+    x, c, s = g.new_input((T, H, Dh)), g.new_input((S, Dh // 2)), g.new_input((S, Dh // 2))
+    g.mark_output(g.rope_rows(x, c, s, g.new_input((T,), DType.int64)))
+    freqs = torch.arange(S).float()[:, None] * torch.rand(Dh // 2)[None]
+    data, pos = torch.randn(T, H, Dh), torch.tensor(positions)
+    cs, sn = freqs.cos()[pos][:, None], freqs.sin()[pos][:, None]
+    x1, x2 = data[..., :Dh // 2], data[..., Dh // 2:]
+    want = torch.cat([x1 * cs - x2 * sn, x2 * cs + x1 * sn], -1)
+    return g, [data, freqs.cos(), freqs.sin(), pos], {0: want}
+
+
+def _attention_rows(rows: list[tuple[int, int]], window: int, dtype: DType = DType.float32) -> Built:
+    """GQA (6 query heads, 2 KV heads, Dh 12) over caches of 4 slots x 17 positions holding earlier
+    keys and values; ``rows`` are (slot, position): decode rows, prefill chunks, a padding row."""
+    Hq, Hkv, Dh, N, S = 6, 2, 12, 4, 17
+    T = len(rows)
+    g = new_kernel_graph()
+    q, k, v = g.new_input((T, Hq, Dh), dtype), g.new_input((T, Hkv, Dh), dtype), g.new_input((T, Hkv, Dh), dtype)
+    kc, vc = g.new_input((N, S, Hkv, Dh), dtype), g.new_input((N, S, Hkv, Dh), dtype)
+    slots, pos = g.new_input((T,), DType.int64), g.new_input((T,), DType.int64)
+    g.mark_output(g.attention_rows(q, k, v, kc, vc, slots, pos, window=window))
+    td = dtype.torch_dtype
+    caches = [torch.randn(N, S, Hkv, Dh).to(td) for _ in range(2)]
+    qkv = [torch.randn(T, h, Dh).to(td) for h in (Hq, Hkv, Hkv)]
+    return g, [*qkv, *caches, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])], {}
+
+
+#: (slot, position) rows of a continuous-batching step: a decode row of slot 0, a prefill chunk of
+#: slot 2 (positions 4..6), a decode row of slot 1 near the cache end, a padding row of slot 3
+_BATCH_ROWS = [(0, 6), (2, 4), (2, 5), (2, 6), (1, 16), (3, 0)]
+
+
 def _llm_layer(dtype: DType) -> Built:
     """What an LLM in a half type runs: q8_0 linear, RoPE and attention."""
     T, H, Dh, S = 3, 2, 16, 8
@@ -938,6 +973,12 @@ def _library_cases() -> list[Case]:
         Case("attention", "chunk T=3 start=5", part(_attention, 3, 5, 0)),
         Case("attention", "window=3 T=4 start=6", part(_attention, 4, 6, 3)),
         Case("attention", "bfloat16 decode start=9", part(_attention, 1, 9, 0, DType.bfloat16)),
+        Case("rope_rows", "T=5 positions 3,0,12,4,4", part(_rope_rows, [3, 0, 12, 4, 4])),
+        Case("rope_rows", "T=1 position 7", part(_rope_rows, [7])),
+        Case("attention_rows", "decode + prefill chunk + pad", part(_attention_rows, _BATCH_ROWS, 0)),
+        Case("attention_rows", "window=3", part(_attention_rows, _BATCH_ROWS, 3)),
+        Case("attention_rows", "one decode row", part(_attention_rows, [(1, 9)], 0)),
+        Case("attention_rows", "bfloat16", part(_attention_rows, _BATCH_ROWS, 0, DType.bfloat16)),
         *(Case("fused: q8_0 linear, rope, attention", d.value, part(_llm_layer, d)) for d in (DType.float16,
                                                                                             DType.bfloat16)),
         Case("attention_varlen", "3,0,5 pad 2", part(_attention_varlen, [3, 0, 5], 2), tol=(1e-5, 1e-4)),

@@ -738,14 +738,9 @@ int64_t argmax_row(const float* x, int64_t D) {
     return best;
 }
 
-// RoPE of row th = t * H + h of x [T, H, Dh] at position p0 + t (see yr_rope).
-inline void rope_row(const float* x, const float* cos_table, const float* sin_table, int64_t p0, float* out,
-                     int64_t th, int64_t H, int64_t Dh) {
-    const int64_t half = Dh / 2, t = th / H;
-    const float* c = cos_table + (p0 + t) * half;
-    const float* s = sin_table + (p0 + t) * half;
-    const float* xi = x + th * Dh;
-    float* oi = out + th * Dh;
+// RoPE of one head vector xi [Dh] with table rows c, s [Dh/2] into oi (oi may alias xi).
+inline void rope_vec(const float* xi, const float* c, const float* s, float* oi, int64_t Dh) {
+    const int64_t half = Dh / 2;
     // Chunks through local copies, so that out == x is safe and the loops vectorize.
     constexpr int CH = 16;
     for (int64_t i0 = 0; i0 < half; i0 += CH) {
@@ -758,6 +753,23 @@ inline void rope_row(const float* x, const float* cos_table, const float* sin_ta
         }
         for (int i = 0; i < n; ++i) { oi[i0 + i] = ra[i]; oi[half + i0 + i] = rb[i]; }
     }
+}
+
+// RoPE of row th = t * H + h of x [T, H, Dh] at position p0 + t (see yr_rope).
+inline void rope_row(const float* x, const float* cos_table, const float* sin_table, int64_t p0, float* out,
+                     int64_t th, int64_t H, int64_t Dh) {
+    const int64_t half = Dh / 2, p = p0 + th / H;
+    rope_vec(x + th * Dh, cos_table + p * half, sin_table + p * half, out + th * Dh, Dh);
+}
+
+// True if every values[t] (t < T) is in [0, hi); else reports the first bad one.
+inline bool rows_in_range(const int64_t* values, int64_t T, int64_t hi, int64_t* status) {
+    for (int64_t t = 0; t < T; ++t)
+        if (values[t] < 0 || values[t] >= hi) {
+            report(status, values[t], 0, hi);
+            return false;
+        }
+    return true;
 }
 
 }  // namespace
@@ -990,6 +1002,74 @@ void yr_attention(const float* q, const float* k, const float* v, float* k_cache
                   const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
                   int64_t max_seq, float scale, int64_t* status) {
     yr_attention_window(q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, 0, status);
+}
+
+// =================================================================================
+// Batched-step ops (continuous batching): rows of several sequences in one call, each row
+// with its own position and KV-cache slot.
+//
+// yr_rope_rows: RoPE as yr_rope, row t of x [T, H, Dh] at position positions[t]; every
+// position must be in [0, S) (S = table rows), else nothing is written and the call reports
+// the first bad one.
+// =================================================================================
+
+void yr_rope_rows(const float* x, const float* cos_table, const float* sin_table, const int64_t* positions,
+                  float* out, int64_t T, int64_t H, int64_t Dh, int64_t S, int64_t* status) {
+    if (!rows_in_range(positions, T, S, status)) return;
+    const int64_t half = Dh / 2;
+#pragma omp parallel for schedule(static) if (T * H * Dh >= PAR_MIN_ELEMS)
+    for (int64_t th = 0; th < T * H; ++th) {
+        const int64_t p = positions[th / H];
+        rope_vec(x + th * Dh, cos_table + p * half, sin_table + p * half, out + th * Dh, Dh);
+    }
+}
+
+// yr_attention_rows: causal GQA attention of T rows, each over its own slot of the caches.
+// q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; caches: [num_slots, max_seq, Hkv, Dh]; out: [T, Hq, Dh];
+// slots, positions: int64 [T]. Every slot must be in [0, num_slots) and every position in
+// [0, max_seq) (checked first, slots then positions: else nothing is read or written and the
+// call reports the first bad one). Then row t writes k[t], v[t] at cache[slots[t], positions[t]]
+// (in row order), and query head h of row t (p = positions[t]) attends keys
+// first_key(p, window) .. p of its slot, kv head h / (Hq / Hkv): out = softmax(scale * q.k) @ v,
+// max subtracted first. One (row, head) per work item, OpenMP dynamic schedule.
+void yr_attention_rows(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
+                       const int64_t* slots, const int64_t* positions, float* out, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t Dh, int64_t num_slots, int64_t max_seq, float scale, int64_t window,
+                       int64_t* status) {
+    if (T <= 0) return;
+    if (!rows_in_range(slots, T, num_slots, status) || !rows_in_range(positions, T, max_seq, status)) return;
+    const int64_t kv_row = Hkv * Dh;            // floats per cache position
+    const int64_t slot_len = max_seq * kv_row;  // floats per slot
+    int64_t work = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t at = slots[t] * slot_len + positions[t] * kv_row;
+        std::memcpy(k_cache + at, k + t * kv_row, (size_t)kv_row * sizeof(float));
+        std::memcpy(v_cache + at, v + t * kv_row, (size_t)kv_row * sizeof(float));
+        work += (positions[t] + 1 - first_key(positions[t], window)) * Hq * Dh;
+    }
+    const int64_t group = Hq / Hkv;
+#pragma omp parallel for schedule(dynamic, 1) if (work >= PAR_MIN_MACS / 4)
+    for (int64_t th = 0; th < T * Hq; ++th) {
+        static thread_local std::vector<float> score_buf;
+        const int64_t t = th / Hq, h = th % Hq, kvh = h / group, p = positions[t];
+        const int64_t j0 = first_key(p, window);   // keys j0 .. p
+        const int64_t L = p + 1 - j0;
+        float* s = scratch(score_buf, (size_t)(L + VL));
+        const float* qv = q + th * Dh;
+        const float* kc = k_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
+        const float* vc = v_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) {
+            s[j] = scale * dot(qv, kc + j * kv_row, Dh);
+            mx = std::max(mx, s[j]);
+        }
+        const float sum = exp_shifted_sum(s, L, mx);
+        float* o = out + th * Dh;
+        std::fill(o, o + Dh, 0.0f);
+        for (int64_t j = 0; j < L; ++j) axpy(s[j], vc + j * kv_row, o, Dh);
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
+    }
 }
 
 // =================================================================================
