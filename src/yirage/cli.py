@@ -429,8 +429,9 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (1-65535).")
 @click.option("--backend", default=None, help="cpu, cuda, rocm, xpu, mps or auto (default: YIRAGE_BACKEND or auto).")
-@click.option("--parallel", type=int, default=1, show_default=True,
-              help="Sequences decoded at once (continuous batching; only 1 for now).")
+@click.option("--parallel", type=int, default=4, show_default=True,
+              help="Sequences decoded together (continuous batching: each step one row per sequence plus "
+                   "prompt chunks); 1 runs one at a time on the persistent decode kernel.")
 @click.option("--ctx-size", type=int, default=4096, show_default=True,
               help="The LLM's KV-cache capacity in tokens (prompt + reply).")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ requests.")
@@ -451,10 +452,7 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, api_k
     except ImportError as e:
         _fail(f"yirage serve needs the serve extra ({e.name} is missing): pip install 'yirage[serve]'")
     try:
-        if parallel != 1:
-            raise GenerationError(f"--parallel {parallel}: continuous batching is not built yet; requests run one "
-                                  "at a time (--parallel 1) and wait in a queue (--max-queue)")
-        for name, value in (("--ctx-size", ctx_size), ("--max-queue", max_queue)):
+        for name, value in (("--parallel", parallel), ("--ctx-size", ctx_size), ("--max-queue", max_queue)):
             if value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value}")
         if not 1 <= port <= 65535:
@@ -475,7 +473,7 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, api_k
             raise GenerationError("nothing to serve: give an LLM (-m) or an --embedding-model")
         from .serve import ServeOptions, run_server
 
-        options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout)
+        options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel)
         click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
                    "GET /health answers 200 when ready)", err=True)
         error = run_server(options, host, port)

@@ -47,11 +47,18 @@ def embedder():
     return yr.EmbeddingModel(EMB_NAME, backend="cpu")
 
 
-@pytest.fixture(scope="module")
-def url(smollm, embedder):
-    app = create_app(ServeOptions(LLM_NAME, EMB_NAME, max_queue=16, timeout_s=120), llm=smollm, embedder=embedder)
+@pytest.fixture(scope="module", params=[4, 1], ids=["batching", "one-at-a-time"])
+def url(request, smollm, embedder):
+    """The server with continuous batching of 4 sequences, then with one sequence at a time."""
+    app = create_app(ServeOptions(LLM_NAME, EMB_NAME, max_queue=16, timeout_s=120, parallel=request.param),
+                     llm=smollm, embedder=embedder)
     with running(app) as base:
+        APPS[base] = app
         yield base
+
+
+#: base URL -> the app served there (to look at its engine)
+APPS = {}
 
 
 @pytest.fixture
@@ -136,8 +143,12 @@ def test_concurrent_requests_get_their_own_answers(client, smollm):
     def ask(p):
         return client.chat.completions.create(model=LLM_NAME, messages=[{"role": "user", "content": p}],
                                               max_tokens=10, temperature=0).choices[0].message.content
+    engine = APPS[str(client.base_url).rstrip("/").removesuffix("/v1")].state.yirage.engine
+    steps_before = getattr(getattr(engine, "engine", None), "steps", 0)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         assert list(pool.map(ask, prompts)) == alone
+    if hasattr(engine, "engine"):   # continuous batching: the 8 requests shared steps
+        assert engine.engine.steps - steps_before < 8 * 10 / 2
 
 
 BAD = [  # (body, status, words in the message)
@@ -200,7 +211,7 @@ def test_api_key_loading_and_queue_limit(smollm):
     def load(options):
         release.wait(30)
         return smollm, None
-    app = create_app(ServeOptions(LLM_NAME, api_key="sekret", max_queue=1), load=load)
+    app = create_app(ServeOptions(LLM_NAME, api_key="sekret", max_queue=1, parallel=1), load=load)
     with running(app) as base:
         assert httpx.get(f"{base}/health").status_code == 503
         r = httpx.post(f"{base}/v1/chat/completions", json={"model": LLM_NAME, "messages": MESSAGES},
@@ -228,8 +239,8 @@ def test_api_key_loading_and_queue_limit(smollm):
 
 
 def test_serve_cli_errors(yirage_cli):
-    code, out, err = yirage_cli("serve", "--parallel", "4")
-    assert code == 1 and "continuous batching" in err and len(err.splitlines()) == 1
+    code, out, err = yirage_cli("serve", "--parallel", "0")
+    assert code == 1 and "--parallel must be a positive integer" in err and len(err.splitlines()) == 1
     code, out, err = yirage_cli("serve", "-m", "none")
     assert code == 1 and "nothing to serve" in err
     code, out, err = yirage_cli("serve", "--api-key", "a", "--api-key-file", "b")

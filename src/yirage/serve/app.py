@@ -16,8 +16,8 @@ Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "co
 4xx status for what the client can fix (malformed JSON, a bad or unsupported field, an unknown
 model: 400/404; no or a wrong API key: 401; too many waiting requests: 429) and 503 while
 loading; a request that runs past ``timeout_s`` gets 504. Generations run on one engine thread
-(``engine.py``), one at a time; embeddings run in the server's thread pool (the model is
-thread-safe).
+(``engine.py``): continuous batching of up to ``parallel`` sequences, or one at a time with
+``parallel=1``; embeddings run in the server's thread pool (the model is thread-safe).
 
 This module must never compute a token or an embedding itself: it parses, queues and formats.
 """
@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import logger
 from ..errors import YirageError
-from .engine import GenerationJob, LLMEngine, QueueFull
+from .engine import BatchingEngine, GenerationJob, LLMEngine, QueueFull
 from .metrics import Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 
@@ -51,7 +51,9 @@ class ServeOptions:
     """What ``create_app`` serves: ``model`` (an LLM: a registry name, GGUF file or HF
     directory; None for none), ``embedding_model`` (likewise, or None), ``backend``, ``ctx_size``
     (the LLM's max_seq_length in tokens), ``api_key`` (None: no authentication),
-    ``max_queue`` (waiting generation requests), ``timeout_s`` (seconds per request)."""
+    ``max_queue`` (waiting generation requests), ``timeout_s`` (seconds per request),
+    ``parallel`` (sequences decoded together by continuous batching; 1: one at a time on the
+    persistent decode kernel)."""
 
     model: str | None = None
     embedding_model: str | None = None
@@ -60,6 +62,7 @@ class ServeOptions:
     api_key: str | None = None
     max_queue: int = 64
     timeout_s: float = 600.0
+    parallel: int = 4
 
 
 @dataclass
@@ -106,7 +109,9 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
 
     def become_ready(model, emb) -> None:
         state.llm, state.embedder = model, emb
-        if model is not None:
+        if model is not None and options.parallel > 1:
+            state.engine = BatchingEngine(model, options.parallel, options.max_queue, state.metrics)
+        elif model is not None:
             state.engine = LLMEngine(model, options.max_queue, state.metrics)
         state.ready = True
 

@@ -1,13 +1,18 @@
 """The engine side of ``yirage serve``: one engine thread that runs the LLM's generations, and
 one asyncio queue per request that carries its events back to the HTTP handler.
 
-    handler ──submit(job)──► waiting queue (at most max_queue) ──► engine thread: job after job
-    handler ◄── job.events (asyncio.Queue): ("piece", text) ... ("done", results) | ("error", msg)
+    handler ──submit(job)──► waiting queue (at most max_queue) ──► engine thread
+    handler ◄── job.events (asyncio.Queue): ("piece", i, text) ... ("done", results) | ("error", msg)
 
-The engine thread runs one generation at a time (``yr.LLM`` runs one sequence at a time); a
-request waits in the queue until it gets the engine. A request that is cancelled (the client
-went away, or its timeout passed) is dropped from the queue or stopped after its current token.
-Metrics (``metrics.py``) are updated here, where the timings happen.
+Two engines behind one interface (``submit``, ``close``):
+- ``BatchingEngine`` (``--parallel N`` > 1): continuous batching on ``engines.batching.BatchEngine``:
+  each step runs one row per decoding sequence of every request plus prompt chunks, so new
+  requests join between steps and leave at EOS, a stop string, their limit or cancellation;
+- ``LLMEngine`` (``--parallel 1``): one generation at a time on ``yr.LLM.generate`` (the
+  persistent decode kernel, the fastest single stream).
+A request that is cancelled (the client went away, or its timeout passed) is dropped from the
+queue or stopped after its current token. Metrics (``metrics.py``) are updated here, where the
+timings happen.
 
 This module must never parse HTTP or JSON (``app.py`` and ``protocol.py`` do).
 """
@@ -133,3 +138,149 @@ class LLMEngine:
             if job.cancelled.is_set():
                 break
         return results
+
+
+class BatchingEngine:
+    """The engine thread of one ``yr.LLM`` with continuous batching (``BatchEngine`` of
+    ``max_slots`` sequences and ``max_batch_tokens`` rows per step).
+
+    Args:
+        llm: the model (``yr.LLM``).
+        max_slots: sequences decoded together (``--parallel``).
+        max_queue: the most requests waiting for a slot; more are refused (QueueFull).
+        metrics: where request counts, tokens and latencies go.
+    """
+
+    def __init__(self, llm, max_slots: int, max_queue: int, metrics: Metrics, max_batch_tokens: int | None = None):
+        from ..engines.batching import BatchEngine
+
+        budget = max_batch_tokens or min(llm.max_seq_length, max(128, max_slots))
+        self.engine = BatchEngine(llm, max_slots=max_slots, max_batch_tokens=budget)
+        self.llm, self.max_queue, self.metrics = llm, max_queue, metrics
+        self._inbox: queue.Queue[GenerationJob | None] = queue.Queue()
+        self._jobs: dict[int, tuple[GenerationJob, list]] = {}   # id(job) -> (job, its sequences)
+        self._owner: dict[int, tuple[GenerationJob, int]] = {}  # sequence id -> (job, choice index)
+        self._last: dict[int, float] = {}                        # sequence id -> time of its last piece
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="yirage-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: GenerationJob) -> GenerationJob:
+        """Queue ``job`` (called on the event loop); QueueFull when ``max_queue`` requests wait."""
+        waiting = self._inbox.qsize() + self.engine.waiting
+        if waiting >= self.max_queue:
+            raise QueueFull(f"{waiting} requests are already waiting (--max-queue {self.max_queue}): retry later")
+        job.loop = asyncio.get_running_loop()
+        self._inbox.put(job)
+        return job
+
+    def close(self) -> None:
+        """Stop the engine thread after its current step."""
+        self._closed = True
+        self._inbox.put(None)
+
+    def _run(self) -> None:
+        while not self._closed:
+            if not self._admit(block=not self.engine.has_work()):
+                return
+            for job, seqs in list(self._jobs.values()):
+                if job.cancelled.is_set():
+                    for seq in seqs:
+                        self.engine.cancel(seq)
+            try:
+                events = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
+                self._fail_running(e)
+                continue
+            self._deliver(events)
+            self._update_gauges()
+
+    def _admit(self, block: bool) -> bool:
+        """Move queued jobs into the batch engine (waiting for one when ``block``); False on close."""
+        while True:
+            try:
+                job = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            block = False
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._add(job)
+            except YirageError as e:
+                job.emit("error", str(e))
+
+    def _add(self, job: GenerationJob) -> None:
+        from ..engines.generate import make_sampling
+
+        kw = job.kwargs
+        seqs = []
+        for i in range(job.n):
+            seed = kw.get("seed")
+            sampling = make_sampling(kw.get("temperature", 0.0), kw.get("top_k"), kw.get("top_p"),
+                                     None if seed is None else (seed + i) % 2**64)
+            seq = self.engine.add(job.prompt, sampling=sampling, max_new_tokens=kw["max_new_tokens"],
+                                  stops=kw.get("stop"), ignore_eos=kw.get("ignore_eos", False))
+            seqs.append(seq)
+            self._owner[seq.id] = (job, i)
+        self._jobs[id(job)] = (job, seqs)
+
+    def _deliver(self, events) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            job, i = self._owner.get(ev.seq.id, (None, 0))
+            if job is None:
+                continue
+            piece = ev.seq.take_text()
+            if piece:
+                last = self._last.get(ev.seq.id)
+                if last is None:
+                    self.metrics.ttft.observe(now - job.submitted)
+                else:
+                    self.metrics.inter_token.observe(now - last)
+                self._last[ev.seq.id] = now
+                job.emit("piece", i, piece)
+            if ev.finish is not None:
+                self._finished(job)
+
+    def _finished(self, job: GenerationJob) -> None:
+        """Emit the job's results once every one of its sequences has finished."""
+        _, seqs = self._jobs.get(id(job), (None, []))
+        if not seqs or not all(s.finished for s in seqs):
+            return
+        results = [s.result() for s in seqs]
+        for s, r in zip(seqs, results):
+            self._owner.pop(s.id, None)
+            self._last.pop(s.id, None)
+            self.metrics.prompt_tokens.inc(r.prompt_tokens)
+            self.metrics.generation_tokens.inc(len(r.token_ids))
+            self.metrics.finished.labels(finish_reason=r.finish_reason).inc()
+            self.metrics.request_seconds.observe(time.perf_counter() - job.submitted)
+        del self._jobs[id(job)]
+        job.emit("done", [r for r in results if r.finish_reason != "cancelled"])
+
+    def _fail_running(self, error: Exception) -> None:
+        """A step failed (a bug or an out-of-range index): its requests get the error, their
+        sequences are cancelled and dropped by one more step without a forward pass."""
+        logger.exception("batched step failed")
+        message = str(error) if isinstance(error, YirageError) else f"internal error: {type(error).__name__}: {error}"
+        for job, seqs in list(self._jobs.values()):
+            if any(s.slot is not None for s in seqs):
+                for seq in seqs:
+                    self.engine.cancel(seq)
+                    self._owner.pop(seq.id, None)
+                del self._jobs[id(job)]
+                job.emit("error", message)
+        try:
+            self.engine.step()   # drops the cancelled sequences (no forward pass for them)
+        except Exception:  # noqa: BLE001 - logged; the next loop steps again
+            logger.exception("dropping the failed step's sequences failed")
+
+    def _update_gauges(self) -> None:
+        running = self.engine.running
+        self.metrics.running.set(len(running))
+        self.metrics.waiting.set(self.engine.waiting + self._inbox.qsize())
+        held = sum(s.computed for s in running)
+        self.metrics.kv_usage.set(held / (self.engine.max_slots * self.llm.max_seq_length))
