@@ -224,3 +224,15 @@ def test_bfloat16_compute_is_only_for_quantized_weights_with_float32_x():
         g.linear(X, W, compute_dtype="bfloat16")
     with pytest.raises(yr.errors.GraphError, match="compute_dtype='float16'"):
         g.linear(X, g.new_input((8, 64), dtype="q8_0"), compute_dtype="float16")
+
+
+def test_templates_tell_cpu_generations_apart():
+    """A virtual machine calls Zen 4 and Zen 5 both "AMD EPYC": the x86 family/model decides."""
+    ident = {"cpu": "AMD EPYC", "cpu_generation": "25/17", "isa": ["avx512f", "avx512_bf16"], "torch": "2.13.0"}
+    assert tuning._matches({"cpu": "AMD EPYC", "cpu_generation": "25/17"}, ident)
+    assert not tuning._matches({"cpu": "AMD EPYC", "cpu_generation": "26/"}, ident)
+    assert tuning._matches({"cpu": "AMD EPYC", "cpu_generation": "26/"}, {**ident, "cpu_generation": "26/2"})
+    assert not tuning._matches({"cpu_generation": "26/"}, {**ident, "cpu_generation": None})
+    names = {name: doc["match"] for name, doc in tuning.templates()}
+    assert names["amd-epyc-zen5-avx512-2cores"]["cpu_generation"] == "26/"
+    assert names["amd-epyc-zen4-avx512-2cores"]["cpu_generation"] == "25/17"

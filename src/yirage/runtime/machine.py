@@ -75,6 +75,14 @@ def cpu_model_name() -> str:
     return name or platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_generation() -> str | None:
+    """The CPU's x86 family and model numbers as "family/model" (e.g. "25/17": AMD Zen 4,
+    "26/2": Zen 5), which tell apart generations a virtual machine reports under one model name
+    ("AMD EPYC"); None where /proc/cpuinfo does not give them."""
+    family, model = _cpuinfo_field("cpu family"), _cpuinfo_field("model")
+    return f"{family}/{model}" if family and model and family.isdigit() and model.isdigit() else None
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_isa_flags() -> tuple[str, ...]:
     """The entries of KNOWN_ISA_FLAGS this CPU reports, in KNOWN_ISA_FLAGS order."""
@@ -130,15 +138,17 @@ def library_versions() -> dict[str, str]:
 
 
 def machine_record(threads: int | None = None) -> dict:
-    """The machine a measurement was taken on, as JSON-ready fields: cpu (model name), isa
-    (``all_isa_flags``), amx (bool), cores (usable by this process), threads (``threads`` or
-    torch's intra-op thread count), os, and ``library_versions()`` plus yirage's version."""
+    """The machine a measurement was taken on, as JSON-ready fields: cpu (model name),
+    cpu_generation (``cpu_generation``: x86 family/model), isa (``all_isa_flags``), amx (bool),
+    cores (usable by this process), threads (``threads`` or torch's intra-op thread count), os,
+    and ``library_versions()`` plus yirage's version."""
     import torch
 
     from .. import __version__
 
     flags = all_isa_flags()
-    return {"cpu": cpu_model_name(), "isa": flags, "amx": any(f.startswith("amx") for f in flags),
+    return {"cpu": cpu_model_name(), "cpu_generation": cpu_generation(), "isa": flags,
+            "amx": any(f.startswith("amx") for f in flags),
             "cores": usable_cpu_count(), "threads": threads if threads is not None else torch.get_num_threads(),
             "os": f"{platform.system()} {platform.release()}", "machine": platform.machine(),
             **library_versions(), "yirage": __version__}

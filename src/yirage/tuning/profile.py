@@ -44,7 +44,7 @@ from typing import Callable, Mapping
 from ..config import cache_subdir, logger
 from ..errors import YirageError
 from ..runtime import timing
-from ..runtime.machine import all_isa_flags, cpu_model_name, library_versions, usable_cpu_count
+from ..runtime.machine import all_isa_flags, cpu_generation, cpu_model_name, library_versions, usable_cpu_count
 
 FORMAT = 1
 #: seconds a first-use measurement of one shape class may take (at least 3 rounds are taken)
@@ -75,12 +75,14 @@ def shape_class(op: str, dtype: str, m: int, n: int, k: int, threads: int) -> st
 
 
 def machine_identity() -> dict:
-    """What a profile is valid for: CPU model, ISA flags, torch/MKL/oneDNN and yirage versions."""
+    """What a profile is valid for: CPU model and generation (x86 family/model: a virtual
+    machine may call Zen 4 and Zen 5 both "AMD EPYC"), ISA flags, torch/MKL/oneDNN and yirage
+    versions."""
     from .. import __version__
 
     v = library_versions()
-    return {"cpu": cpu_model_name(), "isa": all_isa_flags(), "torch": v["torch"], "mkl": v["mkl"],
-            "onednn": v["onednn"], "yirage": __version__}
+    return {"cpu": cpu_model_name(), "cpu_generation": cpu_generation(), "isa": all_isa_flags(),
+            "torch": v["torch"], "mkl": v["mkl"], "onednn": v["onednn"], "yirage": __version__}
 
 
 @functools.lru_cache(maxsize=1)
@@ -212,10 +214,12 @@ def templates() -> tuple[tuple[str, dict], ...]:
 
 
 def _matches(match: dict, identity: dict) -> bool:
-    """Does a template's ``match`` ({"cpu": model name, "isa_all": [...], "isa_none": [...],
+    """Does a template's ``match`` ({"cpu": model name, "cpu_generation": a prefix of
+    "family/model" such as "26/" (AMD Zen 5) or "25/17", "isa_all": [...], "isa_none": [...],
     "torch": version prefix}) fit this machine?"""
     isa = set(identity["isa"])
     return (match.get("cpu", identity["cpu"]) == identity["cpu"]
+            and (identity.get("cpu_generation") or "").startswith(match.get("cpu_generation", ""))
             and set(match.get("isa_all", [])) <= isa and not set(match.get("isa_none", [])) & isa
             and identity["torch"].startswith(match.get("torch", "")))
 
