@@ -81,7 +81,8 @@ def test_library_op_splits_kernels_and_shape_change_starts_new_one():
 def test_op_table_declares_in_place_writes():
     from yirage.ir.ops import OPS
     assert OPS["attention"].mutates == (3, 4)  # the KV caches
-    assert all(not d.mutates for name, d in OPS.items() if name != "attention")
+    assert OPS["attention_rows"].mutates == (3, 4)  # the slotted KV caches of continuous batching
+    assert all(not d.mutates for name, d in OPS.items() if name not in ("attention", "attention_rows"))
 
 
 def test_kernel_reading_the_kv_cache_does_not_sink_past_attention():
