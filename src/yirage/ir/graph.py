@@ -64,6 +64,17 @@ def _int(op: str, what: str, value) -> int:
     return n
 
 
+def _pair(op: str, what: str, value, low: int = 1) -> tuple[int, int]:
+    """An integer or a pair of integers (>= ``low``) as a pair; GraphError otherwise."""
+    pair = (value, value) if _as_int(value) is not None else value
+    if isinstance(pair, (str, bytes, Mapping, Set)) or not isinstance(pair, Iterable):
+        raise GraphError(f"{op}: {what} must be an integer or a pair of integers, got {_describe(value)}")
+    pair = tuple(pair)
+    if len(pair) != 2 or any(_as_int(v) is None or _as_int(v) < low for v in pair):
+        raise GraphError(f"{op}: {what} must be an integer or a pair of integers >= {low}, got {value!r}")
+    return (_as_int(pair[0]), _as_int(pair[1]))
+
+
 def _shape(op: str, what: str, value) -> tuple[int, ...]:
     """A shape: a sequence of positive integers (a lone integer means a 1-d shape)."""
     if _as_int(value) is not None:
@@ -682,6 +693,52 @@ class KernelGraph:
             raise GraphError("cat: needs at least one tensor")
         self._check_tensors("cat", tensors)
         return self._add("cat", tensors, dim=self._dim("cat", tensors[0], dim))
+
+    # ---- convolutional networks (ir/conv.py): NCHW ----------------------------------------
+    def conv2d(self, x, weight, bias=None, stride=1, padding=0, dilation=1, groups: int = 1):
+        """``F.conv2d``: x [N, C, H, W], weight [O, C / groups, kh, kw], bias [O] (one float dtype;
+        computed with float32 accumulation) -> [N, O, Ho, Wo]. ``stride``/``padding``/``dilation``:
+        an integer or a pair (padding zeros); ``groups`` divides C and O (``groups == C``:
+        depthwise). GraphError for bad shapes, dtypes or attributes."""
+        extra = [bias] if bias is not None else []
+        self._check_tensors("conv2d", [x, weight, *extra])
+        return self._add("conv2d", [x, weight, *extra], stride=_pair("conv2d", "stride", stride),
+                         padding=_pair("conv2d", "padding", padding, 0),
+                         dilation=_pair("conv2d", "dilation", dilation), groups=_int("conv2d", "groups", groups))
+
+    def max_pool2d(self, x, kernel_size, stride=None, padding=0, dilation=1):
+        """``F.max_pool2d`` over x [N, C, H, W] (padding is -inf; floor mode). ``stride`` defaults
+        to the kernel. GraphError for bad attributes (padding above half the kernel, a window
+        that does not fit)."""
+        k = _pair("max_pool2d", "kernel_size", kernel_size)
+        return self._add("max_pool2d", [x], kernel=k, stride=k if stride is None else _pair("max_pool2d", "stride", stride),
+                         padding=_pair("max_pool2d", "padding", padding, 0),
+                         dilation=_pair("max_pool2d", "dilation", dilation))
+
+    def avg_pool2d(self, x, kernel_size, stride=None, padding=0, count_include_pad: bool = True):
+        """``F.avg_pool2d`` over x [N, C, H, W] (floor mode; ``count_include_pad``: padding zeros
+        count in the divisor). GraphError for bad attributes."""
+        k = _pair("avg_pool2d", "kernel_size", kernel_size)
+        return self._add("avg_pool2d", [x], kernel=k, stride=k if stride is None else _pair("avg_pool2d", "stride", stride),
+                         padding=_pair("avg_pool2d", "padding", padding, 0), count_include_pad=bool(count_include_pad))
+
+    def adaptive_avg_pool2d(self, x, output_size):
+        """``F.adaptive_avg_pool2d``: x [N, C, H, W] -> [N, C, oh, ow] (``output_size`` an integer or
+        a pair). GraphError for a non-positive size."""
+        return self._add("adaptive_avg_pool2d", [x], output_size=_pair("adaptive_avg_pool2d", "output_size", output_size))
+
+    def batch_norm(self, x, running_mean, running_var, weight=None, bias=None, eps: float = 1e-5):
+        """Inference BatchNorm over channel dim 1 of x [N, C, ...] with float32 [C] running
+        statistics and (optional, both or neither) affine weight and bias: ``(x - mean) /
+        sqrt(var + eps) * weight + bias``. GraphError for bad shapes, dtypes or eps."""
+        if (weight is None) != (bias is None):
+            raise GraphError("batch_norm: give both weight and bias, or neither")
+        ins = [x, running_mean, running_var, *([weight, bias] if weight is not None else [])]
+        self._check_tensors("batch_norm", ins)
+        e = _real("batch_norm", "eps", eps)
+        if e < 0:
+            raise GraphError(f"batch_norm: eps must be >= 0, got {eps!r}")
+        return self._add("batch_norm", ins, eps=e, affine=weight is not None)
 
     def slice_rows(self, x, start: int, end: int):
         """Rows ``start:end`` of the first dim (a view; no copy). ``start`` and ``end`` are

@@ -833,3 +833,6 @@ _register("slice", "library", 1, _slice_dim_infer,
           lambda args, a: args[0][(slice(None),) * a["dim"] + (slice(a["start"], a["end"], a["step"]),)].contiguous())
 _register("select", "library", 1, _select_infer, lambda args, a: args[0].select(a["dim"], a["index"]).contiguous())
 _register("cat", "library", -1, _cat_infer, lambda args, a: torch.cat(list(args), dim=a["dim"]))
+
+# the convolutional-network ops (conv2d, pooling, batch_norm) register themselves
+from . import conv as _conv  # noqa: E402,F401

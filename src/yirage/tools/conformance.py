@@ -992,10 +992,79 @@ def _library_cases() -> list[Case]:
     ]
 
 
+def _conv2d(N, C, H, W, O, k, stride, padding, dilation, groups, bias, dtype) -> Built:
+    """conv2d against F.conv2d (float32 accumulation)."""
+    g = new_kernel_graph()
+    x, w = g.new_input((N, C, H, W), dtype), g.new_input((O, C // groups, k, k), dtype)
+    b = g.new_input((O,), dtype) if bias else None
+    g.mark_output(g.conv2d(x, w, b, stride, padding, dilation, groups))
+    xs, ws = torch.randn(N, C, H, W).to(dtype.torch_dtype), (torch.randn(O, C // groups, k, k) / k).to(dtype.torch_dtype)
+    bs = torch.randn(O).to(dtype.torch_dtype) if bias else None
+    want = F.conv2d(xs.float(), ws.float(), None if bs is None else bs.float(), stride, padding, dilation, groups)
+    return g, [xs, ws, *([bs] if bias else [])], {0: want.to(dtype.torch_dtype)}
+
+
+def _pool(op, shape, kwargs, dtype) -> Built:
+    """max_pool2d / avg_pool2d / adaptive_avg_pool2d against torch.nn.functional."""
+    g = new_kernel_graph()
+    g.mark_output(getattr(g, op)(g.new_input(shape, dtype), **kwargs))
+    xs = torch.randn(shape).to(dtype.torch_dtype)
+    torch_kwargs = {"kernel_size": "kernel_size", "stride": "stride", "padding": "padding", "dilation": "dilation",
+                    "count_include_pad": "count_include_pad", "output_size": "output_size"}
+    want = getattr(F, op)(xs.float(), **{torch_kwargs[k]: v for k, v in kwargs.items()})
+    return g, [xs], {0: want.to(dtype.torch_dtype)}
+
+
+def _batch_norm(shape, affine, dtype) -> Built:
+    """Inference batch_norm against F.batch_norm(training=False)."""
+    C = shape[1]
+    g = new_kernel_graph()
+    ins = [g.new_input(shape, dtype), *(g.new_input((C,)) for _ in range(4 if affine else 2))]
+    g.mark_output(g.batch_norm(*ins[:3], *(ins[3:] if affine else []), eps=1e-3))
+    xs, mean, var = torch.randn(shape).to(dtype.torch_dtype), torch.randn(C), torch.rand(C) + 0.5
+    extra = [torch.randn(C), torch.randn(C)] if affine else []
+    want = F.batch_norm(xs.float(), mean, var, *(extra or [None, None]), training=False, eps=1e-3)
+    return g, [xs, mean, var, *extra], {0: want.to(dtype.torch_dtype)}
+
+
+def _conv_net_cases() -> list[Case]:
+    """The conv-net ops at odd sizes: 1x1, 3x3 stride 2 with padding, 7x7 stride 2, depthwise,
+    grouped and dilated convolutions, batch 1 and 3, non-square images; pooling windows that
+    clip at the border; BatchNorm with and without affine parameters."""
+    part = functools.partial
+    f32, f16, bf16 = DType.float32, DType.float16, DType.bfloat16
+    convs = [  # (N, C, H, W, O, k, stride, padding, dilation, groups, bias)
+        ("1x1", (3, 8, 5, 7, 6, 1, 1, 0, 1, 1, True)),
+        ("3x3 s2 p1", (1, 5, 9, 11, 7, 3, 2, 1, 1, 1, True)),
+        ("7x7 s2 p3", (2, 3, 17, 13, 8, 7, 2, 3, 1, 1, False)),
+        ("depthwise 3x3", (2, 12, 10, 9, 12, 3, 1, 1, 1, 12, True)),
+        ("grouped 3x3 g2", (1, 8, 7, 7, 6, 3, 1, 1, 1, 2, True)),
+        ("dilated 3x3 d2", (1, 4, 11, 12, 5, 3, 1, 2, 2, 1, False)),
+    ]
+    cases = [Case("conv2d", f"{name} {d.value}", part(_conv2d, *args, d), tol=(1e-4, 1e-4) if d == f32 else None)
+             for name, args in convs for d in (f32,)]
+    cases += [Case("conv2d", f"3x3 s2 p1 {d.value}", part(_conv2d, 1, 5, 9, 11, 7, 3, 2, 1, 1, 1, True, d),
+                   tol=(3e-2, 3e-2)) for d in (f16, bf16)]
+    pools = [("max_pool2d", "3x3 s2 p1", (2, 3, 11, 9), {"kernel_size": 3, "stride": 2, "padding": 1}),
+             ("max_pool2d", "2x2", (1, 4, 8, 6), {"kernel_size": 2}),
+             ("max_pool2d", "3x3 d2", (1, 2, 9, 9), {"kernel_size": 3, "stride": 1, "dilation": 2}),
+             ("avg_pool2d", "3x3 s2 p1", (2, 3, 11, 9), {"kernel_size": 3, "stride": 2, "padding": 1}),
+             ("avg_pool2d", "3x3 s2 p1 no pad count", (2, 3, 11, 9),
+              {"kernel_size": 3, "stride": 2, "padding": 1, "count_include_pad": False}),
+             ("adaptive_avg_pool2d", "7x5 -> 1x1", (2, 6, 7, 5), {"output_size": 1}),
+             ("adaptive_avg_pool2d", "7x5 -> 3x2", (1, 3, 7, 5), {"output_size": (3, 2)})]
+    cases += [Case(op, f"{name} {d.value}", part(_pool, op, shape, kw, d)) for op, name, shape, kw in pools
+              for d in (f32, bf16)]
+    cases += [Case("batch_norm", f"{'affine' if a else 'plain'} {d.value}", part(_batch_norm, (2, 5, 3, 7), a, d))
+              for a in (True, False) for d in (f32, f16)]
+    return cases
+
+
 #: every case, in the order they run (ids unique: tests/tools/test_conformance.py checks)
 CASES: tuple[Case, ...] = (*_unary_cases(), *_binary_cases(), *_minmax_pow_cases(), *_bool_cases(),
                            *_elementwise_attr_cases(), *_cast_cases(),
-                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_fused_cases(), *_library_cases())
+                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_fused_cases(), *_library_cases(),
+                           *_conv_net_cases())
 
 
 def summarize(results: Iterable[CaseResult]) -> dict[str, dict[str, int]]:

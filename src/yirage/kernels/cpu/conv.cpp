@@ -1,0 +1,176 @@
+// Convolutional-network kernels over NCHW tensors: max / average / adaptive average pooling and
+// inference BatchNorm (the IR ops of yirage/ir/conv.py; bound by backends/cpu_conv.py).
+//
+// Every entry takes its element type as a code (0 float32, 1 float16, 2 bfloat16), computes in
+// float32 and stores in that type, with torch's semantics (F.max_pool2d: padding is -inf and a
+// NaN in a window wins; F.avg_pool2d with count_include_pad; F.adaptive_avg_pool2d's windows
+// floor(i*H/o) .. ceil((i+1)*H/o)). Sizes come from the graph's static shapes; each entry still
+// returns without touching memory when they are inconsistent (a non-positive size, an output
+// that does not match the window formula). Work is split over the N*C planes with OpenMP.
+#include "yirage_prelude.h"
+
+#include <omp.h>
+
+#include <type_traits>
+
+namespace {
+
+template <typename T> inline float load(const T* p, int64_t i);
+template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float load<_Float16>(const _Float16* p, int64_t i) { return (float)p[i]; }
+template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return yr_bf16_to_f32(p[i]); }
+
+template <typename T> inline void store(T* p, int64_t i, float v);
+template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void store<_Float16>(_Float16* p, int64_t i, float v) { p[i] = (_Float16)v; }
+template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = yr_f32_to_bf16(v); }
+
+// Calls fn.template operator()<T>() with the element type of `code`; false for an unknown code.
+template <typename F> bool dispatch(int64_t code, F fn) {
+    switch (code) {
+        case 0: fn((float*)nullptr); return true;
+        case 1: fn((_Float16*)nullptr); return true;
+        case 2: fn((uint16_t*)nullptr); return true;
+        default: return false;
+    }
+}
+
+inline int64_t window_out(int64_t n, int64_t k, int64_t s, int64_t p, int64_t d) {
+    return (n + 2 * p - d * (k - 1) - 1) / s + 1;
+}
+
+struct Window {
+    int64_t N, C, H, W, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo;
+    bool ok() const {
+        return N > 0 && C > 0 && H > 0 && W > 0 && kh > 0 && kw > 0 && sh > 0 && sw > 0 && ph >= 0 && pw >= 0 &&
+               dh > 0 && dw > 0 && Ho == window_out(H, kh, sh, ph, dh) && Wo == window_out(W, kw, sw, pw, dw) &&
+               Ho > 0 && Wo > 0;
+    }
+};
+
+template <typename T> void max_pool(const T* x, T* y, const Window& w) {
+    #pragma omp parallel for schedule(static) if (w.N * w.C * w.Ho * w.Wo * w.kh * w.kw >= 65536)
+    for (int64_t plane = 0; plane < w.N * w.C; ++plane) {
+        const T* xp = x + plane * w.H * w.W;
+        T* yp = y + plane * w.Ho * w.Wo;
+        for (int64_t oy = 0; oy < w.Ho; ++oy)
+            for (int64_t ox = 0; ox < w.Wo; ++ox) {
+                float m = -std::numeric_limits<float>::infinity();
+                bool nan = false;
+                for (int64_t ky = 0; ky < w.kh; ++ky) {
+                    const int64_t iy = oy * w.sh - w.ph + ky * w.dh;
+                    if (iy < 0 || iy >= w.H) continue;
+                    for (int64_t kx = 0; kx < w.kw; ++kx) {
+                        const int64_t ix = ox * w.sw - w.pw + kx * w.dw;
+                        if (ix < 0 || ix >= w.W) continue;
+                        const float v = load(xp, iy * w.W + ix);
+                        nan |= v != v;
+                        m = std::max(m, v);
+                    }
+                }
+                store(yp, oy * w.Wo + ox, nan ? std::numeric_limits<float>::quiet_NaN() : m);
+            }
+    }
+}
+
+template <typename T> void avg_pool(const T* x, T* y, const Window& w, bool count_pad) {
+    #pragma omp parallel for schedule(static) if (w.N * w.C * w.Ho * w.Wo * w.kh * w.kw >= 65536)
+    for (int64_t plane = 0; plane < w.N * w.C; ++plane) {
+        const T* xp = x + plane * w.H * w.W;
+        T* yp = y + plane * w.Ho * w.Wo;
+        for (int64_t oy = 0; oy < w.Ho; ++oy)
+            for (int64_t ox = 0; ox < w.Wo; ++ox) {
+                const int64_t y0 = oy * w.sh - w.ph, x0 = ox * w.sw - w.pw;
+                // torch: the divisor counts the window clipped to the padded input
+                const int64_t y1 = std::min(y0 + w.kh, w.H + w.ph), x1 = std::min(x0 + w.kw, w.W + w.pw);
+                const int64_t padded = (y1 - y0) * (x1 - x0);
+                const int64_t ys = std::max<int64_t>(y0, 0), xs = std::max<int64_t>(x0, 0);
+                const int64_t ye = std::min(y1, w.H), xe = std::min(x1, w.W);
+                float s = 0.0f;
+                for (int64_t iy = ys; iy < ye; ++iy)
+                    for (int64_t ix = xs; ix < xe; ++ix) s += load(xp, iy * w.W + ix);
+                const int64_t div = count_pad ? padded : std::max<int64_t>((ye - ys) * (xe - xs), 1);
+                store(yp, oy * w.Wo + ox, s / (float)div);
+            }
+    }
+}
+
+template <typename T> void adaptive_avg(const T* x, T* y, int64_t planes, int64_t H, int64_t W, int64_t oh,
+                                        int64_t ow) {
+    #pragma omp parallel for schedule(static) if (planes * H * W >= 65536)
+    for (int64_t plane = 0; plane < planes; ++plane) {
+        const T* xp = x + plane * H * W;
+        T* yp = y + plane * oh * ow;
+        for (int64_t i = 0; i < oh; ++i) {
+            const int64_t ys = i * H / oh, ye = ((i + 1) * H + oh - 1) / oh;
+            for (int64_t j = 0; j < ow; ++j) {
+                const int64_t xs = j * W / ow, xe = ((j + 1) * W + ow - 1) / ow;
+                float s = 0.0f;
+                for (int64_t iy = ys; iy < ye; ++iy)
+                    for (int64_t ix = xs; ix < xe; ++ix) s += load(xp, iy * W + ix);
+                store(yp, i * ow + j, s / (float)((ye - ys) * (xe - xs)));
+            }
+        }
+    }
+}
+
+template <typename T> void batch_norm(const T* x, T* y, const float* mean, const float* var, const float* w,
+                                      const float* b, int64_t N, int64_t C, int64_t S, float eps) {
+    #pragma omp parallel for schedule(static) if (N * C * S >= 65536)
+    for (int64_t plane = 0; plane < N * C; ++plane) {
+        const int64_t c = plane % C;
+        const float scale = (w ? w[c] : 1.0f) / std::sqrt(var[c] + eps);
+        const float shift = (b ? b[c] : 0.0f) - mean[c] * scale;
+        const T* xp = x + plane * S;
+        T* yp = y + plane * S;
+        #pragma omp simd
+        for (int64_t i = 0; i < S; ++i) store(yp, i, load(xp, i) * scale + shift);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+void yr_max_pool2d(const void* x, void* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw,
+                   int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t Ho, int64_t Wo,
+                   int64_t dtype) {
+    const Window w{N, C, H, W, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo};
+    if (!w.ok()) return;
+    dispatch(dtype, [&](auto* t) {
+        using T = std::remove_pointer_t<decltype(t)>;
+        max_pool((const T*)x, (T*)y, w);
+    });
+}
+
+void yr_avg_pool2d(const void* x, void* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw,
+                   int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t Ho, int64_t Wo, int64_t count_pad,
+                   int64_t dtype) {
+    const Window w{N, C, H, W, kh, kw, sh, sw, ph, pw, 1, 1, Ho, Wo};
+    if (!w.ok()) return;
+    dispatch(dtype, [&](auto* t) {
+        using T = std::remove_pointer_t<decltype(t)>;
+        avg_pool((const T*)x, (T*)y, w, count_pad != 0);
+    });
+}
+
+void yr_adaptive_avg_pool2d(const void* x, void* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t oh,
+                            int64_t ow, int64_t dtype) {
+    if (N <= 0 || C <= 0 || H <= 0 || W <= 0 || oh <= 0 || ow <= 0) return;
+    dispatch(dtype, [&](auto* t) {
+        using T = std::remove_pointer_t<decltype(t)>;
+        adaptive_avg((const T*)x, (T*)y, N * C, H, W, oh, ow);
+    });
+}
+
+// mean, var [C] float32; w, b [C] float32 or both null; S = the product of the dims after C.
+void yr_batch_norm(const void* x, void* y, const float* mean, const float* var, const float* w, const float* b,
+                   int64_t N, int64_t C, int64_t S, float eps, int64_t dtype) {
+    if (N <= 0 || C <= 0 || S <= 0 || !mean || !var || (w == nullptr) != (b == nullptr)) return;
+    dispatch(dtype, [&](auto* t) {
+        using T = std::remove_pointer_t<decltype(t)>;
+        batch_norm((const T*)x, (T*)y, mean, var, w, b, N, C, S, eps);
+    });
+}
+
+}  // extern "C"
