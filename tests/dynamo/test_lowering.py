@@ -92,6 +92,23 @@ CASES = {
             ["aten.cat.default"]),
 }
 
+#: the conv-net lowerings (dynamo/lowering_conv.py)
+CASES.update({
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), lambda: [torch.randn(2, 3, 11, 9),
+                                                                               torch.randn(5, 3, 3, 3), torch.randn(5)],
+               ["aten.convolution.default"]),
+    "conv2d_depthwise": (lambda x, w: F.conv2d(x, w, None, padding=1, groups=4) * 2.0,
+                         lambda: [torch.randn(1, 4, 7, 8), torch.randn(4, 1, 3, 3)], ["aten.convolution.default"]),
+    "batch_norm": (lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, training=False, eps=1e-3) * 2.0,
+                   lambda: [torch.randn(2, 5, 4, 3), torch.randn(5), torch.rand(5) + 0.5, torch.randn(5), torch.randn(5)],
+                   ["aten._native_batch_norm_legit_no_training.default", "getitem"]),
+    "max_pool2d": (lambda x: F.max_pool2d(x * 2.0, 3, 2, 1), lambda: [torch.randn(2, 3, 11, 9)],
+                   ["aten.max_pool2d_with_indices.default"]),
+    "avg_pool2d": (lambda x: F.avg_pool2d(x * 2.0, 3, 2, 1, count_include_pad=False), lambda: [torch.randn(2, 3, 11, 9)],
+                   ["aten.avg_pool2d.default"]),
+})
+
+
 def _compile_run(fn, inputs, **options):
     be = YirageBackend(options={"min_block_size": 1, **options})
     with torch.no_grad():

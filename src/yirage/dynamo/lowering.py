@@ -339,9 +339,14 @@ def _check_getitem(node):
     src, i = node.args
     if not isinstance(src, Node) or src.target not in LOWERINGS or not isinstance(_val(src), tuple):
         return "getitem of a value that is not a lowered op's outputs"
-    if src.target is aten.native_layer_norm.default and i != 0:
-        return f"output {i} of native_layer_norm"
+    if src.target in FIRST_OUTPUT_ONLY and i != 0:
+        return f"output {i} of {src.target}"
     return LOWERINGS[src.target].check(src)
+
+
+#: ops with several outputs of which only output 0 is lowered (their checks decline a node whose
+#: other outputs are used); lowering_conv.py adds batch norm and max pooling
+FIRST_OUTPUT_ONLY = {aten.native_layer_norm.default}
 
 
 @lowers(operator.getitem, check=_check_getitem)
@@ -520,3 +525,7 @@ def rewrite_linear(gm: GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+# the conv-net ops (convolution, batch norm, pooling) register themselves
+from . import lowering_conv as _lowering_conv  # noqa: E402,F401

@@ -1,0 +1,134 @@
+"""Lowerings of the conv-net ATen ops onto the IR's conv-net ops (ir/conv.py), registered in
+``lowering.LOWERINGS`` like the others:
+
+| ATen op | IR | lowered when |
+|---|---|---|
+| ``convolution`` | ``conv2d`` | 2-d, not transposed |
+| ``_native_batch_norm_legit_no_training`` | ``batch_norm`` | only output 0 used; float32 statistics |
+| ``max_pool2d_with_indices`` | ``max_pool2d`` | only output 0 (not the indices) used; floor mode |
+| ``avg_pool2d`` | ``avg_pool2d`` | floor mode, no divisor_override |
+
+(``adaptive_avg_pool2d`` to 1x1 reaches the partitioner as ``mean.dim``, already lowered.)
+
+This module must never compile or run a graph: it only builds IR.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+
+from .lowering import FIRST_OUTPUT_ONLY, _all_of, _no_kwargs, _val, lowers, tensor_problem
+
+aten = torch.ops.aten
+
+
+def _ints(v, n: int = 2) -> list[int] | None:
+    """``v`` as a list of ``n`` ints (a single int repeated), or None."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v] * n
+    if isinstance(v, (list, tuple)) and len(v) == n and all(isinstance(i, int) for i in v):
+        return list(v)
+    return None
+
+
+def _only_output_0(node: Node) -> str | None:
+    for u in node.users:
+        if u.target is not operator.getitem or u.args[1] != 0:
+            return "an output other than 0 is used (only output 0 is lowered)"
+    return None
+
+
+def _tensors(*nodes) -> str | None:
+    for n in nodes:
+        if n is not None and (why := tensor_problem(n)):
+            return why
+    return None
+
+
+def _check_conv(node):
+    x, w, b, stride, padding, dilation, transposed, output_padding, groups = node.args[:9]
+    if transposed:
+        return "a transposed convolution"
+    if _val(x) is None or _val(x).dim() != 4:
+        return "not a 2-d convolution (input not 4-d NCHW)"
+    if any(_ints(v) is None for v in (stride, padding, dilation)):
+        return f"stride/padding/dilation {stride}, {padding}, {dilation} are not pairs of integers"
+    if _val(w).dtype != _val(x).dtype or (b is not None and _val(b).dtype != _val(x).dtype):
+        return "weight/bias dtype differs from the input's"
+    return _all_of(_no_kwargs(), lambda n: _tensors(n, x, w, b))(node)
+
+
+@lowers(aten.convolution.default, check=_check_conv)
+def _conv(e, node):
+    x, w, b, stride, padding, dilation, _, _, groups = node.args[:9]
+    return e.g.conv2d(e[x], e[w], e[b] if b is not None else None, _ints(stride), _ints(padding), _ints(dilation),
+                      groups)
+
+
+def _check_batch_norm(node):
+    x, w, b, mean, var = node.args[:5]
+    why = _only_output_0(node) or _no_kwargs()(node) or _tensors(x, mean, var, w, b)
+    if why:
+        return why
+    if any(t is not None and _val(t).dtype != torch.float32 for t in (mean, var, w, b)):
+        return "statistics or affine parameters not float32"
+    if (w is None) != (b is None):
+        return "only one of weight and bias"
+    return None
+
+
+@lowers(aten._native_batch_norm_legit_no_training.default, check=_check_batch_norm)
+def _batch_norm(e, node):
+    x, w, b, mean, var, _, eps = node.args[:7]
+    return (e.g.batch_norm(e[x], e[mean], e[var], e[w] if w is not None else None, e[b] if b is not None else None,
+                           eps),)
+
+
+def _pool_args(node):
+    args = list(node.args) + [None] * 7
+    kernel = _ints(args[1])
+    stride = _ints(args[2]) if args[2] not in (None, []) else kernel
+    padding = _ints(args[3] if args[3] is not None else 0)
+    return kernel, stride, padding, args
+
+
+def _check_max_pool(node):
+    kernel, stride, padding, args = _pool_args(node)
+    dilation = _ints(args[4] if args[4] is not None else 1)
+    if None in (kernel, stride, padding, dilation):
+        return "kernel/stride/padding/dilation are not pairs of integers"
+    if args[5]:
+        return "ceil_mode=True"
+    if _val(node.args[0]).dim() != 4:
+        return "not a 4-d NCHW input"
+    return _only_output_0(node) or _no_kwargs()(node) or _tensors(node.args[0])
+
+
+@lowers(aten.max_pool2d_with_indices.default, check=_check_max_pool)
+def _max_pool(e, node):
+    kernel, stride, padding, args = _pool_args(node)
+    return (e.g.max_pool2d(e[node.args[0]], kernel, stride, padding, _ints(args[4] if args[4] is not None else 1)),)
+
+
+def _check_avg_pool(node):
+    kernel, stride, padding, args = _pool_args(node)
+    if None in (kernel, stride, padding):
+        return "kernel/stride/padding are not pairs of integers"
+    if args[4]:
+        return "ceil_mode=True"
+    if args[6] is not None:
+        return "divisor_override"
+    if _val(node.args[0]).dim() != 4:
+        return "not a 4-d NCHW input"
+    return _all_of(_no_kwargs(), lambda n: _tensors(n, n.args[0]))(node)
+
+
+@lowers(aten.avg_pool2d.default, check=_check_avg_pool)
+def _avg_pool(e, node):
+    kernel, stride, padding, args = _pool_args(node)
+    return e.g.avg_pool2d(e[node.args[0]], kernel, stride, padding, True if args[5] is None else bool(args[5]))
+
+
+FIRST_OUTPUT_ONLY.update({aten._native_batch_norm_legit_no_training.default, aten.max_pool2d_with_indices.default})
