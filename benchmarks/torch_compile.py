@@ -1,0 +1,223 @@
+"""torch.compile(backend="yirage") against torch eager and Inductor on a model suite.
+
+Prints one JSON object. Models are built from transformers configs with random weights (no
+network): BERT, GPT-2, a small Llama, ViT, DistilBERT, T5's encoder and all-MiniLM-L6-v2 (the
+shipped sentence-transformers model's architecture) at sequence 128 (ViT: 224x224 images), and
+the conv nets ResNet-50, ConvNeXt-tiny and MobileNetV2 at 224x224, each at every
+--batch-sizes, float32 (or --dtype bfloat16), in inference (eval, no_grad).
+
+    python benchmarks/torch_compile.py [--models bert,resnet50,...] [--batch-sizes 1 8]
+                                       [--dtype float32] [--rounds 5] [--threads 2] [--small]
+
+``--small`` uses tiny configs (hidden 64, 2 layers; 64x64 images) for a quick smoke run.
+
+Conv nets get the initialization issue 21 asks for, so that activations neither vanish nor
+turn into denormals: Kaiming convolutions, BatchNorm affine parameters reset, and BatchNorm
+running statistics calibrated on a few random batches in train mode.
+
+Every (model, batch) has three sides, each in its own process (``_sides.py``): eager,
+``torch.compile`` (Inductor) and ``torch.compile(backend="yirage")``. A side builds the model
+from the same seed, runs its first call (``compile_s``: the cold compile, for eager its first
+call), warms up, then times one forward per sample; the sides are sampled in interleaved
+rounds and ratios are medians of per-round ratios. A second yirage process built after the
+first gives ``warm_compile_s`` (yirage's disk caches warm). Per model the JSON has each side's
+median seconds, peak RSS (MiB), the yirage and Inductor outputs' max abs error and cosine to
+eager, and the speedups against eager, Inductor and the faster of the two (what a user would
+pick); ``summary`` has their geomeans and the pass rate (outputs within tolerance).
+``machine`` is ``yirage.runtime.machine.machine_record()``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _sides import Sides, SideSpec, comparison  # noqa: E402
+
+TRANSFORMERS = ("bert", "gpt2", "llama", "vit", "distilbert", "t5-encoder", "minilm")
+CONV_NETS = ("resnet50", "convnext-tiny", "mobilenetv2")
+#: (atol, rtol) of an output against eager, by dtype
+TOLERANCE = {"float32": (1e-3, 1e-3), "bfloat16": (5e-2, 5e-2)}
+
+
+def _config(name: str, small: bool):
+    """(model class, config) for ``name``; tiny sizes with ``small``."""
+    import transformers as tf
+
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    if name == "bert":
+        return tf.BertModel, tf.BertConfig(**(tiny if small else {}))
+    if name == "minilm":
+        return tf.BertModel, tf.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                           intermediate_size=1536, **({} if not small else {"num_hidden_layers": 2}))
+    if name == "gpt2":
+        return tf.GPT2Model, tf.GPT2Config(**({"n_embd": 64, "n_layer": 2, "n_head": 2} if small else {}))
+    if name == "llama":
+        return tf.LlamaModel, tf.LlamaConfig(hidden_size=64 if small else 512, num_hidden_layers=2 if small else 8,
+                                             num_attention_heads=2 if small else 8, num_key_value_heads=1 if small else 4,
+                                             intermediate_size=128 if small else 1536, vocab_size=32000)
+    if name == "vit":
+        return tf.ViTModel, tf.ViTConfig(**({**tiny, "image_size": 64, "patch_size": 16} if small else {}))
+    if name == "distilbert":
+        return tf.DistilBertModel, tf.DistilBertConfig(**({"dim": 64, "n_layers": 2, "n_heads": 2, "hidden_dim": 128}
+                                                           if small else {}))
+    if name == "t5-encoder":
+        return tf.T5EncoderModel, tf.T5Config(**({"d_model": 64, "num_layers": 2, "num_heads": 2, "d_ff": 128, "d_kv": 32}
+                                                 if small else {}))
+    if name == "resnet50":
+        return tf.ResNetModel, tf.ResNetConfig(**({"embedding_size": 8, "hidden_sizes": [8, 16, 32, 64],
+                                                    "depths": [1, 1, 1, 1]} if small else {}))
+    if name == "convnext-tiny":
+        return tf.ConvNextModel, tf.ConvNextConfig(**({"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1]}
+                                                      if small else {}))
+    if name == "mobilenetv2":
+        return tf.MobileNetV2Model, tf.MobileNetV2Config(**({"depth_multiplier": 0.25, "image_size": 64} if small else {}))
+    raise SystemExit(f"unknown model {name!r}: choose from {', '.join(TRANSFORMERS + CONV_NETS)}")
+
+
+def build(name: str, batch: int, dtype: str, small: bool):
+    """(model in eval mode, its input kwargs) with random weights from seed 0."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    cls, cfg = _config(name, small)
+    model = cls(cfg)
+    if name in CONV_NETS:
+        size = 64 if small else 224
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)) and m.weight is not None:
+                nn.init.ones_(m.weight), nn.init.zeros_(m.bias)
+        model.train()
+        with torch.no_grad():
+            for _ in range(3):
+                model(pixel_values=torch.randn(4, 3, size, size))
+        inputs = {"pixel_values": torch.randn(batch, 3, size, size)}
+    elif name == "vit":
+        size = 64 if small else 224
+        inputs = {"pixel_values": torch.randn(batch, 3, size, size)}
+    else:
+        seq = 32 if small else 128
+        inputs = {"input_ids": torch.randint(0, cfg.vocab_size, (batch, seq))}
+    model = model.eval().to(getattr(torch, dtype))
+    inputs = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v) for k, v in inputs.items()}
+    return model, inputs
+
+
+class CompiledSide:
+    """One side in its worker: ``mode`` 'eager', 'inductor' or 'yirage'."""
+
+    def __init__(self, model: str, batch: int, dtype: str, small: bool, mode: str):
+        import torch
+
+        self.torch = torch
+        net, self.inputs = build(model, batch, dtype, small)
+        self.fn = net if mode == "eager" else torch.compile(net, backend="inductor" if mode == "inductor" else "yirage")
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            self.out = self._first(self.fn(**self.inputs))
+            compile_s = time.perf_counter() - t0
+            for _ in range(2):
+                self.fn(**self.inputs)
+        self.info = {"compile_s": compile_s, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if mode == "yirage":   # the first positional argument of every suite model is its input
+            import yirage as yr
+            with torch.no_grad():
+                d = yr.explain(net, *self.inputs.values()).to_dict()
+            self.info["ops_in_yirage"] = sum(len(p["ops"]) for g in d["graphs"] for p in g["partitions"]
+                                             if p["runs_in"] == "yirage")
+            self.info["ops_in_torch"] = sum(len(g["torch_ops"]) for g in d["graphs"])
+
+    @staticmethod
+    def _first(out):
+        t = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", None)
+        if t is None:
+            t = out.pooler_output if hasattr(out, "pooler_output") else out
+        return t.detach().float().numpy()   # numpy: torch tensors would travel through shared memory
+
+    def sample(self):
+        with self.torch.no_grad():
+            t0 = time.perf_counter()
+            self.fn(**self.inputs)
+            return {"seconds": time.perf_counter() - t0}, self.out
+
+
+def _compare_outputs(ref, out, dtype: str) -> dict:
+    import torch
+
+    ref, out = torch.from_numpy(ref), torch.from_numpy(out)
+    err = (out - ref).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+    atol, rtol = TOLERANCE[dtype]
+    return {"max_abs_error": err, "cosine": cos, "ok": bool(torch.allclose(out, ref, atol=atol, rtol=rtol))}
+
+
+def run_case(name: str, batch: int, args) -> dict:
+    kw = {"model": name, "batch": batch, "dtype": args.dtype, "small": args.small}
+    entry: dict = {}
+    with Sides(timeout_s=args.timeout) as sides:
+        for mode in ("eager", "inductor", "yirage"):
+            sides.start(mode, SideSpec("torch_compile:CompiledSide", {**kw, "mode": mode}, threads=args.threads))
+        rounds = sides.rounds(args.rounds, {})
+        outs = {m: r[m][1] for r in rounds for m in r}
+        for mode in ("eager", "inductor", "yirage"):
+            c = comparison(rounds, "seconds", [mode])
+            entry[mode] = sides.report(mode, {"median_s": c.median(mode)} if c else {})
+            if mode != "eager" and mode in outs and "eager" in outs:
+                entry[mode].update(_compare_outputs(outs["eager"], outs[mode], args.dtype))
+        for peer in ("eager", "inductor"):
+            c = comparison(rounds, "seconds", [peer, "yirage"])
+            if c is not None:
+                entry[f"yirage_speedup_vs_{peer}"] = c.ratio(peer, "yirage")
+        if "yirage_speedup_vs_eager" in entry and "yirage_speedup_vs_inductor" in entry:
+            entry["yirage_speedup_vs_best"] = min(entry["yirage_speedup_vs_eager"], entry["yirage_speedup_vs_inductor"])
+    with Sides(timeout_s=args.timeout) as warm:   # a second process: yirage's disk caches are warm now
+        if warm.start("yirage", SideSpec("torch_compile:CompiledSide", {**kw, "mode": "yirage"}, threads=args.threads)):
+            entry["yirage"]["warm_compile_s"] = warm.info["yirage"]["compile_s"]
+    return entry
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(TRANSFORMERS + CONV_NETS))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a side may take per sample")
+    ap.add_argument("--small", action="store_true", help="tiny configs: a quick smoke run")
+    args = ap.parse_args()
+    from yirage.runtime.machine import machine_record
+
+    results = {}
+    for name in args.models.split(","):
+        for b in args.batch_sizes:
+            print(f"[torch_compile] {name} batch {b}", file=sys.stderr, flush=True)
+            results[f"{name} b{b}"] = run_case(name, b, args)
+
+    def group(names):
+        keys = [k for k in results if k.split(" ")[0] in names]
+        return {f"geomean_vs_{p}": _geomean([results[k].get(f"yirage_speedup_vs_{p}") for k in keys])
+                for p in ("eager", "inductor", "best")}
+    passed = [k for k, e in results.items() if e.get("yirage", {}).get("ok")]
+    print(json.dumps({"machine": machine_record(args.threads), "dtype": args.dtype, "rounds": args.rounds,
+                      "small": args.small, "models": results,
+                      "summary": {"pass_rate": f"{len(passed)}/{len(results)}", "transformers": group(TRANSFORMERS),
+                                  "conv_nets": group(CONV_NETS)}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
