@@ -25,7 +25,7 @@ import torch
 from ..dtypes import DType
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
-from . import cpu_embed, cpu_providers, cpu_strided
+from . import cpu_embed, cpu_indexing, cpu_providers, cpu_strided
 from .cpu_threadblock import bind_customized, customized_ok
 
 _P = ctypes.c_void_p
@@ -263,6 +263,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "attention_varlen": (_float32_first, cpu_embed.bind_attention_varlen),  # kernels/cpu/embed_kernels.h
     "linear_w8a8": (_float32_first, _linear_w8a8),
     **cpu_strided.OPS,  # reductions and softmax over a non-last dim (kernels/cpu/strided.cpp)
+    **cpu_indexing.OPS,  # index_select, gather (kernels/cpu/indexing.cpp)
 }
 
 

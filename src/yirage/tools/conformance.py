@@ -614,6 +614,37 @@ def _layout_cases() -> list[Case]:
     return cases
 
 
+def _indexing(op: str, shape, dim: int, index_shape, dtype: DType) -> Built:
+    """``index_select`` (1-d index) or ``gather`` (an index of x's rank) of x [shape] along ``dim``
+    with random in-range indices (repeats included) against torch."""
+    g = new_kernel_graph()
+    x, i = g.new_input(shape, dtype), g.new_input(index_shape, DType.int64)
+    g.mark_output(getattr(g, op)(x, dim, i))
+    data = [_data(shape, dtype), torch.randint(0, shape[dim], index_shape)]
+    fn = torch.index_select if op == "index_select" else torch.gather
+    return g, data, {0: fn(data[0], dim, data[1])}
+
+
+def _indexing_cases() -> list[Case]:
+    part = functools.partial
+    specs = [  # (op, x shape, dim, index shape)
+        ("index_select", (7, 33), 0, (5,)),
+        ("index_select", (7, 33), -1, (40,)),
+        ("index_select", (3, 5, 9), 1, (1,)),
+        ("index_select", (3, 4097), 1, (3,)),
+        ("gather", (7, 33), 1, (7, 5)),
+        ("gather", (7, 33), 0, (11, 33)),
+        ("gather", (3, 5, 9), 1, (2, 4, 9)),
+        ("gather", (3, 5, 9), -1, (3, 5, 1)),
+    ]
+    cases = []
+    for op, shape, dim, ishape in specs:
+        for d in _LAYOUT_DTYPES if shape == (7, 33) else (DType.float32,):
+            name = f"{_dims(shape)} dim {dim} index {_dims(ishape)} {d.value}"
+            cases.append(Case(op, name, part(_indexing, op, shape, dim, ishape, d), tol=(0.0, 0.0)))
+    return cases
+
+
 def _row_cases() -> list[Case]:
     cases = [Case(op, _dims((R, D)), functools.partial(_rows, op, R, D), tol=(1e-4, 1e-4))
              for op in ("reduction", "rms_norm", "softmax") for R, D in SIZES]
@@ -995,7 +1026,8 @@ def _library_cases() -> list[Case]:
 #: every case, in the order they run (ids unique: tests/tools/test_conformance.py checks)
 CASES: tuple[Case, ...] = (*_unary_cases(), *_binary_cases(), *_minmax_pow_cases(), *_bool_cases(),
                            *_elementwise_attr_cases(), *_cast_cases(),
-                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_fused_cases(), *_library_cases())
+                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_indexing_cases(), *_fused_cases(),
+                           *_library_cases())
 
 
 def summarize(results: Iterable[CaseResult]) -> dict[str, dict[str, int]]:
