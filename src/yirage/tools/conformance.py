@@ -729,6 +729,25 @@ def _value_and_its_cast() -> Built:
     return g, [torch.randn(7, 33)], {}
 
 
+def _masked_softmax_rows() -> Built:
+    """The fully-masked-row guard transformers puts after an SDPA softmax: softmax, then rows
+    whose scores are all -inf zeroed (comparisons, ``any`` as cast + amax, where). Here the
+    load of ``z`` comes late and its kernel input number (4) is the id of a statement of a
+    later loop, which once broke the C++ row program (codegen/cpp.py read it as that statement)."""
+    g = new_kernel_graph()
+    x, y = g.new_input((6, 12)), g.new_input((6, 12))
+    neg_inf, zero, z = g.new_input((1,)), g.new_input((1,)), g.new_input((6, 12))
+    s = g.softmax(g.add(x, y), -1)
+    keep = g.logical_not(g.eq(g.add(x, y), neg_inf))
+    dead = g.logical_not(g.ne(g.amax(g.cast(keep, DType.float32), [-1], keepdim=True), zero))
+    g.mark_output(g.where(dead, z, s))
+    data = [torch.randn(6, 12), torch.randn(6, 12), torch.tensor([float("-inf")]), torch.tensor([0.0]),
+            torch.zeros(6, 12)]
+    data[0][2] = float("-inf")
+    p = torch.softmax(data[0] + data[1], -1)
+    return g, data, {0: torch.where(torch.isinf(data[0]).all(-1, keepdim=True), 0.0, p)}
+
+
 def _fused_cases() -> list[Case]:
     return [Case("fused: rms_norm*w, silu, softmax", d.value, functools.partial(_norm_silu_softmax, d))
             for d in (DType.float16, DType.bfloat16)] + [
@@ -738,6 +757,7 @@ def _fused_cases() -> list[Case]:
         Case("fused: scale, softmax between matmuls", "3x5x16", _scores_softmax, tol=(1e-4, 1e-4)),
         Case("fused: rows of one element", "7x1", _rows_of_one),
         Case("fused: a value and its cast as outputs", "7x33", _value_and_its_cast, tol=(1e-4, 2e-3)),
+        Case("fused: softmax with fully masked rows zeroed", "6x12", _masked_softmax_rows, tol=(1e-5, 1e-5)),
     ] + [Case("fused: tanh, sigmoid, erf, log, exp2, abs, reciprocal, pow, where", d.value,
               functools.partial(_new_elementwise_fused, d), tol=(1e-4, 1e-4) if d == DType.float32 else None)
          for d in _HALF_AND_FLOAT]
