@@ -60,6 +60,8 @@ CASES = {
                          ["aten.native_layer_norm.default"]),
     "sum": (lambda x: x.sum(-1), lambda: [torch.randn(3, 5, 8)], ["aten.sum.dim_IntList"]),
     "sum_keepdim": (lambda x: x.sum(-1, keepdim=True), lambda: [torch.randn(3, 8)], ["aten.sum.dim_IntList"]),
+    "sum_same_dtype": (lambda x: torch.sum(x, 1, dtype=torch.float32), lambda: [torch.randn(3, 5, 8)],
+                       ["aten.sum.dim_IntList"]),
     "mean": (lambda x: x.mean(-1), lambda: [torch.randn(3, 8)], ["aten.mean.dim"]),
     "mm": (torch.mm, lambda: [torch.randn(4, 8), torch.randn(8, 6)], ["aten.mm.default"]),
     "bmm": (torch.bmm, lambda: [torch.randn(2, 4, 8), torch.randn(2, 8, 6)], ["aten.bmm.default"]),
@@ -118,6 +120,8 @@ CASES = {
     "clone_input": (lambda x: (x.clone(), x * 2.0), lambda: [torch.randn(3, 7)], ["aten.clone.default"]),
     "lift_fresh_copy": (lambda x: x * torch.tensor([1.0, 2.0, 3.0]), lambda: [torch.randn(2, 3)],
                         ["aten.lift_fresh_copy.default"]),
+    "split": (lambda x: [t * 2.0 for t in torch.split(x, [2, 5, 1], dim=1)], lambda: [torch.randn(3, 8)],
+              ["aten.split_with_sizes.default", "getitem"]),
     "alias": (lambda x: aten.alias.default(x * 2.0) + 1.0, lambda: [torch.randn(3, 7)], ["aten.alias.default"]),
     "unsqueeze": (lambda x: x.unsqueeze(1) * 2.0, lambda: [torch.randn(3, 7)], ["aten.unsqueeze.default"]),
     "squeeze_dim": (lambda x: aten.squeeze.dim(x * 2.0, 1) + 1.0, lambda: [torch.randn(3, 1, 7)], ["aten.squeeze.dim"]),
@@ -188,6 +192,15 @@ def test_every_lowering_has_a_case():
     (lambda x: x.to(torch.bfloat16).to(torch.float32) * 2.0, [torch.randn(3, 8)], "aten._to_copy.default",
      "narrowing cast"),
     (lambda x: torch.relu(x * 2), [torch.arange(8).reshape(2, 4)], "aten.relu.default", "torch.int64"),
+    (lambda x, i: (x * 2.0)[i], [torch.randn(5, 3), torch.tensor([4, 0, 4])], "aten.index.Tensor",
+     "not a constant"),
+    (lambda x: (x * 2.0, torch.cumsum(torch.arange(6), 0)), [torch.randn(3)], "aten.arange.default",
+     "a constant that only torch ops read"),
+    (lambda x, y: (x > 0) == (y > 0.5).to(torch.float32), [torch.randn(3, 4), torch.randn(3, 4)], "aten.eq.Tensor",
+     "mixed dtypes"),
+    (lambda x: (x > 0) > 0.5, [torch.randn(3, 4)], "aten.gt.Scalar", "bool tensor compared with a number"),
+    (lambda x, i: F.embedding(i.int(), x * 2.0), [torch.randn(5, 3), torch.tensor([1, 2])], "aten.embedding.default",
+     "ids are not an int64 tensor"),
 ])
 def test_preconditions_decline_with_a_reason(fn, inputs, op, why):
     out, be = _compile_run(fn, inputs)

@@ -111,7 +111,6 @@ class Emitter:
         self.g = graph
         self.env: dict[Node, object] = {}
         self.constants: list[torch.Tensor] = []
-        self._values: dict[Node, torch.Tensor] = {}
 
     def __getitem__(self, node: Node) -> DTensor:
         got = self.env[node]
@@ -120,19 +119,8 @@ class Emitter:
         return got
 
     def value(self, node: Node) -> torch.Tensor:
-        """The value of a constant node (``constant_problem(node)`` is None), computed by torch
-        once: its op run on the values of its constant arguments."""
-        if node not in self._values:
-            v, args = _val(node), node.args
-            if node.target in LIKE_FACTORIES:  # only the shape and dtype of the input matter
-                x = _val(args[0])
-                args = (torch.empty(tuple(x.shape), dtype=x.dtype, device=v.device), *args[1:])
-            args, kwargs = torch.fx.node.map_arg((args, node.kwargs), self._arg_value)
-            self._values[node] = node.target(*args, **kwargs)
-        return self._values[node]
-
-    def _arg_value(self, arg: Node):
-        return self.value(arg) if isinstance(arg, Node) else arg
+        """The value of a constant node (``constant_value``)."""
+        return constant_value(node)
 
     def constant(self, value: torch.Tensor) -> DTensor:
         """A graph input holding ``value`` at every call (a uniform tensor of more than 1024
@@ -235,8 +223,34 @@ def constant_problem(node) -> str | None:
     if not isinstance(node, Node):
         return "not a node"
     if "yirage_constant" not in node.meta:
-        node.meta["yirage_constant"] = _constant_problem(node)
+        why = _constant_problem(node)
+        if why is None:
+            try:
+                node.meta["yirage_constant_value"] = _evaluate(node)
+            except Exception as e:  # noqa: BLE001 - then it is simply not folded
+                why = f"torch could not evaluate it: {type(e).__name__}: {e}"
+        node.meta["yirage_constant"] = why
     return node.meta["yirage_constant"]
+
+
+def constant_value(node: Node) -> torch.Tensor:
+    """The value of a constant node (``constant_problem(node)`` is None), computed by torch once
+    when it was first checked and kept in ``node.meta`` (which the partitioner copies along with
+    the node, and onto the placeholder of a partition that reads a constant computed in another)."""
+    return node.meta["yirage_constant_value"]
+
+
+def _evaluate(node: Node) -> torch.Tensor:
+    """Run the constant ``node``'s op on real values (outside any fake tensor mode)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    v, args = _val(node), node.args
+    with unset_fake_temporarily():
+        if node.target in LIKE_FACTORIES:  # only the shape and dtype of the input matter
+            x = _val(args[0])
+            args = (torch.empty(tuple(x.shape), dtype=x.dtype, device=v.device), *args[1:])
+        args, kwargs = torch.fx.node.map_arg((args, node.kwargs), constant_value)
+        return node.target(*args, **kwargs)
 
 
 def _constant_problem(node: Node) -> str | None:
@@ -508,8 +522,9 @@ def _reduce_dims(node):
 
 
 def _check_reduce(node):
-    if node.kwargs.get("dtype") is not None:
-        return f"dtype={node.kwargs['dtype']}"
+    dt = node.kwargs.get("dtype")
+    if dt is not None and (_val(node.args[0]) is None or dt != _val(node.args[0]).dtype):
+        return f"dtype={dt} (a cast before the reduction is not lowered)"
     dims, n = _reduce_dims(node), _val(node.args[0]).dim() if _val(node.args[0]) is not None else 0
     if dims is not None and len(dims) > 0:
         ds = sorted(d % n for d in dims) if n else []
@@ -596,6 +611,25 @@ def _check_cat(node):
 def _cat(e, node):
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
     return e.g.cat([e[t] for t in node.args[0]], dim)
+
+
+def _check_split(node):
+    x, sizes = node.args[:2]
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(n, int) and n > 0 for n in sizes):
+        return f"split sizes {sizes!r} are not positive integers"
+    for u in node.users:
+        if u.target is not operator.getitem:
+            return "its output list is used whole"
+    return _all_of(_no_kwargs("dim"), lambda n: _tensors_ok(n, output=False, dtypes=LAYOUT_DTYPES))(node)
+
+
+@lowers(aten.split_with_sizes.default, check=_check_split)
+def _split(e, node):
+    """Each piece a ``slice`` along dim (a copy, as the other layout ops)."""
+    x, sizes = node.args[:2]
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(e.g.slice(e[x], dim, a, a + n) for a, n in zip(starts, sizes))
 
 
 # ---- comparisons, logical ops, where (bool tensors) ---------------------------------------
