@@ -25,7 +25,7 @@ import torch
 from ..dtypes import DType
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
-from . import cpu_conv, cpu_embed, cpu_providers, cpu_strided
+from . import cpu_conv, cpu_embed, cpu_indexing, cpu_providers, cpu_strided
 from .cpu_threadblock import bind_customized, customized_ok
 
 _P = ctypes.c_void_p
@@ -264,6 +264,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "linear_w8a8": (_float32_first, _linear_w8a8),
     **cpu_strided.OPS,  # reductions and softmax over a non-last dim (kernels/cpu/strided.cpp)
     **cpu_conv.OPS,     # conv2d (oneDNN), pooling and batch_norm (kernels/cpu/conv.cpp)
+    **cpu_indexing.OPS,  # index_select, gather (kernels/cpu/indexing.cpp)
 }
 
 

@@ -24,7 +24,7 @@ import os
 from typing import Callable
 
 from ..dtypes import DType
-from .strided_views import copies, mid_view, reduced_dims
+from .strided_views import contiguous_strides, copies, mid_view, reduced_dims
 from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from .triton_threadblock import bind_customized, customized_ok
 
@@ -172,6 +172,20 @@ def _layout(node, graph, args, out, status):
     return run
 
 
+def _index_copy(node, graph, args, out, status):
+    """index_select, gather (kernels/triton/indexing.py): every index checked on the device into
+    the executor's status slot; the metadata made once here."""
+    x, index = args
+    lib, dim = _lib(), node.attrs["dim"]
+    meta = lib.index_copy_meta(out.shape, contiguous_strides(x.shape), out.device)
+    fn, gather = lib.index_copy, node.op == "gather"
+    return lambda: fn(x, index, out, meta, dim, gather, status=status)
+
+
+def _index_ok(node, graph) -> bool:
+    return len(graph.tensors[node.inputs[0]].shape) <= 8
+
+
 def _always(node, graph) -> bool:
     return True
 
@@ -191,6 +205,8 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "softmax": (_float_first, _softmax_mid),
     "log_softmax": (_float_first, _softmax_mid),
     **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat")},
+    "index_select": (_index_ok, _index_copy),  # kernels/triton/indexing.py
+    "gather": (_index_ok, _index_copy),
 }
 
 

@@ -107,7 +107,8 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
     n_phases = max([phase[s.id] + 1 for s in stmts if s.kind == VEC and s.op not in ("sum", "max")]
                    + [avail[s.id] for s in reductions], default=0)
     # vec values read in a later phase than they are computed go through a row buffer
-    buffered = sorted({x for s in stmts if s.kind == VEC or s.op in ("sum", "max")
+    # (a load's args name a kernel input, not a statement)
+    buffered = sorted({x for s in stmts if (s.kind == VEC and s.op != "load") or s.op in ("sum", "max")
                        for x in s.args if x in phase and x not in reloadable
                        and stmts[x].kind == VEC and phase[x] < phase[s.id]})
     slot = {sid: i for i, sid in enumerate(buffered)}
@@ -138,7 +139,7 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
         lines.append(f"    #pragma omp simd{clauses}")
         lines.append("    for (int64_t j = 0; j < D; ++j) {")
         body_ids = [s.id for s in stmts if s.id in phase and phase[s.id] == p and s.op not in ("sum", "max")]
-        used = {x for s in stmts if s.id in phase and phase[s.id] == p for x in s.args}
+        used = {x for s in stmts if s.id in phase and phase[s.id] == p and s.op != "load" for x in s.args}
         for x in sorted(used):
             if x in phase and phase[x] != p and stmts[x].kind == VEC:
                 src = _expr(kernel, stmts[x]) if x in reloadable else f"scratch[{slot[x]} * D + j]"

@@ -11,7 +11,20 @@
 Adding an op is one ``@lowers(...)`` entry here and one test (tests/dynamo/test_lowering.py
 runs every entry against eager). Shared preconditions: every tensor a lowering touches is
 float32/float16/bfloat16 with static, positive dims and at least one dim; a lowering
-declines anything else rather than guess.
+declines anything else rather than guess. Where the IR op takes more, so does its lowering,
+and no further: bool tensors for comparisons, logical ops, ``where``, casts and the layout
+ops (views, permute, expand, slice, select, cat, clone), int64 for the indices of
+``embedding``/``index_select``/``gather`` and for what the layout ops move; 0-d operands of
+the elementwise ops (they broadcast).
+
+Constants: a node that computes a tensor from nothing the graph is called with (``arange``,
+``full``, ``zeros``, ``ones``, ``scalar_tensor``, the ``*_like`` factories, and any pure op
+all of whose tensor arguments are such constants: the int64 arithmetic transformers does on
+position ids, T5's relative-position buckets, the bool masks built from ``arange``) is folded:
+it lowers whenever a lowered op reads it, torch computes its value once when the partition is
+built (static shapes only), and the partition takes it as a constant input. A constant
+declines when only torch ops read it, when it is larger than ``MAX_CONSTANT_BYTES``, or when
+its dtype is not one the IR has.
 
 Also here: ``rewrite_linear``, the one graph rewrite before partitioning, which turns the
 ``addmm(bias, x, permute(w, [1, 0]))`` that the decompositions make of ``nn.Linear`` back
@@ -34,6 +47,10 @@ from ..ir.graph import DTensor, KernelGraph
 aten = torch.ops.aten
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: what the comparisons, ``where`` and casts take: the float types and bool (a row program's dtypes)
+ROW_DTYPES = (*FLOAT_DTYPES, torch.bool)
+#: what the layout ops (views, permute, expand, slice, select, cat, clone) and the indexing ops move
+LAYOUT_DTYPES = (*ROW_DTYPES, torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -51,20 +68,44 @@ LOWERINGS: dict[object, Lowering] = {}
 
 def lowers(*targets, check: Callable[[Node], str | None]):
     """Register the decorated ``emit`` for every overload in ``targets`` (missing overloads,
-    named as None, are skipped) with the precondition ``check``."""
+    named as None, are skipped) with the precondition ``check``. A node of these ops whose
+    value is a constant (``constant_problem``) lowers as a folded constant instead."""
     def register(emit):
         for t in targets:
             if t is not None:
-                LOWERINGS[t] = Lowering(check, emit)
+                LOWERINGS[t] = Lowering(_or_constant(check), _or_constant_emit(emit))
         return emit
     return register
+
+
+def _or_constant(check):
+    def check_or_fold(node):
+        if constant_problem(node) is None:
+            return None if _read_by_lowered(node) else "a constant that only torch ops read"
+        return check(node)
+    check_or_fold.own = check
+    return check_or_fold
+
+
+def _or_constant_emit(emit):
+    def emit_or_fold(e, node):
+        return _Constant(node) if constant_problem(node) is None else emit(e, node)
+    return emit_or_fold
+
+
+@dataclass(frozen=True)
+class _Constant:
+    """A folded constant node whose DTensor is made only when a lowered op reads it."""
+
+    node: Node
 
 
 class Emitter:
     """Builds one partition's kernel graph: ``env`` maps FX nodes to their DTensors;
     scalar operands become (1,)-shaped graph inputs whose values are kept in ``constants``
-    (passed after the partition's own inputs at every call). Build it outside any fake
-    tensor mode (AOTAutograd compiles under one), so constants hold real values."""
+    (passed after the partition's own inputs at every call), and so do folded constants (see
+    ``value``). Build it outside any fake tensor mode (AOTAutograd compiles under one), so
+    constants hold real values."""
 
     def __init__(self, graph: KernelGraph):
         self.g = graph
@@ -72,12 +113,28 @@ class Emitter:
         self.constants: list[torch.Tensor] = []
 
     def __getitem__(self, node: Node) -> DTensor:
-        return self.env[node]
+        got = self.env[node]
+        if isinstance(got, _Constant):
+            got = self.env[node] = self.constant(self.value(node))
+        return got
+
+    def value(self, node: Node) -> torch.Tensor:
+        """The value of a constant node (``constant_value``)."""
+        return constant_value(node)
+
+    def constant(self, value: torch.Tensor) -> DTensor:
+        """A graph input holding ``value`` at every call (a uniform tensor of more than 1024
+        elements is held as one element and expanded)."""
+        value = value.detach()
+        if value.numel() > 1024 and bool((value == value.reshape(-1)[0]).all()):
+            return self.g.expand(self.constant(value.reshape(-1)[0].clone()), tuple(value.shape))
+        self.constants.append(value.contiguous().clone())
+        return self.g.new_input(tuple(value.shape), dtype=as_dtype(value.dtype))
 
     def operand(self, arg, dtype: torch.dtype) -> DTensor:
         """The DTensor of a node argument, or a constant input holding a Python scalar."""
         if isinstance(arg, Node):
-            return self.env[arg]
+            return self[arg]
         self.constants.append(torch.tensor([arg], dtype=dtype))
         return self.g.new_input((1,), dtype=as_dtype(dtype))
 
@@ -88,13 +145,14 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
-def tensor_problem(node: Node, val=None) -> str | None:
-    """Why the tensor ``node`` produces (or ``val``) cannot be an IR tensor, or None."""
+def tensor_problem(node: Node, val=None, dtypes=FLOAT_DTYPES) -> str | None:
+    """Why the tensor ``node`` produces (or ``val``) cannot be an IR tensor of one of ``dtypes``
+    (default: the float types), or None."""
     v = _val(node) if val is None else val
     if not isinstance(v, torch.Tensor):
         return f"{node.name} has no tensor metadata"
-    if v.dtype not in FLOAT_DTYPES:
-        return f"{node.name} is {v.dtype}; these lowerings take float32/float16/bfloat16"
+    if v.dtype not in dtypes:
+        return f"{node.name} is {v.dtype}; this lowering takes {'/'.join(str(d)[6:] for d in dtypes)}"
     if any(not isinstance(d, int) for d in v.shape):
         return f"{node.name} has a symbolic shape {tuple(v.shape)} (dynamic shapes are not lowered yet)"
     if v.dim() == 0:
@@ -108,13 +166,16 @@ def _is_scalar(a) -> bool:
     return isinstance(a, (int, float)) and not isinstance(a, bool)
 
 
-def _tensors_ok(node: Node, same_dtype: bool = True, output=True) -> str | None:
+def _tensors_ok(node: Node, same_dtype: bool = True, output=True, dtypes=FLOAT_DTYPES,
+                scalar_args: bool = False) -> str | None:
     """The shared precondition: the output and every tensor argument pass ``tensor_problem``
-    (and share the output's dtype when ``same_dtype``)."""
+    with ``dtypes`` (and share the output's dtype when ``same_dtype``); ``scalar_args``: 0-d
+    arguments pass too (operands of broadcasting elementwise ops)."""
     args = node.all_input_nodes
     for n in ([node] if output else []) + args:
-        why = tensor_problem(n)
-        if why:
+        why = tensor_problem(n, dtypes=dtypes)
+        if why and not (scalar_args and n is not node and isinstance(_val(n), torch.Tensor)
+                        and _val(n).dim() == 0 and _val(n).dtype in dtypes):
             return why
     if same_dtype and output:
         dt = _val(node).dtype
@@ -141,6 +202,106 @@ def _no_kwargs(*allowed):
     return check
 
 
+# ---- constants ----------------------------------------------------------------------------
+
+#: the dtypes a folded constant may have (those the IR has)
+CONSTANT_DTYPES = (*FLOAT_DTYPES, torch.bool, torch.int32, torch.int64)
+#: the largest constant folded into a partition
+MAX_CONSTANT_BYTES = 1 << 24
+#: factories: their value depends on their arguments only
+FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+             aten.zeros.default, aten.ones.default, aten.scalar_tensor.default}
+#: factories whose one tensor argument gives only a shape and dtype
+LIKE_FACTORIES = {aten.full_like.default, aten.zeros_like.default, aten.ones_like.default}
+
+
+def constant_problem(node) -> str | None:
+    """None when ``node`` computes a constant the IR can hold: a factory (``FACTORIES``,
+    ``LIKE_FACTORIES``) or a pure, deterministic ATen op whose tensor arguments are all
+    constants, with a static shape, a dtype of ``CONSTANT_DTYPES`` and at most
+    ``MAX_CONSTANT_BYTES``; else why not. Memoized in ``node.meta``."""
+    if not isinstance(node, Node):
+        return "not a node"
+    if "yirage_constant" not in node.meta:
+        why = _constant_problem(node)
+        if why is None:
+            try:
+                node.meta["yirage_constant_value"] = _evaluate(node)
+            except Exception as e:  # noqa: BLE001 - then it is simply not folded
+                why = f"torch could not evaluate it: {type(e).__name__}: {e}"
+        node.meta["yirage_constant"] = why
+    return node.meta["yirage_constant"]
+
+
+def constant_value(node: Node) -> torch.Tensor:
+    """The value of a constant node (``constant_problem(node)`` is None), computed by torch once
+    when it was first checked and kept in ``node.meta`` (which the partitioner copies along with
+    the node, and onto the placeholder of a partition that reads a constant computed in another)."""
+    return node.meta["yirage_constant_value"]
+
+
+def _evaluate(node: Node) -> torch.Tensor:
+    """Run the constant ``node``'s op on real values (outside any fake tensor mode)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    v, args = _val(node), node.args
+    with unset_fake_temporarily():
+        if node.target in LIKE_FACTORIES:  # only the shape and dtype of the input matter
+            x = _val(args[0])
+            args = (torch.empty(tuple(x.shape), dtype=x.dtype, device=v.device), *args[1:])
+        args, kwargs = torch.fx.node.map_arg((args, node.kwargs), constant_value)
+        return node.target(*args, **kwargs)
+
+
+def _constant_problem(node: Node) -> str | None:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return "not an ATen op"
+    if t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags:
+        return "not a pure op"
+    v = _val(node)
+    if not isinstance(v, torch.Tensor) or v.dtype not in CONSTANT_DTYPES:
+        return "not a tensor of an IR dtype"
+    if any(not isinstance(d, int) for d in v.shape) or v.numel() * v.element_size() > MAX_CONSTANT_BYTES:
+        return "symbolic or too large"
+    if t in FACTORIES:
+        return None
+    args = node.all_input_nodes
+    if t in LIKE_FACTORIES:
+        return None if all(isinstance(_val(a), torch.Tensor) for a in args) else "no input metadata"
+    if not args:
+        return "not a known factory"
+    for a in args:
+        if constant_problem(a) is not None:
+            return f"{a.name} is not constant"
+    return None
+
+
+def _read_by_lowered(node: Node) -> bool:
+    """Whether a user of the constant ``node`` lowers as an op of its own (not as a constant),
+    directly or through other constants."""
+    for u in node.users:
+        if constant_problem(u) is None:
+            if _read_by_lowered(u):
+                return True
+            continue
+        lowering = LOWERINGS.get(u.target)
+        if lowering is not None and getattr(lowering.check, "own", lowering.check)(u) is None:
+            return True
+    return False
+
+
+def _factory_check(node):
+    return constant_problem(node) or "unreachable"  # a constant factory never reaches this
+
+
+def _never(e, node):
+    raise AssertionError(f"{node.name} is not a constant")  # the check declines it first
+
+
+lowers(*FACTORIES, *LIKE_FACTORIES, check=_factory_check)(_never)
+
+
 # ---- elementwise --------------------------------------------------------------------------
 
 def _check_binary(node: Node) -> str | None:
@@ -153,7 +314,7 @@ def _check_binary(node: Node) -> str | None:
     alpha = node.kwargs.get("alpha", 1)
     if not _is_scalar(alpha):
         return f"alpha {alpha!r} is not a real scalar"
-    return _all_of(_no_kwargs("alpha"), _tensors_ok)(node)
+    return _all_of(_no_kwargs("alpha"), lambda n: _tensors_ok(n, scalar_args=True))(node)
 
 
 def _binary(ir_op: str):
@@ -188,7 +349,7 @@ for _name in ("exp", "sqrt", "rsqrt", "neg", "relu", "silu", "tanh", "sigmoid", 
 def _check_two_tensors(node: Node) -> str | None:
     if not all(isinstance(a, Node) for a in node.args[:2]):
         return "a scalar operand"
-    return _all_of(_no_kwargs(), _tensors_ok)(node)
+    return _all_of(_no_kwargs(), lambda n: _tensors_ok(n, scalar_args=True))(node)
 
 
 for _name in ("maximum", "minimum"):
@@ -260,16 +421,18 @@ def _check_to_copy(node):
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
         return f"memory_format {node.kwargs['memory_format']}"
     return _all_of(_no_kwargs("dtype", "layout", "device", "memory_format", "pin_memory"),
-                   lambda n: _tensors_ok(n, same_dtype=False))(node)
+                   lambda n: _tensors_ok(n, same_dtype=False, dtypes=ROW_DTYPES))(node)
 
 
 def _check_narrowing(node):
     """A cast to a half type (float16, bfloat16) from another dtype is lowered only where
     nothing lowered reads it: a fused kernel rounds a value to its dtype only when it stores it
     (transforms/fusion.py treats ``cast`` as the value itself), so ``x.to(bfloat16) * 2`` fused
-    would skip the rounding (and float16's overflow to inf) that eager does."""
+    would skip the rounding (and float16's overflow to inf) that eager does. Casts to and from
+    bool are exact in a fused kernel (``x != 0``; 0 and 1)."""
     src, dst = _val(node.args[0]).dtype, _val(node).dtype
-    if dst != src and dst != torch.float32 and any(u.target in LOWERINGS for u in node.users):
+    if (dst != src and dst in (torch.float16, torch.bfloat16) and src != torch.bool
+            and any(u.target in LOWERINGS for u in node.users)):
         return (f"a narrowing cast {src} -> {dst} read by lowered ops (a fused kernel would not "
                 "round between them)")
     return None
@@ -282,7 +445,10 @@ def _to_copy(e, node):
 
 # ---- views --------------------------------------------------------------------------------
 
-@lowers(aten.view.default, aten._unsafe_view.default, check=_all_of(_no_kwargs(), _tensors_ok))
+_layout_check = _all_of(_no_kwargs(), lambda n: _tensors_ok(n, dtypes=LAYOUT_DTYPES))
+
+
+@lowers(aten.view.default, aten._unsafe_view.default, check=_layout_check)
 def _reshape(e, node):
     return e.g.reshape(e[node.args[0]], tuple(_val(node).shape))
 
@@ -361,8 +527,9 @@ def _reduce_dims(node):
 
 
 def _check_reduce(node):
-    if node.kwargs.get("dtype") is not None:
-        return f"dtype={node.kwargs['dtype']}"
+    dt = node.kwargs.get("dtype")
+    if dt is not None and (_val(node.args[0]) is None or dt != _val(node.args[0]).dtype):
+        return f"dtype={dt} (a cast before the reduction is not lowered)"
     dims, n = _reduce_dims(node), _val(node.args[0]).dim() if _val(node.args[0]) is not None else 0
     if dims is not None and len(dims) > 0:
         ds = sorted(d % n for d in dims) if n else []
@@ -394,7 +561,7 @@ def _reduce(e, node):
 
 # ---- layout: permute, expand, slice, select, cat (copies) ---------------------------------
 
-@lowers(aten.permute.default, check=_all_of(_no_kwargs(), _tensors_ok))
+@lowers(aten.permute.default, check=_layout_check)
 def _permute(e, node):
     return e.g.permute(e[node.args[0]], list(node.args[1]))
 
@@ -402,7 +569,7 @@ def _permute(e, node):
 def _check_expand(node):
     if node.kwargs.get("implicit", False):
         return "implicit=True"
-    return _all_of(_no_kwargs("implicit"), _tensors_ok)(node)
+    return _all_of(_no_kwargs("implicit"), lambda n: _tensors_ok(n, dtypes=LAYOUT_DTYPES))(node)
 
 
 @lowers(aten.expand.default, check=_check_expand)
@@ -418,7 +585,7 @@ def _check_slice(node):
             return f"slice bound {a!r} is not an integer"
     if step < 1:
         return f"step {step}"
-    return _all_of(_no_kwargs(), _tensors_ok)(node)
+    return _layout_check(node)
 
 
 @lowers(aten.slice.Tensor, check=_check_slice)
@@ -430,7 +597,7 @@ def _slice(e, node):
     return e.g.slice(e[node.args[0]], dim, start, end, step)
 
 
-@lowers(aten.select.int, check=_all_of(_no_kwargs(), _tensors_ok))
+@lowers(aten.select.int, check=_layout_check)
 def _select(e, node):
     return e.g.select(e[node.args[0]], node.args[1], node.args[2])
 
@@ -442,13 +609,196 @@ def _check_cat(node):
     shapes = [tuple(_val(t).shape) for t in tensors if _val(t) is not None]
     if any(len(sh) != len(shapes[0]) for sh in shapes):
         return "inputs of different ranks (legacy empty tensors)"
-    return _all_of(_no_kwargs("dim"), _tensors_ok)(node)
+    return _all_of(_no_kwargs("dim"), lambda n: _tensors_ok(n, dtypes=LAYOUT_DTYPES))(node)
 
 
 @lowers(aten.cat.default, check=_check_cat)
 def _cat(e, node):
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
     return e.g.cat([e[t] for t in node.args[0]], dim)
+
+
+def _check_split(node):
+    x, sizes = node.args[:2]
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(n, int) and n > 0 for n in sizes):
+        return f"split sizes {sizes!r} are not positive integers"
+    for u in node.users:
+        if u.target is not operator.getitem:
+            return "its output list is used whole"
+    return _all_of(_no_kwargs("dim"), lambda n: _tensors_ok(n, output=False, dtypes=LAYOUT_DTYPES))(node)
+
+
+@lowers(aten.split_with_sizes.default, check=_check_split)
+def _split(e, node):
+    """Each piece a ``slice`` along dim (a copy, as the other layout ops)."""
+    x, sizes = node.args[:2]
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(e.g.slice(e[x], dim, a, a + n) for a, n in zip(starts, sizes))
+
+
+# ---- comparisons, logical ops, where (bool tensors) ---------------------------------------
+
+def _check_compare(node: Node) -> str | None:
+    a, b = node.args[:2]
+    if not isinstance(a, Node):
+        return "no tensor operand"
+    if not isinstance(b, Node) and not isinstance(b, (int, float)):
+        return f"operand {b!r} is neither a tensor nor a real scalar"
+    x = _val(a)
+    if isinstance(x, torch.Tensor) and x.dtype == torch.bool and not isinstance(b, (Node, bool)):
+        return "a bool tensor compared with a number"
+    if isinstance(b, Node) and isinstance(x, torch.Tensor) and _val(b).dtype != x.dtype:
+        return f"mixed dtypes ({x.dtype} and {_val(b).dtype}); type promotion is not lowered"
+    return _all_of(_no_kwargs(), lambda n: _tensors_ok(n, same_dtype=False, dtypes=ROW_DTYPES, scalar_args=True),
+                   lambda n: None if _val(n).dtype == torch.bool else "not a bool result")(node)
+
+
+def _compare(ir_op: str):
+    def emit(e: Emitter, node: Node):
+        a, b = node.args[:2]
+        return getattr(e.g, ir_op)(e[a], e.operand(b, _val(a).dtype))
+    return emit
+
+
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+    _packet = getattr(aten, _name)
+    lowers(_packet.Tensor, _packet.Scalar, check=_check_compare)(_compare(_name))
+
+
+def _bools(node: Node) -> str | None:
+    """Every tensor (output, arguments) is bool; 0-d arguments broadcast."""
+    if any(not isinstance(a, Node) for a in node.args):
+        return "a scalar operand"
+    return _all_of(_no_kwargs(), lambda n: _tensors_ok(n, dtypes=(torch.bool,), scalar_args=True))(node)
+
+
+for _name, _targets in (("logical_and", (aten.logical_and.default, aten.bitwise_and.Tensor)),
+                        ("logical_or", (aten.logical_or.default, aten.bitwise_or.Tensor)),
+                        ("logical_not", (aten.logical_not.default, aten.bitwise_not.default))):
+    lowers(*_targets, check=_bools)(
+        (lambda ir: lambda e, node: getattr(e.g, ir)(*(e[a] for a in node.args)))(_name))
+
+
+def _check_where(node: Node) -> str | None:
+    cond, a, b = node.args[:3]
+    if not all(isinstance(x, Node) for x in (cond, a, b)):
+        return "a scalar operand"
+    if _val(cond).dtype != torch.bool:
+        return f"the condition is {_val(cond).dtype}, not bool"
+    if _val(a).dtype != _val(b).dtype:
+        return f"mixed dtypes ({_val(a).dtype} and {_val(b).dtype}); type promotion is not lowered"
+    return _all_of(_no_kwargs(), lambda n: _tensors_ok(n, same_dtype=False, dtypes=ROW_DTYPES,
+                                                       scalar_args=True))(node)
+
+
+@lowers(aten.where.self, check=_check_where)
+def _where(e, node):
+    return e.g.where(*(e[x] for x in node.args[:3]))
+
+
+def _check_any(node: Node) -> str | None:
+    x = node.args[0]
+    if _val(x) is None or _val(x).dtype != torch.bool:
+        return "not a bool input"
+    return _all_of(_no_kwargs(), lambda n: _tensors_ok(n, dtypes=(torch.bool,)))(node)
+
+
+@lowers(aten.any.dim, check=_check_any)
+def _any(e, node):
+    """any over one dim: the largest of the 0/1 values, compared with 0."""
+    x = e[node.args[0]]
+    m = e.g.amax(e.g.cast(x, "float32"), [node.args[1]], keepdim=True)
+    r = e.g.ne(m, e.constant(torch.zeros((), dtype=torch.float32)))
+    out_shape = tuple(_val(node).shape)
+    return r if out_shape == tuple(r.shape) else e.g.reshape(r, out_shape)
+
+
+# ---- identities and shape-only views --------------------------------------------------------
+
+def _check_identity(node):
+    mf = node.kwargs.get("memory_format")
+    if mf not in (None, torch.preserve_format, torch.contiguous_format):
+        return f"memory_format {mf}"
+    return _all_of(_no_kwargs("memory_format"), lambda n: _tensors_ok(n, dtypes=ROW_DTYPES))(node)
+
+
+@lowers(aten.clone.default, aten.lift_fresh_copy.default, aten.alias.default, check=_check_identity)
+def _identity(e, node):
+    """A copy is the value itself (IR tensors are values, every one contiguous), except a copy
+    of a partition input, which gets a buffer of its own (the partition never returns its
+    input as an output: the caller may write to one)."""
+    x = node.args[0]
+    if x.op == "placeholder":
+        return e.g.cast(e[x], as_dtype(_val(x).dtype))
+    return e[x]
+
+
+@lowers(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+        check=_layout_check)
+def _unsqueeze(e, node):
+    return e.g.reshape(e[node.args[0]], tuple(_val(node).shape))
+
+
+# ---- indexing: embedding, index_select, gather, index with constant indices -----------------
+
+def _check_embedding(node):
+    table, ids = node.args[:2]
+    if not isinstance(ids, Node) or _val(ids) is None or _val(ids).dtype != torch.int64:
+        return "ids are not an int64 tensor"
+    if _val(table).dim() != 2:
+        return "the table is not 2-d"
+    if node.args[3:] and any(node.args[3:]):
+        return "scale_grad_by_freq/sparse"   # training-only flags; padding_idx changes no forward value
+    return _all_of(_no_kwargs(), lambda n: _tensors_ok(n, same_dtype=False, dtypes=(*FLOAT_DTYPES, torch.int64)),
+                   lambda n: tensor_problem(table) or tensor_problem(ids, dtypes=(torch.int64,)))(node)
+
+
+@lowers(aten.embedding.default, check=_check_embedding)
+def _embedding(e, node):
+    table, ids = node.args[:2]
+    return e.g.embedding(e[ids], e[table])
+
+
+def _check_indexed(node):
+    x, dim, index = node.args[:3]
+    if not isinstance(index, Node) or _val(index) is None or _val(index).dtype != torch.int64:
+        return "the index is not an int64 tensor"
+    if node.kwargs.get("sparse_grad"):
+        return "sparse_grad=True"
+    if _val(index).dim() == 0 or _val(x).dim() == 0:
+        return "a 0-d index or input"
+    return _all_of(_no_kwargs("sparse_grad"), lambda n: _tensors_ok(n, same_dtype=False, dtypes=LAYOUT_DTYPES),
+                   lambda n: None if _val(n).dtype == _val(x).dtype else "a different output dtype")(node)
+
+
+@lowers(aten.index_select.default, aten.gather.default, check=_check_indexed)
+def _index_select_gather(e, node):
+    x, dim, index = node.args[:3]
+    op = "gather" if node.target is aten.gather.default else "index_select"
+    return getattr(e.g, op)(e[x], dim, e[index])
+
+
+def _check_index(node):
+    x, indices = node.args[:2]
+    for i in indices:
+        if i is not None and constant_problem(i) is not None:
+            return f"index {i} is not a constant ({constant_problem(i)}); run-time indices of aten.index are not lowered"
+    return _all_of(_no_kwargs(), lambda n: _tensors_ok(n, same_dtype=False, dtypes=LAYOUT_DTYPES),
+                   lambda n: None if _val(n).dtype == _val(x).dtype else "a different output dtype")(node)
+
+
+@lowers(aten.index.Tensor, check=_check_index)
+def _index(e, node):
+    """x[indices] with constant indices: the flat positions it reads, computed once by torch,
+    as an index_select of the flattened x."""
+    x, indices = node.args[:2]
+    xv = _val(x)
+    positions = torch.arange(xv.numel()).view(tuple(xv.shape))
+    flat = aten.index.Tensor(positions, [None if i is None else e.value(i) for i in indices]).reshape(-1)
+    n = xv.numel()
+    picked = e.g.index_select(e.g.reshape(e[x], (n,)), 0, e.constant(flat))
+    return e.g.reshape(picked, tuple(_val(node).shape))
 
 
 # ---- matmuls ------------------------------------------------------------------------------

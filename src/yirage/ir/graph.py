@@ -547,6 +547,26 @@ class KernelGraph:
         attrs = {"w_dtype": table.dtype.value, "w_shape": list(table.shape)} if table.dtype.is_quantized else {}
         return self._add("embedding", [ids, table], **attrs)
 
+    def index_select(self, x, dim: int, index):
+        """``torch.index_select(x, dim, index)``: the slices of ``x`` along ``dim`` (negative counts
+        from the end) at ``index`` (int64 [K]); shape of x with that dim of size K, x's dtype
+        (float32/float16/bfloat16, bool, int32 or int64). GraphError for a bad dim, dtype or
+        index rank; an index outside ``[0, x.shape[dim])`` raises IndexOutOfRangeError when
+        the graph runs (kernels check every index before reading)."""
+        d = self._dim("index_select", x, dim)
+        self._check_tensors("index_select", [x, index])
+        return self._add("index_select", [x, index], dim=d)
+
+    def gather(self, x, dim: int, index):
+        """``torch.gather(x, dim, index)``: ``out[p] = x[p with coordinate dim replaced by
+        index[p]]``; index int64 of x's rank, no dim larger than x's except ``dim``; the output
+        has index's shape and x's dtype (as ``index_select``). GraphError for bad shapes or
+        dtypes; an index outside ``[0, x.shape[dim])`` raises IndexOutOfRangeError when the
+        graph runs."""
+        d = self._dim("gather", x, dim)
+        self._check_tensors("gather", [x, index])
+        return self._add("gather", [x, index], dim=d)
+
     def rope(self, x, cos, sin, start_pos):
         """Rotate-half RoPE of x [T, H, Dh] at positions start_pos[0] + t, with tables
         cos/sin [max_seq, Dh/2] (float32). Source: Su et al. 2021; transformers' Llama."""

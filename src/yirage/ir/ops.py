@@ -13,7 +13,7 @@ Each ``OpDef`` has
   across the op,
 - ``index_input``: the position of the input holding run-time indices (embedding's ids,
   RoPE's and attention's start_pos, rope_rows' and attention_rows' positions; attention_rows
-  also indexes with its slots, input 5), or None. Kernels check those values against the
+  also indexes with its slots, input 5; index_select's and gather's index), or None. Kernels check those values against the
   buffer they index before any read or write and report a violation, which the executor
   (and every reference here) raises as ``IndexOutOfRangeError`` (``index_error``).
 
@@ -63,7 +63,8 @@ def _register(name, kind, arity, infer, reference, mutates=(), index_input=None)
 
 #: What the run-time index of each checked op is called in error messages.
 INDEX_NAMES = {"embedding": "token id", "rope": "start_pos", "attention": "start_pos",
-               "rope_rows": "position", "attention_rows": "slot or position"}
+               "rope_rows": "position", "attention_rows": "slot or position",
+               "index_select": "index", "gather": "index"}
 
 
 def index_error(op: str, value: int, lo: int, hi: int) -> IndexOutOfRangeError:
@@ -74,6 +75,8 @@ def index_error(op: str, value: int, lo: int, hi: int) -> IndexOutOfRangeError:
             "rope_rows": "every row's position must be below the rows of the cos/sin tables",
             "attention_rows": "every row's slot must be below the KV cache's slot count and its position "
                               "below its length (max_seq_length)",
+            "index_select": "every index must be below the size of the indexed dim",
+            "gather": "every index must be below the size of the indexed dim",
             }.get(op, "")
     return IndexOutOfRangeError(f"{op}: {INDEX_NAMES.get(op, 'index')} {value} is out of range "
                                 f"[{lo}, {hi}): {hint}")
@@ -833,6 +836,74 @@ _register("slice", "library", 1, _slice_dim_infer,
           lambda args, a: args[0][(slice(None),) * a["dim"] + (slice(a["start"], a["end"], a["step"]),)].contiguous())
 _register("select", "library", 1, _select_infer, lambda args, a: args[0].select(a["dim"], a["index"]).contiguous())
 _register("cat", "library", -1, _cat_infer, lambda args, a: torch.cat(list(args), dim=a["dim"]))
+
+
+# ---- indexing with run-time indices: index_select, gather (checked, see ``index_input``) --------
+
+#: dtypes the indexing ops move (they copy elements, never compute on them)
+INDEXED_DTYPES = (DType.float32, DType.float16, DType.bfloat16, DType.bool, DType.int32, DType.int64)
+
+
+def _indexed(op: str, ts: list[TensorType]):
+    x, index = ts
+    if x.dtype not in INDEXED_DTYPES:
+        _fail(op, ts, f"x must be float32/float16/bfloat16, bool, int32 or int64, got {x.dtype.value}")
+    if index.dtype != DType.int64:
+        _fail(op, ts, f"index must be int64, got {index.dtype.value}")
+    if not x.shape:
+        _fail(op, ts, "x must have at least one dim")
+
+
+def _index_select_infer(ts, attrs):
+    _indexed("index_select", ts)
+    x, index = ts
+    d = _norm_dim("index_select", x, attrs["dim"])
+    if len(index.shape) != 1:
+        _fail("index_select", ts, "index must be 1-d")
+    shape = list(x.shape)
+    shape[d] = index.shape[0]
+    return TensorType(tuple(shape), x.dtype)
+
+
+def _gather_infer(ts, attrs):
+    _indexed("gather", ts)
+    x, index = ts
+    d = _norm_dim("gather", x, attrs["dim"])
+    if len(index.shape) != len(x.shape) or any(
+            index.shape[i] > x.shape[i] for i in range(len(x.shape)) if i != d):
+        _fail("gather", ts, f"index must have x's rank and no dim larger than x's, except dim {d}")
+    return TensorType(index.shape, x.dtype)
+
+
+def _check_index(op: str, index: torch.Tensor, n: int) -> None:
+    """IndexOutOfRangeError for the first of ``index`` (int64) outside [0, n)."""
+    bad = (index < 0) | (index >= n)
+    if bool(bad.any()):
+        raise index_error(op, int(index[bad].flatten()[0]), 0, n)
+
+
+def index_select_reference(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.index_select(x, dim, index)``: the slices of x along ``dim`` at ``index`` (int64
+    [K], each in ``[0, x.shape[dim])``, repeats allowed); x keeps its dtype; the output has x's
+    shape with dim ``dim`` of size K. IndexOutOfRangeError for an index out of range (torch would
+    raise IndexError or read out of bounds on some devices)."""
+    _check_index("index_select", index, x.shape[dim])
+    return torch.index_select(x, dim, index)
+
+
+def gather_reference(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.gather(x, dim, index)``: ``out[p] = x[p with coordinate dim replaced by index[p]]``
+    for every coordinate p of index (int64, x's rank, no dim larger than x's except ``dim``; each
+    value in ``[0, x.shape[dim])``). The output has index's shape and x's dtype.
+    IndexOutOfRangeError for an index out of range."""
+    _check_index("gather", index, x.shape[dim])
+    return torch.gather(x, dim, index)
+
+
+_register("index_select", "library", 2, _index_select_infer,
+          lambda args, a: index_select_reference(args[0], args[1], a["dim"]), index_input=1)
+_register("gather", "library", 2, _gather_infer,
+          lambda args, a: gather_reference(args[0], args[1], a["dim"]), index_input=1)
 
 # the convolutional-network ops (conv2d, pooling, batch_norm) register themselves
 from . import conv as _conv  # noqa: E402,F401

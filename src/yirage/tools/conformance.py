@@ -614,6 +614,37 @@ def _layout_cases() -> list[Case]:
     return cases
 
 
+def _indexing(op: str, shape, dim: int, index_shape, dtype: DType) -> Built:
+    """``index_select`` (1-d index) or ``gather`` (an index of x's rank) of x [shape] along ``dim``
+    with random in-range indices (repeats included) against torch."""
+    g = new_kernel_graph()
+    x, i = g.new_input(shape, dtype), g.new_input(index_shape, DType.int64)
+    g.mark_output(getattr(g, op)(x, dim, i))
+    data = [_data(shape, dtype), torch.randint(0, shape[dim], index_shape)]
+    fn = torch.index_select if op == "index_select" else torch.gather
+    return g, data, {0: fn(data[0], dim, data[1])}
+
+
+def _indexing_cases() -> list[Case]:
+    part = functools.partial
+    specs = [  # (op, x shape, dim, index shape)
+        ("index_select", (7, 33), 0, (5,)),
+        ("index_select", (7, 33), -1, (40,)),
+        ("index_select", (3, 5, 9), 1, (1,)),
+        ("index_select", (3, 4097), 1, (3,)),
+        ("gather", (7, 33), 1, (7, 5)),
+        ("gather", (7, 33), 0, (11, 33)),
+        ("gather", (3, 5, 9), 1, (2, 4, 9)),
+        ("gather", (3, 5, 9), -1, (3, 5, 1)),
+    ]
+    cases = []
+    for op, shape, dim, ishape in specs:
+        for d in _LAYOUT_DTYPES if shape == (7, 33) else (DType.float32,):
+            name = f"{_dims(shape)} dim {dim} index {_dims(ishape)} {d.value}"
+            cases.append(Case(op, name, part(_indexing, op, shape, dim, ishape, d), tol=(0.0, 0.0)))
+    return cases
+
+
 def _row_cases() -> list[Case]:
     cases = [Case(op, _dims((R, D)), functools.partial(_rows, op, R, D), tol=(1e-4, 1e-4))
              for op in ("reduction", "rms_norm", "softmax") for R, D in SIZES]
@@ -698,6 +729,25 @@ def _value_and_its_cast() -> Built:
     return g, [torch.randn(7, 33)], {}
 
 
+def _masked_softmax_rows() -> Built:
+    """The fully-masked-row guard transformers puts after an SDPA softmax: softmax, then rows
+    whose scores are all -inf zeroed (comparisons, ``any`` as cast + amax, where). Here the
+    load of ``z`` comes late and its kernel input number (4) is the id of a statement of a
+    later loop, which once broke the C++ row program (codegen/cpp.py read it as that statement)."""
+    g = new_kernel_graph()
+    x, y = g.new_input((6, 12)), g.new_input((6, 12))
+    neg_inf, zero, z = g.new_input((1,)), g.new_input((1,)), g.new_input((6, 12))
+    s = g.softmax(g.add(x, y), -1)
+    keep = g.logical_not(g.eq(g.add(x, y), neg_inf))
+    dead = g.logical_not(g.ne(g.amax(g.cast(keep, DType.float32), [-1], keepdim=True), zero))
+    g.mark_output(g.where(dead, z, s))
+    data = [torch.randn(6, 12), torch.randn(6, 12), torch.tensor([float("-inf")]), torch.tensor([0.0]),
+            torch.zeros(6, 12)]
+    data[0][2] = float("-inf")
+    p = torch.softmax(data[0] + data[1], -1)
+    return g, data, {0: torch.where(torch.isinf(data[0]).all(-1, keepdim=True), 0.0, p)}
+
+
 def _fused_cases() -> list[Case]:
     return [Case("fused: rms_norm*w, silu, softmax", d.value, functools.partial(_norm_silu_softmax, d))
             for d in (DType.float16, DType.bfloat16)] + [
@@ -707,6 +757,7 @@ def _fused_cases() -> list[Case]:
         Case("fused: scale, softmax between matmuls", "3x5x16", _scores_softmax, tol=(1e-4, 1e-4)),
         Case("fused: rows of one element", "7x1", _rows_of_one),
         Case("fused: a value and its cast as outputs", "7x33", _value_and_its_cast, tol=(1e-4, 2e-3)),
+        Case("fused: softmax with fully masked rows zeroed", "6x12", _masked_softmax_rows, tol=(1e-5, 1e-5)),
     ] + [Case("fused: tanh, sigmoid, erf, log, exp2, abs, reciprocal, pow, where", d.value,
               functools.partial(_new_elementwise_fused, d), tol=(1e-4, 1e-4) if d == DType.float32 else None)
          for d in _HALF_AND_FLOAT]
@@ -1063,8 +1114,8 @@ def _conv_net_cases() -> list[Case]:
 #: every case, in the order they run (ids unique: tests/tools/test_conformance.py checks)
 CASES: tuple[Case, ...] = (*_unary_cases(), *_binary_cases(), *_minmax_pow_cases(), *_bool_cases(),
                            *_elementwise_attr_cases(), *_cast_cases(),
-                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_fused_cases(), *_library_cases(),
-                           *_conv_net_cases())
+                           *_row_cases(), *_any_dim_cases(), *_layout_cases(), *_indexing_cases(), *_fused_cases(),
+                           *_library_cases(), *_conv_net_cases())
 
 
 def summarize(results: Iterable[CaseResult]) -> dict[str, dict[str, int]]:

@@ -26,6 +26,8 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
   softmax/log_softmax over the middle dim of an [outer, n, inner] view (a dim that is not the last).
 - :func:`strided_copy`, :func:`strided_copy_meta` (strided.py): the layout ops (permute, expand,
   slice, select, cat) as strided copies; the metadata tensor is the bind-time allocation.
+- :func:`index_copy`, :func:`index_copy_meta` (indexing.py): index_select and gather with run-time
+  indices, each checked on the device into ``status`` (an index out of range reads nothing).
 
 The main kernels are autotuned (keys: the shape arguments) on a GPU; under
 ``TRITON_INTERPRET=1`` only each list's first config runs (see ``_common.autotune``).
@@ -37,6 +39,7 @@ from .argmax import argmax
 from .attention import AttentionWorkspace, attention, attention_workspace
 from .attention_varlen import attention_varlen
 from .embedding import embedding
+from .indexing import index_copy, index_copy_meta
 from .int8 import W8A8Workspace, linear_w8a8, linear_w8a8_workspace
 from .linear import linear
 from .matmul import matmul
@@ -45,4 +48,4 @@ from .strided import reduce_mid, softmax_mid, strided_copy, strided_copy_meta
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
            "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "strided_copy",
-           "strided_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace"]
+           "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace"]
