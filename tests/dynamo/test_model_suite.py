@@ -157,9 +157,15 @@ def test_model_matches_eager_mostly_in_yirage(make):
     assert share >= SUITE[make], f"{make.__name__}: only {share:.1%} of the ops ran in yirage"
 
 
-def test_resnet_runs_correctly_with_convolutions_in_torch():
+def test_resnet_runs_correctly_with_convolutions_in_yirage():
+    """The conv-net lowerings (dynamo/lowering_conv.py): convolutions, batch norms and pooling
+    run in yirage partitions, and the model matches eager."""
     report, expected, got = run_model(resnet)
     err, cos = _check_close("resnet", got, expected)
     print("\n" + _describe("resnet", report, err, cos))
     assert not [p for p in report.partitions if p.runs_in != "yirage"], "a partition fell back"
-    assert {t.op for t in report.torch_ops} >= {"aten.convolution.default"}
+    in_yirage = {op for p in report.partitions for op in p.ops}
+    assert {"aten.convolution.default", "aten._native_batch_norm_legit_no_training.default",
+            "aten.max_pool2d_with_indices.default"} <= in_yirage
+    assert not {t.op for t in report.torch_ops} & {"aten.convolution.default",
+                                                  "aten._native_batch_norm_legit_no_training.default"}
