@@ -10,8 +10,11 @@
 
 Adding an op is one ``@lowers(...)`` entry here and one test (tests/dynamo/test_lowering.py
 runs every entry against eager). Shared preconditions: every tensor a lowering touches is
-float32/float16/bfloat16 with static, positive dims and at least one dim; a lowering
-declines anything else rather than guess.
+float32/float16/bfloat16 with positive dims and at least one dim; a lowering declines
+anything else rather than guess. Dims may be symbolic (dynamic shapes): a check must then
+not branch on their values (that would add guards); the partition runs ``emit`` on a copy
+specialized to each concrete input signature (specialize.py), where every dim is an int
+and integer arguments that were symbolic are literals.
 
 Also here: ``rewrite_linear``, the one graph rewrite before partitioning, which turns the
 ``addmm(bias, x, permute(w, [1, 0]))`` that the decompositions make of ``nn.Linear`` back
@@ -95,13 +98,17 @@ def tensor_problem(node: Node, val=None) -> str | None:
         return f"{node.name} has no tensor metadata"
     if v.dtype not in FLOAT_DTYPES:
         return f"{node.name} is {v.dtype}; these lowerings take float32/float16/bfloat16"
-    if any(not isinstance(d, int) for d in v.shape):
-        return f"{node.name} has a symbolic shape {tuple(v.shape)} (dynamic shapes are not lowered yet)"
     if v.dim() == 0:
         return f"{node.name} is a 0-d tensor"
-    if 0 in v.shape:
+    if any(isinstance(d, int) and d == 0 for d in v.shape):   # a symbolic dim is >= 2 (dynamo)
         return f"{node.name} is empty {tuple(v.shape)}"
     return None
+
+
+def is_size(node) -> bool:
+    """Whether ``node`` is an FX node that computes an integer (a symbolic size)."""
+    v = _val(node)
+    return isinstance(node, Node) and isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 
 
 def _is_scalar(a) -> bool:
@@ -110,8 +117,10 @@ def _is_scalar(a) -> bool:
 
 def _tensors_ok(node: Node, same_dtype: bool = True, output=True) -> str | None:
     """The shared precondition: the output and every tensor argument pass ``tensor_problem``
-    (and share the output's dtype when ``same_dtype``)."""
-    args = node.all_input_nodes
+    (and share the output's dtype when ``same_dtype``). Integer arguments that are nodes
+    (symbolic sizes, such as a view's ``[s0, 64]``) are not tensors and are skipped: the
+    partition specializes them to their values (specialize.py)."""
+    args = [n for n in node.all_input_nodes if not is_size(n)]
     for n in ([node] if output else []) + args:
         why = tensor_problem(n)
         if why:
@@ -408,7 +417,7 @@ def _expand(e, node):
 def _check_slice(node):
     args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
     dim, start, end, step = (args[0] if args[0] is not None else 0), args[1], args[2], args[3] or 1
-    for a in (dim, step, *(x for x in (start, end) if x is not None)):
+    for a in (dim, step, *(x for x in (start, end) if x is not None and not is_size(x))):
         if not isinstance(a, int):
             return f"slice bound {a!r} is not an integer"
     if step < 1:
