@@ -155,7 +155,8 @@ def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
         return None
     if node.op == "linear" and graph.tensors[node.inputs[1]].dtype.is_quantized:
         return None
-    ptrs = (ctypes.c_int64 * len(kernel_args))(*[t.data_ptr() for t in kernel_args])
+    words = kernel.arg_words(kernel_args)
+    ptrs = (ctypes.c_int64 * len(words))(*words)
     run = cpu_providers.bind_linear(node.op, args, out, int(node.attrs.get("group_size", 0)),
                                     (task_fn, ctypes.addressof(ptrs)))
     if run is not None:

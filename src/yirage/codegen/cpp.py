@@ -3,7 +3,9 @@
 Each kernel becomes ``extern "C" void NAME(void** args, int64_t R)``: ``args`` holds the
 input pointers then the output pointers, in the order of ``kernel.inputs`` and
 ``kernel.outputs``; ``R`` is the number of rows (a run-time value, so one build serves
-every sequence length). A second entry, ``NAME_task(const int64_t* args, int64_t lo,
+every row count). The row width ``D`` is a constant of the code, or, for a kernel with
+``runtime_d`` (graphs specialized from symbolic shapes), one more ``args`` slot after the
+outputs holding D as an integer, so one build serves every width too. A second entry, ``NAME_task(const int64_t* args, int64_t lo,
 int64_t hi)``, runs rows lo..hi-1 on the calling thread: a task of the persistent kernel
 runtime (kernels/cpu/persistent.cpp). The row loop is OpenMP-parallel; the loop over a row is split into
 *phases* at each row reduction, each phase one ``omp simd`` loop. A vec value defined in
@@ -113,7 +115,10 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
                        and stmts[x].kind == VEC and phase[x] < phase[s.id]})
     slot = {sid: i for i, sid in enumerate(buffered)}
 
-    lines = [f"  const int64_t D = {kernel.D};"]
+    if kernel.runtime_d:  # D rides after the tensor pointers (runtime/cpp_kernels.py passes it)
+        lines = [f"  const int64_t D = (int64_t)(intptr_t)args[{len(kernel.inputs) + len(kernel.outputs)}];"]
+    else:
+        lines = [f"  const int64_t D = {kernel.D};"]
     for i, inp in enumerate(kernel.inputs):
         lines.append(f"  const {_CTYPE[inp.dtype]}* __restrict in{i} = (const {_CTYPE[inp.dtype]}*)args[{i}];")
     for n, (_, _, d) in enumerate(kernel.outputs):
@@ -178,7 +183,9 @@ _LOOP = "  @ROW_LOOP@"
 
 
 def kernel_name(kernel: FusedKernel) -> str:
-    return "yr_fused_" + hashlib.sha256(kernel.key().encode()).hexdigest()[:16]
+    """The entry point's name: a hash of the kernel's structure (its D too, unless
+    ``kernel.runtime_d``: then kernels that differ only in D share one entry)."""
+    return "yr_fused_" + hashlib.sha256(kernel.key(with_d=not kernel.runtime_d).encode()).hexdigest()[:16]
 
 
 def render_module(kernels: list[FusedKernel]) -> tuple[str, list[str]]:

@@ -52,9 +52,14 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
             ``cache_dir`` (where compiled kernels go), ``time_budget_s`` (max-autotune's budget
             per partition, default 10).
         torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
-            ``dynamic`` defaults to False here: yirage lowers static shapes only so far, so
-            each new input shape compiles anew (up to dynamo's recompile limit) instead of
-            one dynamic graph that would run in torch.
+            ``dynamic`` keeps torch's default, None: the first shape compiles statically,
+            and the first call with another shape recompiles once with the changed dims
+            symbolic (dynamo's automatic dynamic shapes), after which new sizes reuse that
+            graph. ``dynamic=True`` makes every dim symbolic from the first call;
+            ``dynamic=False`` compiles each shape anew (up to dynamo's recompile limit).
+            With symbolic dims each yirage partition is compiled per concrete input
+            signature on first use, and its C++ takes row counts and widths at run time,
+            so a new sequence length normally costs no C++ build (see partition.py).
 
     Returns the compiled module (what ``torch.compile`` returns). Inference only: a graph that
     needs gradients runs eager with one warning (see yirage/dynamo/compiler.py).
@@ -65,7 +70,6 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
     """
     import torch
     from .compiler import YirageBackend
-    torch_compile_kwargs.setdefault("dynamic", False)
     return torch.compile(model, backend=YirageBackend(mode, options), **torch_compile_kwargs)
 
 

@@ -49,22 +49,36 @@ class ExplainReport:
         return ops
 
     @property
+    def cache_hits(self) -> int:
+        """Partition variants loaded from the compile cache (dynamo/cache.py) while compiling."""
+        return sum(p.cache_hits for p in self.partitions)
+
+    @property
+    def cache_misses(self) -> int:
+        """Partition variants lowered and compiled (then stored in the compile cache)."""
+        return sum(p.cache_misses for p in self.partitions)
+
+    @property
     def num_yirage_ops(self) -> int:
         """ATen ops (reshapes included) that run inside yirage partitions."""
         return sum(len(p.ops) for p in self.yirage_partitions)
 
     def to_dict(self) -> dict:
         """The report as plain data (JSON-serializable)."""
-        return {"graphs": [{"reason": g.reason,
+        return {"cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "graphs": [{"reason": g.reason,
                             "partitions": [{"name": p.name, "runs_in": p.runs_in, "reason": p.reason,
-                                            "compiled_as": p.compiled_as,
+                                            "compiled_as": p.compiled_as, "symbolic": p.symbolic,
+                                            "variants": p.variants, "cache_hits": p.cache_hits,
+                                            "cache_misses": p.cache_misses,
                                             "ops": list(p.ops)} for p in g.partitions],
                             "torch_ops": [{"node": t.node, "op": t.op, "reason": t.reason} for t in g.torch_ops]}
                            for g in self.graphs]}
 
     def __str__(self) -> str:
         lines = [f"yirage explain: {len(self.graphs)} graph(s), {len(self.yirage_partitions)} partition(s) "
-                 f"on yirage with {self.num_yirage_ops} op(s), {len(self.torch_ops)} op(s) in torch"]
+                 f"on yirage with {self.num_yirage_ops} op(s), {len(self.torch_ops)} op(s) in torch; "
+                 f"compile cache: {self.cache_hits} hit(s), {self.cache_misses} miss(es)"]
         for i, g in enumerate(self.graphs):
             lines.append(f"graph {i}" + (f": runs eager: {g.reason}" if g.reason else ""))
             if g.partitions:
@@ -75,7 +89,8 @@ class ExplainReport:
                     if p.reason:
                         lines.append(f"  {'':<36}why: {p.reason}")
                     elif p.compiled_as:
-                        lines.append(f"  {'':<36}as {p.compiled_as}")
+                        shapes = f"; {p.variants} input signature(s), symbolic shapes" if p.symbolic else ""
+                        lines.append(f"  {'':<36}as {p.compiled_as}{shapes}")
             if g.torch_ops:
                 lines.append(f"  {'torch node':<22} {'op':<28} why not in yirage")
                 for t in g.torch_ops:

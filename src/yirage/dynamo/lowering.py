@@ -10,7 +10,7 @@
 
 Adding an op is one ``@lowers(...)`` entry here and one test (tests/dynamo/test_lowering.py
 runs every entry against eager). Shared preconditions: every tensor a lowering touches is
-float32/float16/bfloat16 with static, positive dims and at least one dim; a lowering
+float32/float16/bfloat16 with positive dims and at least one dim; a lowering
 declines anything else rather than guess. Where the IR op takes more, so does its lowering,
 and no further: bool tensors for comparisons, logical ops, ``where``, casts and the layout
 ops (views, permute, expand, slice, select, cat, clone), int64 for the indices of
@@ -25,6 +25,11 @@ it lowers whenever a lowered op reads it, torch computes its value once when the
 built (static shapes only), and the partition takes it as a constant input. A constant
 declines when only torch ops read it, when it is larger than ``MAX_CONSTANT_BYTES``, or when
 its dtype is not one the IR has.
+
+Dims may be symbolic (dynamic shapes): a check must then not branch on their values (that
+would add guards); the partition runs ``emit`` on a copy specialized to each concrete input
+signature (specialize.py), where every dim is an int and integer arguments that were symbolic
+are literals.
 
 Also here: ``rewrite_linear``, the one graph rewrite before partitioning, which turns the
 ``addmm(bias, x, permute(w, [1, 0]))`` that the decompositions make of ``nn.Linear`` back
@@ -153,13 +158,17 @@ def tensor_problem(node: Node, val=None, dtypes=FLOAT_DTYPES) -> str | None:
         return f"{node.name} has no tensor metadata"
     if v.dtype not in dtypes:
         return f"{node.name} is {v.dtype}; this lowering takes {'/'.join(str(d)[6:] for d in dtypes)}"
-    if any(not isinstance(d, int) for d in v.shape):
-        return f"{node.name} has a symbolic shape {tuple(v.shape)} (dynamic shapes are not lowered yet)"
     if v.dim() == 0:
         return f"{node.name} is a 0-d tensor"
-    if 0 in v.shape:
+    if any(isinstance(d, int) and d == 0 for d in v.shape):   # a symbolic dim is >= 2 (dynamo)
         return f"{node.name} is empty {tuple(v.shape)}"
     return None
+
+
+def is_size(node) -> bool:
+    """Whether ``node`` is an FX node that computes an integer (a symbolic size)."""
+    v = _val(node)
+    return isinstance(node, Node) and isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 
 
 def _is_scalar(a) -> bool:
@@ -170,8 +179,10 @@ def _tensors_ok(node: Node, same_dtype: bool = True, output=True, dtypes=FLOAT_D
                 scalar_args: bool = False) -> str | None:
     """The shared precondition: the output and every tensor argument pass ``tensor_problem``
     with ``dtypes`` (and share the output's dtype when ``same_dtype``); ``scalar_args``: 0-d
-    arguments pass too (operands of broadcasting elementwise ops)."""
-    args = node.all_input_nodes
+    arguments pass too (operands of broadcasting elementwise ops). Integer arguments that are
+    nodes (symbolic sizes, such as a view's ``[s0, 64]``) are not tensors and are skipped: the
+    partition specializes them to their values (specialize.py)."""
+    args = [n for n in node.all_input_nodes if not is_size(n)]
     for n in ([node] if output else []) + args:
         why = tensor_problem(n, dtypes=dtypes)
         if why and not (scalar_args and n is not node and isinstance(_val(n), torch.Tensor)
@@ -580,7 +591,7 @@ def _expand(e, node):
 def _check_slice(node):
     args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
     dim, start, end, step = (args[0] if args[0] is not None else 0), args[1], args[2], args[3] or 1
-    for a in (dim, step, *(x for x in (start, end) if x is not None)):
+    for a in (dim, step, *(x for x in (start, end) if x is not None and not is_size(x))):
         if not isinstance(a, int):
             return f"slice bound {a!r} is not an integer"
     if step < 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +35,10 @@ from ..config import logger
 from ..dtypes import as_dtype
 from ..errors import TorchCompileError, YirageFallbackWarning
 from ..kernel import KNGraph
+from . import cache
 from .lowering import LOWERINGS, VIEW_TARGETS, Emitter, rewrite_linear
 from .options import CompileOptions, op_name
+from .specialize import is_symbolic, signature, specialize
 
 
 @dataclass
@@ -49,6 +52,10 @@ class PartitionReport:
     runs_in: str = "yirage"
     reason: str | None = None
     compiled_as: str = ""  # "fixed fusion: N launch(es)" or "superoptimize: <the winner>"
+    symbolic: bool = False   # compiled per input signature (dynamic shapes)
+    variants: int = 0        # signatures compiled or loaded so far
+    cache_hits: int = 0      # variants loaded from the compile cache (cache.py)
+    cache_misses: int = 0    # variants lowered and compiled here (and stored)
 
     @property
     def num_compute_ops(self) -> int:
@@ -142,16 +149,11 @@ def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, 
         elif node.op == "call_function":
             why = (support.declined.get(node.name) or support.reason(node)
                    or "lowers, but the partitioner left it out of every partition")
+            if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat)):
+                why = f"a size computation on symbolic dims (host integer arithmetic; {why})"
             report.torch_ops.append(TorchOp(node.name, node_op(node), why))
             logger.debug("yirage torch.compile: %s (%s) stays in torch: %s", node.name, node_op(node), why)
     gm.recompile()
-    symbolic = [t.node for t in report.torch_ops if "symbolic shape" in t.reason]
-    if symbolic:
-        warnings.warn(f"yirage: {len(symbolic)} op(s) of this graph ({', '.join(symbolic[:3])}"
-                      f"{', ...' if len(symbolic) > 3 else ''}) have symbolic (dynamic) shapes, which "
-                      "yirage does not lower yet: they run in torch. torch.compile(..., dynamic=False) "
-                      "(yr.compile's default) compiles each shape statically instead",
-                      YirageFallbackWarning, stacklevel=2)
     return gm, report
 
 
@@ -172,23 +174,46 @@ def _cache_dir(path: str | None):
             os.environ["YIRAGE_CACHE_DIR"] = before
 
 
+#: compiled variants (input signatures) a partition keeps, least recently used dropped first
+MAX_VARIANTS = 16
+
+
+@dataclass
+class _Variant:
+    """One compiled signature of a partition: what runs it and its constant inputs."""
+
+    runner: object                 # a CompiledGraph or a superoptimize OptimizedGraph
+    constants: list[torch.Tensor]
+    tuple_out: bool
+    tensor_inputs: list[int]       # positions of the partition's inputs that are tensors
+    calls: int = 0
+
+
 class YiragePartition(torch.nn.Module):
-    """One partition of a torch.compile'd graph, run as a compiled yirage kernel graph.
+    """One partition of a torch.compile'd graph, run as compiled yirage kernel graphs.
 
     Args:
         name: the submodule's name in the parent graph.
         torch_module: the partition as torch ops (the fused ``GraphModule``); it runs when
             the partition falls back.
-        input_vals: the example values (fake tensors) of the partition's inputs, in order.
-        backend: the yirage backend name the µGraph is compiled for.
+        input_vals: the example values (fake tensors, SymInts) of the partition's inputs.
+        backend: the yirage backend name the µGraphs are compiled for.
         options: the checked ``CompileOptions``.
 
-    ``forward(*inputs)`` takes the tensors the parent graph passes (any strides; they are
-    made contiguous) and returns one tensor or a tuple, like ``torch_module``.
+    Shapes may be symbolic (dynamic shapes): the partition is compiled per input signature
+    (each tensor input's shape and dtype, each integer input's value; see specialize.py),
+    on the first call with that signature, and keeps up to ``MAX_VARIANTS`` of them (least
+    recently used dropped). A partition whose shapes are all static is compiled here, at
+    once. Each variant is looked up in, and stored to, the compile cache (cache.py) first;
+    the C++ of a graph with symbolic shapes takes its row width at run time, so a new
+    sequence length reuses the kernels already built.
+
+    ``forward(*inputs)`` takes what the parent graph passes (tensors of any strides, made
+    contiguous; ints) and returns one tensor or a tuple, like ``torch_module``.
 
     Raises TorchCompileError with ``fallback="raise"`` when lowering, compiling or the first
-    call fails; with ``fallback="eager"`` it warns once (``YirageFallbackWarning``) and runs
-    ``torch_module`` from then on.
+    call of a variant fails; with ``fallback="eager"`` it warns once
+    (``YirageFallbackWarning``) and runs ``torch_module`` from then on.
     """
 
     def __init__(self, name: str, torch_module: GraphModule, input_vals: list, backend: str,
@@ -199,52 +224,122 @@ class YiragePartition(torch.nn.Module):
         self.backend = backend
         calls = [n for n in torch_module.graph.nodes if n.op == "call_function"]
         self.report = PartitionReport(name, [node_op(n) for n in calls])
-        self._runner = None
-        self._constants: list[torch.Tensor] = []
-        self._tuple_out = True
-        self._calls = 0
-        try:
-            with _cache_dir(options.cache_dir), unset_fake_temporarily():
-                self._build(input_vals)
-        except Exception as e:  # noqa: BLE001 - any failure is a fallback, reported below
-            self._fall_back("could not be lowered or compiled", e)
+        self.symbolic = any(is_symbolic(v) for v in input_vals) or any(
+            is_symbolic(n.meta.get("val")) for n in calls)
+        self.report.symbolic = self.symbolic
+        self._variants: OrderedDict[tuple, _Variant] = OrderedDict()
+        self._failed = False
+        self._code = torch_module.code
+        if not self.symbolic:
+            try:
+                self._variant(input_vals)
+            except Exception as e:  # noqa: BLE001 - any failure is a fallback, reported below
+                self._fall_back("could not be lowered or compiled", e)
 
-    def _build(self, input_vals: list) -> None:
+    # ---- building one variant -----------------------------------------------------------
+    def _variant(self, inputs) -> _Variant:
+        """The compiled variant for the signature of ``inputs`` (built or loaded on a miss)."""
+        sig = signature(inputs)
+        v = self._variants.get(sig)
+        if v is not None:
+            self._variants.move_to_end(sig)
+            return v
+        with _cache_dir(self.options.cache_dir), unset_fake_temporarily():
+            v = self._load_or_build(sig, inputs)
+        self._variants[sig] = v
+        while len(self._variants) > MAX_VARIANTS:
+            self._variants.popitem(last=False)
+        self.report.variants += 1
+        return v
+
+    def _load_or_build(self, sig: tuple, inputs) -> _Variant:
+        emitters = [LOWERINGS[n.target].emit for n in self.torch_module.graph.nodes
+                    if n.op == "call_function" and n.target in LOWERINGS]
+        k = cache.key(self._code, sig, self.options, self.backend, emitters)
+        entry, status = cache.load(k)
+        tensor_inputs = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        if entry is not None:
+            try:
+                v = self._from_entry(entry, tensor_inputs)
+                self.report.cache_hits += 1
+                return v
+            except Exception as e:  # noqa: BLE001 - a damaged entry is rebuilt, never fatal
+                cache.reject(k, None, e)
+        self.report.cache_misses += 1
+        v, entry = self._build(inputs, tensor_inputs)
+        cache.store(k, entry)
+        return v
+
+    def _graph(self, g: KNGraph) -> KNGraph:
+        g.runtime_row_width = self.symbolic   # transforms/fusion.py: C++ takes D at run time
+        return g
+
+    def _from_entry(self, entry: cache.Entry, tensor_inputs: list[int]) -> _Variant:
         impl = get_backend_impl(self.backend)
-        g = KNGraph(self.backend)
+        g = self._graph(KNGraph.from_json(entry.graph))
+        g.backend = self.backend
+        consts = [c.to(impl.torch_device) for c in entry.constant_tensors()]
+        if len(g.inputs) != len(tensor_inputs) + len(consts):
+            raise ValueError(f"the cached graph has {len(g.inputs)} inputs, the partition passes "
+                             f"{len(tensor_inputs) + len(consts)}")
+        if entry.winner is not None and self.options.mode == "max-autotune":
+            from ..search.superoptimize import OptimizedGraph
+            win = self._graph(KNGraph.from_json(entry.winner["graph"]))
+            runner = OptimizedGraph(win, self.backend, str(entry.winner["description"]),
+                                    dict(entry.winner.get("report") or {}, cached=True))
+            runner.compile()
+            self.report.compiled_as = f"superoptimize: {runner.description} (cached)"
+        else:
+            runner = g.compile(self.backend)
+            self.report.compiled_as = f"fixed fusion: {runner.num_kernels} launch(es)"
+        return _Variant(runner, consts, entry.tuple_out, tensor_inputs)
+
+    def _build(self, inputs, tensor_inputs: list[int]) -> tuple[_Variant, cache.Entry]:
+        impl = get_backend_impl(self.backend)
+        gm = specialize(self.torch_module, inputs) if self.symbolic else self.torch_module
+        g = self._graph(KNGraph(self.backend))
         e = Emitter(g)
-        placeholders = [n for n in self.torch_module.graph.nodes if n.op == "placeholder"]
-        for node, val in zip(placeholders, input_vals):
-            if not isinstance(val, torch.Tensor):
-                raise TorchCompileError(f"input {node.name} is not a tensor ({type(val).__name__})")
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i in tensor_inputs:
+            node, val = placeholders[i], inputs[i]
             if val.device.type != impl.torch_device.type:
                 raise TorchCompileError(f"input {node.name} is on {val.device}, backend {self.backend} "
                                         f"runs on {impl.torch_device.type}")
+            if "val" in node.meta and tuple(node.meta["val"].shape) != tuple(val.shape):
+                raise TorchCompileError(f"input {node.name}: shape {tuple(val.shape)} differs from the "
+                                        f"graph's {tuple(node.meta['val'].shape)}")
             e.env[node] = g.new_input(tuple(val.shape), dtype=as_dtype(val.dtype), name=node.name)
         out_arg = None
-        for node in self.torch_module.graph.nodes:
+        for node in gm.graph.nodes:
             if node.op == "call_function":
                 e.env[node] = LOWERINGS[node.target].emit(e, node)
             elif node.op == "output":
                 out_arg = node.args[0]
             elif node.op != "placeholder":
                 raise TorchCompileError(f"unexpected {node.op} node {node.name} in a partition")
-        self._tuple_out = isinstance(out_arg, (tuple, list))
-        for o in (out_arg if self._tuple_out else [out_arg]):
+        tuple_out = isinstance(out_arg, (tuple, list))
+        for o in (out_arg if tuple_out else [out_arg]):
             g.mark_output(e[o])
-        self._constants = [c.to(impl.torch_device) for c in e.constants]
+        consts = [c.to(impl.torch_device) for c in e.constants]
+        entry = cache.Entry(g.to_json(), cache.Entry.constants_of(e.constants), tuple_out)
         if self.options.mode == "max-autotune":
-            self._runner = g.superoptimize(backend=self.backend, time_budget_s=self.options.time_budget_s)
-            self.report.compiled_as = f"superoptimize: {self._runner.description}"
+            runner = g.superoptimize(backend=self.backend, time_budget_s=self.options.time_budget_s)
+            self._graph(runner.graph)
+            runner.compile()
+            entry.winner = {"graph": runner.graph.to_json(), "description": runner.description,
+                            "report": runner.report}
+            self.report.compiled_as = f"superoptimize: {runner.description}"
         else:
-            self._runner = g.compile(self.backend)
-            self.report.compiled_as = f"fixed fusion: {self._runner.num_kernels} launch(es)"
+            runner = g.compile(self.backend)
+            self.report.compiled_as = f"fixed fusion: {runner.num_kernels} launch(es)"
+        return _Variant(runner, consts, tuple_out, tensor_inputs), entry
 
     def _fall_back(self, what: str, error: Exception) -> None:
         ops = ", ".join(dict.fromkeys(self.report.ops))
         reason = f"{what}: {type(error).__name__}: {error}"
         self.report.runs_in, self.report.reason = "torch", reason
-        self._runner = None
+        self._failed = True
+        self._variants.clear()
         message = f"yirage partition {self.report.name} ({ops}) {reason}"
         if self.options.fallback == "raise":
             raise TorchCompileError(message + " (fallback='raise'; use fallback='eager' to run it in torch)") from error
@@ -253,21 +348,31 @@ class YiragePartition(torch.nn.Module):
 
     @property
     def runs_in_yirage(self) -> bool:
-        """Whether calls run the compiled µGraph (False after a fallback)."""
-        return self._runner is not None
+        """Whether calls run compiled µGraphs (False after a fallback)."""
+        return not self._failed
 
     def forward(self, *inputs):
-        """Run the partition on the tensors the parent graph passes (in the order of the
-        torch module's placeholders); returns what the torch module would (one tensor or a
+        """Run the partition on what the parent graph passes (in the order of the torch
+        module's placeholders); returns what the torch module would (one tensor or a
         tuple)."""
-        if self._runner is None:
+        if self._failed:
             return self.torch_module(*inputs)
-        self._calls += 1
         try:
-            outs = self._runner([*inputs, *self._constants])
+            v = self._variant(inputs)
         except Exception as e:  # noqa: BLE001
-            if self._calls > 1:
+            self._fall_back("could not be lowered or compiled" + (
+                f" for input signature {_describe(inputs)}" if self.symbolic else ""), e)
+            return self.torch_module(*inputs)
+        v.calls += 1
+        try:
+            outs = v.runner([*(inputs[i] for i in v.tensor_inputs), *v.constants])
+        except Exception as e:  # noqa: BLE001
+            if v.calls > 1:
                 raise
             self._fall_back("failed on its first call", e)
             return self.torch_module(*inputs)
-        return tuple(outs) if self._tuple_out else outs[0]
+        return tuple(outs) if v.tuple_out else outs[0]
+
+
+def _describe(inputs) -> str:
+    return "(" + ", ".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else repr(x) for x in inputs) + ")"

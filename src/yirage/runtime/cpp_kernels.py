@@ -24,10 +24,16 @@ class CppKernel:
     its task entry ``void f_task(const int64_t* args, int64_t lo, int64_t hi)`` (rows lo..hi-1)
     at address ``task_fn``."""
 
-    def __init__(self, fn, task_fn: int, name: str = "fused"):
+    def __init__(self, fn, task_fn: int, name: str = "fused", runtime_d: int | None = None):
         self.fn = fn
         self.task_fn = task_fn
         self.name = name
+        self.runtime_d = runtime_d   # D passed after the pointers (FusedKernel.runtime_d), or None
+
+    def arg_words(self, tensors: list[torch.Tensor]) -> list[int]:
+        """The kernel's ``args`` as integers: the tensors' data pointers, then D when the
+        kernel takes it at run time."""
+        return [t.data_ptr() for t in tensors] + ([self.runtime_d] if self.runtime_d is not None else [])
 
     def task(self, tensors: list[torch.Tensor], rows: int, num_workers: int) -> TaskOp:
         """The kernel as one op of a persistent task graph: ``rows`` rows cut into up to
@@ -35,11 +41,12 @@ class CppKernel:
         the same threshold as the OpenMP launch)."""
         D = max(1, tensors[-1].numel() // max(rows, 1))
         tasks = num_workers if rows * D >= 32768 else 1
-        return task_op(self.name, self.task_fn, [t.data_ptr() for t in tensors], split_range(rows, tasks))
+        return task_op(self.name, self.task_fn, self.arg_words(tensors), split_range(rows, tasks))
 
     def bind(self, tensors: list[torch.Tensor], rows: int) -> Callable[[], None]:
         """Thunk running the kernel on ``tensors`` (inputs then outputs, contiguous CPU)."""
-        ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        words = self.arg_words(tensors)
+        ptrs = (ctypes.c_void_p * len(words))(*words)
         fn, r = self.fn, ctypes.c_int64(rows)
         return lambda: fn(ptrs, r)
 
@@ -58,7 +65,7 @@ def compile_cpp(kernels: list[FusedKernel]) -> list[CppKernel]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGTYPES, None
         task_fn = ctypes.cast(getattr(lib, name + "_task"), ctypes.c_void_p).value
-        out.append(CppKernel(fn, task_fn, kernel_label(kernel)))
+        out.append(CppKernel(fn, task_fn, kernel_label(kernel), kernel.D if kernel.runtime_d else None))
     return out
 
 

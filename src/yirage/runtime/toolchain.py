@@ -291,8 +291,18 @@ def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
                          f"entry points, or remove {path.parent} and retry")
 
 
+def builds() -> int:
+    """How many times this process has run the C++ compiler (cache misses and rebuilds)."""
+    return _builds
+
+
+_builds = 0
+
+
 def _build(source: str, path: Path, flags: tuple[str, ...]) -> None:
     """Compile ``source`` and publish the library, then its checksum file (both atomic)."""
+    global _builds
+    _builds += 1
     cxx, _ = find_compiler()
     try:
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:

@@ -67,6 +67,8 @@ class FusedKernel:
     outputs: list[tuple[int, int, DType]] = field(default_factory=list)  # (stmt id, tid, dtype)
     values: dict[int, int] = field(default_factory=dict)  # graph tid -> stmt id
     ops: list = field(default_factory=list)  # the IR OpNodes it covers
+    #: D is a run-time argument of the generated code, not a constant in it (see ``schedule``)
+    runtime_d: bool = False
 
     @property
     def D(self) -> int:
@@ -80,12 +82,13 @@ class FusedKernel:
     def rs_shape(self) -> tuple[int, ...]:
         return (*self.shape[:-self.k], *([1] * self.k))
 
-    def key(self) -> str:
-        """Structural signature: equal keys render to equal code (R excluded)."""
+    def key(self, with_d: bool = True) -> str:
+        """Structural signature: equal keys render to equal code (R excluded; D excluded too
+        when ``with_d`` is False, for a code generator that takes D at run time)."""
         ins = ",".join(f"{i.mode}:{i.dtype.value}" for i in self.inputs)
         st = ";".join(f"{s.kind}{s.id}={s.op}{s.args}{sorted(s.attrs.items())}" for s in self.stmts)
         outs = ",".join(f"{s}:{d.value}" for s, _, d in self.outputs)
-        return f"D={self.D}|{ins}|{st}|{outs}"
+        return f"D={self.D if with_d else '*'}|{ins}|{st}|{outs}"
 
     # ---- building ---------------------------------------------------------------------
     def stmt(self, kind: str, op: str, args=(), **attrs) -> int:
@@ -296,6 +299,11 @@ def schedule(graph) -> list:
 
     Every kernel output that is read by a later step or is a graph output is recorded in
     ``FusedKernel.outputs``; everything else stays in registers/row buffers.
+
+    A graph with ``runtime_row_width = True`` (the torch.compile front end sets it on graphs
+    specialized from symbolic shapes) gets kernels with ``runtime_d``: code generators that
+    can (C++) take the row width D as a run-time argument, so one build serves every
+    sequence length, not only every row count.
     """
     steps: list = []
     kern: FusedKernel | None = None
@@ -320,6 +328,10 @@ def schedule(graph) -> list:
             kind = VEC if graph.tensors[node.output].shape == kern.shape else RS
         _emit(kern, node, graph, kind)
     _mark_outputs(steps, graph)
+    if getattr(graph, "runtime_row_width", False):
+        for step in steps:
+            if isinstance(step, FusedKernel):
+                step.runtime_d = True
     return steps
 
 
