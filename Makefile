@@ -70,3 +70,10 @@ clean:
 FUZZ_MUTANTS ?= 20000
 fuzz: setup-test
 	$(PY) -m tests.fuzz.campaign --mutants $(FUZZ_MUTANTS) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED)) $(FUZZ_ARGS)
+
+# The full load test of `yirage serve` (issue 20): 200 concurrent requests, a quarter abandoned by
+# their clients mid-way, every answer checked against the request run alone, memory flat
+# (tests/serve/test_load.py runs a 60-request version in make test). LOAD_ARGS="--parallel 8" tunes it.
+.PHONY: load-test
+load-test: setup-test
+	PYTHONPATH=src $(PY) tests/serve/loadgen.py --requests 200 $(LOAD_ARGS)
