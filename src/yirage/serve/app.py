@@ -233,7 +233,8 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         ids = _prompt_ids(s.llm, messages, chat=True)
-        return await _respond(s, request, req, ids, req.token_limit(), "chat", ignore_eos=False)
+        fmt = await _response_format(s.llm, req.response_format)
+        return await _respond(s, request, req, ids, req.token_limit(), "chat", ignore_eos=False, response_format=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -278,23 +279,36 @@ def _prompt_ids(llm, prompt, chat: bool) -> list[int]:
         raise BadRequest(str(e), param="messages" if chat else "prompt") from None
 
 
+async def _response_format(llm, response_format):
+    """The request's ``response_format`` compiled for ``llm`` (engines/structured.py; in a worker
+    thread: a large schema takes a while), or None for free text; BadRequest for a schema the
+    grammar library refuses, or when it is not installed."""
+    spec = None if response_format is None else response_format.as_dict()
+    if spec is None:
+        return None
+    try:
+        return await run_in_threadpool(llm.response_format, spec)
+    except YirageError as e:
+        raise BadRequest(str(e), param="response_format") from None
+
+
 def _encode_vector(v, fmt: str):
     if fmt == "base64":   # little-endian float32 bytes, as OpenAI's clients decode them
         return base64.b64encode(v.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
     return v.tolist()
 
 
-def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool) -> GenerationJob:
+def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool, response_format=None) -> GenerationJob:
     kwargs = {"max_new_tokens": limit or s.llm.max_seq_length, "temperature": req.temperature,
               "top_p": req.top_p if req.top_p < 1.0 else None, "seed": req.seed, "stop": req.stops() or None,
-              "ignore_eos": ignore_eos}
+              "ignore_eos": ignore_eos, "response_format": response_format}
     return GenerationJob(ids, kwargs, n=req.n, chat=False)
 
 
 async def _respond(s: _State, request: Request, req, ids: list[int], limit: int | None, kind: str,
-                   ignore_eos: bool):
+                   ignore_eos: bool, response_format=None):
     try:
-        job = s.engine.submit(_job(s, req, ids, limit, ignore_eos))
+        job = s.engine.submit(_job(s, req, ids, limit, ignore_eos, response_format))
     except QueueFull as e:
         raise BadRequest(str(e), 429, kind="rate_limit_error") from None
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
