@@ -77,3 +77,12 @@ fuzz: setup-test
 .PHONY: load-test
 load-test: setup-test
 	PYTHONPATH=src $(PY) tests/serve/loadgen.py --requests 200 $(LOAD_ARGS)
+
+# yirage serve vs llama.cpp's llama-server (benchmarks/serve.py): builds llama-server from
+# llama-cpp-python 0.3.36's vendored llama.cpp first (~10+ minutes on 2 cores, once; into
+# build/llama-server). Opt-in, never part of make test. SERVE_BENCH_ARGS="--slots 8" tunes it.
+.PHONY: bench-serve
+LLAMA_SERVER_DIR ?= build/llama-server
+bench-serve: setup-test
+	benchmarks/build_llama_server.sh $(LLAMA_SERVER_DIR) $(PY)
+	$(PY) benchmarks/serve.py --llama-server $(LLAMA_SERVER_DIR)/llama.cpp/build/bin/llama-server $(SERVE_BENCH_ARGS)
