@@ -7,8 +7,8 @@ What one run does (``run_load``):
    sampling with ``n`` up to 2), whose reference answers (``references``) come from the engine
    called directly and alone (``yr.LLM.generate``). The references are checked to be pairwise
    different, so an answer delivered to the wrong client cannot pass.
-2. ``requests`` client calls from ``concurrency`` threads, in a random order (``seed``): each
-   picks a case and streamed or not. A share ``cancel_fraction`` of them are long generations
+2. ``requests`` client calls from ``concurrency`` threads, in a random order (``seed``): the
+   checked ones take every case streamed, then every case not streamed, then cases at random. A share ``cancel_fraction`` of them are long generations
    (``max_tokens`` ``LONG``) that the client abandons: it closes a stream after 0-3 chunks, or
    gives up waiting for a non-streamed answer. A share ``bad_fraction`` are malformed bodies,
    which must get HTTP 400.
@@ -24,9 +24,10 @@ and after.
 
 The CI test (tests/serve/test_load.py) runs 60 requests; the full run is
 
-    PYTHONPATH=src python tests/serve/loadgen.py --requests 200 [--concurrency 16] [--parallel 4]
+    PYTHONPATH=src python tests/serve/loadgen.py --requests 200 [--concurrency 16] [--parallel 4] [--rounds 3]
 
-(``make load-test``), which prints the report as JSON and exits 1 on a failure.
+(``make load-test``), which prints the report as JSON (with the RSS after each round) and exits 1
+on a failure.
 """
 from __future__ import annotations
 
@@ -312,8 +313,14 @@ def run_load(url: str, model: str, cases: list[Case], refs: dict[str, Expected],
     n_abandon, n_bad = round(cancel_fraction * requests), round(bad_fraction * requests)
     kinds = ["abandon"] * n_abandon + ["bad"] * n_bad + ["checked"] * (requests - n_abandon - n_bad)
     rng.shuffle(kinds)
-    plan = [(i, what, rng.choice(cases), rng.random() < 0.5, random.Random(rng.random()))
-            for i, what in enumerate(kinds)]
+    # every case streamed once, then every case not streamed, then at random (n_checked permitting)
+    checked = [(c, True) for c in cases] + [(c, False) for c in cases]
+    checked += [(rng.choice(cases), rng.random() < 0.5) for _ in range(max(0, kinds.count("checked") - len(checked)))]
+    picks = iter(checked)
+    plan = []
+    for i, what in enumerate(kinds):
+        case, stream = next(picks) if what == "checked" else (rng.choice(cases), rng.random() < 0.5)
+        plan.append((i, what, case, stream, random.Random(rng.random())))
     report = LoadReport(requests=requests)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     before = scrape(url)
@@ -407,6 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cancel", type=float, default=0.25, help="share of requests their clients abandon")
     ap.add_argument("--bad", type=float, default=0.05, help="share of malformed requests")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the load this many times (new seeds), to see whether memory keeps growing")
     ap.add_argument("--rss-tolerance-mb", type=float, default=64.0,
                     help="the most the resident memory may grow between the warm-up and the end")
     ap.add_argument("-o", "--output", help="also write the report JSON here")
@@ -423,14 +432,19 @@ def main(argv=None) -> int:
     with serve_in_thread(app) as url:
         warm = run_load(url, model, cases, refs, requests=max(20, args.requests // 10),
                         concurrency=args.concurrency, cancel_fraction=args.cancel, seed=args.seed + 1)
-        report = run_load(url, model, cases, refs, requests=args.requests, concurrency=args.concurrency,
-                          cancel_fraction=args.cancel, bad_fraction=args.bad, seed=args.seed)
+        reports = [run_load(url, model, cases, refs, requests=args.requests, concurrency=args.concurrency,
+                            cancel_fraction=args.cancel, bad_fraction=args.bad, seed=args.seed + 100 * r)
+                   for r in range(args.rounds)]
+    report = reports[-1]
+    for r in reports[:-1]:
+        report.failures[:0] = r.failures
     grew = report.rss_mb_after - warm.rss_mb_after
     if grew > args.rss_tolerance_mb:
         report.failures.append(f"resident memory grew by {grew:.0f} MiB (warm-up end {warm.rss_mb_after:.0f} MiB, "
                                f"end {report.rss_mb_after:.0f} MiB; tolerance {args.rss_tolerance_mb:g})")
     out = {"report": report.to_dict(), "warmup_failures": warm.failures[:20], "rss_mb_after_warmup":
-           warm.rss_mb_after, "args": vars(args), "machine": machine_record()}
+           warm.rss_mb_after, "rss_mb_after_each_round": [round(r.rss_mb_after, 1) for r in reports],
+           "args": vars(args), "machine": machine_record()}
     text = json.dumps(out, indent=2, default=str)
     print(text)
     if args.output:

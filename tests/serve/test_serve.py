@@ -106,6 +106,13 @@ def test_streamed_chat_gives_the_same_text_then_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # n choices that end in the same step: each streamed choice has its whole text
+    kw = dict(model=LLM_NAME, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=5, n=2)
+    texts = ["", ""]
+    for c in client.chat.completions.create(**kw, stream=True):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in client.chat.completions.create(**kw).choices]
 
 
 @pytest.mark.slow

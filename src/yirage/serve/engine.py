@@ -235,7 +235,10 @@ class BatchingEngine:
         self._jobs[id(job)] = (job, seqs)
 
     def _deliver(self, events) -> None:
+        """Emit the step's text pieces, then the ends of the jobs that finished: every piece of
+        a step goes out before any "done" (choices of one job that finish in the same step)."""
         now = time.perf_counter()
+        ended: dict[int, GenerationJob] = {}
         for ev in events:
             job, i = self._owner.get(ev.seq.id, (None, 0))
             if job is None:
@@ -250,7 +253,9 @@ class BatchingEngine:
                 self._last[ev.seq.id] = now
                 job.emit("piece", i, piece)
             if ev.finish is not None:
-                self._finished(job)
+                ended[id(job)] = job
+        for job in ended.values():
+            self._finished(job)
 
     def _finished(self, job: GenerationJob) -> None:
         """Emit the job's results once every one of its sequences has finished (its error if one
