@@ -110,7 +110,8 @@ class ServerProcess:
         return self.log.read().decode("utf-8", "replace").splitlines()[-lines:]
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM (SIGINT for uvicorn's graceful exit works too), then SIGKILL after ``timeout_s``."""
+        """SIGTERM (SIGINT for uvicorn's graceful exit works too), then SIGKILL after ``timeout_s``;
+        its log stays readable (``tail``) until this object is gone."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -118,7 +119,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self.log.close()
 
 
 def yirage_server(model: str, port: int, threads: int, slots: int, ctx: int) -> ServerProcess:
