@@ -70,3 +70,19 @@ clean:
 FUZZ_MUTANTS ?= 20000
 fuzz: setup-test
 	$(PY) -m tests.fuzz.campaign --mutants $(FUZZ_MUTANTS) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED)) $(FUZZ_ARGS)
+
+# The full load test of `yirage serve` (issue 20): 200 concurrent requests, a quarter abandoned by
+# their clients mid-way, every answer checked against the request run alone, memory flat
+# (tests/serve/test_load.py runs a 60-request version in make test). LOAD_ARGS="--parallel 8" tunes it.
+.PHONY: load-test
+load-test: setup-test
+	PYTHONPATH=src $(PY) tests/serve/loadgen.py --requests 200 $(LOAD_ARGS)
+
+# yirage serve vs llama.cpp's llama-server (benchmarks/serve.py): builds llama-server from
+# llama-cpp-python 0.3.36's vendored llama.cpp first (~10+ minutes on 2 cores, once; into
+# build/llama-server). Opt-in, never part of make test. SERVE_BENCH_ARGS="--slots 8" tunes it.
+.PHONY: bench-serve
+LLAMA_SERVER_DIR ?= build/llama-server
+bench-serve: setup-test
+	benchmarks/build_llama_server.sh $(LLAMA_SERVER_DIR) $(PY)
+	$(PY) benchmarks/serve.py --llama-server $(LLAMA_SERVER_DIR)/llama.cpp/build/bin/llama-server $(SERVE_BENCH_ARGS)

@@ -3,6 +3,7 @@ httpx for malformed requests). Every answer is checked against the engines calle
 (``yr.LLM.generate``, ``yr.EmbeddingModel.encode``)."""
 import concurrent.futures
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -105,6 +106,13 @@ def test_streamed_chat_gives_the_same_text_then_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # n choices that end in the same step: each streamed choice has its whole text
+    kw = dict(model=LLM_NAME, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=5, n=2)
+    texts = ["", ""]
+    for c in client.chat.completions.create(**kw, stream=True):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in client.chat.completions.create(**kw).choices]
 
 
 @pytest.mark.slow
@@ -151,6 +159,51 @@ def test_concurrent_requests_get_their_own_answers(client, smollm):
         assert engine.engine.steps - steps_before < 8 * 10 / 2
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colours"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},
+                         "colours": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}}}
+ANN = [{"role": "user", "content": "Describe a person named Ann, 31, who likes blue and green, as JSON."}]
+
+
+def check_json(text: str, schema: dict | None):
+    """``text`` parsed as JSON and validated against ``schema`` (jsonschema when installed,
+    else PERSON's keys and types); raises otherwise."""
+    value = json.loads(text)
+    assert isinstance(value, dict)
+    if schema is not None:
+        try:
+            import jsonschema
+        except ImportError:
+            assert set(value) == set(schema["required"]) and isinstance(value["age"], int)
+        else:
+            jsonschema.validate(value, schema)
+    return value
+
+
+@pytest.mark.slow
+def test_response_format_json_object_and_json_schema(client, smollm):
+    pytest.importorskip("llguidance")
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=LLM_NAME, messages=ANN, max_tokens=80, temperature=0,
+                                       response_format=schema_format)
+    assert r.choices[0].finish_reason == "stop"
+    person = check_json(r.choices[0].message.content, PERSON)
+    assert person["name"] == "Ann" and person["age"] == 31
+    ref = smollm.generate(ANN, max_new_tokens=80, response_format=schema_format)   # the engine alone
+    assert r.choices[0].message.content == ref.text
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=LLM_NAME, messages=ANN, max_tokens=80, temperature=0, response_format=schema_format, stream=True))
+    assert streamed == ref.text
+    sampled = client.chat.completions.create(model=LLM_NAME, messages=ANN, max_tokens=80, temperature=1.0, seed=3,
+                                             n=2, response_format=schema_format)
+    for choice in sampled.choices:
+        check_json(choice.message.content, PERSON)
+    obj = client.chat.completions.create(model=LLM_NAME, max_tokens=60, temperature=0,
+                                         messages=[{"role": "user", "content": "Give three fruits and their colours."}],
+                                         response_format={"type": "json_object"})
+    check_json(obj.choices[0].message.content, None)
+
+
 BAD = [  # (body, status, words in the message)
     ('{"model": "smollm2-135m-instruct", "messages": [', 400, "not valid JSON"),
     ({"model": LLM_NAME, "messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
@@ -158,7 +211,16 @@ BAD = [  # (body, status, words in the message)
     ({"model": LLM_NAME, "messages": []}, 400, "messages"),
     ({"model": LLM_NAME, "messages": MESSAGES, "temperature": 3}, 400, "temperature"),
     ({"model": LLM_NAME, "messages": MESSAGES, "bogus": 1}, 400, "unknown field"),
-    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "json_object"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, 400, "Invalid type: bogus"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, 400, "does not exist"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400, "needs a 'json_schema'"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, 400, "response_format.json_schema.name"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": "not a schema"}}}, 400, "response_format.json_schema.schema"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ({"model": LLM_NAME, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
     ({"model": LLM_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages"),

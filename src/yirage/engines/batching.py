@@ -57,8 +57,10 @@ class Sequence:
         prompt_ids: the prompt's token ids.
         token_ids: the generated token ids so far (EOS excluded, as ``GenerationResult``).
         text: their text so far (special tokens skipped, cut at a stop string).
-        finish_reason: None while running; then 'stop' (EOS or a stop string), 'length'
-            (max_new_tokens or the KV cache end) or 'cancelled'.
+        finish_reason: None while running; then 'stop' (EOS or a stop string, or the end of
+            the JSON its response format asked for), 'length' (max_new_tokens or the KV cache
+            end), 'cancelled', or 'error' (its grammar constraint failed: ``error`` says why).
+        error: the message of an 'error' finish, else None.
         slot: its KV-cache slot while it runs, else None.
         computed: how many of its tokens the KV cache holds (prompt + fed generated tokens).
     """
@@ -76,6 +78,7 @@ class Sequence:
         self.slot: int | None = None
         self.computed = 0
         self.cancelled = False
+        self.error: str | None = None
         self._emitted = 0
         self._t_add = time.perf_counter()
         self._t_first: float | None = None
@@ -170,13 +173,14 @@ class BatchEngine:
         Args:
             prompt_ids: non-empty list of token ids, each in [0, vocab), fewer than the LLM's
                 max_seq_length.
-            sampling: the sequence's sampler, ``make_sampling(temperature, top_k, top_p, seed)``
-                (its own seeded generator: repeatable); None for greedy.
+            sampling: the sequence's sampler, ``make_sampling(temperature, top_k, top_p, seed,
+                constraint)`` (its own seeded generator: repeatable; its own grammar constraint
+                for a JSON response format); None for greedy.
             max_new_tokens: positive integer; also capped by the KV cache's end.
             stops: strings that end the sequence (not included in its text).
             ignore_eos: keep going past EOS tokens.
         Returns the Sequence handle. Raises GenerationError for a bad prompt, max_new_tokens or
-        stops.
+        stops, or ignore_eos with a grammar constraint.
         """
         vocab = self.llm.config.vocab_size
         if (isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, abc.Sequence)
@@ -188,6 +192,9 @@ class BatchEngine:
                                   f"{self.llm.max_seq_length}")
         if stops is not None and (isinstance(stops, str) or not all(isinstance(x, str) for x in stops)):
             raise GenerationError(f"stops must be a list of strings or None, got {stops!r}")
+        if ignore_eos and sampling is not None and sampling.constraint is not None:
+            raise GenerationError("ignore_eos cannot be combined with a grammar constraint: the JSON ends the "
+                                  "sequence")
         seq = Sequence([int(t) for t in prompt_ids], _positive_int("max_new_tokens", max_new_tokens),
                        sampling or make_sampling(), list(stops or []), bool(ignore_eos))
         with self._lock:
@@ -228,7 +235,13 @@ class BatchEngine:
             return events
         logits, argmax = self._forward(rows, len(samplers))
         for i, seq in enumerate(samplers):
-            tok = seq.sampling.pick(logits[i:i + 1], argmax[i:i + 1])
+            try:
+                tok = seq.sampling.pick(logits[i:i + 1], argmax[i:i + 1])
+            except GenerationError as e:   # its grammar failed: this sequence ends, the others go on
+                seq.error = str(e)
+                self._finish(seq, "error")
+                events.append(StepEvent(seq, None, "error"))
+                continue
             events.append(self._accept(seq, tok))
         self.steps += 1
         return events

@@ -63,10 +63,15 @@ GREEDY_CHUNK = 16
 
 @dataclass
 class _Sampling:
+    """The sampler of one sequence: temperature (0: greedy), top-k, top-p, its generator, and
+    an optional grammar ``constraint`` (engines/structured.py ``TokenConstraint``) that masks the
+    logits before every pick and advances with the token picked."""
+
     temperature: float
     top_k: int | None
     top_p: float | None
     generator: torch.Generator | None = field(default=None)
+    constraint: object | None = field(default=None)
 
     def filtered(self, logits: torch.Tensor) -> torch.Tensor:
         """Scores [vocab] after temperature, top-k and top-p (-inf where filtered out);
@@ -83,22 +88,35 @@ class _Sampling:
         return scores
 
     def pick(self, logits: torch.Tensor, argmax: torch.Tensor) -> int:
+        """The next token id from ``logits`` [1, vocab] (``argmax`` [1] their argmax, used by
+        greedy decoding without a constraint). With a constraint, the tokens it forbids are
+        masked out first (greedy: the best allowed token) and the constraint advances by the
+        token picked. GenerationError when the constraint fails."""
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+            argmax = logits.argmax(dim=-1)
         if self.temperature == 0.0:
-            return int(argmax[0])
-        probs = torch.softmax(self.filtered(logits), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+            tok = int(argmax[0])
+        else:
+            probs = torch.softmax(self.filtered(logits), dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=self.generator)[0])
+        if self.constraint is not None:
+            self.constraint.accept(tok)
+        return tok
 
 
 def make_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                  seed: int | None = None) -> _Sampling:
+                  seed: int | None = None, constraint=None) -> _Sampling:
     """The sampler of one sequence, as ``LLM.generate`` makes it (for ``BatchEngine.add``):
-    temperature (0, or below 1e-30: greedy), top-k, top-p, and a CPU ``torch.Generator``
-    seeded with ``seed`` (None: torch's default generator). Raises GenerationError for values
-    ``check_generation_args`` rejects."""
+    temperature (0, or below 1e-30: greedy), top-k, top-p, a CPU ``torch.Generator``
+    seeded with ``seed`` (None: torch's default generator) and an optional grammar
+    ``constraint`` (``ResponseFormat.constraint()``; one per sequence: it holds the sequence's
+    grammar state). Raises GenerationError for values ``check_generation_args`` rejects."""
     check_generation_args(1, temperature, top_k, top_p, seed)
     gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
     return _Sampling(float(temperature) if temperature >= _GREEDY_BELOW else 0.0,
-                     int(top_k) if top_k is not None else None, float(top_p) if top_p is not None else None, gen)
+                     int(top_k) if top_k is not None else None, float(top_p) if top_p is not None else None, gen,
+                     constraint)
 
 
 def _activation_dtype(dtype, backend) -> DType:
@@ -362,7 +380,7 @@ class LLM:
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: "str | Sequence[str] | None" = None, stream: bool = False, chat: bool = True,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, response_format=None):
         """Generate a continuation of ``prompt``.
 
         Args:
@@ -386,13 +404,22 @@ class LLM:
             chat: apply the chat template to a string prompt.
             ignore_eos: keep generating past end-of-sequence tokens (benchmarks): only
                 ``max_new_tokens`` and ``stop`` end the generation.
+            response_format: constrain the text to JSON, as OpenAI's API does (llguidance's
+                grammars; ``pip install 'yirage[structured]'``): ``{'type': 'json_object'}`` for
+                any JSON object, ``{'type': 'json_schema', 'json_schema': {'name': ...,
+                'schema': {...}}}`` for JSON valid against the schema, None or
+                ``{'type': 'text'}`` for free text. Every token is picked (greedy or sampled)
+                among those the grammar allows; the generation ends ('stop') when the JSON is
+                complete, or is cut by ``max_new_tokens`` ('length': then not valid JSON).
+                Not with ``ignore_eos``.
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True; a list of
             GenerationResult for a batch.
         Raises: GenerationError for bad arguments (see ``check_generation_args``), a prompt
             that is not text, is empty or does not fit in max_seq_length, a chat template
-            that fails to render (see ``encode_prompt``), ``stream`` with a batch, or a second
-            generation started in a thread whose earlier stream on this LLM is still open.
+            that fails to render (see ``encode_prompt``), ``stream`` with a batch, a second
+            generation started in a thread whose earlier stream on this LLM is still open, or
+            a bad ``response_format`` (see ``engines.structured.compile_response_format``).
 
         Safe to call from several threads: each call gets the answer it would get alone.
         Generations run one at a time (a call waits for the one before to finish; a stream
@@ -403,9 +430,13 @@ class LLM:
                 isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)):
             raise GenerationError(f"stop must be a string, a list of strings or None, got {stop!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        fmt = self.response_format(response_format)
+        if fmt is not None and ignore_eos:
+            raise GenerationError("ignore_eos cannot be combined with a JSON response_format: the JSON ends the "
+                                  "generation")
 
         def sampling() -> _Sampling:
-            return make_sampling(temperature, top_k, top_p, seed)
+            return make_sampling(temperature, top_k, top_p, seed, None if fmt is None else fmt.constraint())
 
         if is_batch(prompt):
             if stream:
@@ -421,6 +452,15 @@ class LLM:
             pass
         return stream_obj.result
 
+
+    def response_format(self, response_format):
+        """``response_format`` (OpenAI's dict, see ``generate``) checked and compiled for this
+        model: an ``engines.structured.ResponseFormat`` (whose ``constraint()`` is what
+        ``make_sampling`` takes), or None for free text. Compile once, then pass the result to
+        ``generate`` as its ``response_format`` to skip the check. GenerationError for a bad
+        format or schema, or without llguidance."""
+        from .structured import compile_response_format
+        return compile_response_format(self, response_format)
 
     def batch_engine(self):
         """This LLM's continuous-batching engine (``engines.batching.BatchEngine`` with
@@ -446,6 +486,9 @@ class LLM:
                     for s in seqs:
                         engine.cancel(s)
                     engine.step()   # only cancelled sequences left: it drops them, runs nothing
+            failed = next((s for s in seqs if s.finish_reason == "error"), None)
+            if failed is not None:
+                raise GenerationError(failed.error)
             return [s.result() for s in seqs]
 
 
@@ -514,7 +557,7 @@ class GenerationStream:
         prefill_s, t_first = 0.0, t0
         # Greedy decode on the persistent kernel runs GREEDY_CHUNK steps per call (the
         # decode loop inside the scheduler); the tokens are then streamed one by one.
-        chunked = self.sampling.temperature == 0 and llm.steps.persistent
+        chunked = self.sampling.temperature == 0 and llm.steps.persistent and self.sampling.constraint is None
         pending: collections.deque[int] = collections.deque()
         chunked = chunked and not self.ignore_eos   # the greedy loop stops at EOS by itself
         while len(out) < budget:

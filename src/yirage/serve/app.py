@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hmac
 import json
 import threading
 import time
@@ -92,6 +93,25 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
                         status_code=status)
 
 
+class _ApiKey:
+    """ASGI middleware: a request to ``/v1/...`` without ``Authorization: Bearer <key>`` gets 401.
+    (Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would copy every streamed chunk
+    through a memory stream and hide the client's disconnect behind its own receive.)"""
+
+    def __init__(self, app, key: str, metrics: Metrics):
+        self.app, self.expected, self.metrics = app, f"Bearer {key}".encode(), metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(auth, self.expected):
+                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                  kind="authentication_error", metrics=self.metrics)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(options: ServeOptions, llm=None, embedder=None,
                load: Callable[[ServeOptions], tuple[Any, Any]] | None = None,
                on_load_error: Callable[[str], None] | None = None) -> FastAPI:
@@ -153,14 +173,13 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
     async def _invalid(request: Request, e: RequestValidationError):
         return _error(400, str(e), metrics=state.metrics)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = options.api_key
-        if key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {key}":
-                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                              kind="authentication_error", metrics=state.metrics)
-        return await call_next(request)
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):
+        state.metrics.errors.labels(status="499").inc()
+        return Response(status_code=499)   # nginx's "client closed request": nobody reads it
+
+    if options.api_key:
+        app.add_middleware(_ApiKey, key=options.api_key, metrics=state.metrics)
 
     def ready() -> _State:
         if state.load_error is not None:
@@ -214,7 +233,8 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         ids = _prompt_ids(s.llm, messages, chat=True)
-        return await _respond(s, req, ids, req.token_limit(), "chat", ignore_eos=False)
+        fmt = await _response_format(s.llm, req.response_format)
+        return await _respond(s, request, req, ids, req.token_limit(), "chat", ignore_eos=False, response_format=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -222,7 +242,7 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
         req = parse(CompletionRequest, await body(request))
         check_model(req.model, "llm")
         ids = _prompt_ids(s.llm, req.single_prompt(), chat=False)
-        return await _respond(s, req, ids, req.max_tokens, "text", ignore_eos=req.ignore_eos)
+        return await _respond(s, request, req, ids, req.max_tokens, "text", ignore_eos=req.ignore_eos)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -259,39 +279,47 @@ def _prompt_ids(llm, prompt, chat: bool) -> list[int]:
         raise BadRequest(str(e), param="messages" if chat else "prompt") from None
 
 
+async def _response_format(llm, response_format):
+    """The request's ``response_format`` compiled for ``llm`` (engines/structured.py; in a worker
+    thread: a large schema takes a while), or None for free text; BadRequest for a schema the
+    grammar library refuses, or when it is not installed."""
+    spec = None if response_format is None else response_format.as_dict()
+    if spec is None:
+        return None
+    try:
+        return await run_in_threadpool(llm.response_format, spec)
+    except YirageError as e:
+        raise BadRequest(str(e), param="response_format") from None
+
+
 def _encode_vector(v, fmt: str):
     if fmt == "base64":   # little-endian float32 bytes, as OpenAI's clients decode them
         return base64.b64encode(v.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
     return v.tolist()
 
 
-def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool) -> GenerationJob:
+def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool, response_format=None) -> GenerationJob:
     kwargs = {"max_new_tokens": limit or s.llm.max_seq_length, "temperature": req.temperature,
               "top_p": req.top_p if req.top_p < 1.0 else None, "seed": req.seed, "stop": req.stops() or None,
-              "ignore_eos": ignore_eos}
+              "ignore_eos": ignore_eos, "response_format": response_format}
     return GenerationJob(ids, kwargs, n=req.n, chat=False)
 
 
-async def _respond(s: _State, req, ids: list[int], limit: int | None, kind: str, ignore_eos: bool):
+async def _respond(s: _State, request: Request, req, ids: list[int], limit: int | None, kind: str,
+                   ignore_eos: bool, response_format=None):
     try:
-        job = s.engine.submit(_job(s, req, ids, limit, ignore_eos))
+        job = s.engine.submit(_job(s, req, ids, limit, ignore_eos, response_format))
     except QueueFull as e:
         raise BadRequest(str(e), 429, kind="rate_limit_error") from None
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     meta = {"id": rid, "created": int(time.time()), "model": req.model}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(s, job, meta, kind, len(ids), include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _JobStream(job, _sse(s, job, meta, kind, len(ids), include_usage))
     try:
-        results = await asyncio.wait_for(_results(job), timeout=s.options.timeout_s)
-    except asyncio.TimeoutError:
+        results = await _results_unless_gone(job, request, s.options.timeout_s)
+    finally:   # answered, failed, timed out, or the client went away: the job ends here
         job.cancelled.set()
-        raise BadRequest(f"the request did not finish within {s.options.timeout_s:g} s (--timeout)", 504,
-                         kind="timeout") from None
-    except asyncio.CancelledError:
-        job.cancelled.set()
-        raise
     completion = sum(len(r.token_ids) for r in results)
     if kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
@@ -304,6 +332,50 @@ async def _respond(s: _State, req, ids: list[int], limit: int | None, kind: str,
     return {**meta, "object": obj, "choices": choices,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                       "total_tokens": len(ids) + completion}}
+
+
+class _JobStream(StreamingResponse):
+    """The SSE response of a streamed job: however it ends (finished, the client went away, the
+    server shuts down), the job is cancelled, so that its sequence stops and frees its slot at
+    once, not when the garbage collector finalizes the event generator."""
+
+    def __init__(self, job: GenerationJob, events: AsyncIterator[bytes]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled.set()
+
+
+async def _results_unless_gone(job: GenerationJob, request: Request, timeout_s: float) -> list:
+    """The job's results (``_results``), watching the connection meanwhile: BadRequest 504 after
+    ``timeout_s``; ``ClientGone`` (no answer is sent) when the client disconnects first."""
+    results = asyncio.ensure_future(_results(job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({results, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (results, gone):
+            t.cancel()
+    if results in done:
+        return results.result()
+    if gone in done:
+        raise ClientGone()
+    raise BadRequest(f"the request did not finish within {timeout_s:g} s (--timeout)", 504, kind="timeout")
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: the next ASGI message of a
+    request is ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready: nothing is sent."""
 
 
 async def _results(job: GenerationJob) -> list:

@@ -213,22 +213,32 @@ class BatchingEngine:
                 job.emit("error", str(e))
 
     def _add(self, job: GenerationJob) -> None:
+        """The job's ``n`` sequences into the batch engine, all or none (YirageError: none)."""
         from ..engines.generate import make_sampling
 
         kw = job.kwargs
+        seed, fmt = kw.get("seed"), kw.get("response_format")
+        samplings = [make_sampling(kw.get("temperature", 0.0), kw.get("top_k"), kw.get("top_p"),
+                                   None if seed is None else (seed + i) % 2**64,
+                                   None if fmt is None else fmt.constraint()) for i in range(job.n)]
         seqs = []
-        for i in range(job.n):
-            seed = kw.get("seed")
-            sampling = make_sampling(kw.get("temperature", 0.0), kw.get("top_k"), kw.get("top_p"),
-                                     None if seed is None else (seed + i) % 2**64)
-            seq = self.engine.add(job.prompt, sampling=sampling, max_new_tokens=kw["max_new_tokens"],
-                                  stops=kw.get("stop"), ignore_eos=kw.get("ignore_eos", False))
-            seqs.append(seq)
+        try:
+            for sampling in samplings:
+                seqs.append(self.engine.add(job.prompt, sampling=sampling, max_new_tokens=kw["max_new_tokens"],
+                                            stops=kw.get("stop"), ignore_eos=kw.get("ignore_eos", False)))
+        except YirageError:
+            for seq in seqs:   # dropped unseen at the next step
+                self.engine.cancel(seq)
+            raise
+        for i, seq in enumerate(seqs):
             self._owner[seq.id] = (job, i)
         self._jobs[id(job)] = (job, seqs)
 
     def _deliver(self, events) -> None:
+        """Emit the step's text pieces, then the ends of the jobs that finished: every piece of
+        a step goes out before any "done" (choices of one job that finish in the same step)."""
         now = time.perf_counter()
+        ended: dict[int, GenerationJob] = {}
         for ev in events:
             job, i = self._owner.get(ev.seq.id, (None, 0))
             if job is None:
@@ -243,11 +253,18 @@ class BatchingEngine:
                 self._last[ev.seq.id] = now
                 job.emit("piece", i, piece)
             if ev.finish is not None:
-                self._finished(job)
+                ended[id(job)] = job
+        for job in ended.values():
+            self._finished(job)
 
     def _finished(self, job: GenerationJob) -> None:
-        """Emit the job's results once every one of its sequences has finished."""
+        """Emit the job's results once every one of its sequences has finished (its error if one
+        of them failed: the others are then cancelled)."""
         _, seqs = self._jobs.get(id(job), (None, []))
+        failed = next((s for s in seqs if s.finish_reason == "error"), None)
+        if failed is not None:
+            for s in seqs:
+                self.engine.cancel(s)
         if not seqs or not all(s.finished for s in seqs):
             return
         results = [s.result() for s in seqs]
@@ -259,7 +276,10 @@ class BatchingEngine:
             self.metrics.finished.labels(finish_reason=r.finish_reason).inc()
             self.metrics.request_seconds.observe(time.perf_counter() - job.submitted)
         del self._jobs[id(job)]
-        job.emit("done", [r for r in results if r.finish_reason != "cancelled"])
+        if failed is not None:
+            job.emit("error", failed.error)
+        else:
+            job.emit("done", [r for r in results if r.finish_reason != "cancelled"])
 
     def _fail_running(self, error: Exception) -> None:
         """A step failed (a bug or an out-of-range index): its requests get the error, their

@@ -3,7 +3,7 @@ checks that turn a bad body into one clear message (``BadRequest``, answered wit
 
 The fields follow OpenAI's API reference (``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``). A field the API defines but yirage does not implement is refused when it
-asks for something (``logprobs: true``, a non-zero penalty, tools, a JSON ``response_format``);
+asks for something (``logprobs: true``, a non-zero penalty, tools);
 a field the API does not define is refused by name. Nothing is silently ignored.
 
 This module must never touch an engine: it only parses and checks.
@@ -61,9 +61,40 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: ``name`` (1-64 letters, digits, '_' or '-'), an optional
+    ``description``, the JSON Schema ``schema`` and ``strict`` (accepted; the output always
+    follows the schema)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
+    """``response_format``: 'text', 'json_object' (any JSON object) or 'json_schema' (JSON valid
+    against ``json_schema.schema``), constrained by a grammar (engines/structured.py)."""
+
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict | None:
+        """The format as ``yr.LLM.generate``'s ``response_format`` (None for 'text'); BadRequest
+        when 'json_schema' comes without its ``json_schema`` or another type with one."""
+        if self.type == "json_schema" and self.json_schema is None:
+            raise BadRequest("response_format 'json_schema' needs a 'json_schema' object with 'name' and 'schema'",
+                             param="response_format.json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise BadRequest(f"response_format '{self.type}' takes no 'json_schema' (use type 'json_schema')",
+                             param="response_format.json_schema")
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"name": self.json_schema.name,
+                                                       "schema": self.json_schema.schema_}}
 
 
 class _Sampling(_Strict):
@@ -124,10 +155,8 @@ class ChatCompletionRequest(_Sampling):
             raise BadRequest("tool calls are not supported by yirage serve: leave 'tools' out", param="tools")
         if self.top_logprobs:
             raise BadRequest("'top_logprobs' is not supported by yirage serve", param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadRequest(f"response_format '{self.response_format.type}' (grammar-constrained JSON) is not "
-                             "supported by yirage serve yet: ask for JSON in the prompt instead",
-                             param="response_format")
+        if self.response_format is not None:
+            self.response_format.as_dict()
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise BadRequest("'max_tokens' and 'max_completion_tokens' differ: give one", param="max_tokens")
