@@ -438,7 +438,7 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
               help="Read the API key from this file's first line.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
-              help="Generation requests that may wait for the engine; more get HTTP 429.")
+              help="Generation requests that may wait for the engine; more get HTTP 503 with Retry-After.")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds a request may take, waiting included; then HTTP 504.")
 def serve(model, embedding_model, host, port, backend, parallel, ctx_size, api_key, api_key_file, max_queue,

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 import yirage as yr
 from yirage.dynamo.compiler import YirageBackend
-from yirage.errors import YirageFallbackWarning
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 

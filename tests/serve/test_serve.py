@@ -294,8 +294,9 @@ def test_api_key_loading_and_queue_limit(smollm):
             time.sleep(0.5)                                   # the first runs, the second waits
             second = pool.submit(good.completions.create, **long)
             time.sleep(0.3)
-            with pytest.raises(openai.RateLimitError, match="--max-queue"):
+            with pytest.raises(openai.APIStatusError, match="--max-queue") as refused:
                 good.completions.create(**long)
+            assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
             assert first.result().usage.completion_tokens == 300
             assert second.result().usage.completion_tokens == 300
 

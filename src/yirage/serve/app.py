@@ -14,7 +14,8 @@ Endpoints (OpenAI's API reference; vLLM's and llama-server's extensions where na
 
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with a
 4xx status for what the client can fix (malformed JSON, a bad or unsupported field, an unknown
-model: 400/404; no or a wrong API key: 401; too many waiting requests: 429) and 503 while
+model: 400/404; no or a wrong API key: 401), 503 with ``Retry-After`` when ``max_queue``
+requests already wait, and 503 while
 loading; a request that runs past ``timeout_s`` gets 504. Generations run on one engine thread
 (``engine.py``): continuous batching of up to ``parallel`` sequences, or one at a time with
 ``parallel=1``; embeddings run in the server's thread pool (the model is thread-safe).
@@ -45,6 +46,10 @@ from ..errors import YirageError
 from .engine import BatchingEngine, GenerationJob, LLMEngine, QueueFull
 from .metrics import Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
+
+
+#: seconds a client refused for a full queue is asked to wait (``Retry-After``)
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -86,11 +91,11 @@ class _State:
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           metrics: Metrics | None = None) -> JSONResponse:
+           metrics: Metrics | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.errors.labels(status=str(status)).inc()
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 class _ApiKey:
@@ -160,7 +165,7 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
     # ---- errors: always an OpenAI-style body ------------------------------------------------
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, e: BadRequest):
-        return _error(e.status, e.message, e.param, e.kind, state.metrics)
+        return _error(e.status, e.message, e.param, e.kind, state.metrics, e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
@@ -310,7 +315,8 @@ async def _respond(s: _State, request: Request, req, ids: list[int], limit: int 
     try:
         job = s.engine.submit(_job(s, req, ids, limit, ignore_eos, response_format))
     except QueueFull as e:
-        raise BadRequest(str(e), 429, kind="rate_limit_error") from None
+        raise BadRequest(str(e), 503, kind="service_unavailable",
+                         headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     meta = {"id": rid, "created": int(time.time()), "model": req.model}
     if req.stream:

@@ -31,7 +31,7 @@ from .metrics import Metrics
 
 
 class QueueFull(YirageError):
-    """More requests are waiting than ``max_queue`` allows (HTTP 429)."""
+    """More requests are waiting than ``max_queue`` allows (HTTP 503 with ``Retry-After``)."""
 
 
 @dataclass

@@ -21,12 +21,14 @@ MAX_N = 8
 
 
 class BadRequest(Exception):
-    """A request the server refuses with HTTP ``status`` and an OpenAI-style error body."""
+    """A request the server refuses with HTTP ``status`` and an OpenAI-style error body
+    (``headers``: extra response headers, such as ``Retry-After``)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.kind = message, status, param, kind
+        self.headers = headers
 
 
 class _Strict(BaseModel):
