@@ -2,7 +2,9 @@
 httpx for malformed requests). Every answer is checked against the engines called directly
 (``yr.LLM.generate``, ``yr.EmbeddingModel.encode``)."""
 import concurrent.futures
+import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -18,12 +20,27 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from yirage.serve import ServeOptions, create_app  # noqa: E402
 
-import loadgen  # noqa: E402  (tests/serve is on sys.path, as test_load.py imports it)
-
 LLM_NAME, EMB_NAME = "smollm2-135m-instruct", "all-minilm-l6-v2"
 
 
-running = loadgen.serve_in_thread   # uvicorn on a free local port, in a thread
+@contextlib.contextmanager
+def running(app):
+    """Serve ``app`` on a free local port in a thread; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import DType
-from ..runtime.toolchain import kernel_source, load_bound
+from ..runtime.toolchain import kernel_source, load_library
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -41,7 +41,11 @@ def library() -> ctypes.CDLL:
     """conv.cpp, built on first use (cached on disk), with signatures set.
 
     Raises ToolchainError: no C++ compiler, or it rejected the source."""
-    return load_bound(kernel_source("conv.cpp"), SIGNATURES)
+    lib = load_library(kernel_source("conv.cpp"), symbols=tuple(SIGNATURES))
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes = list(argtypes)
+        getattr(lib, name).restype = None
+    return lib
 
 
 def _typed(node, graph) -> bool:

@@ -15,7 +15,7 @@ import functools
 from typing import Callable
 
 from ..dtypes import DType
-from ..runtime.toolchain import kernel_source, load_bound
+from ..runtime.toolchain import kernel_source, load_library
 from .strided_views import copies, mid_view, reduced_dims
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -40,7 +40,11 @@ def library() -> ctypes.CDLL:
     """strided.cpp, built on first use (cached on disk), with signatures set.
 
     Raises ToolchainError: no C++ compiler, or it rejected the source."""
-    return load_bound(kernel_source("strided.cpp"), SIGNATURES)
+    lib = load_library(kernel_source("strided.cpp"), symbols=tuple(SIGNATURES))
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes = list(argtypes)
+        getattr(lib, name).restype = None
+    return lib
 
 
 def supports(node, graph) -> bool:

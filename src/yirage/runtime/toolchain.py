@@ -250,18 +250,6 @@ def build_library(source: str, flags: Sequence[str] = CXXFLAGS) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def load_bound(source: str, signatures: dict[str, tuple]) -> ctypes.CDLL:
-    """``load_library(source)`` with every entry point of ``signatures`` ({name: ctypes
-    argtypes}) looked up and given its argtypes (restype None: every yirage entry returns
-    nothing). Raises as ``load_library``."""
-    lib = load_library(source, symbols=tuple(signatures))
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes = list(argtypes)
-        fn.restype = None
-    return lib
-
-
 def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
                  symbols: Sequence[str] = ()) -> ctypes.CDLL:
     """Build ``source`` (unless a verified entry is cached) and load it.

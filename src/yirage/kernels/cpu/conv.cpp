@@ -7,7 +7,7 @@
 // floor(i*H/o) .. ceil((i+1)*H/o)). Sizes come from the graph's static shapes; each entry still
 // returns without touching memory when they are inconsistent (a non-positive size, an output
 // that does not match the window formula). Work is split over the N*C planes with OpenMP.
-#include "elements.h"
+#include "yirage_prelude.h"
 
 #include <omp.h>
 
@@ -15,8 +15,15 @@
 
 namespace {
 
-using yr_elements::load;
-using yr_elements::store;
+template <typename T> inline float load(const T* p, int64_t i);
+template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float load<_Float16>(const _Float16* p, int64_t i) { return (float)p[i]; }
+template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return yr_bf16_to_f32(p[i]); }
+
+template <typename T> inline void store(T* p, int64_t i, float v);
+template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void store<_Float16>(_Float16* p, int64_t i, float v) { p[i] = (_Float16)v; }
+template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = yr_f32_to_bf16(v); }
 
 // Calls fn.template operator()<T>() with the element type of `code`; false for an unknown code.
 template <typename F> bool dispatch(int64_t code, F fn) {

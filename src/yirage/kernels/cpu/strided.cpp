@@ -6,7 +6,7 @@
 // float32 and stores in that type. No entry reads an index from memory, so none needs a status.
 // Work is split over (outer, a chunk of inner) pairs with OpenMP; each pair walks n with the
 // inner chunk as the contiguous (vectorized) axis, accumulating in a float32 row buffer.
-#include "elements.h"
+#include "yirage_prelude.h"
 
 #include <omp.h>
 
@@ -14,8 +14,15 @@ namespace {
 
 constexpr int64_t CHUNK = 256;  // inner elements per work item: one float32 buffer of 1 KiB
 
-using yr_elements::load;
-using yr_elements::store;
+template <typename T> inline float load(const T* p, int64_t i);
+template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float load<_Float16>(const _Float16* p, int64_t i) { return (float)p[i]; }
+template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return yr_bf16_to_f32(p[i]); }
+
+template <typename T> inline void store(T* p, int64_t i, float v);
+template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void store<_Float16>(_Float16* p, int64_t i, float v) { p[i] = (_Float16)v; }
+template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = yr_f32_to_bf16(v); }
 
 enum Reduce { SUM = 0, MEAN = 1, AMAX = 2, AMIN = 3, VAR = 4 };
 
