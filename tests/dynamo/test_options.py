@@ -92,10 +92,10 @@ def test_bad_options_name_the_valid_ones(mode, options, message):
 
 def test_parse_options_defaults():
     o = parse_options("default", {"torch_executed_ops": [aten.gelu.default, "torch.ops.aten.relu"]})
-    assert o.mode is None and o.fallback == "eager" and o.min_block_size == 2 and not o.verify
+    assert o.mode is None and o.fallback == "eager" and o.min_block_size == 2 and not o.verify and o.freeze
     assert o.torch_executed_ops == {"aten.gelu.default", "aten.relu"}
     assert set(VALID_KEYS) == {"backend", "dtype", "min_block_size", "torch_executed_ops", "fallback",
-                               "verify", "cache_dir", "time_budget_s"}
+                               "verify", "cache_dir", "time_budget_s", "freeze"}
 
 
 def test_fallback_eager_warns_once_and_matches(monkeypatch):

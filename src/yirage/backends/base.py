@@ -285,6 +285,12 @@ class BackendImpl(ABC):
         status slot."""
         return None
 
+    def declare_constant(self, tensors: list[torch.Tensor]) -> None:
+        """Declare ``tensors`` (a model's parameters and buffers, on ``torch_device``) constant
+        weights: kernels may then keep them in their own layout (a packed copy, made once and
+        remade when a tensor's version or storage changes, so writes stay visible). The
+        default does nothing (kernels read the tensors as they are)."""
+
     def capture(self, run: Thunk) -> Thunk:
         """A thunk that replays the device work of ``run`` (a plan's launches) with less
         launch overhead; the default returns ``run`` itself.

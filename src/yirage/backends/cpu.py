@@ -13,7 +13,7 @@ import platform
 
 import torch
 
-from yirage.backends import cpu_library
+from yirage.backends import cpu_embed, cpu_library
 from yirage.backends.base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from yirage.runtime.cpp_kernels import compile_cpp
 from yirage.runtime.machine import (  # noqa: F401  (re-exported: the CPU's identity lives in runtime)
@@ -73,6 +73,13 @@ class CPUBackend(BackendImpl):
     def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
         """The C++ library kernel (or torch BLAS for float matmuls) for ``node``."""
         return cpu_library.OPS[node.op][1](node, graph, args, out, status)
+
+    def declare_constant(self, tensors):
+        """2-D float32/bfloat16 weights become candidates for the packed GEMM providers
+        (``cpu_embed.mark_constant``; ``cpu_providers`` chooses among them by measurement)."""
+        for t in tensors:
+            if t.dim() == 2 and t.dtype in (torch.float32, torch.bfloat16):
+                cpu_embed.mark_constant(t)
 
     def bind_library_op_epilogue(self, node, graph, args, out, kernel, kernel_args):
         """The embedding engine's GEMMs (float32 ``linear`` on a prepacked weight,

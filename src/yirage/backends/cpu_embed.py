@@ -289,12 +289,18 @@ def packed_linear_weight(w: torch.Tensor) -> torch.Tensor | None:
 
 # ---- binders (cpu_library.OPS) ---------------------------------------------------------
 def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                           epilogue: tuple[int, int] | None = None):
+                           epilogue: tuple[int, int] | None = None, weight_layout: str = "nk"):
     """Thunk of an fp32 ``linear`` on the packed GEMM (``w`` packed once, again if written).
     ``epilogue``: None or ``(fn, args)``, the addresses of a fused row kernel's task entry
     (``void fn(const int64_t* args, int64_t lo, int64_t hi)``) and of its argument array
-    (kept alive by the caller), run by the GEMM on each block of finished output rows."""
-    N, K = w.shape
+    (kept alive by the caller), run by the GEMM on each block of finished output rows.
+    ``weight_layout`` "kn": ``w`` is [K, N] (packed from its transpose, a temporary copy)."""
+    if weight_layout == "kn":
+        K, N = w.shape
+        kind, pack = "f32/kn", (lambda t: pack_f32(t.t().contiguous()))
+    else:
+        N, K = w.shape
+        kind, pack = "f32", pack_f32
     M = x.numel() // K
     x2, o2 = x.view(M, K), out.view(M, N)
     lib = _lib()
@@ -302,7 +308,7 @@ def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     epi_fn, epi_args = epilogue if epilogue is not None else (None, None)
 
     def run():
-        P = _cached(w, "f32", pack_f32)   # repacked if w was written or its storage replaced
+        P = _cached(w, kind, pack)   # repacked if w was written or its storage replaced
         lib.yr_emb_gemm_f32(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, N, K, x2.numel(),
                             P.numel(), o2.numel(), epi_fn, epi_args, st.data_ptr())
         if st[0]:

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import DType
+from ..ir.ops import linear_nk
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
 from . import cpu_conv, cpu_embed, cpu_indexing, cpu_providers, cpu_strided
@@ -132,15 +133,16 @@ def _linear(node, graph, args, out, status):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
     wt = graph.tensors[node.inputs[1]]
-    N, K = wt.shape
+    layout = node.attrs.get("weight_layout", "nk")
+    N, K = linear_nk(wt.shape, node.attrs)
     M = x.numel() // K
     quant = (wt.dtype.value, N, K) if wt.dtype.is_quantized else None
     # float32 x: the provider chosen by measurement (float32, bfloat16 or GGUF-block weights)
     thunk = cpu_providers.bind_linear("linear", args, out, quant=quant,
-                                      compute_dtype=node.attrs.get("compute_dtype"))
+                                      compute_dtype=node.attrs.get("compute_dtype"), layout=layout)
     if thunk is not None:
         return thunk
-    x2, o2, w_t = x.view(M, K), out.view(M, N), w.t()
+    x2, o2, w_t = x.view(M, K), out.view(M, N), (w if layout == "kn" else w.t())
     if bias is None:
         return lambda: torch.mm(x2, w_t, out=o2)
     return lambda: torch.addmm(bias, x2, w_t, out=o2)
@@ -158,7 +160,8 @@ def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
     words = kernel.arg_words(kernel_args)
     ptrs = (ctypes.c_int64 * len(words))(*words)
     run = cpu_providers.bind_linear(node.op, args, out, int(node.attrs.get("group_size", 0)),
-                                    (task_fn, ctypes.addressof(ptrs)))
+                                    (task_fn, ctypes.addressof(ptrs)),
+                                    layout=node.attrs.get("weight_layout", "nk"))
     if run is not None:
         run.epilogue_args = ptrs  # the pointer array lives as long as the thunk
     return run
@@ -288,7 +291,8 @@ def _linear_task(node, graph, args, out, status, num_workers):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
     wt = graph.tensors[node.inputs[1]]
-    if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+    if (x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32)
+            or node.attrs.get("weight_layout", "nk") != "nk"):
         return None
     if wt.dtype.is_quantized:
         if wt.dtype not in _QUANT:

@@ -77,7 +77,7 @@ class Case:
     'bfloat16' (weights), 'int8', a GGUF block format such as 'q4_1' (float32 compute), or
     '<format>/bfloat16' (its ``compute_dtype='bfloat16'``)), rows ``M``, out features ``N``, in
     features ``K``, the int8 activation ``group`` (0: whole rows), and whether the weight is
-    ``constant``."""
+    ``constant``; ``layout``: the weight's, "nk" ([N, K]) or "kn" ([K, N], float32 only)."""
 
     op: str
     dtype: str
@@ -86,10 +86,13 @@ class Case:
     K: int
     group: int = 0
     constant: bool = False
+    layout: str = "nk"   # the weight stored [N, K] ("nk") or [K, N] ("kn": float32 weights only)
 
     def key(self) -> str:
         """The shape class this case is measured and recorded under."""
         dtype = f"int8/g{self.group}" if self.dtype == "int8" else self.dtype
+        if self.layout == "kn":
+            dtype += "/kn"
         return tuning.shape_class(self.op, dtype, self.M, self.N, self.K, torch.get_num_threads())
 
 
@@ -133,13 +136,14 @@ class YiragePacked(Provider):
         self.dtype, self._kind, self._bind = dtype, kind, bind_packed
 
     def applies(self, case):
-        return case.dtype == self.dtype and case.constant
+        return case.dtype == self.dtype and case.constant and (case.layout == "nk" or self.dtype == "float32")
 
     def kind(self, case):
-        return self._kind
+        return self._kind if case.layout == "nk" else f"{self._kind}/{case.layout}"
 
     def bind(self, case, args, out, epilogue):
-        return self._bind(args[0], args[1], _bias(args, 2), out, epilogue)
+        kw = {"weight_layout": case.layout} if case.layout != "nk" else {}
+        return self._bind(args[0], args[1], _bias(args, 2), out, epilogue, **kw)
 
 
 class MklF32(Provider):
@@ -153,11 +157,14 @@ class MklF32(Provider):
     def rows(self, case, args, out):
         x2, o2, w, bias = args[0].view(case.M, case.K), out.view(case.M, case.N), args[1], _bias(args, 2)
 
+        kn = case.layout == "kn"
+
         def rows(lo, hi):   # w.t() now: a weight whose storage was replaced is read where it is
+            wt = w if kn else w.t()
             if bias is None:
-                torch.mm(x2[lo:hi], w.t(), out=o2[lo:hi])
+                torch.mm(x2[lo:hi], wt, out=o2[lo:hi])
             else:
-                torch.addmm(bias, x2[lo:hi], w.t(), out=o2[lo:hi])
+                torch.addmm(bias, x2[lo:hi], wt, out=o2[lo:hi])
         return rows
 
 
@@ -181,18 +188,24 @@ class OneDnnPacked(Provider):
         return case.dtype == self.dtype and case.constant and torch.backends.mkldnn.is_available()
 
     def kind(self, case):
-        return f"onednn/{tuning.m_bucket(case.M)}"
+        return f"onednn/{tuning.m_bucket(case.M)}" + ("" if case.layout == "nk" else f"/{case.layout}")
 
     def rows(self, case, args, out):
         w, bias = args[1], _bias(args, 2)
         kind = self.kind(case)
+        if case.layout == "kn":   # reordered from the [N, K] transpose (a temporary copy)
+            def reorder(t):
+                return _onednn_reorder(t.t().contiguous(), case.M)
+        else:
+            def reorder(t):
+                return _onednn_reorder(t, case.M)
         x2, o2 = args[0].view(case.M, case.K), out.view(case.M, case.N)
         bf16 = self.dtype == "bfloat16"
         xb = torch.empty((case.M, case.K), dtype=torch.bfloat16) if bf16 else None
-        cpu_embed._cached(w, kind, lambda t: _onednn_reorder(t, case.M))   # reordered now, once
+        cpu_embed._cached(w, kind, reorder)   # reordered now, once
 
         def rows(lo, hi):
-            pw = cpu_embed._cached(w, kind, lambda t: _onednn_reorder(t, case.M))
+            pw = cpu_embed._cached(w, kind, reorder)
             if bf16:
                 xb[lo:hi].copy_(x2[lo:hi])
                 y = torch.ops.mkldnn._linear_pointwise(xb[lo:hi], pw, None, "none", [], "")
@@ -403,10 +416,12 @@ def blocked(rows: Rows, case: Case, epilogue: Epilogue | None):
 
 # ---- choosing --------------------------------------------------------------------------------
 def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0,
-            quant: tuple[str, int, int] | None = None, compute_dtype: str | None = None) -> Case | None:
+            quant: tuple[str, int, int] | None = None, compute_dtype: str | None = None,
+            layout: str = "nk") -> Case | None:
     """The provider case of a linear op's bound tensors, or None when no provider covers it
-    (bfloat16 or float16 activations: they keep their own binders). ``quant``: (GGUF block
-    format, N, K) of a block-quantized weight, whose ``compute_dtype`` may be 'bfloat16'."""
+    (bfloat16 or float16 activations: they keep their own binders; a [K, N] weight (``layout``
+    "kn") that is not float32). ``quant``: (GGUF block format, N, K) of a block-quantized
+    weight, whose ``compute_dtype`` may be 'bfloat16'."""
     x, w = args[0], args[1]
     if x.dtype != torch.float32 or out.dtype != torch.float32:
         return None
@@ -419,6 +434,11 @@ def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0
         return Case(op, "int8", x.numel() // K, N, K, group, cpu_embed.is_constant(w))
     if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
         return None
+    if layout == "kn":
+        if w.dtype != torch.float32:
+            return None
+        K, N = w.shape
+        return Case(op, "float32", x.numel() // K, N, K, constant=cpu_embed.is_constant(w), layout="kn")
     N, K = w.shape
     return Case(op, "float32" if w.dtype == torch.float32 else "bfloat16", x.numel() // K, N, K,
                 constant=cpu_embed.is_constant(w))
@@ -482,12 +502,13 @@ def choose(case: Case, args: list[torch.Tensor]) -> tuple[Provider, tuning.Choic
 
 def bind_linear(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0,
                 epilogue: Epilogue | None = None, quant: tuple[str, int, int] | None = None,
-                compute_dtype: str | None = None):
+                compute_dtype: str | None = None, layout: str = "nk"):
     """A thunk computing a float32-activation linear layer (``linear`` with a float32, bfloat16
     or GGUF-block weight (``quant``: its format, N, K; ``compute_dtype``: None or 'bfloat16'),
     or ``linear_w8a8``) into ``out`` with the provider chosen for its shape class, and the row
-    ``epilogue`` if given; None when no provider covers the case."""
-    case = case_of(op, args, out, group, quant, compute_dtype)
+    ``epilogue`` if given; None when no provider covers the case. ``layout`` "kn": the float32
+    weight is stored [K, N] (``x @ w``)."""
+    case = case_of(op, args, out, group, quant, compute_dtype, layout)
     if case is None:
         return None
     if case.M == 0:

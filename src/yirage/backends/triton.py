@@ -72,6 +72,16 @@ def _float_first(node, graph) -> bool:
 def _linear(node, graph, args, out, status):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
+    if node.attrs.get("weight_layout") == "kn":   # x @ w: the matmul kernel, then the bias
+        K, N = w.shape
+        x2, o2, mm = x.reshape(-1, K), out.view(-1, N), _lib().matmul
+        if bias is None:
+            return lambda: mm(x2, w, o2)
+
+        def run():
+            mm(x2, w, o2)
+            o2.add_(bias)
+        return run
     w_type = graph.tensors[node.inputs[1]].dtype
     kind = w_type.value if w_type.is_quantized else "float"
     fn = _lib().linear

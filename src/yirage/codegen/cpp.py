@@ -32,13 +32,15 @@ HEADER = '#include "yirage_prelude.h"\n'
 _CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t", DType.bool: "uint8_t"}
 
 _UNARY = {
-    "exp": "std::exp({0})", "sqrt": "std::sqrt({0})", "rsqrt": "(1.0f / std::sqrt({0}))",
+    # yr_exp / yr_tanh / yr_erf (yirage_prelude.h) are arithmetic that GCC vectorizes; libm's
+    # std::exp / std::tanh are scalar calls inside the `omp simd` loops
+    "exp": "yr_exp({0})", "sqrt": "std::sqrt({0})", "rsqrt": "(1.0f / std::sqrt({0}))",
     "square": "({0} * {0})", "neg": "(-{0})", "relu": "std::max({0}, 0.0f)",
-    "silu": "({0} / (1.0f + std::exp(-{0})))",
+    "silu": "({0} / (1.0f + yr_exp(-{0})))",
     "gelu": "(0.5f * {0} * (1.0f + yr_erf({0} * 0.70710678118654752f)))",  # yr_erf: yirage_prelude.h
     # tanh GELU as 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): silu's form
-    "gelu_tanh": "({0} / (1.0f + std::exp(-1.5957691216057308f * ({0} + 0.044715f * {0} * {0} * {0}))))",
-    "tanh": "std::tanh({0})", "sigmoid": "(1.0f / (1.0f + std::exp(-{0})))",
+    "gelu_tanh": "({0} / (1.0f + yr_exp(-1.5957691216057308f * ({0} + 0.044715f * {0} * {0} * {0}))))",
+    "tanh": "yr_tanh({0})", "sigmoid": "(1.0f / (1.0f + yr_exp(-{0})))",
     "erf": "yr_erf({0})", "log": "std::log({0})", "exp2": "std::exp2({0})", "abs": "std::fabs({0})",
     "reciprocal": "(1.0f / {0})",
     # bool values are 0.0f / 1.0f (transforms/fusion.py)
@@ -75,6 +77,19 @@ def _store(dtype: DType, v: str) -> str:
     return f"yr_f32_to_bf16({v})" if dtype == DType.bfloat16 else f"({_CTYPE[dtype]}){v}"
 
 
+def _pow_scalar(x: str, e: float) -> str:
+    """x ** e: products for small integer exponents (exact as torch's, and vectorized), a square
+    root for 0.5, libm's pow otherwise."""
+    if e == int(e) and 1 <= abs(e) <= 4:
+        prod = "(" + " * ".join([x] * int(abs(e))) + ")"
+        return prod if e > 0 else f"(1.0f / {prod})"
+    if e == 0.0:
+        return "1.0f"
+    if e == 0.5:
+        return f"std::sqrt({x})"
+    return f"std::pow({x}, {_f(e)})"
+
+
 def _expr(kernel: FusedKernel, s) -> str:
     a = [f"v{x}" for x in s.args]
     if s.op == "load":
@@ -86,8 +101,7 @@ def _expr(kernel: FusedKernel, s) -> str:
     if s.op == "where":
         return f"({a[0]} != 0.0f ? {a[1]} : {a[2]})"
     if s.op == "pow_scalar":
-        e = float(s.attrs["exponent"])
-        return f"({a[0]} * {a[0]})" if e == 2.0 else f"std::pow({a[0]}, {_f(e)})"
+        return _pow_scalar(a[0], float(s.attrs["exponent"]))
     if s.op == "clamp":
         return f"std::min(std::max({a[0]}, {_f(s.attrs['lo'])}), {_f(s.attrs['hi'])})"
     if s.op == "affine":

@@ -10,8 +10,12 @@ and an input or parameter that requires grad) runs eager: dynamo's own GraphModu
 ``YirageFallbackWarning`` per compiled graph saying why and what to do (``torch.no_grad()`` /
 ``torch.inference_mode()``); with ``fallback="raise"`` it is a ``TorchCompileError``.
 
-Parameters and buffers are not frozen yet: AOTAutograd passes them as graph inputs, and a
-partition reads them in place at every call (no copy, so a weight updated in place is seen).
+Parameters and buffers (``options.freeze``, the default): AOTAutograd passes them as graph
+inputs, which dynamo marks static (``fw_metadata.static_input_indices``). Those the graph does
+not mutate are declared constant to the backend when a partition first runs
+(``BackendImpl.declare_constant``), which lets it keep them prepacked for the kernels it
+chooses by measurement; a weight written later is repacked (its version changes), so
+writes stay visible.
 
 ``verify=True`` runs the first call of each compiled graph through the unpartitioned ATen
 graph too (eager) and raises ``TorchCompileError`` naming the output and the error when
@@ -91,11 +95,25 @@ class YirageBackend:
     def _compile_inference(self, gm: GraphModule, example_inputs):
         """AOTAutograd's forward compiler: partition and compile the ATen graph."""
         reference = _copy(gm) if self.options.verify else None
-        lowered, report = lower_graph(gm, self.options)
+        static, constant = static_inputs(self.options)
+        lowered, report = lower_graph(gm, self.options, static, constant)
         self.reports.append(report)
         if reference is None:
             return lowered.forward
         return _verified(lowered.forward, reference.forward)
+
+
+def static_inputs(options: CompileOptions) -> tuple[frozenset[int], frozenset[int]]:
+    """(static, frozen): the positions of the graph inputs AOTAutograd's metadata marks static
+    (parameters and buffers: the same tensors every call), and of those to freeze (with
+    ``options.freeze``: the static inputs the graph does not mutate)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    if meta is None:
+        return frozenset(), frozenset()
+    static = frozenset(meta.static_input_indices)
+    mutated = {i for i, m in enumerate(meta.input_info) if m.mutates_data or m.mutates_metadata}
+    return static, (frozenset(i for i in static if i not in mutated) if options.freeze else frozenset())
 
 
 def _copy(gm: GraphModule) -> GraphModule:

@@ -514,7 +514,7 @@ def _layer_norm(e, node):
 
 def _check_getitem(node):
     src, i = node.args
-    if not isinstance(src, Node) or src.target not in LOWERINGS or not isinstance(_val(src), tuple):
+    if not isinstance(src, Node) or src.target not in LOWERINGS or not isinstance(_val(src), (tuple, list)):
         return "getitem of a value that is not a lowered op's outputs"
     if src.target in FIRST_OUTPUT_ONLY and i != 0:
         return f"output {i} of {src.target}"
@@ -823,7 +823,9 @@ def _ranks(*ranks):
 
 @lowers(aten.mm.default, check=_all_of(_no_kwargs(), _tensors_ok, _ranks(2, 2)))
 def _mm(e, node):
-    return e.g.matmul(e[node.args[0]], e[node.args[1]])
+    """x @ w as a ``linear`` with a [K, N] weight (``weight_layout='kn'``): the backend's GEMM
+    providers, prepacked when w is a frozen weight (GPT-2's Conv1D)."""
+    return e.g.linear(e[node.args[0]], e[node.args[1]], weight_layout="kn")
 
 
 @lowers(aten.bmm.default, check=_all_of(_no_kwargs(), _tensors_ok, _ranks(3, 3)))
@@ -840,7 +842,12 @@ def _check_addmm(node):
 
 @lowers(aten.addmm.default, check=_check_addmm)
 def _addmm(e, node):
+    """bias + a @ b: a ``linear`` with a [K, N] weight when the bias is one row of N (as
+    ``_mm``), else a matmul and a broadcast add."""
     bias, a, b = node.args[:3]
+    bv, av = _val(bias), _val(a)
+    if bv.dim() == 1 and bv.dtype == av.dtype:
+        return e.g.linear(e[a], e[b], e[bias], weight_layout="kn")
     return e.g.add(e.g.matmul(e[a], e[b]), e[bias])
 
 
@@ -882,6 +889,36 @@ def rewrite_linear(gm: GraphModule) -> int:
         if not wt.users:
             gm.graph.erase_node(wt)
         count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _legacy_empty(t) -> bool:
+    v = _val(t) if isinstance(t, Node) else None
+    return (isinstance(v, torch.Tensor) and v.dim() == 1 and isinstance(v.shape[0], int)
+            and v.shape[0] == 0)
+
+
+def drop_legacy_empty_cat_inputs(gm: GraphModule) -> int:
+    """Remove from each ``aten.cat`` the inputs torch.cat skips: 1-d tensors of 0 elements
+    (the "legacy empty" tensors, e.g. a KV cache's empty past concatenated with the new keys),
+    in place; an input left without users (``lift_fresh_copy`` of the empty constant) is erased.
+    A cat left with one input stays a cat (a copy). Returns the number of inputs removed."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.cat.default or not isinstance(node.args[0], (list, tuple)):
+            continue
+        tensors = list(node.args[0])
+        keep = [t for t in tensors if not _legacy_empty(t)]
+        if len(keep) == len(tensors) or not keep:
+            continue
+        node.args = (keep, *node.args[1:])
+        count += len(tensors) - len(keep)
+        for t in tensors:
+            if t not in keep and not t.users and t.op == "call_function":
+                gm.graph.erase_node(t)
     if count:
         gm.graph.lint()
         gm.recompile()

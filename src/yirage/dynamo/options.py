@@ -48,6 +48,12 @@ class CompileOptions:
         cache_dir: the directory compiled kernels go to (``YIRAGE_CACHE_DIR`` while the
             partitions compile), or None for the usual one.
         time_budget_s: max-autotune's search budget per partition, in seconds.
+        freeze: treat the model's parameters and buffers (the graph inputs dynamo marks
+            static) as constant weights, so that the backend may keep them prepacked for the
+            kernel chosen by measurement (the CPU's packed GEMMs: one packed copy of each
+            weight whose chosen provider packs). Writes to a weight stay visible: its packed
+            copy is remade when the weight's version or storage changes. False: every call
+            reads the weights as they are (no packed copies).
     """
 
     mode: str | None = None
@@ -59,6 +65,7 @@ class CompileOptions:
     verify: bool = False
     cache_dir: str | None = None
     time_budget_s: float = 10.0
+    freeze: bool = True
 
 
 VALID_KEYS = tuple(k for k in CompileOptions.__dataclass_fields__ if k != "mode")
@@ -115,6 +122,8 @@ def parse_options(mode: str | None = None, options: dict | None = None) -> Compi
     cache_dir = o.get("cache_dir")
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         _fail("cache_dir", "must be a path (str or os.PathLike) or None", cache_dir)
+    if not isinstance(o.get("freeze", True), bool):
+        _fail("freeze", "must be a bool", o.get("freeze"))
     budget = o.get("time_budget_s", 10.0)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         _fail("time_budget_s", "must be a positive number of seconds", budget)
@@ -122,4 +131,5 @@ def parse_options(mode: str | None = None, options: dict | None = None) -> Compi
         mode=None if mode == "default" else mode, backend=o.get("backend"), dtype=None,
         min_block_size=mbs, torch_executed_ops=frozenset(op_name(x) for x in ops),
         fallback=o.get("fallback", "eager"), verify=o.get("verify", False),
-        cache_dir=os.fspath(cache_dir) if cache_dir is not None else None, time_budget_s=float(budget))
+        cache_dir=os.fspath(cache_dir) if cache_dir is not None else None, time_budget_s=float(budget),
+        freeze=o.get("freeze", True))

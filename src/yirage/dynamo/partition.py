@@ -19,7 +19,9 @@ traced or by the IR its lowering emitted.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
+import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from ..dtypes import as_dtype
 from ..errors import TorchCompileError, YirageFallbackWarning
 from ..kernel import KNGraph
 from . import cache
-from .lowering import LOWERINGS, VIEW_TARGETS, Emitter, rewrite_linear
+from .lowering import LOWERINGS, VIEW_TARGETS, Emitter, drop_legacy_empty_cat_inputs, rewrite_linear
 from .options import CompileOptions, op_name
 from .specialize import is_symbolic, signature, specialize
 
@@ -116,15 +118,20 @@ class _Support(OperatorSupportBase):
         return why is None
 
 
-def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, GraphReport]:
+def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozenset[int] = frozenset(),
+                constant_inputs: frozenset[int] = frozenset()) -> tuple[GraphModule, GraphReport]:
     """Partition ``gm`` (an ATen inference graph with ``meta["val"]`` on its nodes) in place
     and compile each partition; returns the module (partitions as ``YiragePartition``
-    submodules) and its report.
+    submodules) and its report. ``static_inputs``: positions of ``gm``'s placeholders that are
+    the same tensors at every call (parameters and buffers); ``constant_inputs``: those that
+    hold frozen weights, which partitions declare constant to the backend
+    (compiler.static_inputs).
 
     Raises TorchCompileError (``fallback="raise"``) when a partition cannot be lowered or
     compiled; BackendUnavailableError for an unavailable ``options.backend``."""
     backend = resolve_backend(options.backend).value
     rewrite_linear(gm)
+    drop_legacy_empty_cat_inputs(gm)
     support = _Support(options)
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
     report = GraphReport()
@@ -140,12 +147,19 @@ def lower_graph(gm: GraphModule, options: CompileOptions) -> tuple[GraphModule, 
             kept.append(p)
     if kept:
         partitioner.fuse_partitions(kept, prefix="yirage_partition_")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    frozen = {placeholders[i] for i in constant_inputs if i < len(placeholders)}
+    static = {placeholders[i] for i in static_inputs if i < len(placeholders)}
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target.startswith("yirage_partition_"):
             sub = getattr(gm, node.target)
-            part = YiragePartition(node.target, sub, [a.meta.get("val") for a in node.args], backend, options)
+            part = YiragePartition(node.target, sub, [a.meta.get("val") for a in node.args], backend, options,
+                                   [j for j, a in enumerate(node.args) if a in frozen],
+                                   [j for j, a in enumerate(node.args) if a in static])
             setattr(gm, node.target, part)
             report.partitions.append(part.report)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            pass   # picks one output of a torch op (a multi-output op stays in torch whole)
         elif node.op == "call_function":
             why = (support.declined.get(node.name) or support.reason(node)
                    or "lowers, but the partitioner left it out of every partition")
@@ -186,7 +200,34 @@ class _Variant:
     constants: list[torch.Tensor]
     tuple_out: bool
     tensor_inputs: list[int]       # positions of the partition's inputs that are tensors
-    calls: int = 0
+    calls: int = 0                 # the first call declares the frozen weights constant
+    #: the variant's own buffers for the inputs that are not static (activations), made on the
+    #: first call: each call copies its activations there, so the runner sees the same tensors
+    #: every call and reuses its plan (binding a plan costs ~40 us per launch)
+    staging: dict[int, torch.Tensor] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)   # guards ``staging``
+
+    def run(self, inputs, static: set[int]) -> list[torch.Tensor]:
+        """The runner's outputs (new tensors) for the partition's ``inputs``: staged, or as they
+        are while another thread holds the staging buffers (the runner then binds a plan of
+        its own, as ``CompiledGraph`` does for concurrent callers)."""
+        if not self.lock.acquire(blocking=False):
+            return self.runner([*(inputs[i] for i in self.tensor_inputs), *self.constants])
+        try:
+            return self.runner([*self._staged(inputs, static), *self.constants])
+        finally:
+            self.lock.release()
+
+    def _staged(self, inputs, static: set[int]) -> list[torch.Tensor]:
+        """The runner's tensor inputs: static ones as they are, the rest copied into ``staging``."""
+        if not self.staging:
+            self.staging = {i: torch.empty(inputs[i].shape, dtype=inputs[i].dtype, device=inputs[i].device)
+                            for i in self.tensor_inputs if i not in static}
+        out = []
+        for i in self.tensor_inputs:
+            buf = self.staging.get(i)
+            out.append(inputs[i] if buf is None else buf.copy_(inputs[i]))
+        return out
 
 
 class YiragePartition(torch.nn.Module):
@@ -199,6 +240,12 @@ class YiragePartition(torch.nn.Module):
         input_vals: the example values (fake tensors, SymInts) of the partition's inputs.
         backend: the yirage backend name the µGraphs are compiled for.
         options: the checked ``CompileOptions``.
+        constant_positions: positions of the inputs that are frozen weights (parameters and
+            buffers the graph does not mutate); declared constant to the backend on each
+            variant's first call (``BackendImpl.declare_constant``).
+        static_positions: positions of the inputs that are the same tensors every call
+            (parameters and buffers); the others (activations) are copied into the variant's
+            own buffers at each call, so that its plan is bound once.
 
     Shapes may be symbolic (dynamic shapes): the partition is compiled per input signature
     (each tensor input's shape and dtype, each integer input's value; see specialize.py),
@@ -217,8 +264,11 @@ class YiragePartition(torch.nn.Module):
     """
 
     def __init__(self, name: str, torch_module: GraphModule, input_vals: list, backend: str,
-                 options: CompileOptions):
+                 options: CompileOptions, constant_positions: list[int] | None = None,
+                 static_positions: list[int] | None = None):
         super().__init__()
+        self.constant_positions = list(constant_positions or [])
+        self.static_positions = set(static_positions or [])
         self.torch_module = torch_module
         self.options = options
         self.backend = backend
@@ -363,9 +413,12 @@ class YiragePartition(torch.nn.Module):
             self._fall_back("could not be lowered or compiled" + (
                 f" for input signature {_describe(inputs)}" if self.symbolic else ""), e)
             return self.torch_module(*inputs)
+        if v.calls == 0 and self.constant_positions:
+            get_backend_impl(self.backend).declare_constant(
+                [inputs[i] for i in self.constant_positions if isinstance(inputs[i], torch.Tensor)])
         v.calls += 1
         try:
-            outs = v.runner([*(inputs[i] for i in v.tensor_inputs), *v.constants])
+            outs = v.run(inputs, self.static_positions)
         except Exception as e:  # noqa: BLE001
             if v.calls > 1:
                 raise

@@ -517,16 +517,20 @@ class KernelGraph:
         """``a @ b`` over the last two dims, batched (with broadcasting) over leading dims."""
         return self._add("matmul", [a, b])
 
-    def linear(self, x, w, bias=None, compute_dtype: str | None = None):
+    def linear(self, x, w, bias=None, compute_dtype: str | None = None, weight_layout: str = "nk"):
         """``x @ w.T (+ bias)``: x [..., K], w [N, K] (float, or GGUF blocks such as q4_1/q8_0),
         bias [N]. A bfloat16 ``w`` with float32 ``x`` is a bfloat16 GEMM with float32 accumulation
         and float32 output (``ir.ops`` ``_linear_ref`` gives the rounding). ``compute_dtype``
         'bfloat16' (GGUF-block ``w`` and float32 ``x`` only) computes the same way on the decoded
-        weight rounded to bfloat16. GraphError for bad shapes, dtypes or compute_dtype."""
+        weight rounded to bfloat16. ``weight_layout`` 'kn': ``w`` is stored [K, N] and the op is
+        ``x @ w (+ bias)`` (float weights only; GPT-2's Conv1D, ``torch.addmm``), read in place.
+        GraphError for bad shapes, dtypes, compute_dtype or weight_layout."""
         self._check_tensors("linear", [x, w] + ([bias] if bias is not None else []))
         attrs = {"w_dtype": w.dtype.value, "w_shape": list(w.shape)} if w.dtype.is_quantized else {}
         if compute_dtype is not None:
             attrs["compute_dtype"] = compute_dtype
+        if weight_layout != "nk":
+            attrs["weight_layout"] = weight_layout
         return self._add("linear", [x, w] + ([bias] if bias is not None else []), **attrs)
 
     def linear_w8a8(self, x, w_t, w_scale, bias=None, group_size: int = 0):

@@ -375,25 +375,41 @@ def dequantize(w: torch.Tensor, dtype: DType, shape: Shape) -> torch.Tensor:
     return vals.reshape(shape)
 
 
+#: linear's ``weight_layout`` attr: "nk" (the default: [out_features, in_features], nn.Linear's)
+#: or "kn" ([in_features, out_features]: ``x @ w``, as GPT-2's Conv1D and ``addmm`` store it)
+WEIGHT_LAYOUTS = ("nk", "kn")
+
+
+def linear_nk(w_shape, attrs) -> tuple[int, int]:
+    """(out_features N, in_features K) of a ``linear`` weight of shape ``w_shape``."""
+    N, K = w_shape
+    return (K, N) if attrs.get("weight_layout", "nk") == "kn" else (N, K)
+
+
 def _linear_infer(ts, attrs):
     x, w = ts[0], ts[1]
     if not x.dtype.is_float:
         _fail("linear", ts, f"x must be floating point, got {x.dtype.value}")
     if len(w.shape) != 2:
         _fail("linear", ts, "weight must be 2-d [out_features, in_features]")
-    if x.shape[-1] != w.shape[1]:
-        _fail("linear", ts, f"x's last dim {x.shape[-1]} must equal the weight's in_features {w.shape[1]}")
+    layout = attrs.get("weight_layout", "nk")
+    if layout not in WEIGHT_LAYOUTS or (layout == "kn" and w.dtype.is_quantized):
+        _fail("linear", ts, f"weight_layout must be one of {WEIGHT_LAYOUTS} ('kn' for float weights only), "
+                            f"got {layout!r}")
+    N, K = linear_nk(w.shape, attrs)
+    if x.shape[-1] != K:
+        _fail("linear", ts, f"x's last dim {x.shape[-1]} must equal the weight's in_features {K}")
     mixed = x.dtype == DType.float32 and w.dtype == DType.bfloat16   # bfloat16 GEMM, float32 activations
     if not w.dtype.is_quantized and w.dtype != x.dtype and not mixed:
         _fail("linear", ts, f"dtypes must match (or float32 x with a bfloat16 weight), got {x.dtype.value} "
                             f"and {w.dtype.value}")
-    if len(ts) == 3 and (tuple(ts[2].shape) != (w.shape[0],) or ts[2].dtype != x.dtype):
-        _fail("linear", ts, f"bias must have shape ({w.shape[0]},) and x's dtype {x.dtype.value}")
+    if len(ts) == 3 and (tuple(ts[2].shape) != (N,) or ts[2].dtype != x.dtype):
+        _fail("linear", ts, f"bias must have shape ({N},) and x's dtype {x.dtype.value}")
     compute = attrs.get("compute_dtype")
     if compute is not None and (compute != "bfloat16" or not w.dtype.is_quantized or x.dtype != DType.float32):
         _fail("linear", ts, f"compute_dtype={compute!r}: only 'bfloat16', for a block-quantized weight with "
                             "float32 x (a float weight takes bfloat16 compute by being stored in bfloat16)")
-    return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
+    return TensorType((*x.shape[:-1], N), x.dtype)
 
 
 def _linear_ref(args, attrs):
@@ -402,8 +418,11 @@ def _linear_ref(args, attrs):
     float32 x is a bfloat16 GEMM: x rounded to bfloat16 (nearest even), products summed in
     float32, the sum rounded to bfloat16 (what oneDNN's bfloat16 GEMM returns, as torch's
     autocast computes a linear layer), then the float32 bias added; float32 out. A block-quantized
-    W with ``compute_dtype='bfloat16'`` is decoded, rounded to bfloat16, and then the same."""
+    W with ``compute_dtype='bfloat16'`` is decoded, rounded to bfloat16, and then the same.
+    ``weight_layout='kn'``: W is stored [K, N] (x @ W)."""
     x, w = args[0], args[1]
+    if attrs.get("weight_layout") == "kn":
+        w = w.t()
     if attrs.get("w_dtype"):
         w = dequantize(w, DType(attrs["w_dtype"]), tuple(attrs["w_shape"]))
         if attrs.get("compute_dtype") == "bfloat16":

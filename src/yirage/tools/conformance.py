@@ -812,6 +812,18 @@ def _linear(M: int, N: int, K: int, dtype: DType) -> Built:
     return g, [xs, storage, bias], {0: F.linear(xs, wf, bias), 1: F.linear(xs, wf)}
 
 
+def _linear_kn(M: int, N: int, K: int, dtype: DType) -> Built:
+    """linear with a [K, N] weight (``weight_layout='kn'``: x @ w + bias, GPT-2's Conv1D)."""
+    g = new_kernel_graph()
+    x, w, b = g.new_input((M, K), dtype), g.new_input((K, N), dtype), g.new_input((N,), dtype)
+    g.mark_output(g.linear(x, w, b, weight_layout="kn"))
+    g.mark_output(g.linear(x, w, weight_layout="kn"))
+    td = dtype.torch_dtype
+    xs, ws, bias = torch.randn(M, K).to(td), torch.randn(K, N).to(td), torch.randn(N).to(td)
+    ref = xs.float() @ ws.float()
+    return g, [xs, ws, bias], {0: (ref + bias.float()).to(td), 1: ref.to(td)}
+
+
 def _linear_bf16_weight(M: int, N: int, K: int) -> Built:
     """float32 x with a bfloat16 weight: a bfloat16 GEMM (x rounded to bfloat16, float32 sums
     rounded to bfloat16, float32 bias), as torch's bfloat16 linear computes it."""
@@ -851,6 +863,9 @@ def _weight_cases() -> list[Case]:
              for d in (DType.q4_1, DType.q8_0, DType.float32) for M in (1, 7, 20)]
     cases += [Case("linear", f"{d.value} M=3", functools.partial(_linear, 3, 17, 256, d), tol=(1e-4, 1e-4))
               for d in _GGML_EXTRA]
+    cases += [Case("linear", f"[K, N] weight {d.value} M={M}", functools.partial(_linear_kn, M, 40, 72, d),
+                   tol=(1e-4, 1e-4) if d == DType.float32 else (2e-2, 2e-2))
+              for d in (DType.float32, DType.bfloat16) for M in (1, 20)]
     # a sum may round to the neighbouring bfloat16 in another summation order: one ulp, 2^-8
     cases += [Case("linear", f"float32 x, bfloat16 weight M={M}", functools.partial(_linear_bf16_weight, M, 40, 96),
                    tol=(8e-3, 8e-3)) for M in (1, 9)]
