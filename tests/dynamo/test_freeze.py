@@ -146,3 +146,26 @@ def test_concurrent_callers_get_their_own_answers():
     for ref, outs in zip(refs, results):
         for out in outs:
             torch.testing.assert_close(out, ref, **TOL)
+
+
+def _bf16_reference(m: MLP, x: torch.Tensor) -> torch.Tensor:
+    """What ``dtype='bfloat16'`` computes: each linear's x and weight rounded to bfloat16, the
+    float32 sums rounded to bfloat16, then the float32 bias; GELU in float32."""
+    def lin(layer, t):
+        return F.linear(t.to(torch.bfloat16), layer.weight.to(torch.bfloat16)).float() + layer.bias
+    return lin(m.fc2, F.gelu(lin(m.fc1, x)))
+
+
+@pytest.mark.parametrize("provider", ["yirage", "onednn-packed", "onednn"])
+def test_dtype_bfloat16_computes_the_gemms_in_bfloat16(provider, monkeypatch):
+    monkeypatch.setenv("YIRAGE_TUNE", "off")
+    monkeypatch.setitem(cpu_providers.DEFAULTS, "float32/bfloat16", provider)
+    torch.manual_seed(6)
+    m = MLP(64, 128).eval()
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        out = torch.compile(m, backend="yirage", options={"dtype": "bfloat16"})(x)
+        want, exact = _bf16_reference(m, x), m(x)
+    # one bfloat16 ulp of a sum (2^-8 relative) may differ in another summation order
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    assert (out - want).abs().max() < 0.25 * (exact - want).abs().max(), "not the bfloat16 computation"

@@ -69,7 +69,9 @@ CASES = {
     "linear": (F.linear, lambda: [torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6)], ["aten.linear.default"]),
     "linear_nobias": (F.linear, lambda: [torch.randn(4, 8), torch.randn(6, 8)], ["aten.linear.default"]),
     **{name: (getattr(torch, name), lambda: [torch.randn(3, 7)], [f"aten.{name}.default"])
-       for name in ("tanh", "sigmoid", "erf", "exp2", "abs")},
+       for name in ("tanh", "sigmoid", "erf", "exp2", "abs", "cos", "sin")},
+    "addmm_2d_bias": (torch.addmm, lambda: [torch.randn(4, 6), torch.randn(4, 8), torch.randn(8, 6)],
+                      ["aten.addmm.default"]),
     "log": (torch.log, lambda: [_pos(3, 7)], ["aten.log.default"]),
     "reciprocal": (torch.reciprocal, lambda: [_pos(3, 7)], ["aten.reciprocal.default"]),
     "maximum": (torch.maximum, lambda: [torch.randn(3, 7), torch.randn(7)], ["aten.maximum.default"]),

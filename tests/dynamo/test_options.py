@@ -75,14 +75,16 @@ def test_backend_name_works_in_a_fresh_process(import_first):
 
 @pytest.mark.parametrize("mode, options, message", [
     (None, {"min_blok_size": 3}, r"unknown option\(s\) 'min_blok_size'; valid options: backend, dtype, "
-                                 r"min_block_size, torch_executed_ops, fallback, verify, cache_dir, time_budget_s"),
+                                 r"min_block_size, torch_executed_ops, fallback, verify, cache_dir, time_budget_s, "
+                                 r"freeze"),
     ("fast", None, r"unknown mode 'fast'; valid modes: None .*'max-autotune'"),
     (None, {"fallback": "ignore"}, r"'fallback': must be one of \('eager', 'raise'\), got 'ignore'"),
     (None, {"min_block_size": 0}, r"'min_block_size': must be an integer >= 1"),
     (None, {"verify": "yes"}, r"'verify': must be a bool"),
     (None, {"time_budget_s": -1}, r"'time_budget_s': must be a positive number"),
     (None, {"torch_executed_ops": "aten.gelu"}, r"'torch_executed_ops': must be a collection"),
-    (None, {"dtype": "bfloat16"}, r"'dtype': only None is supported so far"),
+    (None, {"dtype": "float16"}, r"'dtype': must be None or one of \('bfloat16',\)"),
+    (None, {"freeze": 1}, r"'freeze': must be a bool"),
     (None, [1], r"options must be a dict"),
 ])
 def test_bad_options_name_the_valid_ones(mode, options, message):

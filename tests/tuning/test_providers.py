@@ -217,11 +217,15 @@ def test_quantized_weight_providers_compute_the_reference(fmt, compute, provider
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_compute_is_only_for_quantized_weights_with_float32_x():
+def test_bfloat16_compute_needs_float32_x_and_a_float32_or_quantized_weight():
     g = yr.new_kernel_graph(backend="cpu")
     X, W = g.new_input((4, 64)), g.new_input((8, 64))
-    with pytest.raises(yr.errors.GraphError, match="compute_dtype='bfloat16': only 'bfloat16', for a block-quantized"):
-        g.linear(X, W, compute_dtype="bfloat16")
+    g.linear(X, W, compute_dtype="bfloat16")   # a float32 weight: torch.compile's dtype option
+    with pytest.raises(yr.errors.GraphError, match="compute_dtype='bfloat16': only 'bfloat16', with float32 x"):
+        g.linear(X, g.new_input((8, 64), dtype="bfloat16"), compute_dtype="bfloat16")
+    with pytest.raises(yr.errors.GraphError, match="compute_dtype='bfloat16'"):
+        g.linear(g.new_input((4, 64), dtype="bfloat16"), g.new_input((8, 64), dtype="bfloat16"),
+                 compute_dtype="bfloat16")
     with pytest.raises(yr.errors.GraphError, match="compute_dtype='float16'"):
         g.linear(X, g.new_input((8, 64), dtype="q8_0"), compute_dtype="float16")
 

@@ -317,24 +317,32 @@ def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
 
 
 def bind_linear_bf16_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                            epilogue: tuple[int, int] | None = None):
+                            epilogue: tuple[int, int] | None = None, weight_layout: str = "nk"):
     """Thunk of a bfloat16 ``linear`` (``gemm_bf16_packed``'s rounding): ``x`` float32 [..., K],
     ``w`` bfloat16 [N, K], ``bias`` float32 [N] or None, into ``out`` float32 [..., N]. The
     weight is packed once per tensor (again if it was written in place or its storage
-    replaced). ``epilogue`` as in ``bind_linear_f32_packed``. YirageError (at bind time) for
-    buffers of the wrong dtype or size."""
-    N, K = w.shape
+    replaced). A float32 ``w`` (bfloat16 compute) is rounded to bfloat16 when packed;
+    ``weight_layout`` "kn": ``w`` is [K, N] (packed from its transpose). ``epilogue`` as in
+    ``bind_linear_f32_packed``. YirageError (at bind time) for buffers of the wrong dtype or
+    size."""
+    kn, convert = weight_layout == "kn", w.dtype == torch.float32
+    K, N = w.shape if kn else (w.shape[1], w.shape[0])
     M = x.numel() // K
+    kind = "bf16" + ("/f32" if convert else "") + ("/kn" if kn else "")
+
+    def pack(t):
+        t = t.t() if kn else t
+        return pack_bf16(t.to(torch.bfloat16).contiguous() if (kn or convert) else t)
     _check_cpu("linear (packed bfloat16): x", x, torch.float32)
     _check_cpu("linear (packed bfloat16): out", out, torch.float32)
     x2, o2 = x.view(M, K), out.view(M, N)
-    P = _cached(w, "bf16", pack_bf16)
+    P = _cached(w, kind, pack)
     _check_bf16_gemm(x2, P, N, bias, o2)
     fn, st = _lib().yr_emb_gemm_bf16, _status()
     epi = epilogue if epilogue is not None else (None, None)
 
     def run():
-        P = _cached(w, "bf16", pack_bf16)  # repacked if w was written
+        P = _cached(w, kind, pack)  # repacked if w was written
         fn(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, N, K, x2.numel(), P.numel(), o2.numel(),
            *epi, st.data_ptr())
         if st[0]:

@@ -161,6 +161,7 @@ def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
     ptrs = (ctypes.c_int64 * len(words))(*words)
     run = cpu_providers.bind_linear(node.op, args, out, int(node.attrs.get("group_size", 0)),
                                     (task_fn, ctypes.addressof(ptrs)),
+                                    compute_dtype=node.attrs.get("compute_dtype"),
                                     layout=node.attrs.get("weight_layout", "nk"))
     if run is not None:
         run.epilogue_args = ptrs  # the pointer array lives as long as the thunk

@@ -136,7 +136,7 @@ class YiragePacked(Provider):
         self.dtype, self._kind, self._bind = dtype, kind, bind_packed
 
     def applies(self, case):
-        return case.dtype == self.dtype and case.constant and (case.layout == "nk" or self.dtype == "float32")
+        return case.dtype == self.dtype and case.constant and (case.layout == "nk" or self.dtype in F32_WEIGHTS)
 
     def kind(self, case):
         return self._kind if case.layout == "nk" else f"{self._kind}/{case.layout}"
@@ -168,6 +168,20 @@ class MklF32(Provider):
         return rows
 
 
+#: the case dtypes of float32 weights: float32 compute, or bfloat16 compute (``compute_dtype``)
+F32_WEIGHTS = ("float32", "float32/bfloat16")
+
+
+def gemm_weight(case: Case, w: torch.Tensor) -> torch.Tensor:
+    """The weight of ``case`` as the GEMM multiplies it: [N, K], contiguous, rounded to bfloat16
+    for bfloat16 compute (a temporary the packing providers pack from)."""
+    if case.layout == "kn":
+        w = w.t()
+    if case.dtype == "float32/bfloat16":
+        w = w.to(torch.bfloat16)
+    return w.contiguous()
+
+
 def _onednn_reorder(w: torch.Tensor, batch: int) -> torch.Tensor:
     """``w`` [N, K] reordered once into oneDNN's blocked layout for ~``batch`` rows (the
     weight prepacking TorchInductor's CPU freezing does)."""
@@ -188,19 +202,17 @@ class OneDnnPacked(Provider):
         return case.dtype == self.dtype and case.constant and torch.backends.mkldnn.is_available()
 
     def kind(self, case):
-        return f"onednn/{tuning.m_bucket(case.M)}" + ("" if case.layout == "nk" else f"/{case.layout}")
+        return (f"onednn/{tuning.m_bucket(case.M)}" + ("/bf16" if case.dtype == "float32/bfloat16" else "")
+                + ("" if case.layout == "nk" else f"/{case.layout}"))
 
     def rows(self, case, args, out):
         w, bias = args[1], _bias(args, 2)
         kind = self.kind(case)
-        if case.layout == "kn":   # reordered from the [N, K] transpose (a temporary copy)
-            def reorder(t):
-                return _onednn_reorder(t.t().contiguous(), case.M)
-        else:
-            def reorder(t):
-                return _onednn_reorder(t, case.M)
+
+        def reorder(t):   # from the [N, K] GEMM weight (a temporary for [K, N] or float32 weights)
+            return _onednn_reorder(gemm_weight(case, t), case.M)
         x2, o2 = args[0].view(case.M, case.K), out.view(case.M, case.N)
-        bf16 = self.dtype == "bfloat16"
+        bf16 = self.dtype != "float32"
         xb = torch.empty((case.M, case.K), dtype=torch.bfloat16) if bf16 else None
         cpu_embed._cached(w, kind, reorder)   # reordered now, once
 
@@ -217,21 +229,24 @@ class OneDnnPacked(Provider):
 
 class OneDnnBf16(Provider):
     """torch's bfloat16 GEMM (``torch.mm``: oneDNN, with AMX or AVX512-BF16 where present) on the
-    weight as it is, x converted into a bfloat16 buffer first."""
+    weight as it is (a float32 weight with bfloat16 compute: rounded at every call), x converted
+    into a bfloat16 buffer first."""
 
     name = "onednn"
 
     def applies(self, case):
-        return case.dtype == "bfloat16"
+        return case.dtype in ("bfloat16", "float32/bfloat16")
 
     def rows(self, case, args, out):
         x2, o2, w, bias = args[0].view(case.M, case.K), out.view(case.M, case.N), args[1], _bias(args, 2)
         xb = torch.empty((case.M, case.K), dtype=torch.bfloat16)
         yb = torch.empty((case.M, case.N), dtype=torch.bfloat16)
+        convert = w.dtype != torch.bfloat16
 
         def rows(lo, hi):
             xb[lo:hi].copy_(x2[lo:hi])
-            torch.mm(xb[lo:hi], w.t(), out=yb[lo:hi])
+            wt = gemm_weight(case, w).t() if convert else w.t()   # float32: rounded at every call
+            torch.mm(xb[lo:hi], wt, out=yb[lo:hi])
             _to_f32(yb[lo:hi], bias, o2[lo:hi])
         return rows
 
@@ -372,7 +387,9 @@ class VendorDequant(Provider):
 PROVIDERS: list[Provider] = [
     YiragePacked("float32", "f32", cpu_embed.bind_linear_f32_packed), MklF32(), OneDnnPacked("float32", "onednn"),
     YiragePacked("bfloat16", "bf16", cpu_embed.bind_linear_bf16_packed), OneDnnBf16(),
-    OneDnnPacked("bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8(),
+    OneDnnPacked("bfloat16", "onednn-packed"),
+    YiragePacked("float32/bfloat16", "bf16/f32", cpu_embed.bind_linear_bf16_packed),
+    OneDnnPacked("float32/bfloat16", "onednn-packed"), YirageW8A8(), OneDnnInt8(),
     YirageQuant(), VendorDequant("mkl", bf16=False), VendorDequant("onednn", bf16=True)]
 
 
@@ -434,11 +451,15 @@ def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0
         return Case(op, "int8", x.numel() // K, N, K, group, cpu_embed.is_constant(w))
     if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
         return None
+    f32_dtype = "float32/bfloat16" if compute_dtype == "bfloat16" else "float32"
     if layout == "kn":
         if w.dtype != torch.float32:
             return None
         K, N = w.shape
-        return Case(op, "float32", x.numel() // K, N, K, constant=cpu_embed.is_constant(w), layout="kn")
+        return Case(op, f32_dtype, x.numel() // K, N, K, constant=cpu_embed.is_constant(w), layout="kn")
+    if w.dtype == torch.float32 and compute_dtype == "bfloat16":
+        N, K = w.shape
+        return Case(op, f32_dtype, x.numel() // K, N, K, constant=cpu_embed.is_constant(w))
     N, K = w.shape
     return Case(op, "float32" if w.dtype == torch.float32 else "bfloat16", x.numel() // K, N, K,
                 constant=cpu_embed.is_constant(w))

@@ -42,7 +42,7 @@ _UNARY = {
     "gelu_tanh": "({0} / (1.0f + yr_exp(-1.5957691216057308f * ({0} + 0.044715f * {0} * {0} * {0}))))",
     "tanh": "yr_tanh({0})", "sigmoid": "(1.0f / (1.0f + yr_exp(-{0})))",
     "erf": "yr_erf({0})", "log": "std::log({0})", "exp2": "std::exp2({0})", "abs": "std::fabs({0})",
-    "reciprocal": "(1.0f / {0})",
+    "reciprocal": "(1.0f / {0})", "cos": "std::cos({0})", "sin": "std::sin({0})",
     # bool values are 0.0f / 1.0f (transforms/fusion.py)
     "logical_not": "({0} == 0.0f ? 1.0f : 0.0f)", "to_bool": "({0} != 0.0f ? 1.0f : 0.0f)",
 }

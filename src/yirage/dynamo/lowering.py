@@ -112,10 +112,11 @@ class Emitter:
     ``value``). Build it outside any fake tensor mode (AOTAutograd compiles under one), so
     constants hold real values."""
 
-    def __init__(self, graph: KernelGraph):
+    def __init__(self, graph: KernelGraph, gemm_dtype: str | None = None):
         self.g = graph
         self.env: dict[Node, object] = {}
         self.constants: list[torch.Tensor] = []
+        self.gemm_dtype = gemm_dtype   # options.dtype: float32 linears compute in it ("bfloat16")
 
     def __getitem__(self, node: Node) -> DTensor:
         got = self.env[node]
@@ -352,7 +353,7 @@ for _name in ("add", "sub", "mul", "div"):
 
 _unary_check = _all_of(_no_kwargs(), _tensors_ok)
 for _name in ("exp", "sqrt", "rsqrt", "neg", "relu", "silu", "tanh", "sigmoid", "erf", "log", "exp2", "abs",
-              "reciprocal"):
+              "reciprocal", "cos", "sin"):
     lowers(getattr(aten, _name).default, check=_unary_check)(
         (lambda ir: lambda e, node: getattr(e.g, ir)(e[node.args[0]]))(_name))
 
@@ -821,11 +822,19 @@ def _ranks(*ranks):
     return check
 
 
+def _gemm(e, x, w, bias=None, layout: str = "nk") -> DTensor:
+    """A ``linear``; float32 ones compute in ``e.gemm_dtype`` (the ``dtype`` option) when set."""
+    compute = e.gemm_dtype if (e.gemm_dtype and _val(x).dtype == torch.float32
+                               and _val(w).dtype == torch.float32) else None
+    return e.g.linear(e[x], e[w], e[bias] if bias is not None else None, compute_dtype=compute,
+                      weight_layout=layout)
+
+
 @lowers(aten.mm.default, check=_all_of(_no_kwargs(), _tensors_ok, _ranks(2, 2)))
 def _mm(e, node):
     """x @ w as a ``linear`` with a [K, N] weight (``weight_layout='kn'``): the backend's GEMM
     providers, prepacked when w is a frozen weight (GPT-2's Conv1D)."""
-    return e.g.linear(e[node.args[0]], e[node.args[1]], weight_layout="kn")
+    return _gemm(e, node.args[0], node.args[1], layout="kn")
 
 
 @lowers(aten.bmm.default, check=_all_of(_no_kwargs(), _tensors_ok, _ranks(3, 3)))
@@ -847,7 +856,7 @@ def _addmm(e, node):
     bias, a, b = node.args[:3]
     bv, av = _val(bias), _val(a)
     if bv.dim() == 1 and bv.dtype == av.dtype:
-        return e.g.linear(e[a], e[b], e[bias], weight_layout="kn")
+        return _gemm(e, a, b, bias, layout="kn")
     return e.g.add(e.g.matmul(e[a], e[b]), e[bias])
 
 
@@ -862,8 +871,7 @@ def _check_linear(node):
 @lowers(aten.linear.default, check=_check_linear)
 def _linear(e, node):
     x, w = node.args[:2]
-    bias = node.args[2] if len(node.args) > 2 else None
-    return e.g.linear(e[x], e[w], e[bias] if bias is not None else None)
+    return _gemm(e, x, w, node.args[2] if len(node.args) > 2 else None)
 
 
 def rewrite_linear(gm: GraphModule) -> int:

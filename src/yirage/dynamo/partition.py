@@ -348,7 +348,7 @@ class YiragePartition(torch.nn.Module):
         impl = get_backend_impl(self.backend)
         gm = specialize(self.torch_module, inputs) if self.symbolic else self.torch_module
         g = self._graph(KNGraph(self.backend))
-        e = Emitter(g)
+        e = Emitter(g, self.options.dtype)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i in tensor_inputs:
             node, val = placeholders[i], inputs[i]

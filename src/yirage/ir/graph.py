@@ -270,6 +270,14 @@ class KernelGraph:
         """Elementwise ``1 / x`` (``torch.reciprocal``; float; inf at 0)."""
         return self._add("reciprocal", [x])
 
+    def cos(self, x):
+        """Elementwise ``torch.cos`` (radians; float; computed in float32): RoPE tables."""
+        return self._add("cos", [x])
+
+    def sin(self, x):
+        """Elementwise ``torch.sin`` (radians; float; computed in float32): RoPE tables."""
+        return self._add("sin", [x])
+
     def maximum(self, a, b):
         """Elementwise ``torch.maximum(a, b)`` with broadcasting: one float dtype; NaN if either is NaN."""
         return self._add("maximum", [a, b])
@@ -521,8 +529,8 @@ class KernelGraph:
         """``x @ w.T (+ bias)``: x [..., K], w [N, K] (float, or GGUF blocks such as q4_1/q8_0),
         bias [N]. A bfloat16 ``w`` with float32 ``x`` is a bfloat16 GEMM with float32 accumulation
         and float32 output (``ir.ops`` ``_linear_ref`` gives the rounding). ``compute_dtype``
-        'bfloat16' (GGUF-block ``w`` and float32 ``x`` only) computes the same way on the decoded
-        weight rounded to bfloat16. ``weight_layout`` 'kn': ``w`` is stored [K, N] and the op is
+        'bfloat16' (float32 or GGUF-block ``w`` with float32 ``x``) computes the same way on the
+        (decoded) weight rounded to bfloat16. ``weight_layout`` 'kn': ``w`` is stored [K, N] and the op is
         ``x @ w (+ bias)`` (float weights only; GPT-2's Conv1D, ``torch.addmm``), read in place.
         GraphError for bad shapes, dtypes, compute_dtype or weight_layout."""
         self._check_tensors("linear", [x, w] + ([bias] if bias is not None else []))

@@ -137,7 +137,7 @@ UNARY: dict[str, Callable] = {
     "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu,
     "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "log": torch.log, "exp2": torch.exp2,
-    "abs": torch.abs, "reciprocal": torch.reciprocal,
+    "abs": torch.abs, "reciprocal": torch.reciprocal, "cos": torch.cos, "sin": torch.sin,
 }
 BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
                                "maximum": torch.maximum, "minimum": torch.minimum, "pow": torch.pow}
@@ -393,9 +393,9 @@ def _linear_infer(ts, attrs):
     if len(w.shape) != 2:
         _fail("linear", ts, "weight must be 2-d [out_features, in_features]")
     layout = attrs.get("weight_layout", "nk")
-    if layout not in WEIGHT_LAYOUTS or (layout == "kn" and w.dtype.is_quantized):
-        _fail("linear", ts, f"weight_layout must be one of {WEIGHT_LAYOUTS} ('kn' for float weights only), "
-                            f"got {layout!r}")
+    if layout not in WEIGHT_LAYOUTS or (layout == "kn" and w.dtype != x.dtype):
+        _fail("linear", ts, f"weight_layout must be one of {WEIGHT_LAYOUTS} ('kn' for a float weight of x's "
+                            f"dtype only), got {layout!r}")
     N, K = linear_nk(w.shape, attrs)
     if x.shape[-1] != K:
         _fail("linear", ts, f"x's last dim {x.shape[-1]} must equal the weight's in_features {K}")
@@ -406,9 +406,10 @@ def _linear_infer(ts, attrs):
     if len(ts) == 3 and (tuple(ts[2].shape) != (N,) or ts[2].dtype != x.dtype):
         _fail("linear", ts, f"bias must have shape ({N},) and x's dtype {x.dtype.value}")
     compute = attrs.get("compute_dtype")
-    if compute is not None and (compute != "bfloat16" or not w.dtype.is_quantized or x.dtype != DType.float32):
-        _fail("linear", ts, f"compute_dtype={compute!r}: only 'bfloat16', for a block-quantized weight with "
-                            "float32 x (a float weight takes bfloat16 compute by being stored in bfloat16)")
+    if compute is not None and (compute != "bfloat16" or x.dtype != DType.float32
+                                or not (w.dtype.is_quantized or w.dtype == DType.float32)):
+        _fail("linear", ts, f"compute_dtype={compute!r}: only 'bfloat16', with float32 x and a float32 or "
+                            "block-quantized weight (a bfloat16 weight computes in bfloat16 already)")
     return TensorType((*x.shape[:-1], N), x.dtype)
 
 
@@ -417,16 +418,17 @@ def _linear_ref(args, attrs):
     x's dtype: what every linear kernel computes (float32 accumulation). A bfloat16 W with
     float32 x is a bfloat16 GEMM: x rounded to bfloat16 (nearest even), products summed in
     float32, the sum rounded to bfloat16 (what oneDNN's bfloat16 GEMM returns, as torch's
-    autocast computes a linear layer), then the float32 bias added; float32 out. A block-quantized
-    W with ``compute_dtype='bfloat16'`` is decoded, rounded to bfloat16, and then the same.
+    autocast computes a linear layer), then the float32 bias added; float32 out. A float32 or
+    block-quantized W with ``compute_dtype='bfloat16'`` is decoded, rounded to bfloat16, and then
+    the same.
     ``weight_layout='kn'``: W is stored [K, N] (x @ W)."""
     x, w = args[0], args[1]
     if attrs.get("weight_layout") == "kn":
         w = w.t()
     if attrs.get("w_dtype"):
         w = dequantize(w, DType(attrs["w_dtype"]), tuple(attrs["w_shape"]))
-        if attrs.get("compute_dtype") == "bfloat16":
-            w = w.to(torch.bfloat16)
+    if attrs.get("compute_dtype") == "bfloat16":
+        w = w.to(torch.bfloat16)
     if x.dtype == torch.float32 and w.dtype == torch.bfloat16:
         y = F.linear(x.to(torch.bfloat16), w).float()
         return y + args[2] if len(args) == 3 else y

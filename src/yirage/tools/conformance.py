@@ -310,7 +310,7 @@ _TORCH_UNARY = {
     "exp": torch.exp, "sqrt": torch.sqrt, "square": torch.square, "silu": F.silu, "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": torch.relu, "rsqrt": torch.rsqrt,
     "neg": torch.neg, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "log": torch.log,
-    "exp2": torch.exp2, "abs": torch.abs, "reciprocal": torch.reciprocal,
+    "exp2": torch.exp2, "abs": torch.abs, "reciprocal": torch.reciprocal, "cos": torch.cos, "sin": torch.sin,
 }
 
 
@@ -846,6 +846,19 @@ def _linear_quant_bf16(M: int, N: int, K: int, dtype: DType) -> Built:
     return g, [xs, storage, bias], {0: F.linear(xs.to(torch.bfloat16), wf.to(torch.bfloat16)).float() + bias}
 
 
+def _linear_f32_bf16_compute(M: int, N: int, K: int, layout: str) -> Built:
+    """A float32 weight ([N, K] or [K, N]) with compute_dtype='bfloat16' (torch.compile's
+    ``dtype='bfloat16'`` option): x and the weight rounded to bfloat16, float32 sums rounded to
+    bfloat16, float32 bias."""
+    wf = torch.randn((N, K))
+    stored = wf.t().contiguous() if layout == "kn" else wf
+    g = new_kernel_graph()
+    x, w, b = g.new_input((M, K)), g.new_input(tuple(stored.shape)), g.new_input((N,))
+    g.mark_output(g.linear(x, w, b, compute_dtype="bfloat16", weight_layout=layout))
+    xs, bias = torch.randn(M, K), torch.randn(N)
+    return g, [xs, stored, bias], {0: F.linear(xs.to(torch.bfloat16), wf.to(torch.bfloat16)).float() + bias}
+
+
 def _embedding(V: int, D: int, dtype: DType) -> Built:
     storage, table = _weight((V, D), dtype)
     g = new_kernel_graph()
@@ -872,6 +885,9 @@ def _weight_cases() -> list[Case]:
     cases += [Case("linear", f"{d.value} weight, bfloat16 compute M={M}",
                    functools.partial(_linear_quant_bf16, M, 40, 256, d), tol=(8e-3, 8e-3))
               for d in (DType.q4_1, DType.q4_k) for M in (3, 20)]
+    cases += [Case("linear", f"float32 {layout} weight, bfloat16 compute M={M}",
+                   functools.partial(_linear_f32_bf16_compute, M, 40, 96, layout), tol=(8e-3, 8e-3))
+              for layout in ("nk", "kn") for M in (3, 20)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 50, 64, d), tol=(0.0, 0.0))
               for d in (DType.q4_1, DType.q8_0, DType.float32)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 9, 256, d), tol=(0.0, 0.0))
