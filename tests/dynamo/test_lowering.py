@@ -70,6 +70,9 @@ CASES = {
     "linear_nobias": (F.linear, lambda: [torch.randn(4, 8), torch.randn(6, 8)], ["aten.linear.default"]),
     **{name: (getattr(torch, name), lambda: [torch.randn(3, 7)], [f"aten.{name}.default"])
        for name in ("tanh", "sigmoid", "erf", "exp2", "abs", "cos", "sin")},
+    "constant_pad_nd": (lambda x: F.pad(x, (0, 1, 2, 0), value=0.5), lambda: [torch.randn(2, 3, 4, 5)],
+                        ["aten.constant_pad_nd.default"]),
+    "hardtanh": (F.relu6, lambda: [torch.randn(3, 7) * 5], ["aten.hardtanh.default"]),
     "addmm_2d_bias": (torch.addmm, lambda: [torch.randn(4, 6), torch.randn(4, 8), torch.randn(8, 6)],
                       ["aten.addmm.default"]),
     "log": (torch.log, lambda: [_pos(3, 7)], ["aten.log.default"]),

@@ -98,6 +98,34 @@ def resnet():
     return transformers.ResNetModel(config), dict(pixel_values=torch.randn(B, 3, 32, 32))
 
 
+def _calibrated(model):
+    """A conv net whose activations neither vanish nor turn denormal (transformers' random init
+    does that to some): Kaiming convolutions, BatchNorm affine reset, BatchNorm statistics
+    from a few random batches in train mode."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, torch.nn.BatchNorm2d):
+            torch.nn.init.ones_(m.weight), torch.nn.init.zeros_(m.bias)
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(pixel_values=torch.randn(4, 3, 32, 32))
+    return model.eval()
+
+
+def mobilenetv2():
+    """TensorFlow-style "same" padding (constant_pad_nd) and ReLU6 (hardtanh)."""
+    config = transformers.MobileNetV2Config(depth_multiplier=0.25, image_size=32, num_channels=3)
+    return _calibrated(transformers.MobileNetV2Model(config)), dict(pixel_values=torch.randn(B, 3, 32, 32))
+
+
+def convnext():
+    """Depthwise 7x7 convolutions, LayerNorm over channels (permutes), GELU."""
+    config = transformers.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=32)
+    return _calibrated(transformers.ConvNextModel(config)), dict(pixel_values=torch.randn(B, 3, 32, 32))
+
+
 #: model -> the least coverage it must reach (what these tiny configs reach today, less a margin)
 SUITE = {bert: 0.9, gpt2: 0.9, llama: 0.9, vit: 0.9, distilbert: 0.9, t5_encoder: 0.9, minilm: 0.9}
 
@@ -155,6 +183,15 @@ def test_model_matches_eager_mostly_in_yirage(make):
     assert not [p for p in report.partitions if p.runs_in != "yirage"], "a partition fell back"
     share, _, _ = coverage(report)
     assert share >= SUITE[make], f"{make.__name__}: only {share:.1%} of the ops ran in yirage"
+
+
+@pytest.mark.parametrize("make", [mobilenetv2, convnext], ids=lambda f: f.__name__)
+def test_conv_nets_compile_whole_into_yirage(make):
+    report, expected, got = run_model(make)
+    err, cos = _check_close(make.__name__, got, expected)
+    print("\n" + _describe(make.__name__, report, err, cos))
+    assert len(report.yirage_partitions) == 1 and not report.torch_ops, [
+        (t.op, t.reason) for t in report.torch_ops]
 
 
 def test_resnet_runs_correctly_with_convolutions_in_yirage():

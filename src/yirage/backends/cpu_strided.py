@@ -28,7 +28,7 @@ SIGNATURES: dict[str, tuple] = {
     "yr_strided_copy": (_P, _P, _I, _P, _P, _I, _P, _I, _I),
 }
 #: the layout ops, copies of strided views of their inputs
-LAYOUT_OPS = ("permute", "expand", "slice", "select", "cat")
+LAYOUT_OPS = ("permute", "expand", "slice", "select", "cat", "pad")
 #: element type codes of strided.cpp
 DTYPE_CODES = {DType.float32: 0, DType.float16: 1, DType.bfloat16: 2}
 #: reduction op codes of strided.cpp (``reduction`` is a sum)
@@ -76,14 +76,23 @@ def _always(node, graph) -> bool:
 
 
 def _layout(node, graph, args, out, status):
-    """permute, expand, slice, select, cat: strided copies (strided_views.copies), their size and
-    stride arrays made once here."""
+    """permute, expand, slice, select, cat, pad: strided copies (strided_views.copies), their size
+    and stride arrays made once here; pad fills its output with its value first."""
     fn, calls, keep = library().yr_strided_copy, [], []
     for c in copies(node, graph):
         arrays = [(ctypes.c_int64 * len(v))(*v) for v in (c.sizes, c.src_strides, c.dst_strides)]
         keep.append(arrays)
         calls.append((args[c.input].data_ptr(), out.data_ptr(), len(c.sizes), arrays[0], arrays[1], c.src_offset,
                       arrays[2], c.dst_offset, out.element_size()))
+
+    if node.op == "pad":   # the borders: the whole output filled first (one pass), then the interior
+        value = node.attrs["value"]
+
+        def run_pad(calls=calls, keep=keep):
+            out.fill_(value)
+            for p in calls:
+                fn(*p)
+        return run_pad
 
     def run(calls=calls, keep=keep):
         for p in calls:

@@ -43,8 +43,9 @@ class Copy(NamedTuple):
 
 
 def copies(node, graph) -> list[Copy]:
-    """The strided copies that compute a layout op (permute, expand, slice, select, cat) from
-    contiguous inputs into its contiguous output. 0-d shapes are copied as (1,)."""
+    """The strided copies that compute a layout op (permute, expand, slice, select, cat, pad)
+    from contiguous inputs into its contiguous output (``pad``: only its interior; the borders
+    are filled by the binder). 0-d shapes are copied as (1,)."""
     xs = [graph.tensors[i].shape for i in node.inputs]
     out = graph.tensors[node.output].shape
     a = node.attrs
@@ -64,6 +65,9 @@ def copies(node, graph) -> list[Copy]:
     if node.op == "select":
         d = a["dim"]
         return [_copy(0, out, xst[:d] + xst[d + 1:], a["index"] * xst[d], ost, 0)]
+    if node.op == "pad":   # the input into the interior (the binder fills the rest)
+        at = sum(lo * s for (lo, _), s in zip(a["pads"], ost))
+        return [_copy(0, x, xst, 0, ost, at)]
     if node.op == "cat":
         d, at, result = a["dim"], 0, []
         for i, shape in enumerate(xs):

@@ -175,8 +175,11 @@ def _layout(node, graph, args, out, status):
             total *= n
         calls.append((args[c.input], meta, total, c.src_offset, c.dst_offset))
     fn = lib.strided_copy
+    fill = node.attrs["value"] if node.op == "pad" else None   # pad: the borders (a fill first)
 
     def run():
+        if fill is not None:
+            out.fill_(fill)
         for src, meta, total, so, do in calls:
             fn(src, out, meta, total, so, do)
     return run
@@ -214,7 +217,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     **{op: (_float_first, _reduce_mid) for op in ("reduction", "sum", "mean", "amax", "amin", "var")},
     "softmax": (_float_first, _softmax_mid),
     "log_softmax": (_float_first, _softmax_mid),
-    **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat")},
+    **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat", "pad")},
     "index_select": (_index_ok, _index_copy),  # kernels/triton/indexing.py
     "gather": (_index_ok, _index_copy),
 }

@@ -398,7 +398,10 @@ def _gelu(e, node):
 
 
 def _clamp_bounds(node):
-    if node.target is aten.clamp.default:
+    if node.target is aten.hardtanh.default:   # ReLU6 is hardtanh(x, 0, 6)
+        lo = node.kwargs.get("min_val", node.args[1] if len(node.args) > 1 else -1.0)
+        hi = node.kwargs.get("max_val", node.args[2] if len(node.args) > 2 else 1.0)
+    elif node.target is aten.clamp.default:
         lo = node.kwargs.get("min", node.args[1] if len(node.args) > 1 else None)
         hi = node.kwargs.get("max", node.args[2] if len(node.args) > 2 else None)
     elif node.target is aten.clamp_min.default:
@@ -414,10 +417,11 @@ def _check_clamp(node):
         return f"bounds {lo!r}, {hi!r} are not real scalars"
     if lo is not None and hi is not None and lo > hi:
         return f"min {lo} > max {hi}"
-    return _all_of(_no_kwargs("min", "max"), _tensors_ok)(node)
+    return _all_of(_no_kwargs("min", "max", "min_val", "max_val"), _tensors_ok)(node)
 
 
-@lowers(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, check=_check_clamp)
+@lowers(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default,
+        check=_check_clamp)
 def _clamp(e, node):
     lo, hi = _clamp_bounds(node)
     return e.g.clamp(e[node.args[0]], float("-inf") if lo is None else lo, float("inf") if hi is None else hi)
@@ -628,6 +632,30 @@ def _check_cat(node):
 def _cat(e, node):
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
     return e.g.cat([e[t] for t in node.args[0]], dim)
+
+
+def _check_pad(node):
+    pad = node.args[1]
+    value = node.kwargs.get("value", node.args[2] if len(node.args) > 2 else 0.0)
+    rank = _val(node.args[0]).dim()
+    if (not isinstance(pad, (list, tuple)) or len(pad) % 2 or len(pad) > 2 * rank
+            or not all(isinstance(p, int) and p >= 0 for p in pad)):
+        return f"pad {pad!r} is not pairs of non-negative integers (cropping stays in torch)"
+    if not _is_scalar(value):
+        return f"pad value {value!r} is not a real scalar"
+    return _all_of(_no_kwargs("value"), lambda n: _tensors_ok(n, dtypes=LAYOUT_DTYPES))(node)
+
+
+@lowers(aten.constant_pad_nd.default, check=_check_pad)
+def _constant_pad(e, node):
+    """``F.pad(x, pad, value=v)``: torch lists (before, after) pairs from the last dim backwards."""
+    x, pad = node.args[:2]
+    value = node.kwargs.get("value", node.args[2] if len(node.args) > 2 else 0.0)
+    rank = _val(x).dim()
+    pairs = [(0, 0)] * rank
+    for i in range(len(pad) // 2):
+        pairs[rank - 1 - i] = (pad[2 * i], pad[2 * i + 1])
+    return e.g.pad(e[x], pairs, float(value))
 
 
 def _check_split(node):

@@ -717,6 +717,16 @@ class KernelGraph:
         i = _int("select", "index", index)
         return self._add("select", [x], dim=d, index=i + x.shape[d] if i < 0 else i)
 
+    def pad(self, x, pads: Sequence, value: float = 0.0):
+        """``x`` with ``pads[d] = (before, after)`` elements of ``value`` added on each side of
+        every dim d (one pair per dim, first dim first, non-negative: ``F.pad``'s constant mode
+        with its pairs in dim order). Copied. GraphError for pads of the wrong length or sign,
+        or a value that is not a real number (the convolutions' "same" padding of
+        TensorFlow-style models is asymmetric: this op, then a conv with padding 0)."""
+        pads = [tuple(_int("pad", "pads", n) for n in p) for p in pads]
+        return self._add("pad", [x], pads=[list(p) for p in pads],
+                         value=_real("pad", "value", value, finite=False))
+
     def cat(self, tensors: Sequence, dim: int = 0):
         """``torch.cat(tensors, dim)``: one dtype and rank, equal sizes except along ``dim``. GraphError
         for an empty list, mismatched inputs or a bad dim."""

@@ -859,6 +859,21 @@ _register("select", "library", 1, _select_infer, lambda args, a: args[0].select(
 _register("cat", "library", -1, _cat_infer, lambda args, a: torch.cat(list(args), dim=a["dim"]))
 
 
+def _pad_infer(ts, attrs):
+    x, pads = ts[0], attrs["pads"]
+    if len(pads) != len(x.shape) or any(len(p) != 2 or min(p) < 0 for p in pads):
+        _fail("pad", ts, f"pads must be one (before, after) pair of non-negative integers per dim, got {pads}")
+    return TensorType(tuple(n + lo + hi for n, (lo, hi) in zip(x.shape, pads)), x.dtype)
+
+
+def _pad_ref(args, a):
+    flat = [n for lo_hi in reversed(a["pads"]) for n in lo_hi]   # F.pad: the last dim first
+    return F.pad(args[0], flat, value=a["value"])
+
+
+_register("pad", "library", 1, _pad_infer, _pad_ref)
+
+
 # ---- indexing with run-time indices: index_select, gather (checked, see ``index_input``) --------
 
 #: dtypes the indexing ops move (they copy elements, never compute on them)

@@ -605,6 +605,9 @@ def _layout_cases() -> list[Case]:
         ("cat", "cat", [(2, 5), (3, 5), (1, 5)], (0,), lambda *xs: torch.cat(xs, 0)),
         ("cat", "cat", [(2, 3, 4), (2, 1, 4)], (1,), lambda *xs: torch.cat(xs, 1)),
         ("cat", "cat", [(3, 4097), (3, 2)], (-1,), lambda *xs: torch.cat(xs, -1)),
+        ("pad", "pad", [(2, 3, 5)], ([(0, 0), (1, 2), (0, 1)], 0.0), lambda x: F.pad(x, (0, 1, 1, 2))),
+        ("pad", "pad", [(1, 4, 9, 7)], ([(0, 0), (0, 0), (0, 1), (0, 1)], -1.5),
+         lambda x: F.pad(x, (0, 1, 0, 1), value=-1.5)),
     ]
     cases = []
     for op, method, shapes, args, fn in specs:
