@@ -70,6 +70,12 @@ CASES = {
     "linear_nobias": (F.linear, lambda: [torch.randn(4, 8), torch.randn(6, 8)], ["aten.linear.default"]),
     **{name: (getattr(torch, name), lambda: [torch.randn(3, 7)], [f"aten.{name}.default"])
        for name in ("tanh", "sigmoid", "erf", "exp2", "abs", "cos", "sin")},
+    "sdpa_mask": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                  lambda: [torch.randn(2, 3, 5, 8), torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8),
+                           torch.randn(2, 1, 1, 6)], ["aten._scaled_dot_product_flash_attention_for_cpu.default"]),
+    "sdpa_causal_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                        lambda: [torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)],
+                        ["aten._scaled_dot_product_flash_attention_for_cpu.default"]),
     "constant_pad_nd": (lambda x: F.pad(x, (0, 1, 2, 0), value=0.5), lambda: [torch.randn(2, 3, 4, 5)],
                         ["aten.constant_pad_nd.default"]),
     "hardtanh": (F.relu6, lambda: [torch.randn(3, 7) * 5], ["aten.hardtanh.default"]),

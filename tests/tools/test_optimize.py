@@ -15,9 +15,11 @@ from yirage.tuning import profile as tuning
 
 
 @pytest.fixture
-def small(monkeypatch):
+def small(monkeypatch, tmp_path):
     """Two small workloads (float32 and bfloat16 weights) instead of the registry's, no thread
-    sweep, steady figures (the suite's load must not stop the profile from being written)."""
+    sweep, steady figures (the suite's load must not stop the profile from being written), and
+    a profile of its own (other tests' first-use measurements may cover the same shapes)."""
+    monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path / "tuning"))
     gguf = pytest.importorskip("gguf")
     w = np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)
     blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)).reshape(40, -1)

@@ -240,3 +240,17 @@ def test_templates_tell_cpu_generations_apart():
     names = {name: doc["match"] for name, doc in tuning.templates()}
     assert names["amd-epyc-zen5-avx512-2cores"]["cpu_generation"] == "26/"
     assert names["amd-epyc-zen4-avx512-2cores"]["cpu_generation"] == "25/17"
+
+
+@pytest.mark.parametrize("provider", ["flash", "gemm"])
+@pytest.mark.parametrize("spec", [(2, 4, 4, 9, 9, (2, 1, 1, 9), False, None), (1, 2, 2, 7, 7, None, True, 0.5)],
+                         ids=["mask", "causal"])
+def test_sdpa_providers_compute_attention(provider, spec, monkeypatch):
+    """Both providers of ``sdpa`` (torch's fused kernel, two batched GEMMs around a softmax)
+    against attention written out (conformance's builder)."""
+    from yirage.tools import conformance
+
+    monkeypatch.setattr(tuning, "choose", lambda key, cands, default, **kw: tuning.Choice(provider, "pinned"))
+    g, inputs, want = conformance._sdpa(*spec)
+    out = g.compile("cpu")(inputs)
+    torch.testing.assert_close(out[0], want[0], rtol=1e-4, atol=1e-4)

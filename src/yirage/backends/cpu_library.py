@@ -26,6 +26,7 @@ from ..dtypes import DType
 from ..ir.ops import linear_nk
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
+from ..tuning import profile as tuning
 from . import cpu_conv, cpu_embed, cpu_indexing, cpu_providers, cpu_strided
 from .cpu_threadblock import bind_customized, customized_ok
 
@@ -223,6 +224,59 @@ def _attention_rows(node, graph, args, out, status):
     return lambda: fn(*p)
 
 
+def _sdpa_flash(q, k, v, mask, out, causal: bool, scale):
+    """torch's fused scaled_dot_product_attention (its flash-attention CPU kernel), into ``out``."""
+    sdpa, gqa = torch.nn.functional.scaled_dot_product_attention, k.shape[1] != q.shape[1]
+    return lambda: out.copy_(sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa))
+
+
+def _sdpa_gemm(q, k, v, mask, out, causal: bool, scale):
+    """The same as two batched GEMMs around a safe softmax (a fully masked row gives 0, as the
+    fused kernel does): the scores [B, H, S, T] materialized in a buffer made here."""
+    B, H, S, D = q.shape
+    T = k.shape[2]
+    scores, kt = torch.empty((B, H, S, T), dtype=q.dtype), k.transpose(-1, -2)
+    bias = (torch.full((S, T), float("-inf"), dtype=q.dtype).triu(1) if causal else None)
+    s = float(scale) if scale is not None else D ** -0.5
+    softmax = torch.ops.aten._safe_softmax.default
+
+    def run():
+        torch.matmul(q, kt, out=scores)
+        scores.mul_(s)
+        if mask is not None:
+            scores.add_(mask)
+        if bias is not None:
+            scores.add_(bias)
+        torch.matmul(softmax(scores, -1), v, out=out)
+    return run
+
+
+def _sdpa(node, graph, args, out, status):
+    """``sdpa`` on the provider chosen by measurement for its shape class: torch's fused
+    flash-attention CPU kernel, or two batched GEMMs (MKL) around a softmax (q and k heads equal
+    only). Nothing of yirage's own yet."""
+    q, k, v = args[:3]
+    mask = args[3] if len(args) == 4 else None
+    causal, scale = node.attrs["causal"], node.attrs["scale"]
+    B, H, S, D = q.shape
+    cands = {"flash": _sdpa_flash}
+    if k.shape[1] == H:
+        cands["gemm"] = _sdpa_gemm
+    key = tuning.shape_class("sdpa", f"{q.dtype}".removeprefix("torch.") + ("/mask" if mask is not None else "")
+                             + ("/causal" if causal else ""), B * H * S, k.shape[2], D, torch.get_num_threads())
+
+    def factory(bind):
+        def make():   # random inputs of the class (the plan's buffers hold garbage at bind time)
+            xs = [torch.randn(t.shape, dtype=t.dtype) for t in (q, k, v)]
+            m = torch.zeros(mask.shape, dtype=mask.dtype) if mask is not None else None
+            return bind(*xs, m, torch.empty_like(out), causal, scale)
+        return make
+    choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, "flash")
+    thunk = cands[choice.provider](q, k, v, mask, out, causal, scale)
+    thunk.provider = f"{choice.provider} ({choice.source})"
+    return thunk
+
+
 def _attention_bidir(node, graph, args, out, status):
     """Encoder attention with a key-padding mask: torch's fused scaled_dot_product_attention
     (flash-attention CPU kernel) over views of the packed qkv, written into ``out``."""
@@ -265,6 +319,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "argmax": (_float32_first, _argmax),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)
     "attention_bidir": (_float32_first, _attention_bidir),
+    "sdpa": (_always, _sdpa),
     "attention_varlen": (_float32_first, cpu_embed.bind_attention_varlen),  # kernels/cpu/embed_kernels.h
     "linear_w8a8": (_float32_first, _linear_w8a8),
     **cpu_strided.OPS,  # reductions and softmax over a non-last dim (kernels/cpu/strided.cpp)

@@ -658,6 +658,38 @@ def _constant_pad(e, node):
     return e.g.pad(e[x], pairs, float(value))
 
 
+def _check_sdpa(node):
+    args = list(node.args) + [None] * (5 - len(node.args))
+    q, k, v, dropout, _causal = args[:5]
+    if dropout not in (None, 0, 0.0):
+        return f"dropout_p={dropout} (inference has none)"
+    mask = node.kwargs.get("attn_mask")
+    for u in node.users:
+        if u.target is not operator.getitem or u.args[1] != 0:
+            return "its logsumexp output is used (only the attention output is lowered)"
+    vals = [_val(t) for t in (q, k, v)] + ([_val(mask)] if mask is not None else [])
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in vals):
+        return "q, k, v (and the mask) are not 4-d tensors"
+    if any(t.dtype != vals[0].dtype for t in vals):
+        return "a mask of another dtype than q (a bool mask)"
+    bad = set(node.kwargs) - {"attn_mask", "scale"}
+    return f"keyword(s) {sorted(bad)}" if bad else _tensors_ok(node, output=False)
+
+
+@lowers(aten._scaled_dot_product_flash_attention_for_cpu.default, check=_check_sdpa)
+def _sdpa(e, node):
+    """``F.scaled_dot_product_attention`` as one op (torch gives CPU graphs this overload; its
+    output 1, the logsumexp, is not lowered)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    q, k, v, _dropout, causal = args[:5]
+    mask, scale = node.kwargs.get("attn_mask"), node.kwargs.get("scale")
+    return (e.g.sdpa(e[q], e[k], e[v], e[mask] if mask is not None else None, bool(causal),
+                     None if scale is None else float(scale)),)
+
+
+FIRST_OUTPUT_ONLY.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
 def _check_split(node):
     x, sizes = node.args[:2]
     if not isinstance(sizes, (list, tuple)) or not all(isinstance(n, int) and n > 0 for n in sizes):

@@ -788,6 +788,17 @@ class KernelGraph:
         return self._add("slice_rows", [x], start=_int("slice_rows", "start", start),
                          end=_int("slice_rows", "end", end))
 
+    def sdpa(self, q, k, v, mask=None, causal: bool = False, scale: float | None = None):
+        """Scaled dot-product attention, ``torch.nn.functional.scaled_dot_product_attention``:
+        q [B, H, S, D], k [B, Hk, T, D], v [B, Hk, T, Dv] (Hk dividing H: GQA), ``mask`` None or
+        an additive float mask [B or 1, H or 1, S or 1, T] of q's dtype, ``causal`` (query i sees
+        keys j <= i), ``scale`` (None: 1/sqrt(D)). Returns [B, H, S, Dv]. GraphError for
+        mismatched shapes or dtypes."""
+        if scale is not None:
+            scale = _real("sdpa", "scale", scale)
+        return self._add("sdpa", [q, k, v] + ([mask] if mask is not None else []), causal=bool(causal),
+                         scale=scale)
+
     def attention_varlen(self, qkv, offsets, num_heads: int, scale: float | None = None):
         """Bidirectional multi-head attention over sentences packed back to back (no padding).
 

@@ -778,6 +778,33 @@ _register("attention_bidir", "library", 2, _attention_bidir_infer,
 _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))
 
 
+def _sdpa_infer(ts, attrs):
+    q, k, v = ts[:3]
+    if any(len(t.shape) != 4 for t in (q, k, v)) or not q.dtype.is_float or k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail("sdpa", ts, "q, k, v must be 4-d [B, H, S, D] of one float dtype")
+    (B, H, S, D), (Bk, Hk, T, Dk) = q.shape, k.shape
+    if Bk != B or Dk != D or tuple(v.shape[:3]) != (B, Hk, T) or Hk == 0 or H % Hk:
+        _fail("sdpa", ts, "k must be [B, Hk, T, D] and v [B, Hk, T, Dv] with Hk dividing q's heads H (GQA)")
+    if len(ts) == 4:
+        m = ts[3]
+        if (m.dtype != q.dtype or len(m.shape) != 4 or m.shape[3] != T
+                or any(n not in (1, full) for n, full in zip(m.shape[:3], (B, H, S)))):
+            _fail("sdpa", ts, "mask must be an additive float mask of q's dtype, [B or 1, H or 1, S or 1, T]")
+    return TensorType((B, H, S, v.shape[3]), q.dtype)
+
+
+def sdpa_reference(q, k, v, mask=None, causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention (Vaswani et al. 2017) as torch computes it:
+    ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)``,
+    with GQA (k/v heads repeated over the query heads they serve)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+_register("sdpa", "library", -1, _sdpa_infer,
+          lambda args, a: sdpa_reference(*args[:3], args[3] if len(args) == 4 else None, a["causal"], a["scale"]))
+
+
 def _reshape_infer(ts, attrs):
     shape = tuple(attrs["shape"])
     if any(d <= 0 for d in shape):

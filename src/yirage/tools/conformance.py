@@ -1042,6 +1042,26 @@ def _customized() -> Built:
     return g, [x, w1, w3], {0: F.silu(x @ w1) * (x @ w3)}
 
 
+def _sdpa(B: int, H: int, Hk: int, S: int, T: int, mask_shape, causal: bool, scale) -> Built:
+    """``sdpa`` against attention written out: softmax(q k^T * scale + mask, causal) v, with the
+    k/v heads repeated for GQA."""
+    D = 16
+    g = new_kernel_graph()
+    q, k, v = g.new_input((B, H, S, D)), g.new_input((B, Hk, T, D)), g.new_input((B, Hk, T, D))
+    m = g.new_input(mask_shape) if mask_shape else None
+    g.mark_output(g.sdpa(q, k, v, m, causal=causal, scale=scale))
+    qs, ks, vs = torch.randn(B, H, S, D), torch.randn(B, Hk, T, D), torch.randn(B, Hk, T, D)
+    ms = torch.randn(mask_shape) if mask_shape else None
+    kr, vr = ks.repeat_interleave(H // Hk, dim=1), vs.repeat_interleave(H // Hk, dim=1)
+    scores = qs @ kr.transpose(-1, -2) * (D ** -0.5 if scale is None else scale)
+    if ms is not None:
+        scores = scores + ms
+    if causal:
+        scores = scores.masked_fill(torch.ones(S, T, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(scores, dim=-1) @ vr
+    return g, [qs, ks, vs] + ([ms] if ms is not None else []), {0: want}
+
+
 def _library_cases() -> list[Case]:
     part = functools.partial
     return [
@@ -1051,6 +1071,10 @@ def _library_cases() -> list[Case]:
         *(Case("linear_w8a8", f"M={M} K={K} N={N} group={G}{' bias' if b else ''}", part(_linear_w8a8, M, K, N, G, b),
                tol=(1e-4, 1e-5)) for M, K, N, G, b in [(1, 64, 40, 0, True), (7, 96, 33, 0, False),
                                                          (5, 96, 17, 16, True)]),
+        *(Case("sdpa", name, part(_sdpa, *spec), tol=(1e-4, 1e-4)) for name, spec in [
+            ("mask [B,1,1,T]", (2, 4, 4, 9, 9, (2, 1, 1, 9), False, None)),
+            ("causal", (1, 2, 2, 7, 7, None, True, None)),
+            ("GQA, mask [1,H,S,T], scale 0.3", (2, 4, 2, 5, 6, (1, 4, 5, 6), False, 0.3))]),
         Case("rope", "T=3 start=2", part(_rope, 3, 2)),
         Case("rope", "T=1 start=11", part(_rope, 1, 11)),
         Case("attention", "prefill T=7", part(_attention, 7, 0, 0)),
