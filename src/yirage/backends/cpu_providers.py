@@ -16,6 +16,12 @@ the vendor libraries inside torch (MKL, oneDNN with AMX or AVX512-BF16 where the
 |                                               | rows dequantized per call into a scratch, MKL GEMM) |
 | the same with ``compute_dtype='bfloat16'``    | ``onednn`` (dequantized, rounded to bfloat16,       |
 |                                               | oneDNN's bfloat16 GEMM: AMX / AVX512-BF16)          |
+| ``linear`` float32 x, float32 w with          | ``yirage`` (packed ``vdpbf16ps`` GEMM of the        |
+| ``compute_dtype='bfloat16'`` (torch.compile's | rounded weight), ``onednn-packed``, ``onednn``      |
+| ``dtype`` option)                             | (weight rounded at every call)                      |
+
+A float32 weight may be stored [K, N] (``layout`` "kn": ``x @ w``, GPT-2's Conv1D): the packing
+providers pack it from its transpose, MKL reads it as it is.
 
 A bfloat16 weight with float32 activations means: x rounded to bfloat16, products summed in
 float32, the sum rounded to bfloat16, then the float32 bias (``ir.ops`` ``linear``; what oneDNN's
@@ -451,15 +457,12 @@ def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0
         return Case(op, "int8", x.numel() // K, N, K, group, cpu_embed.is_constant(w))
     if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
         return None
-    f32_dtype = "float32/bfloat16" if compute_dtype == "bfloat16" else "float32"
+    if w.dtype == torch.float32 and (layout == "kn" or compute_dtype == "bfloat16"):
+        K, N = w.shape if layout == "kn" else (w.shape[1], w.shape[0])
+        return Case(op, "float32/bfloat16" if compute_dtype == "bfloat16" else "float32", x.numel() // K, N, K,
+                    constant=cpu_embed.is_constant(w), layout=layout)
     if layout == "kn":
-        if w.dtype != torch.float32:
-            return None
-        K, N = w.shape
-        return Case(op, f32_dtype, x.numel() // K, N, K, constant=cpu_embed.is_constant(w), layout="kn")
-    if w.dtype == torch.float32 and compute_dtype == "bfloat16":
-        N, K = w.shape
-        return Case(op, f32_dtype, x.numel() // K, N, K, constant=cpu_embed.is_constant(w))
+        return None
     N, K = w.shape
     return Case(op, "float32" if w.dtype == torch.float32 else "bfloat16", x.numel() // K, N, K,
                 constant=cpu_embed.is_constant(w))
