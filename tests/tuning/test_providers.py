@@ -254,3 +254,20 @@ def test_sdpa_providers_compute_attention(provider, spec, monkeypatch):
     g, inputs, want = conformance._sdpa(*spec)
     out = g.compile("cpu")(inputs)
     torch.testing.assert_close(out[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("provider", ["flash", "gemm"])
+def test_sdpa_providers_give_zero_for_a_fully_masked_row(provider, monkeypatch):
+    """A query row whose keys are all masked (-inf) attends to nothing: 0, as torch's fused kernel
+    (and its decomposition's safe softmax) gives, not NaN."""
+    monkeypatch.setattr(tuning, "choose", lambda key, cands, default, **kw: tuning.Choice(provider, "pinned"))
+    g = yr.new_kernel_graph(backend="cpu")
+    q, k, v, m = (g.new_input((1, 2, 3, 8)), g.new_input((1, 2, 4, 8)), g.new_input((1, 2, 4, 8)),
+                  g.new_input((1, 1, 3, 4)))
+    g.mark_output(g.sdpa(q, k, v, m))
+    xs = [torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.zeros(1, 1, 3, 4)]
+    xs[3][0, 0, 1] = float("-inf")
+    out = g.compile("cpu")(xs)[0]
+    want = torch.nn.functional.scaled_dot_product_attention(*xs[:3], attn_mask=xs[3])
+    assert not out.isnan().any() and (out[:, :, 1] == 0).all()
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
