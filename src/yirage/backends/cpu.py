@@ -54,6 +54,7 @@ class CPUBackend(BackendImpl):
     name = Backend.CPU
     codegen = "cpp"
     device_type = "cpu"
+    channels_last = True   # oneDNN's convolutions are fastest on NHWC (benchmarks/torch_compile.py)
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -75,10 +76,12 @@ class CPUBackend(BackendImpl):
         return cpu_library.OPS[node.op][1](node, graph, args, out, status)
 
     def declare_constant(self, tensors):
-        """2-D float32/bfloat16 weights become candidates for the packed GEMM providers
-        (``cpu_embed.mark_constant``; ``cpu_providers`` chooses among them by measurement)."""
+        """float32/bfloat16 weights become candidates for the packed providers
+        (``cpu_embed.mark_constant``): 2-D ones for the GEMMs (``cpu_providers``), convolution
+        weights and their batch-norm parameters for oneDNN's folded, reordered convolution
+        (``cpu_conv``); each op chooses among its providers by measurement."""
         for t in tensors:
-            if t.dim() == 2 and t.dtype in (torch.float32, torch.bfloat16):
+            if t.dtype in (torch.float32, torch.bfloat16):
                 cpu_embed.mark_constant(t)
 
     def bind_library_op_epilogue(self, node, graph, args, out, kernel, kernel_args):

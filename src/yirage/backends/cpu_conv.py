@@ -1,8 +1,9 @@
 """The CPU backend's convolutional-network ops (ir/conv.py), over NCHW tensors:
 
-- ``conv2d``: oneDNN's convolution inside torch (``aten.convolution.out``, written straight into
-  the plan's output), the vendor provider; yirage's own implicit-GEMM and depthwise kernels are
-  still to come (issue 21), and will be chosen against it by measurement;
+- ``conv2d`` with its epilogue (folded batch norm, residual, activation), NCHW or NHWC: torch's
+  convolution plus in-place epilogue ops, or oneDNN on a folded, reordered weight with the
+  epilogue as post-ops, chosen by measurement (``tuning.choose``); yirage's own implicit-GEMM
+  and depthwise kernels are still to come (issue 21);
 - ``max_pool2d``, ``avg_pool2d``, ``adaptive_avg_pool2d`` and ``batch_norm`` (inference):
   hand-written C++ (kernels/cpu/conv.cpp), float32/float16/bfloat16.
 
@@ -17,8 +18,11 @@ from typing import Callable
 
 import torch
 
+from ..tuning import profile as tuning
 from ..dtypes import DType
+from ..ir.conv import ConvInputs, conv_inputs
 from ..runtime.toolchain import kernel_source, load_library
+from . import cpu_embed
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -52,16 +56,151 @@ def _typed(node, graph) -> bool:
     return graph.tensors[node.inputs[0]].dtype in DTYPE_CODES
 
 
-def _conv2d(node, graph, args, out, status):
-    x, w = args[0], args[1]
-    b = args[2] if len(args) == 3 else None
-    a = node.attrs
+#: the same activations in place on torch tensors
+_INPLACE = {"relu": lambda y, a: torch.relu_(y), "hardtanh": lambda y, a: y.clamp_(a[0], a[1]),
+            "silu": lambda y, a: torch.nn.functional.silu(y, inplace=True), "sigmoid": lambda y, a: y.sigmoid_(),
+            "tanh": lambda y, a: y.tanh_()}
+
+
+def _bn_scale_shift(c: ConvInputs, eps: float):
+    """Inference batch norm as ``y * scale + shift`` per channel (float32 [O] each)."""
+    scale = torch.rsqrt(c.var + eps)
+    if c.bn_weight is not None:
+        scale = scale * c.bn_weight
+    shift = -c.mean * scale
+    if c.bn_bias is not None:
+        shift = shift + c.bn_bias
+    return scale, shift
+
+
+def _folded(c: ConvInputs, attrs: dict):
+    """The convolution's weight and bias with its batch norm folded in (Ioffe & Szegedy 2015,
+    as inference frameworks fold it): ``w * scale[o]`` and ``b * scale + shift``, in w's dtype
+    (bias None when there is neither bias nor batch norm)."""
+    if not attrs.get("bn"):
+        return c.weight, c.bias
+    scale, shift = _bn_scale_shift(c, attrs["bn"]["eps"])
+    w = (c.weight.float() * scale.view(-1, 1, 1, 1)).to(c.weight.dtype)
+    b = shift if c.bias is None else c.bias.float() * scale + shift
+    return w, b.to(c.weight.dtype)
+
+
+def _conv_aten(c: ConvInputs, x, y, r, attrs, via_nchw: bool = False):
+    """torch's convolution (``aten.convolution.out``: oneDNN, with the weight reordered at every
+    call) into ``y``, then the epilogue as in-place torch ops. Any layout and weights.
+    ``via_nchw``: channels-last x and y are copied through contiguous NCHW buffers around the
+    convolution (torch's channels-last convolution of an NCHW weight is slow on small images)."""
     conv = torch.ops.aten.convolution.out
-    stride, padding, dilation = list(a["stride"]), list(a["padding"]), list(a["dilation"])
-    return lambda: conv(x, w, b, stride, padding, dilation, False, [0, 0], a["groups"], out=out)
+    stride, padding, dilation = list(attrs["stride"]), list(attrs["padding"]), list(attrs["dilation"])
+    bn, act = attrs.get("bn"), attrs.get("activation")
+    act_args = attrs.get("act_args") or []
+    xs, ys = (torch.empty(x.shape, dtype=x.dtype), torch.empty(y.shape, dtype=y.dtype)) if via_nchw else (x, y)
+
+    def run():
+        if via_nchw:
+            xs.copy_(x)
+        conv(xs, c.weight, c.bias, stride, padding, dilation, False, [0, 0], attrs["groups"], out=ys)
+        if via_nchw:
+            y.copy_(ys)
+        if bn:
+            scale, shift = _bn_scale_shift(c, bn["eps"])
+            y.mul_(scale.view(-1, 1, 1).to(y.dtype)).add_(shift.view(-1, 1, 1).to(y.dtype))
+        if r is not None:
+            y.add_(r)
+        if act:
+            _INPLACE[act](y, act_args)
+    return run
+
+
+def _conv_onednn(c: ConvInputs, x, y, r, attrs):
+    """oneDNN's convolution on a weight folded (batch norm) and reordered once for this input
+    shape, with the bias, the residual add and the activation as post-ops, writing in place
+    into ``y`` (``mkldnn._convolution_pointwise_.binary``: ``y = relu(conv(x) + y)``; ``y`` is
+    first zeroed, or set to the residual; oneDNN fuses no other activation after the add, so
+    those run in place after it). Channels-last x and y; constant weights only."""
+    stride, padding, dilation, groups = (list(attrs["stride"]), list(attrs["padding"]), list(attrs["dilation"]),
+                                         attrs["groups"])
+    act = attrs.get("activation")
+    act_args = attrs.get("act_args") or []
+    unary = act if act == "relu" else None   # oneDNN fuses only relu after the add; others run after it
+    deps = tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
+    kind = f"onednn-conv/{tuple(x.shape)}"
+
+    def pack(w):
+        wf, bf = _folded(c, attrs)
+        wf = wf.contiguous(memory_format=torch.channels_last)
+        return torch.ops.mkldnn._reorder_convolution_weight(wf, padding, stride, dilation, groups, list(x.shape)), bf
+    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and reordered now, once
+    conv = torch.ops.mkldnn._convolution_pointwise_.binary
+
+    def run():
+        wp, b = cpu_embed._cached(c.weight, kind, pack, deps)
+        if r is None:
+            y.zero_()
+        else:
+            y.copy_(r)
+        conv(y, x, wp, b, padding, stride, dilation, groups, "add", None, unary, [], None)
+        if act and unary is None:
+            _INPLACE[act](y, act_args)
+    return run
+
+
+def _conv2d(node, graph, args, out, status):
+    """``conv2d`` with its epilogue on the provider chosen by measurement per shape class:
+    torch's convolution plus in-place epilogue ops (``aten``; for NHWC also ``aten-nchw``,
+    through NCHW copies), or, for channels-last
+    (``layout="nhwc"``) float32/bfloat16 convolutions whose weights (and folded batch-norm
+    parameters) are constant, oneDNN on a reordered weight with fused post-ops
+    (``onednn-packed``). NHWC buffers are handed to torch as channels-last NCHW views."""
+    a = node.attrs
+    c = conv_inputs(list(args), a)
+    nhwc = a.get("layout", "nchw") == "nhwc"
+    x = c.x.permute(0, 3, 1, 2) if nhwc else c.x
+    y = out.permute(0, 3, 1, 2) if nhwc else out
+    r = None if c.residual is None else c.residual.permute(0, 3, 1, 2) if nhwc else c.residual
+    cands = {"aten": _conv_aten}
+    if nhwc:
+        cands["aten-nchw"] = functools.partial(_conv_aten, via_nchw=True)
+    weights = [t for t in (c.weight, c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None]
+    if (nhwc and x.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and all(cpu_embed.is_constant(t) for t in weights)):
+        cands["onednn-packed"] = _conv_onednn
+    O, cg, kh, kw = c.weight.shape
+    N, _, Ho, Wo = y.shape
+    what = (f"{x.dtype}".removeprefix("torch.") + f"/{a.get('layout', 'nchw')}/{kh}x{kw}/s{a['stride'][0]}"
+            f"/g{'dw' if a['groups'] == O and cg == 1 else a['groups']}")
+    key = tuning.shape_class("conv2d", what, N * Ho * Wo, O, cg * kh * kw, torch.get_num_threads())
+
+    def factory(bind):
+        def make():   # the real weights; random activations of the class (plan buffers hold garbage now)
+            xs = torch.randn(c.x.shape, dtype=c.x.dtype)
+            ys = torch.empty(out.shape, dtype=out.dtype)
+            rs = None if c.residual is None else torch.randn(c.residual.shape, dtype=c.residual.dtype)
+            if nhwc:
+                xs, ys, rs = xs.permute(0, 3, 1, 2), ys.permute(0, 3, 1, 2), None if rs is None else rs.permute(0, 3, 1, 2)
+            return bind(c, xs, ys, rs, a)
+        return make
+    default = "onednn-packed" if "onednn-packed" in cands else "aten"
+    choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, default)
+    if choice.provider != "onednn-packed" and "onednn-packed" in cands:
+        cpu_embed.forget_packed(c.weight, f"onednn-conv/{tuple(x.shape)}")   # measured, not chosen
+    thunk = cands[choice.provider](c, x, y, r, a)
+    thunk.provider = f"{choice.provider} ({choice.source})"
+    return thunk
+
+
+def _pool_nhwc(fn, node, args, out):
+    """A window pool over NHWC buffers: torch's kernel on channels-last views, copied into ``out``."""
+    x, y = args[0].permute(0, 3, 1, 2), out.permute(0, 3, 1, 2)
+    a = node.attrs
+    if fn is torch.nn.functional.max_pool2d:
+        return lambda: y.copy_(fn(x, a["kernel"], a["stride"], a["padding"], a["dilation"]))
+    return lambda: y.copy_(fn(x, a["kernel"], a["stride"], a["padding"], count_include_pad=a["count_include_pad"]))
 
 
 def _max_pool2d(node, graph, args, out, status):
+    if node.attrs.get("layout") == "nhwc":
+        return _pool_nhwc(torch.nn.functional.max_pool2d, node, args, out)
     t = graph.tensors[node.inputs[0]]
     a, (N, C, H, W), (Ho, Wo) = node.attrs, t.shape, graph.tensors[node.output].shape[2:]
     p = (args[0].data_ptr(), out.data_ptr(), N, C, H, W, *a["kernel"], *a["stride"], *a["padding"],
@@ -71,6 +210,8 @@ def _max_pool2d(node, graph, args, out, status):
 
 
 def _avg_pool2d(node, graph, args, out, status):
+    if node.attrs.get("layout") == "nhwc":
+        return _pool_nhwc(torch.nn.functional.avg_pool2d, node, args, out)
     t = graph.tensors[node.inputs[0]]
     a, (N, C, H, W), (Ho, Wo) = node.attrs, t.shape, graph.tensors[node.output].shape[2:]
     p = (args[0].data_ptr(), out.data_ptr(), N, C, H, W, *a["kernel"], *a["stride"], *a["padding"], Ho, Wo,

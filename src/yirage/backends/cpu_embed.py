@@ -252,16 +252,19 @@ def is_constant(w: torch.Tensor) -> bool:
     return _constant.get(id(w)) == w.data_ptr()
 
 
-def _cached(w: torch.Tensor, kind: str, make):
-    """The packed form ``kind`` of ``w``, made by ``make(w)`` once (again if w changed)."""
+def _cached(w: torch.Tensor, kind: str, make, deps: tuple = ()):
+    """The packed form ``kind`` of ``w``, made by ``make(w)`` once (again if w changed, or one
+    of ``deps``: tensors the packed form is also derived from, such as the batch-norm
+    statistics folded into a convolution's weight)."""
     key = (id(w), kind)
+    stamp = (w.data_ptr(), w._version, tuple((d.data_ptr(), d._version) for d in deps))
     hit = _packed.get(key)
-    if hit is not None and hit[0] == w.data_ptr() and hit[1] == w._version:
-        return hit[2]
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
     packed = make(w)
     if hit is None:
         weakref.finalize(w, _packed.pop, key, None)
-    _packed[key] = (w.data_ptr(), w._version, packed)
+    _packed[key] = (stamp, packed)
     return packed
 
 

@@ -1,6 +1,10 @@
 """The convolutional-network ops of the op table: ``conv2d``, ``max_pool2d``, ``avg_pool2d``,
 ``adaptive_avg_pool2d`` and ``batch_norm`` (inference), all over NCHW tensors.
 
+``conv2d`` and the window pools take ``layout="nhwc"`` too (x and output [N, H, W, C]; the
+channels-last pass, transforms/conv.py, makes them), and ``conv2d`` an epilogue: inference
+batch norm folded in (``bn``), a residual added, then an activation (``conv2d_epilogue``).
+
 Each has a shape rule (``infer``, a GraphError naming the op, the shapes and the rule broken)
 and a torch reference (``torch.nn.functional``, computed in float32 and cast back to the
 input's dtype), registered in ``ir.ops.OPS`` like every other op. Output sizes follow torch:
@@ -12,6 +16,9 @@ This module must never depend on a backend.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import torch.nn.functional as F
 
 from ..dtypes import DType
@@ -45,11 +52,81 @@ def _windows(op: str, ts: list[TensorType], kernel, stride, padding, dilation=(1
     return ho, wo
 
 
-# ---- conv2d -------------------------------------------------------------------------------
+# ---- conv2d ---------------------------------------------------------------------------------
+
+#: activations a conv2d epilogue may apply (``activation`` attr): name -> torch function of
+#: (y, args). ``hardtanh`` is ``clamp(y, args[0], args[1])`` (ReLU6: 0, 6).
+ACTIVATIONS = {
+    "relu": lambda y, a: torch.relu(y),
+    "hardtanh": lambda y, a: torch.clamp(y, a[0], a[1]),
+    "silu": lambda y, a: F.silu(y),
+    "sigmoid": lambda y, a: torch.sigmoid(y),
+    "tanh": lambda y, a: torch.tanh(y),
+}
+
+
+@dataclass
+class ConvInputs:
+    """The inputs of a ``conv2d`` op by role (each a tensor, a TensorType or None), in the
+    order the op takes them: x, weight, [bias], [running_mean, running_var, [bn_weight,
+    bn_bias]] (attr ``bn``), [residual] (attr ``residual``)."""
+
+    x: object
+    weight: object
+    bias: object = None
+    mean: object = None
+    var: object = None
+    bn_weight: object = None
+    bn_bias: object = None
+    residual: object = None
+
+
+def conv_inputs(items: list, attrs: dict) -> ConvInputs:
+    """Split ``conv2d``'s inputs by role (see ``ConvInputs``); ValueError when their number does
+    not match the attrs. Graphs without the epilogue attrs (``bias`` absent) have a bias iff
+    they have three inputs."""
+    has_bias = attrs.get("bias", len(items) == 3)
+    bn = attrs.get("bn")
+    want = 2 + has_bias + (0 if not bn else 4 if bn["affine"] else 2) + bool(attrs.get("residual"))
+    if len(items) != want:
+        raise ValueError(f"conv2d: {len(items)} inputs, but its attributes (bias={has_bias}, bn={bn}, "
+                         f"residual={bool(attrs.get('residual'))}) need {want}")
+    it = iter(items)
+    c = ConvInputs(next(it), next(it))
+    if has_bias:
+        c.bias = next(it)
+    if bn:
+        c.mean, c.var = next(it), next(it)
+        if bn["affine"]:
+            c.bn_weight, c.bn_bias = next(it), next(it)
+    if attrs.get("residual"):
+        c.residual = next(it)
+    return c
+
+
+def to_nchw(shape) -> tuple:
+    """An NHWC shape [N, H, W, C] as NCHW [N, C, H, W]."""
+    n, h, w, c = shape
+    return (n, c, h, w)
+
+
+def to_nhwc(shape) -> tuple:
+    """An NCHW shape [N, C, H, W] as NHWC [N, H, W, C]."""
+    n, c, h, w = shape
+    return (n, h, w, c)
+
 
 def _conv2d_infer(ts, attrs):
-    _float_nchw("conv2d", ts)
-    x, w = ts[0], ts[1]
+    layout = attrs.get("layout", "nchw")
+    if layout not in ("nchw", "nhwc"):
+        _fail("conv2d", ts, f"layout must be 'nchw' or 'nhwc', got {layout!r}")
+    try:
+        c = conv_inputs(ts, attrs)
+    except ValueError as e:
+        _fail("conv2d", ts, str(e))
+    x = c.x if layout == "nchw" else TensorType(to_nchw(c.x.shape), c.x.dtype) if len(c.x.shape) == 4 else c.x
+    _float_nchw("conv2d", [x])
+    w = c.weight
     groups = attrs["groups"]
     if len(w.shape) != 4 or w.dtype != x.dtype:
         _fail("conv2d", ts, f"weight must be 4-d [out_channels, in_channels / groups, kh, kw] in x's dtype "
@@ -59,35 +136,78 @@ def _conv2d_infer(ts, attrs):
     if groups < 1 or C % groups or O % groups or cg != C // groups:
         _fail("conv2d", ts, f"groups={groups} must divide in_channels {C} and out_channels {O}, and the "
                             f"weight's dim 1 must be in_channels / groups = {C // max(groups, 1)}")
-    if len(ts) == 3 and (tuple(ts[2].shape) != (O,) or ts[2].dtype != x.dtype):
+    if c.bias is not None and (tuple(c.bias.shape) != (O,) or c.bias.dtype != x.dtype):
         _fail("conv2d", ts, f"bias must have shape ({O},) and x's dtype")
-    ho, wo = _windows("conv2d", ts, (kh, kw), attrs["stride"], attrs["padding"], attrs["dilation"])
-    return TensorType((N, O, ho, wo), x.dtype)
+    for t in (c.mean, c.var, c.bn_weight, c.bn_bias):
+        if t is not None and (tuple(t.shape) != (O,) or t.dtype != DType.float32):
+            _fail("conv2d", ts, f"the batch-norm statistics and affine parameters must be float32 [{O}]")
+    act = attrs.get("activation")
+    if act is not None and act not in ACTIVATIONS:
+        _fail("conv2d", ts, f"activation must be one of {sorted(ACTIVATIONS)} or None, got {act!r}")
+    ho, wo = _windows("conv2d", [x], (kh, kw), attrs["stride"], attrs["padding"], attrs["dilation"])
+    out = (N, O, ho, wo) if layout == "nchw" else (N, ho, wo, O)
+    if c.residual is not None and (tuple(c.residual.shape) != out or c.residual.dtype != x.dtype):
+        _fail("conv2d", ts, f"the residual must have the output's shape {out} and x's dtype")
+    return TensorType(out, x.dtype)
+
+
+def conv2d_epilogue(y, c: ConvInputs, attrs: dict):
+    """The epilogue of a ``conv2d`` on its float32 NCHW result ``y`` (``c``'s tensors NCHW):
+    inference batch norm with the running statistics (``(y - mean) / sqrt(var + eps) *
+    bn_weight + bn_bias``, attr ``bn`` {"eps", "affine"}), plus the residual, then the
+    activation (attr ``activation``, see ``ACTIVATIONS``; args in ``act_args``)."""
+    if attrs.get("bn"):
+        y = F.batch_norm(y, c.mean, c.var, c.bn_weight, c.bn_bias, training=False, eps=attrs["bn"]["eps"])
+    if c.residual is not None:
+        y = y + c.residual.float()
+    if attrs.get("activation"):
+        y = ACTIVATIONS[attrs["activation"]](y, attrs.get("act_args") or [])
+    return y
 
 
 def conv2d_reference(args, attrs):
-    """``F.conv2d`` in float32, cast back to x's dtype."""
-    x, w = args[0], args[1]
-    b = args[2].float() if len(args) == 3 else None
-    y = F.conv2d(x.float(), w.float(), b, tuple(attrs["stride"]), tuple(attrs["padding"]),
+    """``F.conv2d`` in float32, then the epilogue (``conv2d_epilogue``), cast back to x's
+    dtype; with ``layout="nhwc"`` x, the residual and the output are [N, H, W, C] (the weight
+    stays [O, C / groups, kh, kw])."""
+    c = conv_inputs(list(args), attrs)
+    nhwc = attrs.get("layout", "nchw") == "nhwc"
+    x = c.x.permute(0, 3, 1, 2) if nhwc else c.x
+    if nhwc and c.residual is not None:
+        c.residual = c.residual.permute(0, 3, 1, 2)
+    b = c.bias.float() if c.bias is not None else None
+    y = F.conv2d(x.float(), c.weight.float(), b, tuple(attrs["stride"]), tuple(attrs["padding"]),
                  tuple(attrs["dilation"]), attrs["groups"])
-    return y.to(x.dtype)
+    y = conv2d_epilogue(y, c, attrs).to(c.x.dtype)
+    return y.permute(0, 2, 3, 1).contiguous() if nhwc else y
 
 
 # ---- pooling ------------------------------------------------------------------------------
 
 def _pool_infer(op):
     def infer(ts, attrs):
-        _float_nchw(op, ts)
+        nhwc = attrs.get("layout", "nchw") == "nhwc"
+        x = TensorType(to_nchw(ts[0].shape), ts[0].dtype) if nhwc and len(ts[0].shape) == 4 else ts[0]
+        _float_nchw(op, [x])
         k, p = attrs["kernel"], attrs["padding"]
         if any(2 * pi > ki for pi, ki in zip(p, k)):
             _fail(op, ts, f"padding {tuple(p)} must be at most half the kernel {tuple(k)} (torch's rule)")
-        ho, wo = _windows(op, ts, k, attrs["stride"], p, attrs.get("dilation", (1, 1)))
-        N, C = ts[0].shape[:2]
-        return TensorType((N, C, ho, wo), ts[0].dtype)
+        ho, wo = _windows(op, [x], k, attrs["stride"], p, attrs.get("dilation", (1, 1)))
+        N, C = x.shape[:2]
+        return TensorType((N, ho, wo, C) if nhwc else (N, C, ho, wo), x.dtype)
     return infer
 
 
+def _in_layout(fn):
+    """A pooling reference over NCHW, made to take and give [N, H, W, C] when ``layout="nhwc"``."""
+    def ref(args, attrs):
+        if attrs.get("layout", "nchw") != "nhwc":
+            return fn(args, attrs)
+        return fn([args[0].permute(0, 3, 1, 2)], attrs).permute(0, 2, 3, 1).contiguous()
+    ref.__doc__ = fn.__doc__
+    return ref
+
+
+@_in_layout
 def max_pool2d_reference(args, attrs):
     """``F.max_pool2d`` (padding counts as -inf), in float32, cast back."""
     x = args[0]
@@ -95,6 +215,7 @@ def max_pool2d_reference(args, attrs):
                         tuple(attrs["dilation"])).to(x.dtype)
 
 
+@_in_layout
 def avg_pool2d_reference(args, attrs):
     """``F.avg_pool2d`` (``count_include_pad``: padding zeros count in the divisor), in float32."""
     x = args[0]

@@ -1136,6 +1136,46 @@ def _batch_norm(shape, affine, dtype) -> Built:
     return g, [xs, mean, var, *extra], {0: want.to(dtype.torch_dtype)}
 
 
+def _conv_block(N, C, H, W, O, k, stride, groups, shortcut, act, dtype) -> Built:
+    """A residual block as conv nets write it: conv -> BatchNorm -> + shortcut -> activation,
+    where the shortcut is x itself (``shortcut="identity"``), a strided 1x1 conv -> BatchNorm
+    (``"conv"``) or absent (None); then a 3x3 max pool and a spatial mean. The convolution
+    passes (transforms/conv.py) fuse each chain into one conv2d and keep it NHWC; the
+    expected output is torch.nn.functional on float32 copies."""
+    g = new_kernel_graph()
+    x = g.new_input((N, C, H, W), dtype)
+    w = g.new_input((O, C // groups, k, k), dtype)
+    bn = [g.new_input((O,)) for _ in range(4)]
+    xs = torch.randn(N, C, H, W).to(dtype.torch_dtype)
+    ws = (torch.randn(O, C // groups, k, k) / k).to(dtype.torch_dtype)
+    stats = [torch.randn(O), torch.rand(O) + 0.5, torch.randn(O), torch.randn(O)]
+    ins = [xs, ws, *stats]
+    y = g.batch_norm(g.conv2d(x, w, None, stride, k // 2, 1, groups), *bn, eps=1e-3)
+    want = F.batch_norm(F.conv2d(xs.float(), ws.float(), None, stride, k // 2, 1, groups), *stats,
+                        training=False, eps=1e-3)
+    if shortcut == "identity":
+        y, want = g.add(y, x), want + xs.float()
+    elif shortcut == "conv":
+        w2, b2 = g.new_input((O, C, 1, 1), dtype), [g.new_input((O,)) for _ in range(4)]
+        ws2, stats2 = (torch.randn(O, C, 1, 1)).to(dtype.torch_dtype), [torch.randn(O), torch.rand(O) + 0.5,
+                                                                        torch.randn(O), torch.randn(O)]
+        ins += [ws2, *stats2]
+        y = g.add(y, g.batch_norm(g.conv2d(x, w2, None, stride), *b2, eps=1e-3))
+        want = want + F.batch_norm(F.conv2d(xs.float(), ws2.float(), None, stride), *stats2, training=False,
+                                   eps=1e-3)
+    if act == "relu":
+        y, want = g.relu(y), want.relu()
+    elif act == "relu6":
+        y, want = g.clamp(y, 0.0, 6.0), want.clamp(0, 6)
+    elif act == "silu":
+        y, want = g.silu(y), F.silu(want)
+    g.mark_output(y)
+    g.mark_output(g.mean(g.max_pool2d(y, 3, 2, 1), dim=(2, 3)))
+    want = want.to(dtype.torch_dtype)
+    pooled = F.max_pool2d(want.float(), 3, 2, 1).mean((2, 3)).to(dtype.torch_dtype)
+    return g, ins, {0: want, 1: pooled}
+
+
 def _conv_net_cases() -> list[Case]:
     """The conv-net ops at odd sizes: 1x1, 3x3 stride 2 with padding, 7x7 stride 2, depthwise,
     grouped and dilated convolutions, batch 1 and 3, non-square images; pooling windows that
@@ -1166,6 +1206,17 @@ def _conv_net_cases() -> list[Case]:
               for d in (f32, bf16)]
     cases += [Case("batch_norm", f"{'affine' if a else 'plain'} {d.value}", part(_batch_norm, (2, 5, 3, 7), a, d))
               for a in (True, False) for d in (f32, f16)]
+    blocks = [  # (N, C, H, W, O, k, stride, groups, shortcut, activation)
+        ("3x3 + identity, relu", (2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu")),
+        ("3x3 s2 + conv shortcut, relu", (1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu")),
+        ("depthwise 3x3, relu6", (2, 12, 8, 9, 12, 3, 1, 12, None, "relu6")),
+        ("1x1, silu", (3, 5, 6, 7, 9, 1, 1, 1, None, "silu")),
+        ("7x7 s2 no activation", (1, 3, 17, 15, 6, 7, 2, 1, None, None)),
+    ]
+    cases += [Case("conv2d", f"block {name} {d.value}", part(_conv_block, *args, d),
+                   tol=(1e-4, 1e-4) if d == f32 else (5e-2, 5e-2)) for name, args in blocks for d in (f32,)]
+    cases += [Case("conv2d", f"block 3x3 + identity, relu {d.value}", part(_conv_block, *blocks[0][1], d),
+                   tol=(5e-2, 5e-2)) for d in (bf16,)]
     return cases
 
 
