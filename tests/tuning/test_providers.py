@@ -116,7 +116,7 @@ def test_a_matching_template_answers_until_the_machine_has_its_own(monkeypatch):
     case = cpu_providers.case_of("linear", [x, w], torch.empty(8, 24))
     ident = tuning.machine_identity()
     tpl = {"measured_on": "test", "match": {"cpu": ident["cpu"], "isa_all": ident["isa"][:2]},
-           "entries": {case.key(): {"choice": "onednn", "median_s": {"onednn": 1e-6}}}}
+           "entries": {case.key(): {"choice": "onednn", "median_s": {p.name: 1e-6 for p in cpu_providers.PROVIDERS}}}}
     other = {"measured_on": "another CPU", "match": {"cpu": "Some Other CPU"},
              "entries": {case.key(): {"choice": "mkl"}}}
     monkeypatch.setattr(tuning, "templates", lambda: (("aaa-other", other), ("bbb-this", tpl)))
@@ -129,6 +129,24 @@ def test_a_matching_template_answers_until_the_machine_has_its_own(monkeypatch):
         assert cpu_providers.choose(case, [x, w])[1].source == "profile"
     finally:
         tuning.matching_template.cache_clear()
+
+
+def test_a_provider_added_since_the_measurement_is_measured(monkeypatch):
+    """A profile entry whose timings lack one of today's candidates is measured again (the new
+    provider gets its chance); one without timings (a choice made by hand) is kept."""
+    key = "testop|float32|m1|n1|k1|t1"
+    cands = {"old": lambda: (lambda: None), "new": lambda: (lambda: None)}
+    tuning.active_profile().entries[key] = {"choice": "old", "median_s": {"old": 1e-6}}
+    measured = []
+
+    def fake_measure(thunks, budget_s):
+        measured.append(sorted(thunks))
+        return None
+    monkeypatch.setattr(tuning, "measure", fake_measure)
+    monkeypatch.setattr(tuning, "record", lambda k, comparison, source: tuning.Choice("new", source))
+    assert tuning.choose(key, cands, "old").provider == "new" and measured == [["new", "old"]]
+    tuning.active_profile().entries[key] = {"choice": "old", "median_s": {}}
+    assert tuning.choose(key, cands, "old").source == "profile" and len(measured) == 1
 
 
 def test_tune_off_and_bad_values(monkeypatch):
@@ -273,15 +291,24 @@ def test_sdpa_providers_give_zero_for_a_fully_masked_row(provider, monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("provider", ["aten", "aten-nchw", "onednn-packed"])
-@pytest.mark.parametrize("block", [(2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu"), (1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu"),
-                                   (2, 12, 8, 9, 12, 3, 1, 12, None, "relu6"), (1, 5, 6, 7, 9, 1, 1, 1, None, "silu")],
-                         ids=["identity-relu", "conv-shortcut", "depthwise-relu6", "1x1-silu"])
+_BLOCKS = {"identity-relu": (2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu"),
+           "conv-shortcut": (1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu"),
+           "depthwise-relu6": (2, 12, 8, 9, 12, 3, 1, 12, None, "relu6"),
+           "1x1-silu": (1, 5, 6, 7, 9, 1, 1, 1, None, "silu"),
+           "1x1-identity-relu": (2, 8, 5, 6, 8, 1, 1, 1, "identity", "relu")}
+_CONV_CASES = [(p, b) for p in ("aten", "aten-nchw", "onednn-packed") for b in _BLOCKS] + [
+    ("yirage-gemm", "1x1-silu"), ("yirage-gemm", "1x1-identity-relu"), ("onednn-copy", "depthwise-relu6"),
+    ("onednn-copy", "1x1-silu")]
+
+
+@pytest.mark.parametrize("provider,block", _CONV_CASES, ids=[f"{p}-{b}" for p, b in _CONV_CASES])
 def test_conv2d_providers_compute_the_block(provider, block, monkeypatch):
-    """Both conv2d providers, pinned, on residual blocks whose weights are declared constant (as
-    torch.compile's frozen parameters are): torch's convolution with in-place epilogue ops, and
-    oneDNN on the weight with BatchNorm folded in and reordered once, against
-    torch.nn.functional in float32 (conformance's builder)."""
+    """Every conv2d provider, pinned, on residual blocks whose weights are declared constant (as
+    torch.compile's frozen parameters are): torch's convolution with in-place epilogue ops (in
+    NHWC, or through NCHW copies), oneDNN on the weight with BatchNorm folded in and reordered
+    once, and (1x1) yirage's packed GEMM on the folded weight, against torch.nn.functional in
+    float32 (conformance's builder)."""
+    block = _BLOCKS[block]
     from yirage.tools import conformance
 
     chosen = []
@@ -296,6 +323,8 @@ def test_conv2d_providers_compute_the_block(provider, block, monkeypatch):
         cpu_embed.mark_constant(t)
     out = g.compile("cpu")(inputs)
     assert chosen and all(k.startswith("conv2d|float32/nhwc") for k in chosen)
+    if provider == "yirage-gemm":
+        assert all("/1x1/" in k for k in chosen)
     for i, w in want.items():
         torch.testing.assert_close(out[i], w, rtol=1e-4, atol=1e-4)
 

@@ -2,8 +2,9 @@
 
 - ``conv2d`` with its epilogue (folded batch norm, residual, activation), NCHW or NHWC: torch's
   convolution plus in-place epilogue ops, or oneDNN on a folded, reordered weight with the
-  epilogue as post-ops, chosen by measurement (``tuning.choose``); yirage's own implicit-GEMM
-  and depthwise kernels are still to come (issue 21);
+  epilogue as post-ops, or (1x1 convolutions) yirage's packed GEMM, chosen by measurement
+  (``tuning.choose``); yirage's own implicit-GEMM kernel for larger windows and a direct
+  depthwise kernel are still to come (issue 21);
 - ``max_pool2d``, ``avg_pool2d``, ``adaptive_avg_pool2d`` and ``batch_norm`` (inference):
   hand-written C++ (kernels/cpu/conv.cpp), float32/float16/bfloat16.
 
@@ -112,12 +113,19 @@ def _conv_aten(c: ConvInputs, x, y, r, attrs, via_nchw: bool = False):
     return run
 
 
-def _conv_onednn(c: ConvInputs, x, y, r, attrs):
+#: oneDNN's name for each conv2d activation as a post-op of its plain (not in-place) convolution
+_ONEDNN_UNARY = {None: "none", "relu": "relu", "hardtanh": "hardtanh", "silu": "swish", "sigmoid": "sigmoid",
+                 "tanh": "tanh"}
+
+
+def _conv_onednn(c: ConvInputs, x, y, r, attrs, copy: bool = False):
     """oneDNN's convolution on a weight folded (batch norm) and reordered once for this input
     shape, with the bias, the residual add and the activation as post-ops, writing in place
     into ``y`` (``mkldnn._convolution_pointwise_.binary``: ``y = relu(conv(x) + y)``; ``y`` is
     first zeroed, or set to the residual; oneDNN fuses no other activation after the add, so
-    those run in place after it). Channels-last x and y; constant weights only."""
+    those run in place after it). ``copy`` (no residual): oneDNN's plain convolution with the
+    activation fused, into a new tensor copied into ``y``. Channels-last x and y; constant
+    weights only."""
     stride, padding, dilation, groups = (list(attrs["stride"]), list(attrs["padding"]), list(attrs["dilation"]),
                                          attrs["groups"])
     act = attrs.get("activation")
@@ -132,6 +140,14 @@ def _conv_onednn(c: ConvInputs, x, y, r, attrs):
         return torch.ops.mkldnn._reorder_convolution_weight(wf, padding, stride, dilation, groups, list(x.shape)), bf
     cpu_embed._cached(c.weight, kind, pack, deps)   # folded and reordered now, once
     conv = torch.ops.mkldnn._convolution_pointwise_.binary
+    if copy:
+        plain, name = torch.ops.mkldnn._convolution_pointwise, _ONEDNN_UNARY[act]
+        scalars = list(act_args) if act == "hardtanh" else []
+
+        def run_copy():
+            wp, b = cpu_embed._cached(c.weight, kind, pack, deps)
+            y.copy_(plain(x, wp, b, padding, stride, dilation, groups, name, scalars, ""))
+        return run_copy
 
     def run():
         wp, b = cpu_embed._cached(c.weight, kind, pack, deps)
@@ -145,13 +161,41 @@ def _conv_onednn(c: ConvInputs, x, y, r, attrs):
     return run
 
 
+def _conv_gemm(c: ConvInputs, x, y, r, attrs):
+    """A 1x1, stride-1, ungrouped NHWC convolution as the GEMM it is, on yirage's packed float32
+    GEMM (kernels/cpu/embed_kernels.h): x [N*H*W, C] times the folded weight [O, C] packed
+    once; the residual and the activation then run in place as torch ops."""
+    O, C = c.weight.shape[:2]
+    x2 = x.permute(0, 2, 3, 1).view(-1, C)   # the NHWC buffer itself
+    y2 = y.permute(0, 2, 3, 1).view(-1, O)
+    r2 = None if r is None else r.permute(0, 2, 3, 1).view(-1, O)
+    deps = tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
+    act, act_args = attrs.get("activation"), attrs.get("act_args") or []
+
+    def pack(w):
+        wf, bf = _folded(c, attrs)
+        return cpu_embed.pack_f32(wf.reshape(O, C).contiguous()), None if bf is None else bf.float().contiguous()
+    cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps)   # folded and packed now, once
+    gemm = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps))
+
+    def run():
+        gemm()
+        if r2 is not None:
+            y2.add_(r2)
+        if act:
+            _INPLACE[act](y2, act_args)
+    return run
+
+
 def _conv2d(node, graph, args, out, status):
     """``conv2d`` with its epilogue on the provider chosen by measurement per shape class:
     torch's convolution plus in-place epilogue ops (``aten``; for NHWC also ``aten-nchw``,
     through NCHW copies), or, for channels-last
     (``layout="nhwc"``) float32/bfloat16 convolutions whose weights (and folded batch-norm
     parameters) are constant, oneDNN on a reordered weight with fused post-ops
-    (``onednn-packed``). NHWC buffers are handed to torch as channels-last NCHW views."""
+    (``onednn-packed``, in place; ``onednn-copy`` without a residual) and, for 1x1 stride-1
+    float32 ones, yirage's packed GEMM
+    (``yirage-gemm``). NHWC buffers are handed to torch as channels-last NCHW views."""
     a = node.attrs
     c = conv_inputs(list(args), a)
     nhwc = a.get("layout", "nchw") == "nhwc"
@@ -165,6 +209,11 @@ def _conv2d(node, graph, args, out, status):
     if (nhwc and x.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
             and all(cpu_embed.is_constant(t) for t in weights)):
         cands["onednn-packed"] = _conv_onednn
+        if c.residual is None:
+            cands["onednn-copy"] = functools.partial(_conv_onednn, copy=True)
+        if (x.dtype == torch.float32 and c.weight.shape[2:] == (1, 1) and list(a["stride"]) == [1, 1]
+                and list(a["padding"]) == [0, 0] and a["groups"] == 1):
+            cands["yirage-gemm"] = _conv_gemm
     O, cg, kh, kw = c.weight.shape
     N, _, Ho, Wo = y.shape
     what = (f"{x.dtype}".removeprefix("torch.") + f"/{a.get('layout', 'nchw')}/{kh}x{kw}/s{a['stride'][0]}"
@@ -182,8 +231,10 @@ def _conv2d(node, graph, args, out, status):
         return make
     default = "onednn-packed" if "onednn-packed" in cands else "aten"
     choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, default)
-    if choice.provider != "onednn-packed" and "onednn-packed" in cands:
-        cpu_embed.forget_packed(c.weight, f"onednn-conv/{tuple(x.shape)}")   # measured, not chosen
+    onednn = {"onednn-packed", "onednn-copy"}
+    for provider, kind in (("onednn-packed", f"onednn-conv/{tuple(x.shape)}"), ("yirage-gemm", "yirage-conv1x1")):
+        if provider in cands and choice.provider != provider and not {provider, choice.provider} <= onednn:
+            cpu_embed.forget_packed(c.weight, kind)   # measured, not chosen
     thunk = cands[choice.provider](c, x, y, r, a)
     thunk.provider = f"{choice.provider} ({choice.source})"
     return thunk

@@ -305,13 +305,22 @@ def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
         N, K = w.shape
         kind, pack = "f32", pack_f32
     M = x.numel() // K
-    x2, o2 = x.view(M, K), out.view(M, N)
-    lib = _lib()
-    st = _status()
+    # repacked if w was written or its storage replaced
+    return bind_gemm_f32(x.view(M, K), out.view(M, N), lambda: (_cached(w, kind, pack), bias), epilogue)
+
+
+def bind_gemm_f32(x2: torch.Tensor, o2: torch.Tensor, weights, epilogue: tuple[int, int] | None = None):
+    """Thunk of ``o2 = x2 @ W^T + bias`` on the packed float32 GEMM: ``x2`` [M, K] and ``o2`` [M, N]
+    float32, contiguous; ``weights()`` returns ``(P, bias)``, P the packed form of W [N, K]
+    (``pack_f32``) and bias float32 [N] or None. It is called at every run, so the caller's
+    cache can remake P when the weight is written. ``epilogue`` as ``bind_linear_f32_packed``.
+    Raises YirageError (at run time) when P's size does not fit N x K (the kernel checks)."""
+    (M, K), N = x2.shape, o2.shape[1]
+    lib, st = _lib(), _status()
     epi_fn, epi_args = epilogue if epilogue is not None else (None, None)
 
     def run():
-        P = _cached(w, kind, pack)   # repacked if w was written or its storage replaced
+        P, bias = weights()
         lib.yr_emb_gemm_f32(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, N, K, x2.numel(),
                             P.numel(), o2.numel(), epi_fn, epi_args, st.data_ptr())
         if st[0]:
@@ -399,5 +408,5 @@ def bind_attention_varlen(node, graph, args, out, status):
 
 
 __all__ = ["pack_f32", "gemm_f32_packed", "pack_bf16", "gemm_bf16_packed", "bind_linear_bf16_packed", "pack_s8",
-           "linear_w8a8_packed", "W8A8Scratch", "attention_varlen", "mark_constant", "is_constant", "prepack_linear",
+           "linear_w8a8_packed", "W8A8Scratch", "attention_varlen", "mark_constant", "is_constant", "prepack_linear", "bind_gemm_f32",
            "packed_linear_weight", "has_packed", "forget_packed"]

@@ -234,14 +234,19 @@ def matching_template() -> tuple[str, dict] | None:
 # ---- the choice ---------------------------------------------------------------------------
 def lookup(key: str, candidates: Mapping[str, object]) -> Choice | None:
     """The recorded choice for ``key`` among ``candidates`` (names): this machine's profile,
-    then a matching template; None when neither has one (or its provider is not a candidate)."""
+    then a matching template; None when neither has one, its provider is not a candidate, or
+    the entry's timings lack a candidate (a provider added since: measure again; an entry
+    without timings is a choice made by hand and kept)."""
+    def usable(entry) -> bool:
+        timed = set(entry.get("median_s") or {}) if entry else set()
+        return bool(entry) and entry.get("choice") in candidates and (not timed or set(candidates) <= timed)
     entry = active_profile().entries.get(key)
-    if entry and entry.get("choice") in candidates:
+    if usable(entry):
         return Choice(entry["choice"], "profile", dict(entry.get("median_s", {})))
     tpl = matching_template()
     if tpl is not None:
         entry = tpl[1].get("entries", {}).get(key)
-        if entry and entry.get("choice") in candidates:
+        if usable(entry):
             return Choice(entry["choice"], f"template {tpl[0]}", dict(entry.get("median_s", {})))
     return None
 
