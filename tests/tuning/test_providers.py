@@ -295,9 +295,11 @@ _BLOCKS = {"identity-relu": (2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu"),
            "conv-shortcut": (1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu"),
            "depthwise-relu6": (2, 12, 8, 9, 12, 3, 1, 12, None, "relu6"),
            "1x1-silu": (1, 5, 6, 7, 9, 1, 1, 1, None, "silu"),
-           "1x1-identity-relu": (2, 8, 5, 6, 8, 1, 1, 1, "identity", "relu")}
+           "1x1-identity-relu": (2, 8, 5, 6, 8, 1, 1, 1, "identity", "relu"),
+           "1x1-large-relu6": (2, 24, 23, 21, 40, 1, 1, 1, None, "relu6")}   # 966 rows: many GEMM row blocks
 _CONV_CASES = [(p, b) for p in ("aten", "aten-nchw", "onednn-packed") for b in _BLOCKS] + [
-    ("yirage-gemm", "1x1-silu"), ("yirage-gemm", "1x1-identity-relu"), ("onednn-copy", "depthwise-relu6"),
+    ("yirage-gemm", "1x1-silu"), ("yirage-gemm", "1x1-identity-relu"), ("yirage-gemm", "1x1-large-relu6"),
+    ("onednn-copy", "depthwise-relu6"),
     ("onednn-copy", "1x1-silu")]
 
 

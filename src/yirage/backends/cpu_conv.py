@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 from typing import Callable
 
 import torch
@@ -36,7 +37,10 @@ SIGNATURES: dict[str, tuple] = {
     "yr_adaptive_avg_pool2d": (_P, _P, _I, _I, _I, _I, _I, _I, _I),   # x, y, N, C, H, W, oh, ow, dtype
     # x, y, mean, var, weight|None, bias|None, N, C, S, eps, dtype
     "yr_batch_norm": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _F, _I),
+    "yr_conv_epilogue": (_P, _I, _I),   # args {y, r, rows, cols, act, lo, hi}, rows lo..hi (a GEMM's row epilogue)
 }
+#: activation codes of yr_conv_epilogue
+_EPILOGUE_ACT = {None: 0, "relu": 1, "hardtanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5}
 #: element type codes of conv.cpp
 DTYPE_CODES = {DType.float32: 0, DType.float16: 1, DType.bfloat16: 2}
 
@@ -161,29 +165,36 @@ def _conv_onednn(c: ConvInputs, x, y, r, attrs, copy: bool = False):
     return run
 
 
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", float(v)))[0]
+
+
 def _conv_gemm(c: ConvInputs, x, y, r, attrs):
     """A 1x1, stride-1, ungrouped NHWC convolution as the GEMM it is, on yirage's packed float32
     GEMM (kernels/cpu/embed_kernels.h): x [N*H*W, C] times the folded weight [O, C] packed
-    once; the residual and the activation then run in place as torch ops."""
+    once, the bias in the GEMM, and the residual add and the activation as its row epilogue
+    (conv.cpp's ``yr_conv_epilogue``, on each block of rows while they are in cache)."""
     O, C = c.weight.shape[:2]
     x2 = x.permute(0, 2, 3, 1).view(-1, C)   # the NHWC buffer itself
     y2 = y.permute(0, 2, 3, 1).view(-1, O)
     r2 = None if r is None else r.permute(0, 2, 3, 1).view(-1, O)
     deps = tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
-    act, act_args = attrs.get("activation"), attrs.get("act_args") or []
+    act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
+    epilogue = None
+    if act or r2 is not None:
+        words = [y2.data_ptr(), 0 if r2 is None else r2.data_ptr(), y2.shape[0], O, _EPILOGUE_ACT[act],
+                 _f32_bits(act_args[0]), _f32_bits(act_args[1])]
+        ptrs = (ctypes.c_int64 * len(words))(*words)
+        epilogue = (ctypes.cast(library().yr_conv_epilogue, ctypes.c_void_p).value, ctypes.addressof(ptrs))
 
     def pack(w):
         wf, bf = _folded(c, attrs)
         return cpu_embed.pack_f32(wf.reshape(O, C).contiguous()), None if bf is None else bf.float().contiguous()
     cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps)   # folded and packed now, once
-    gemm = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps))
-
-    def run():
-        gemm()
-        if r2 is not None:
-            y2.add_(r2)
-        if act:
-            _INPLACE[act](y2, act_args)
+    run = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps),
+                                  epilogue)
+    if epilogue is not None:
+        run.epilogue_args = ptrs   # the argument array lives as long as the thunk
     return run
 
 

@@ -11,6 +11,8 @@
 
 #include <omp.h>
 
+#include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -171,6 +173,42 @@ void yr_batch_norm(const void* x, void* y, const float* mean, const float* var, 
         using T = std::remove_pointer_t<decltype(t)>;
         batch_norm((const T*)x, (T*)y, mean, var, w, b, N, C, S, eps);
     });
+}
+
+// Row epilogue of a convolution run as a GEMM (backends/cpu_conv.py's 1x1 convolutions on
+// the packed GEMM; called by the GEMM on each block of finished rows [lo, hi), see
+// embed_kernels.h's EmbEpilogue): y[i, :] = act(y[i, :] + r[i, :]) over float32 rows of
+// `cols` values. args: {y, r or 0, rows, cols, act, lo, hi} with act 0 none, 1 relu,
+// 2 clamp(lo, hi) (ReLU6), 3 silu, 4 sigmoid, 5 tanh, and lo/hi float32 bit patterns. Rows
+// outside [0, rows) are never touched.
+void yr_conv_epilogue(const int64_t* args, int64_t lo, int64_t hi) {
+    float* y = (float*)args[0];
+    const float* r = (const float*)args[1];
+    const int64_t rows = args[2], cols = args[3], act = args[4];
+    float a, b;
+    const int32_t abits = (int32_t)args[5], bbits = (int32_t)args[6];
+    std::memcpy(&a, &abits, 4);
+    std::memcpy(&b, &bbits, 4);
+    lo = std::max<int64_t>(lo, 0);
+    hi = std::min(hi, rows);
+    if (!y || cols <= 0 || lo >= hi) return;
+    for (int64_t i = lo; i < hi; ++i) {
+        float* yr = y + i * cols;
+        const float* rr = r ? r + i * cols : nullptr;
+#pragma omp simd
+        for (int64_t j = 0; j < cols; ++j) {
+            float v = yr[j] + (rr ? rr[j] : 0.0f);
+            switch (act) {
+                case 1: v = v > 0.0f ? v : 0.0f; break;
+                case 2: v = std::min(std::max(v, a), b); break;
+                case 3: v = v / (1.0f + yr_exp(-v)); break;
+                case 4: v = 1.0f / (1.0f + yr_exp(-v)); break;
+                case 5: v = yr_tanh(v); break;
+                default: break;
+            }
+            yr[j] = v;
+        }
+    }
 }
 
 }  // extern "C"
