@@ -288,7 +288,11 @@ class YiragePartition(torch.nn.Module):
 
     # ---- building one variant -----------------------------------------------------------
     def _variant(self, inputs) -> _Variant:
-        """The compiled variant for the signature of ``inputs`` (built or loaded on a miss)."""
+        """The compiled variant for the signature of ``inputs`` (built or loaded on a miss). A
+        partition with static shapes has one (dynamo's guards keep the shapes it was traced
+        with), so its calls skip computing the signature."""
+        if not self.symbolic and len(self._variants) == 1:
+            return next(iter(self._variants.values()))
         sig = signature(inputs)
         v = self._variants.get(sig)
         if v is not None:

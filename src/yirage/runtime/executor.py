@@ -22,6 +22,7 @@ This module must never change a graph, import a backend, or ask which backend it
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from typing import Callable, Sequence
 
@@ -65,6 +66,15 @@ class CompiledGraph:
         """Number of launches per run: fused kernels plus library calls (reshapes excluded)."""
         return sum(1 for s in self.steps if not (isinstance(s, LibraryStep) and s.node.op in VIEW_OPS))
 
+    @staticmethod
+    def _same_tensors(entry: list, inputs) -> bool:
+        """Whether ``inputs`` are the very tensor objects the last plan was bound to, still on
+        the same storage (then their shapes and dtypes were checked when it was bound): a
+        partition's frozen weights and staged activations, called again and again."""
+        bound = entry[3]
+        return (bound is not None and len(inputs) == len(bound) and all(map(operator.is_, inputs, bound))
+                and [x.data_ptr() for x in inputs] == entry[4])
+
     def check(self, inputs: Sequence[torch.Tensor]) -> None:
         """GraphError if inputs do not match the graph (see ``ir.interpret.check_inputs``) or are
         not on the backend's device."""
@@ -99,16 +109,20 @@ class CompiledGraph:
         inputs captures its launches and later ones replay them: one launch instead of one
         per kernel, whose host cost dominates small graphs (Triton's launch takes tens of
         microseconds). A capture that fails leaves the plan launching kernel by kernel."""
-        self.check(inputs)
-        xs = [x.contiguous() for x in inputs]
-        key = tuple((x.data_ptr(), tuple(x.shape), x.dtype, x.device) for x in xs)
         if not self._last_lock.acquire(blocking=False):
-            return Plan(self, xs).run()
+            self.check(inputs)
+            return Plan(self, [x.contiguous() for x in inputs]).run()
         try:
-            if self._last is None or self._last[0] != key:
-                self._last = None
-                self._last = [key, Plan(self, xs), 0]
             entry = self._last
+            if not (entry is not None and self._same_tensors(entry, inputs)):
+                self.check(inputs)
+                xs = [x.contiguous() for x in inputs]
+                key = tuple((x.data_ptr(), tuple(x.shape), x.dtype, x.device) for x in xs)
+                if entry is None or entry[0] != key:
+                    self._last = None
+                    entry = self._last = [key, Plan(self, xs), 0, None, None]
+                if all(map(operator.is_, xs, inputs)):   # the same tensor objects: next time, a quick check
+                    entry[3], entry[4] = list(xs), [x.data_ptr() for x in xs]
             entry[2] += 1
             if entry[2] == CAPTURE_AFTER and getattr(self.impl, "captures", False):
                 try:
