@@ -2,11 +2,13 @@
 import logging
 import threading
 
+import pytest
 import torch
 
 import yirage as yr
 from yirage.backends import Backend, get_backend_impl
 from yirage.backends.base import BackendImpl, BackendInfo, MemoryInfo
+from yirage.errors import GraphError
 from yirage.runtime import executor
 from yirage.runtime.executor import CompiledGraph
 
@@ -158,3 +160,24 @@ def test_repeated_calls_capture_the_plan_on_a_backend_that_captures(monkeypatch)
     y = torch.randn(4, 16)
     for _ in range(executor.CAPTURE_AFTER + 1):
         torch.testing.assert_close(cg([y, w])[0], g.interpret([y, w])[0])
+
+
+def test_a_call_with_the_same_tensors_rebinds_when_their_storage_changed():
+    """The quick path for the very tensors of the last call: their new values are read, a
+    tensor moved to other storage (``set_``) or replaced by another object rebinds the plan,
+    and a wrong shape still gets the input check's error."""
+    g = yr.new_kernel_graph(backend="cpu")
+    a, b = g.new_input((4, 8)), g.new_input((4, 8))
+    g.mark_output(g.add(g.relu(a), b))
+    cg = g.compile("cpu")
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(2):
+        torch.testing.assert_close(cg([x, y])[0], x.relu() + y)
+    x.mul_(-1)                       # new values, same storage
+    torch.testing.assert_close(cg([x, y])[0], x.relu() + y)
+    x.set_(torch.randn(4, 8))        # same object, other storage
+    torch.testing.assert_close(cg([x, y])[0], x.relu() + y)
+    y2 = torch.randn(4, 8)           # another object
+    torch.testing.assert_close(cg([x, y2])[0], x.relu() + y2)
+    with pytest.raises(GraphError, match="input 1"):
+        cg([x, torch.randn(4, 9)])
