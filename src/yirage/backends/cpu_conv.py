@@ -69,12 +69,12 @@ _INPLACE = {"relu": lambda y, a: torch.relu_(y), "hardtanh": lambda y, a: y.clam
 
 def _bn_scale_shift(c: ConvInputs, eps: float):
     """Inference batch norm as ``y * scale + shift`` per channel (float32 [O] each)."""
-    scale = torch.rsqrt(c.var + eps)
+    scale = torch.rsqrt(c.var.float() + eps)
     if c.bn_weight is not None:
-        scale = scale * c.bn_weight
-    shift = -c.mean * scale
+        scale = scale * c.bn_weight.float()
+    shift = -c.mean.float() * scale
     if c.bn_bias is not None:
-        shift = shift + c.bn_bias
+        shift = shift + c.bn_bias.float()
     return scale, shift
 
 
@@ -295,11 +295,21 @@ def _batch_norm(node, graph, args, out, status):
     S = 1
     for d in t.shape[2:]:
         S *= d
-    w, b = (args[3].data_ptr(), args[4].data_ptr()) if node.attrs["affine"] else (None, None)
-    p = (args[0].data_ptr(), out.data_ptr(), args[1].data_ptr(), args[2].data_ptr(), w, b, N, C, S,
+    stats = list(args[1:])
+    f32 = [s if s.dtype == torch.float32 else torch.empty(s.shape) for s in stats]   # the kernel reads float32
+    convert = [(a, b) for a, b in zip(f32, stats) if a is not b]
+    w, b = (f32[2].data_ptr(), f32[3].data_ptr()) if node.attrs["affine"] else (None, None)
+    p = (args[0].data_ptr(), out.data_ptr(), f32[0].data_ptr(), f32[1].data_ptr(), w, b, N, C, S,
          float(node.attrs["eps"]), DTYPE_CODES[t.dtype])
     fn = library().yr_batch_norm
-    return lambda: fn(*p)
+    if not convert:
+        return lambda: fn(*p)
+
+    def run():
+        for a, b in convert:
+            a.copy_(b)
+        fn(*p)
+    return run
 
 
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status))

@@ -4,7 +4,7 @@
 | ATen op | IR | lowered when |
 |---|---|---|
 | ``convolution`` | ``conv2d`` | 2-d, not transposed |
-| ``_native_batch_norm_legit_no_training`` | ``batch_norm`` | only output 0 used; float32 statistics |
+| ``_native_batch_norm_legit_no_training`` | ``batch_norm`` | only output 0 used; statistics float32 or the input's dtype |
 | ``max_pool2d_with_indices`` | ``max_pool2d`` | only output 0 (not the indices) used; floor mode |
 | ``avg_pool2d`` | ``avg_pool2d`` | floor mode, no divisor_override |
 
@@ -72,8 +72,8 @@ def _check_batch_norm(node):
     why = _only_output_0(node) or _no_kwargs()(node) or _tensors(x, mean, var, w, b)
     if why:
         return why
-    if any(t is not None and _val(t).dtype != torch.float32 for t in (mean, var, w, b)):
-        return "statistics or affine parameters not float32"
+    if any(t is not None and _val(t).dtype not in (torch.float32, _val(x).dtype) for t in (mean, var, w, b)):
+        return "statistics or affine parameters neither float32 nor in the input's dtype"
     if (w is None) != (b is None):
         return "only one of weight and bias"
     return None

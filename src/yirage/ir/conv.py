@@ -139,8 +139,9 @@ def _conv2d_infer(ts, attrs):
     if c.bias is not None and (tuple(c.bias.shape) != (O,) or c.bias.dtype != x.dtype):
         _fail("conv2d", ts, f"bias must have shape ({O},) and x's dtype")
     for t in (c.mean, c.var, c.bn_weight, c.bn_bias):
-        if t is not None and (tuple(t.shape) != (O,) or t.dtype != DType.float32):
-            _fail("conv2d", ts, f"the batch-norm statistics and affine parameters must be float32 [{O}]")
+        if t is not None and (tuple(t.shape) != (O,) or t.dtype not in (DType.float32, x.dtype)):
+            _fail("conv2d", ts, f"the batch-norm statistics and affine parameters must be [{O}] in float32 or "
+                                f"x's dtype {x.dtype.value}")
     act = attrs.get("activation")
     if act is not None and act not in ACTIVATIONS:
         _fail("conv2d", ts, f"activation must be one of {sorted(ACTIVATIONS)} or None, got {act!r}")
@@ -157,7 +158,8 @@ def conv2d_epilogue(y, c: ConvInputs, attrs: dict):
     bn_weight + bn_bias``, attr ``bn`` {"eps", "affine"}), plus the residual, then the
     activation (attr ``activation``, see ``ACTIVATIONS``; args in ``act_args``)."""
     if attrs.get("bn"):
-        y = F.batch_norm(y, c.mean, c.var, c.bn_weight, c.bn_bias, training=False, eps=attrs["bn"]["eps"])
+        y = F.batch_norm(y, *(None if t is None else t.float() for t in (c.mean, c.var, c.bn_weight, c.bn_bias)),
+                         training=False, eps=attrs["bn"]["eps"])
     if c.residual is not None:
         y = y + c.residual.float()
     if attrs.get("activation"):
@@ -246,19 +248,20 @@ def _batch_norm_infer(ts, attrs):
         _fail("batch_norm", ts, "x must be floating point [N, C, ...]")
     C = x.shape[1]
     for t in ts[1:]:
-        if tuple(t.shape) != (C,) or t.dtype != DType.float32:
-            _fail("batch_norm", ts, f"running_mean, running_var, weight and bias must be float32 [{C}] (C)")
+        if tuple(t.shape) != (C,) or t.dtype not in (DType.float32, x.dtype):
+            _fail("batch_norm", ts, f"running_mean, running_var, weight and bias must be [{C}] (C) in float32 "
+                                    f"or x's dtype {x.dtype.value}")
     return x
 
 
 def batch_norm_reference(args, attrs):
-    """Inference batch normalization (Ioffe & Szegedy 2015) with the running statistics:
-    ``(x - mean[c]) / sqrt(var[c] + eps) * weight[c] + bias[c]`` over channel dim 1, in
-    float32 (``F.batch_norm(training=False)``), cast back to x's dtype. Inputs: x, running_mean,
+    """Inference batch normalization (Ioffe & Szegedy 2015) with the running statistics (float32
+    or x's dtype): ``(x - mean[c]) / sqrt(var[c] + eps) * weight[c] + bias[c]`` over channel dim
+    1, in float32 (``F.batch_norm(training=False)``), cast back to x's dtype. Inputs: x, running_mean,
     running_var, then weight and bias when ``affine``."""
-    x, mean, var = args[:3]
-    w, b = (args[3], args[4]) if attrs["affine"] else (None, None)
-    return F.batch_norm(x.float(), mean, var, w, b, training=False, eps=attrs["eps"]).to(x.dtype)
+    x, mean, var = (t.float() for t in args[:3])
+    w, b = (args[3].float(), args[4].float()) if attrs["affine"] else (None, None)
+    return F.batch_norm(x, mean, var, w, b, training=False, eps=attrs["eps"]).to(args[0].dtype)
 
 
 _register("conv2d", "library", -1, _conv2d_infer, conv2d_reference)

@@ -1124,16 +1124,20 @@ def _pool(op, shape, kwargs, dtype) -> Built:
     return g, [xs], {0: want.to(dtype.torch_dtype)}
 
 
-def _batch_norm(shape, affine, dtype) -> Built:
-    """Inference batch_norm against F.batch_norm(training=False)."""
+def _batch_norm(shape, affine, dtype, stats_in_x_dtype=False) -> Built:
+    """Inference batch_norm against F.batch_norm(training=False); the statistics float32, or in
+    x's dtype (a model converted with ``.to(torch.bfloat16)``)."""
     C = shape[1]
+    sd = dtype if stats_in_x_dtype else DType.float32
     g = new_kernel_graph()
-    ins = [g.new_input(shape, dtype), *(g.new_input((C,)) for _ in range(4 if affine else 2))]
+    ins = [g.new_input(shape, dtype), *(g.new_input((C,), sd) for _ in range(4 if affine else 2))]
     g.mark_output(g.batch_norm(*ins[:3], *(ins[3:] if affine else []), eps=1e-3))
-    xs, mean, var = torch.randn(shape).to(dtype.torch_dtype), torch.randn(C), torch.rand(C) + 0.5
-    extra = [torch.randn(C), torch.randn(C)] if affine else []
-    want = F.batch_norm(xs.float(), mean, var, *(extra or [None, None]), training=False, eps=1e-3)
-    return g, [xs, mean, var, *extra], {0: want.to(dtype.torch_dtype)}
+    xs = torch.randn(shape).to(dtype.torch_dtype)
+    stats = [t.to(sd.torch_dtype) for t in (torch.randn(C), torch.rand(C) + 0.5, *(
+        [torch.randn(C), torch.randn(C)] if affine else []))]
+    f = [t.float() for t in stats]
+    want = F.batch_norm(xs.float(), f[0], f[1], *(f[2:] or [None, None]), training=False, eps=1e-3)
+    return g, [xs, *stats], {0: want.to(dtype.torch_dtype)}
 
 
 def _conv_block(N, C, H, W, O, k, stride, groups, shortcut, act, dtype) -> Built:
@@ -1206,6 +1210,7 @@ def _conv_net_cases() -> list[Case]:
               for d in (f32, bf16)]
     cases += [Case("batch_norm", f"{'affine' if a else 'plain'} {d.value}", part(_batch_norm, (2, 5, 3, 7), a, d))
               for a in (True, False) for d in (f32, f16)]
+    cases += [Case("batch_norm", "affine, bfloat16 statistics", part(_batch_norm, (2, 5, 3, 7), True, bf16, True))]
     blocks = [  # (N, C, H, W, O, k, stride, groups, shortcut, activation)
         ("3x3 + identity, relu", (2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu")),
         ("3x3 s2 + conv shortcut, relu", (1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu")),
