@@ -23,7 +23,10 @@ rounds and ratios are medians of per-round ratios. A second yirage process built
 first gives ``warm_compile_s`` (yirage's disk caches warm). Per model the JSON has each side's
 median seconds, peak RSS (MiB), the yirage and Inductor outputs' max abs error and cosine to
 eager, and the speedups against eager, Inductor and the faster of the two (what a user would
-pick); ``summary`` has their geomeans and the pass rate (outputs within tolerance).
+pick); ``summary`` has their geomeans and the pass rate (outputs within tolerance). With
+``--dtype bfloat16`` every side is also compared with the model run in float32
+(``vs_float32``), and yirage passes when it is no further from float32 than eager bfloat16
+(see ``_against_float32``).
 ``machine`` is ``yirage.runtime.machine.machine_record()``.
 """
 from __future__ import annotations
@@ -160,6 +163,31 @@ def _compare_outputs(ref, out, dtype: str) -> dict:
     return {"max_abs_error": err, "cosine": cos, "ok": bool(torch.allclose(out, ref, atol=atol, rtol=rtol))}
 
 
+def _against_float32(sides, kw: dict, args, entry: dict, outs: dict) -> None:
+    """Half-precision runs: every side's output against the same model run eager in float32
+    (``vs_float32``: max abs error, cosine). A bfloat16 conv net drifts from eager bfloat16 by
+    as much as eager bfloat16 drifts from float32 (50 layers of rounding, which folding
+    BatchNorm into the weights moves), so ``ok`` there means: no further from float32 than
+    eager bfloat16 is (cosine within 1e-3, max error within 1.5x); ``ok_vs_eager`` keeps the
+    tolerance test against eager."""
+    if not sides.start("float32", SideSpec("torch_compile:CompiledSide", {**kw, "dtype": "float32", "mode": "eager"},
+                                           threads=args.threads)):
+        return
+    got = sides.sample("float32", {})
+    if got is None:
+        return
+    ref = got[1]
+    for mode in ("eager", "inductor", "yirage"):
+        if mode in outs:
+            entry[mode]["vs_float32"] = {k: v for k, v in _compare_outputs(ref, outs[mode], args.dtype).items()
+                                         if k != "ok"}
+    e, y = entry["eager"].get("vs_float32"), entry["yirage"].get("vs_float32")
+    if e and y:
+        entry["yirage"]["ok_vs_eager"] = entry["yirage"].get("ok")
+        entry["yirage"]["ok"] = bool(y["cosine"] >= e["cosine"] - 1e-3
+                                     and y["max_abs_error"] <= 1.5 * e["max_abs_error"] + 1e-3)
+
+
 def run_case(name: str, batch: int, args) -> dict:
     kw = {"model": name, "batch": batch, "dtype": args.dtype, "small": args.small}
     entry: dict = {}
@@ -173,6 +201,8 @@ def run_case(name: str, batch: int, args) -> dict:
             entry[mode] = sides.report(mode, {"median_s": c.median(mode)} if c else {})
             if mode != "eager" and mode in outs and "eager" in outs:
                 entry[mode].update(_compare_outputs(outs["eager"], outs[mode], args.dtype))
+        if args.dtype != "float32":   # how far each side is from the model in float32
+            _against_float32(sides, kw, args, entry, outs)
         for peer in ("eager", "inductor"):
             c = comparison(rounds, "seconds", [peer, "yirage"])
             if c is not None:

@@ -22,7 +22,7 @@ import torch
 
 from ..tuning import profile as tuning
 from ..dtypes import DType
-from ..ir.conv import ConvInputs, conv_inputs
+from ..ir.conv import ConvInputs, bn_scale_shift, conv_inputs
 from ..runtime.toolchain import kernel_source, load_library
 from . import cpu_embed
 
@@ -69,13 +69,7 @@ _INPLACE = {"relu": lambda y, a: torch.relu_(y), "hardtanh": lambda y, a: y.clam
 
 def _bn_scale_shift(c: ConvInputs, eps: float):
     """Inference batch norm as ``y * scale + shift`` per channel (float32 [O] each)."""
-    scale = torch.rsqrt(c.var.float() + eps)
-    if c.bn_weight is not None:
-        scale = scale * c.bn_weight.float()
-    shift = -c.mean.float() * scale
-    if c.bn_bias is not None:
-        shift = shift + c.bn_bias.float()
-    return scale, shift
+    return bn_scale_shift(c.mean, c.var, c.bn_weight, c.bn_bias, eps)
 
 
 def _folded(c: ConvInputs, attrs: dict):

@@ -4,8 +4,9 @@ Fused row kernels are rendered by codegen/triton.py and loaded by runtime/triton
 (Triton's JIT compiles and caches them); library ops run the hand-written Triton kernels
 of ``yirage/kernels/triton``: linear (float or q4_1/q8_0 blocks), batched matmul,
 embedding, RoPE, attention (flash-decoding for T == 1, FlashAttention for prefill),
-argmax, the W8A8 int8 linear layer (``linear_w8a8``) and packed-sentence bidirectional
-attention (``attention_varlen``). One source serves every Triton
+argmax, the W8A8 int8 linear layer (``linear_w8a8``), packed-sentence bidirectional
+attention (``attention_varlen``), and the conv-net ops conv2d (implicit GEMM, direct
+depthwise) and max/avg pooling. One source serves every Triton
 target; a subclass only says how to find its device.
 
 ``TritonInterpreterBackend`` ('triton-interpret') runs the same kernels on CPU tensors
@@ -203,6 +204,33 @@ def _always(node, graph) -> bool:
     return True
 
 
+def _conv2d(node, graph, args, out, status):
+    """conv2d with its epilogue (kernels/triton/conv.py): the implicit GEMM, or the direct
+    depthwise kernel; a folded BatchNorm runs as the epilogue's per-channel scale and shift,
+    computed from the statistics at each call (a few [O] ops)."""
+    from ..ir.conv import bn_scale_shift, conv_inputs
+    a = node.attrs
+    c = conv_inputs(list(args), a)
+    fn, bn = _lib().conv2d, a.get("bn")
+    geometry = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), a["groups"])
+    act, act_args, nhwc = a.get("activation"), a.get("act_args") or (0.0, 0.0), a.get("layout") == "nhwc"
+
+    def run():
+        scale, shift = bn_scale_shift(c.mean, c.var, c.bn_weight, c.bn_bias, bn["eps"]) if bn else (None, None)
+        fn(c.x, c.weight, c.bias, out, *geometry, scale, shift, c.residual, act, act_args, nhwc)
+    return run
+
+
+def _pool(node, graph, args, out, status):
+    """max_pool2d / avg_pool2d (kernels/triton/conv.py)."""
+    a, fn = node.attrs, _lib().pool2d
+    is_max, nhwc = node.op == "max_pool2d", a.get("layout") == "nhwc"
+    dilation = list(a.get("dilation", (1, 1)))
+    count = bool(a.get("count_include_pad", True))
+    return lambda: fn(args[0], out, list(a["kernel"]), list(a["stride"]), list(a["padding"]), dilation, is_max,
+                      count, nhwc)
+
+
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status) -> thunk)
 OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
@@ -218,6 +246,9 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "softmax": (_float_first, _softmax_mid),
     "log_softmax": (_float_first, _softmax_mid),
     **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat", "pad")},
+    "conv2d": (_float_first, _conv2d),   # kernels/triton/conv.py
+    "max_pool2d": (_float_first, _pool),
+    "avg_pool2d": (_float_first, _pool),
     "index_select": (_index_ok, _index_copy),  # kernels/triton/indexing.py
     "gather": (_index_ok, _index_copy),
 }

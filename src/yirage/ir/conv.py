@@ -152,6 +152,18 @@ def _conv2d_infer(ts, attrs):
     return TensorType(out, x.dtype)
 
 
+def bn_scale_shift(mean, var, weight, bias, eps: float):
+    """Inference BatchNorm as ``y * scale + shift`` per channel: ``scale = weight / sqrt(var +
+    eps)``, ``shift = bias - mean * scale`` (float32 [C] each; weight and bias may be None)."""
+    scale = torch.rsqrt(var.float() + eps)
+    if weight is not None:
+        scale = scale * weight.float()
+    shift = -mean.float() * scale
+    if bias is not None:
+        shift = shift + bias.float()
+    return scale, shift
+
+
 def conv2d_epilogue(y, c: ConvInputs, attrs: dict):
     """The epilogue of a ``conv2d`` on its float32 NCHW result ``y`` (``c``'s tensors NCHW):
     inference batch norm with the running statistics (``(y - mean) / sqrt(var + eps) *
@@ -270,5 +282,5 @@ _register("avg_pool2d", "library", 1, _pool_infer("avg_pool2d"), avg_pool2d_refe
 _register("adaptive_avg_pool2d", "library", 1, _adaptive_infer, adaptive_avg_pool2d_reference)
 _register("batch_norm", "library", -1, _batch_norm_infer, batch_norm_reference)
 
-__all__ = ["out_size", "conv2d_reference", "max_pool2d_reference", "avg_pool2d_reference",
+__all__ = ["out_size", "bn_scale_shift", "conv2d_reference", "max_pool2d_reference", "avg_pool2d_reference",
            "adaptive_avg_pool2d_reference", "batch_norm_reference"]

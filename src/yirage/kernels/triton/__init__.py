@@ -26,6 +26,9 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
   softmax/log_softmax over the middle dim of an [outer, n, inner] view (a dim that is not the last).
 - :func:`strided_copy`, :func:`strided_copy_meta` (strided.py): the layout ops (permute, expand,
   slice, select, cat) as strided copies; the metadata tensor is the bind-time allocation.
+- :func:`conv2d`, :func:`pool2d` (conv.py): convolution as an implicit GEMM (a direct kernel for
+  depthwise) with its epilogue (bias, BatchNorm scale/shift, residual, activation), and max /
+  average pooling, over NCHW or NHWC tensors.
 - :func:`index_copy`, :func:`index_copy_meta` (indexing.py): index_select and gather with run-time
   indices, each checked on the device into ``status`` (an index out of range reads nothing).
 
@@ -36,6 +39,7 @@ errors, and ``ir.ops.check_offsets`` when it runs).
 """
 from ._common import interpreting
 from .argmax import argmax
+from .conv import conv2d, pool2d
 from .attention import AttentionWorkspace, attention, attention_workspace
 from .attention_varlen import attention_varlen
 from .embedding import embedding
@@ -48,4 +52,5 @@ from .strided import reduce_mid, softmax_mid, strided_copy, strided_copy_meta
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
            "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "strided_copy",
-           "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace"]
+           "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
+           "conv2d", "pool2d"]
