@@ -296,10 +296,13 @@ _BLOCKS = {"identity-relu": (2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu"),
            "depthwise-relu6": (2, 12, 8, 9, 12, 3, 1, 12, None, "relu6"),
            "1x1-silu": (1, 5, 6, 7, 9, 1, 1, 1, None, "silu"),
            "1x1-identity-relu": (2, 8, 5, 6, 8, 1, 1, 1, "identity", "relu"),
-           "1x1-large-relu6": (2, 24, 23, 21, 40, 1, 1, 1, None, "relu6")}   # 966 rows: many GEMM row blocks
+           "1x1-large-relu6": (2, 24, 23, 21, 40, 1, 1, 1, None, "relu6"),   # 966 rows: many GEMM row blocks
+           "depthwise-5x5-s2": (1, 70, 9, 8, 70, 5, 2, 70, None, "silu"),   # 70 channels: a partial block of 64
+           "depthwise-identity-relu": (2, 12, 8, 9, 12, 3, 1, 12, "identity", "relu")}
 _CONV_CASES = [(p, b) for p in ("aten", "aten-nchw", "onednn-packed") for b in _BLOCKS] + [
     ("yirage-gemm", "1x1-silu"), ("yirage-gemm", "1x1-identity-relu"), ("yirage-gemm", "1x1-large-relu6"),
-    ("onednn-copy", "depthwise-relu6"),
+    ("onednn-copy", "depthwise-relu6"), ("yirage-depthwise", "depthwise-relu6"), ("yirage-depthwise", "depthwise-5x5-s2"),
+    ("yirage-depthwise", "depthwise-identity-relu"),
     ("onednn-copy", "1x1-silu")]
 
 

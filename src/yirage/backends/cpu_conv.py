@@ -2,9 +2,9 @@
 
 - ``conv2d`` with its epilogue (folded batch norm, residual, activation), NCHW or NHWC: torch's
   convolution plus in-place epilogue ops, or oneDNN on a folded, reordered weight with the
-  epilogue as post-ops, or (1x1 convolutions) yirage's packed GEMM, chosen by measurement
-  (``tuning.choose``); yirage's own implicit-GEMM kernel for larger windows and a direct
-  depthwise kernel are still to come (issue 21);
+  epilogue as post-ops, or yirage's own kernels (the packed GEMM for 1x1 convolutions, a
+  direct NHWC kernel for depthwise ones, both with the epilogue fused), chosen by measurement
+  (``tuning.choose``); an implicit-GEMM kernel of yirage's for larger windows is still to come;
 - ``max_pool2d``, ``avg_pool2d``, ``adaptive_avg_pool2d`` and ``batch_norm`` (inference):
   hand-written C++ (kernels/cpu/conv.cpp), float32/float16/bfloat16.
 
@@ -38,6 +38,8 @@ SIGNATURES: dict[str, tuple] = {
     # x, y, mean, var, weight|None, bias|None, N, C, S, eps, dtype
     "yr_batch_norm": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _F, _I),
     "yr_conv_epilogue": (_P, _I, _I),   # args {y, r, rows, cols, act, lo, hi}, rows lo..hi (a GEMM's row epilogue)
+    # x, wt [kh*kw, C], bias|None, res|None, y, N, H, W, C, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, act, lo, hi
+    "yr_depthwise_nhwc_f32": (_P, _P, _P, _P, _P, *([_I] * 15), _F, _F),
 }
 #: activation codes of yr_conv_epilogue
 _EPILOGUE_ACT = {None: 0, "relu": 1, "hardtanh": 2, "silu": 3, "sigmoid": 4, "tanh": 5}
@@ -192,14 +194,41 @@ def _conv_gemm(c: ConvInputs, x, y, r, attrs):
     return run
 
 
+def _conv_depthwise(c: ConvInputs, x, y, r, attrs):
+    """A float32 NHWC depthwise convolution (groups == C == O) on yirage's direct kernel
+    (conv.cpp ``yr_depthwise_nhwc_f32``): the weight folded (BatchNorm) and transposed to
+    [kh*kw, C] once, the bias, residual and activation in the same pass."""
+    O, _, kh, kw = c.weight.shape
+    N, C, H, W = x.shape
+    Ho, Wo = y.shape[2:]
+    deps = tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
+    act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
+
+    def pack(w):
+        wf, bf = _folded(c, attrs)
+        return wf.float().reshape(O, kh * kw).t().contiguous(), None if bf is None else bf.float().contiguous()
+    cpu_embed._cached(c.weight, "yirage-depthwise", pack, deps)   # folded and transposed now, once
+    fn = library().yr_depthwise_nhwc_f32
+    xb, yb = x.permute(0, 2, 3, 1), y.permute(0, 2, 3, 1)   # the NHWC buffers
+    rb = None if r is None else r.permute(0, 2, 3, 1)
+    geometry = (N, H, W, C, Ho, Wo, kh, kw, *attrs["stride"], *attrs["padding"], *attrs["dilation"],
+                _EPILOGUE_ACT[act], float(act_args[0]), float(act_args[1]))
+
+    def run():
+        wt, b = cpu_embed._cached(c.weight, "yirage-depthwise", pack, deps)
+        fn(xb.data_ptr(), wt.data_ptr(), None if b is None else b.data_ptr(), None if rb is None else rb.data_ptr(),
+           yb.data_ptr(), *geometry)
+    return run
+
+
 def _conv2d(node, graph, args, out, status):
     """``conv2d`` with its epilogue on the provider chosen by measurement per shape class:
     torch's convolution plus in-place epilogue ops (``aten``; for NHWC also ``aten-nchw``,
     through NCHW copies), or, for channels-last
     (``layout="nhwc"``) float32/bfloat16 convolutions whose weights (and folded batch-norm
     parameters) are constant, oneDNN on a reordered weight with fused post-ops
-    (``onednn-packed``, in place; ``onednn-copy`` without a residual) and, for 1x1 stride-1
-    float32 ones, yirage's packed GEMM
+    (``onednn-packed``, in place; ``onednn-copy`` without a residual), for float32 depthwise
+    ones yirage's direct kernel (``yirage-depthwise``) and, for 1x1 stride-1 float32 ones, yirage's packed GEMM
     (``yirage-gemm``). NHWC buffers are handed to torch as channels-last NCHW views."""
     a = node.attrs
     c = conv_inputs(list(args), a)
@@ -216,6 +245,8 @@ def _conv2d(node, graph, args, out, status):
         cands["onednn-packed"] = _conv_onednn
         if c.residual is None:
             cands["onednn-copy"] = functools.partial(_conv_onednn, copy=True)
+        if x.dtype == torch.float32 and a["groups"] == c.weight.shape[0] == x.shape[1] and c.weight.shape[1] == 1:
+            cands["yirage-depthwise"] = _conv_depthwise
         if (x.dtype == torch.float32 and c.weight.shape[2:] == (1, 1) and list(a["stride"]) == [1, 1]
                 and list(a["padding"]) == [0, 0] and a["groups"] == 1):
             cands["yirage-gemm"] = _conv_gemm
@@ -237,7 +268,8 @@ def _conv2d(node, graph, args, out, status):
     default = "onednn-packed" if "onednn-packed" in cands else "aten"
     choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, default)
     onednn = {"onednn-packed", "onednn-copy"}
-    for provider, kind in (("onednn-packed", f"onednn-conv/{tuple(x.shape)}"), ("yirage-gemm", "yirage-conv1x1")):
+    for provider, kind in (("onednn-packed", f"onednn-conv/{tuple(x.shape)}"), ("yirage-gemm", "yirage-conv1x1"),
+                           ("yirage-depthwise", "yirage-depthwise")):
         if provider in cands and choice.provider != provider and not {provider, choice.provider} <= onednn:
             cpu_embed.forget_packed(c.weight, kind)   # measured, not chosen
     thunk = cands[choice.provider](c, x, y, r, a)

@@ -130,6 +130,91 @@ template <typename T> void batch_norm(const T* x, T* y, const float* mean, const
     }
 }
 
+// The activations of the convolution epilogues (codes as yr_conv_epilogue's), a template
+// parameter so that each inner loop is one straight-line vectorizable body.
+template <int ACT> static inline float conv_act(float v, float a, float b) {
+    if constexpr (ACT == 1) return v > 0.0f ? v : 0.0f;
+    else if constexpr (ACT == 2) return std::min(std::max(v, a), b);
+    else if constexpr (ACT == 3) return v / (1.0f + yr_exp(-v));
+    else if constexpr (ACT == 4) return 1.0f / (1.0f + yr_exp(-v));
+    else if constexpr (ACT == 5) return yr_tanh(v);
+    else return v;
+}
+
+// Calls fn.template operator()<ACT>() for an activation code (0 none, 1 relu, 2 clamp,
+// 3 silu, 4 sigmoid, 5 tanh); false for an unknown code.
+template <typename F> static bool dispatch_act(int64_t act, F fn) {
+    switch (act) {
+        case 0: fn(std::integral_constant<int, 0>{}); return true;
+        case 1: fn(std::integral_constant<int, 1>{}); return true;
+        case 2: fn(std::integral_constant<int, 2>{}); return true;
+        case 3: fn(std::integral_constant<int, 3>{}); return true;
+        case 4: fn(std::integral_constant<int, 4>{}); return true;
+        case 5: fn(std::integral_constant<int, 5>{}); return true;
+        default: return false;
+    }
+}
+
+template <int ACT>
+static void depthwise_nhwc(const float* x, const float* wt, const float* bias, const float* res, float* y,
+                           int64_t N, int64_t H, int64_t W, int64_t C, int64_t Ho, int64_t Wo, int64_t kh,
+                           int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                           float a, float b) {
+    constexpr int64_t CB = 64;
+    #pragma omp parallel for schedule(static) if (N * Ho * Wo * C * kh * kw >= 65536)
+    for (int64_t row = 0; row < N * Ho; ++row) {
+        const int64_t n = row / Ho, ho = row % Ho;
+        for (int64_t wo = 0; wo < Wo; ++wo) {
+            float* yp = y + ((n * Ho + ho) * Wo + wo) * C;
+            const float* rp = res ? res + ((n * Ho + ho) * Wo + wo) * C : nullptr;
+            for (int64_t c0 = 0; c0 < C; c0 += CB) {
+                const int64_t cn = std::min(CB, C - c0);
+                float acc[CB];
+                for (int64_t j = 0; j < CB; ++j) acc[j] = (bias && j < cn) ? bias[c0 + j] : 0.0f;
+                for (int64_t r = 0; r < kh; ++r) {
+                    const int64_t hi = ho * sh - ph + r * dh;
+                    if (hi < 0 || hi >= H) continue;
+                    for (int64_t s = 0; s < kw; ++s) {
+                        const int64_t wi = wo * sw - pw + s * dw;
+                        if (wi < 0 || wi >= W) continue;
+                        const float* xp = x + ((n * H + hi) * W + wi) * C + c0;
+                        const float* wp = wt + (r * kw + s) * C + c0;
+                        if (cn == CB) {
+                            #pragma omp simd
+                            for (int64_t j = 0; j < CB; ++j) acc[j] += xp[j] * wp[j];
+                        } else {
+                            #pragma omp simd
+                            for (int64_t j = 0; j < cn; ++j) acc[j] += xp[j] * wp[j];
+                        }
+                    }
+                }
+                if (rp) {
+                    #pragma omp simd
+                    for (int64_t j = 0; j < cn; ++j) yp[c0 + j] = conv_act<ACT>(acc[j] + rp[c0 + j], a, b);
+                } else {
+                    #pragma omp simd
+                    for (int64_t j = 0; j < cn; ++j) yp[c0 + j] = conv_act<ACT>(acc[j], a, b);
+                }
+            }
+        }
+    }
+}
+
+template <int ACT> static void epilogue_rows(float* y, const float* r, int64_t cols, int64_t lo, int64_t hi,
+                                             float a, float b) {
+    for (int64_t i = lo; i < hi; ++i) {
+        float* yr = y + i * cols;
+        if (r) {
+            const float* rr = r + i * cols;
+            #pragma omp simd
+            for (int64_t j = 0; j < cols; ++j) yr[j] = conv_act<ACT>(yr[j] + rr[j], a, b);
+        } else {
+            #pragma omp simd
+            for (int64_t j = 0; j < cols; ++j) yr[j] = conv_act<ACT>(yr[j], a, b);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -175,6 +260,26 @@ void yr_batch_norm(const void* x, void* y, const float* mean, const float* var, 
     });
 }
 
+// Depthwise convolution over NHWC float32 tensors, one output pixel at a time with its channels
+// in blocks of 64 (four AVX-512 vectors of accumulators), the window summed directly:
+// y[n, ho, wo, c] = act(bias[c] + sum_{r,s} x[n, hi, wi, c] * wt[r * kw + s, c] + res[n, ho, wo, c]),
+// hi = ho*sh - ph + r*dh, wi = wo*sw - pw + s*dw (outside the image: 0). wt is the weight
+// transposed to [kh*kw, C] (channels contiguous); bias [C] or null; res like y or null; act
+// as yr_conv_epilogue's. Returns without touching memory when the sizes are inconsistent.
+void yr_depthwise_nhwc_f32(const float* x, const float* wt, const float* bias, const float* res, float* y,
+                           int64_t N, int64_t H, int64_t W, int64_t C, int64_t Ho, int64_t Wo, int64_t kh,
+                           int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                           int64_t act, float a, float b) {
+    if (N <= 0 || H <= 0 || W <= 0 || C <= 0 || kh <= 0 || kw <= 0 || sh <= 0 || sw <= 0 || dh <= 0 || dw <= 0 ||
+        ph < 0 || pw < 0 || Ho != window_out(H, kh, sh, ph, dh) || Wo != window_out(W, kw, sw, pw, dw) || Ho <= 0 ||
+        Wo <= 0 || !x || !wt || !y)
+        return;
+    dispatch_act(act, [&](auto A) {
+        depthwise_nhwc<decltype(A)::value>(x, wt, bias, res, y, N, H, W, C, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw,
+                                           a, b);
+    });
+}
+
 // Row epilogue of a convolution run as a GEMM (backends/cpu_conv.py's 1x1 convolutions on
 // the packed GEMM; called by the GEMM on each block of finished rows [lo, hi), see
 // embed_kernels.h's EmbEpilogue): y[i, :] = act(y[i, :] + r[i, :]) over float32 rows of
@@ -192,23 +297,7 @@ void yr_conv_epilogue(const int64_t* args, int64_t lo, int64_t hi) {
     lo = std::max<int64_t>(lo, 0);
     hi = std::min(hi, rows);
     if (!y || cols <= 0 || lo >= hi) return;
-    for (int64_t i = lo; i < hi; ++i) {
-        float* yr = y + i * cols;
-        const float* rr = r ? r + i * cols : nullptr;
-#pragma omp simd
-        for (int64_t j = 0; j < cols; ++j) {
-            float v = yr[j] + (rr ? rr[j] : 0.0f);
-            switch (act) {
-                case 1: v = v > 0.0f ? v : 0.0f; break;
-                case 2: v = std::min(std::max(v, a), b); break;
-                case 3: v = v / (1.0f + yr_exp(-v)); break;
-                case 4: v = 1.0f / (1.0f + yr_exp(-v)); break;
-                case 5: v = yr_tanh(v); break;
-                default: break;
-            }
-            yr[j] = v;
-        }
-    }
+    dispatch_act(act, [&](auto A) { epilogue_rows<decltype(A)::value>(y, r, cols, lo, hi, a, b); });
 }
 
 }  // extern "C"
