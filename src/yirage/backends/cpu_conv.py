@@ -253,7 +253,7 @@ def _conv2d(node, graph, args, out, status):
     O, cg, kh, kw = c.weight.shape
     N, _, Ho, Wo = y.shape
     what = (f"{x.dtype}".removeprefix("torch.") + f"/{a.get('layout', 'nchw')}/{kh}x{kw}/s{a['stride'][0]}"
-            f"/g{'dw' if a['groups'] == O and cg == 1 else a['groups']}")
+            f"/g{'dw' if a['groups'] == O and cg == 1 else a['groups']}" + ("/res" if c.residual is not None else ""))
     key = tuning.shape_class("conv2d", what, N * Ho * Wo, O, cg * kh * kw, torch.get_num_threads())
 
     def factory(bind):
