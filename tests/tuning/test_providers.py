@@ -351,3 +351,21 @@ def test_conv2d_onednn_sees_writes_to_folded_batch_norm_statistics(monkeypatch):
     want = torch.relu(torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x, w, None, 1, 1), mean, var, gw, gb,
                                                      training=False, eps=1e-3) + x)
     torch.testing.assert_close(g.compile("cpu")(inputs)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv2d_measurement_keeps_its_sample_buffers_alive(monkeypatch, tmp_path):
+    """The first-use measurement of a 1x1 convolution with a residual: every provider runs on
+    sample tensors that stay alive while it is timed (the GEMM's row epilogue reads the
+    residual through a raw pointer; this one, 33 MB, is above glibc's largest mmap threshold,
+    so freeing it early unmapped it and the epilogue crashed: ResNet-50 at batch 8 did). Then
+    the chosen provider computes the block."""
+    from yirage.tools import conformance
+
+    monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
+    tuning.reload_profile()
+    monkeypatch.setattr(tuning, "matching_template", lambda: None)
+    g, inputs, want = conformance._conv_block(1, 128, 256, 256, 128, 1, 1, 1, "identity", "relu", yr.float32)
+    for t in inputs[1:]:
+        cpu_embed.mark_constant(t)
+    out = g.compile("cpu")(inputs)
+    torch.testing.assert_close(out[0], want[0], rtol=1e-4, atol=1e-4)

@@ -190,7 +190,7 @@ def _conv_gemm(c: ConvInputs, x, y, r, attrs):
     run = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps),
                                   epilogue)
     if epilogue is not None:
-        run.epilogue_args = ptrs   # the argument array lives as long as the thunk
+        run.epilogue_args = (ptrs, y2, r2)   # the argument array, and what its pointers point at, live as long as the thunk
     return run
 
 
@@ -263,7 +263,9 @@ def _conv2d(node, graph, args, out, status):
             rs = None if c.residual is None else torch.randn(c.residual.shape, dtype=c.residual.dtype)
             if nhwc:
                 xs, ys, rs = xs.permute(0, 3, 1, 2), ys.permute(0, 3, 1, 2), None if rs is None else rs.permute(0, 3, 1, 2)
-            return bind(c, xs, ys, rs, a)
+            thunk = bind(c, xs, ys, rs, a)
+            thunk.samples = (xs, ys, rs)   # kernels hold raw pointers into them
+            return thunk
         return make
     default = "onednn-packed" if "onednn-packed" in cands else "aten"
     choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, default)
