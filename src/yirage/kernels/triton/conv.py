@@ -76,6 +76,28 @@ def _epilogue(acc, offs_m, offs_o, m_mask, o_mask, n, ho, wo, b_ptr, scale_ptr, 
     tl.store(out_ptr + o_off, to_out(acc, out_ptr), mask=mask)
 
 
+@triton.jit
+def _pixel_tile(M, C, Ho, Wo, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The program's [BLOCK_M output pixels, BLOCK_C channels] tile of a direct kernel (grid:
+    pixel tiles x channel tiles): offsets, masks and each pixel's (n, ho, wo)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    wo = offs_m % Wo
+    ho = (offs_m // Wo) % Ho
+    n = (offs_m // (Wo * Ho)).to(tl.int64)
+    return offs_m, offs_c, offs_m < M, offs_c < C, n, ho, wo
+
+
+@triton.jit
+def _window_tap(x_ptr, n, hi, wi, cc, m_mask, c_mask, H, W, sxn, sxc, sxh, sxw, other):
+    """x at input pixel (hi, wi) of each output pixel's window, for the tile's channels
+    (``other`` outside the image), and the pixels inside it."""
+    inside = m_mask & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+    xv = tl.load(x_ptr + (n * sxn + hi * sxh + wi * sxw)[:, None] + cc[None, :] * sxc,
+                 mask=inside[:, None] & c_mask[None, :], other=other)
+    return xv, inside
+
+
 @autotune(configs=_GEMM_CONFIGS, key=["M", "OG", "KG"])
 @triton.jit
 def _conv_gemm_kernel(x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, r_ptr, out_ptr,
@@ -122,21 +144,14 @@ def _conv_depthwise_kernel(x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, r_ptr, out
                            HAS_BIAS: tl.constexpr, HAS_BN: tl.constexpr, HAS_RES: tl.constexpr,
                            ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """One [BLOCK_M pixels, BLOCK_C channels] tile per program; w contiguous [C, 1, kh, kw]."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_mask, c_mask = offs_m < M, offs_c < C
-    wo = offs_m % Wo
-    ho = (offs_m // Wo) % Ho
-    n = (offs_m // (Wo * Ho)).to(tl.int64)
+    offs_m, offs_c, m_mask, c_mask, n, ho, wo = _pixel_tile(M, C, Ho, Wo, BLOCK_M, BLOCK_C)
     cc = offs_c.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for r in range(0, KH):
         hi = ho * SH - PH + r * DH
         for s in range(0, KW):
             wi = wo * SW - PW + s * DW
-            inside = m_mask & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
-            xv = tl.load(x_ptr + (n * sxn + hi * sxh + wi * sxw)[:, None] + cc[None, :] * sxc,
-                         mask=inside[:, None] & c_mask[None, :], other=0.0)
+            xv, inside = _window_tap(x_ptr, n, hi, wi, cc, m_mask, c_mask, H, W, sxn, sxc, sxh, sxw, 0.0)
             wv = tl.load(w_ptr + cc * (KH * KW) + r * KW + s, mask=c_mask, other=0.0)
             acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]
     _epilogue(acc, offs_m, offs_c, m_mask, c_mask, n, ho, wo, b_ptr, scale_ptr, shift_ptr, r_ptr, out_ptr,
@@ -149,12 +164,7 @@ def _pool_kernel(x_ptr, out_ptr, M, C, H, W, Ho, Wo, KH, KW, SH, SW, PH, PW, DH,
                  sxn, sxc, sxh, sxw, son, soc, soh, sow,
                  IS_MAX: tl.constexpr, COUNT_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Max or average over each window; one [BLOCK_M pixels, BLOCK_C channels] tile per program."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_mask, c_mask = offs_m < M, offs_c < C
-    wo = offs_m % Wo
-    ho = (offs_m // Wo) % Ho
-    n = (offs_m // (Wo * Ho)).to(tl.int64)
+    offs_m, offs_c, m_mask, c_mask, n, ho, wo = _pixel_tile(M, C, Ho, Wo, BLOCK_M, BLOCK_C)
     cc = offs_c.to(tl.int64)
     if IS_MAX:
         acc = tl.full([BLOCK_M, BLOCK_C], float("-inf"), tl.float32)
@@ -165,9 +175,8 @@ def _pool_kernel(x_ptr, out_ptr, M, C, H, W, Ho, Wo, KH, KW, SH, SW, PH, PW, DH,
         hi = ho * SH - PH + r * DH
         for s in range(0, KW):
             wi = wo * SW - PW + s * DW
-            inside = m_mask & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
-            xv = tl.load(x_ptr + (n * sxn + hi * sxh + wi * sxw)[:, None] + cc[None, :] * sxc,
-                         mask=inside[:, None] & c_mask[None, :], other=float("-inf") if IS_MAX else 0.0)
+            xv, inside = _window_tap(x_ptr, n, hi, wi, cc, m_mask, c_mask, H, W, sxn, sxc, sxh, sxw,
+                                     float("-inf") if IS_MAX else 0.0)
             xv = xv.to(tl.float32)
             if IS_MAX:
                 acc = tl.where((xv > acc) | (xv != xv), xv, acc)   # NaN wins
