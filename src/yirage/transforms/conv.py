@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from ..ir.conv import ACTIVATIONS
 from ..ir.graph import KernelGraph
 from ..ir.ops import OPS
 
@@ -54,17 +53,21 @@ def optimize_convolutions(graph: KernelGraph, channels_last: bool) -> KernelGrap
     return _Replay(graph, channels_last).run()
 
 
-def _epilogue_chains(g: KernelGraph) -> dict[int, tuple[int, dict]]:
-    """{index of the chain's last op: (index of its conv2d, epilogue)} for every conv2d with an
-    epilogue to fuse; epilogue keys: ``bn`` (op index), ``residual`` (tensor id), ``act`` (op
-    index), ``absorbed`` (op indices)."""
+def _users(g: KernelGraph) -> dict[int, list[int]]:
+    """{tensor id: the indices of the ops that read it, -1 for each time it is a graph output}."""
     users: dict[int, list[int]] = defaultdict(list)
     for i, n in enumerate(g.ops):
         for t in n.inputs:
             users[t].append(i)
     for o in g.outputs:
         users[o].append(-1)
+    return users
 
+
+def _epilogue_chains(g: KernelGraph, users: dict[int, list[int]]) -> dict[int, tuple[int, dict]]:
+    """{index of the chain's last op: (index of its conv2d, epilogue)} for every conv2d with an
+    epilogue to fuse; epilogue keys: ``bn`` (op index), ``residual`` (tensor id), ``act`` (op
+    index), ``absorbed`` (op indices)."""
     claimed: set[int] = set()   # ops already in a chain (an add may follow two convolutions)
 
     def only_user(t: int):
@@ -99,21 +102,15 @@ def _epilogue_chains(g: KernelGraph) -> dict[int, tuple[int, dict]]:
     return chains
 
 
-def _foldable_pads(g: KernelGraph) -> dict[int, tuple[int, list[int]]]:
+def _foldable_pads(g: KernelGraph, users: dict[int, list[int]]) -> dict[int, tuple[int, list[int]]]:
     """{index of a conv2d: (index of the zero ``pad`` before it, the padding to add)} where the
     pad's output feeds only that convolution's x and pads H and W symmetrically (the "same"
     padding of TensorFlow-style models, MobileNetV2's); the pad then folds into the conv."""
     producer = {n.output: i for i, n in enumerate(g.ops)}
-    uses: dict[int, int] = defaultdict(int)
-    for n in g.ops:
-        for t in n.inputs:
-            uses[t] += 1
-    for o in g.outputs:
-        uses[o] += 1
     folds = {}
     for i, n in enumerate(g.ops):
         j = producer.get(n.inputs[0]) if n.op == "conv2d" else None
-        if j is None or g.ops[j].op != "pad" or uses[n.inputs[0]] != 1 or n.inputs[0] in n.inputs[1:]:
+        if j is None or g.ops[j].op != "pad" or users[n.inputs[0]] != [i]:
             continue
         pads, value = g.ops[j].attrs["pads"], g.ops[j].attrs["value"]
         if (value == 0 and len(pads) == 4 and list(pads[0]) == [0, 0] and list(pads[1]) == [0, 0]
@@ -175,29 +172,30 @@ class _Replay:
         for tid in g.inputs:
             t = g.tensors[tid]
             self.forms[tid] = {"nchw": ng.new_input(t.shape, t.dtype, g.names.get(tid))}
-        chains = _epilogue_chains(g)
-        self.folds = _foldable_pads(g)
+        users = _users(g)
+        chains = _epilogue_chains(g, users)
+        self.folds = _foldable_pads(g, users)
         skip = {i for c, ep in chains.values() for i in (c, *ep["absorbed"])} | {j for j, _ in self.folds.values()}
-        self.index = {id(n): i for i, n in enumerate(g.ops)}
         for i, n in enumerate(g.ops):
             if i in chains:
                 conv, ep = chains[i]
-                self.forms[n.output] = self._conv(g.ops[conv], ep)
+                self.forms[n.output] = self._conv(conv, ep)
             elif i not in skip:
-                self.forms[n.output] = self._op(n)
+                self.forms[n.output] = self._conv(i) if n.op == "conv2d" else self._op(n)
         for o in g.outputs:
             ng.mark_output(self.get(o))
         return ng
 
-    def _conv(self, n, ep=None) -> dict:
-        """A conv2d (with the epilogue ``ep`` of ``_epilogue_chains``) in the pass's layout."""
-        g, ep = self.g, ep or {}
+    def _conv(self, i: int, ep=None) -> dict:
+        """The conv2d at op index ``i`` (with the epilogue ``ep`` of ``_epilogue_chains``) in the
+        pass's layout."""
+        g, ep, n = self.g, ep or {}, self.g.ops[i]
         nhwc = self.channels_last and len(g.tensors[n.inputs[0]].shape) == 4
         layout = "nhwc" if nhwc else "nchw"
         attrs = dict(n.attrs, bias=len(n.inputs) == 3)
         x = n.inputs[0]
-        if self.index[id(n)] in self.folds:   # a symmetric zero pad before it: conv padding instead
-            j, extra = self.folds[self.index[id(n)]]
+        if i in self.folds:   # a symmetric zero pad before it: conv padding instead
+            j, extra = self.folds[i]
             x = g.ops[j].inputs[0]
             attrs["padding"] = [p + e for p, e in zip(n.attrs["padding"], extra)]
         ins = [self.get(x, layout), *(self.get(t) for t in n.inputs[1:])]
@@ -213,8 +211,7 @@ class _Replay:
             if act.op == "clamp":
                 attrs["activation"], attrs["act_args"] = "hardtanh", [act.attrs["min_val"], act.attrs["max_val"]]
             else:
-                attrs["activation"] = act.op
-            assert attrs["activation"] in ACTIVATIONS
+                attrs["activation"] = act.op   # relu, silu, sigmoid, tanh: ir/conv.py ACTIVATIONS
         if nhwc:
             attrs["layout"] = "nhwc"
         return {layout: self.ng._add("conv2d", ins, **attrs)}
@@ -224,8 +221,6 @@ class _Replay:
         out = g.tensors[n.output]
         ins = n.inputs
         four = len(out.shape) == 4
-        if n.op == "conv2d":
-            return self._conv(n)
         if self.channels_last and n.op in ("max_pool2d", "avg_pool2d") and self._has_nhwc(ins[0]):
             return {"nhwc": ng._add(n.op, [self.get(ins[0], "nhwc")], **n.attrs, layout="nhwc")}
         if (self.channels_last and four and OPS[n.op].kind == "elementwise"
