@@ -369,3 +369,30 @@ def test_conv2d_measurement_keeps_its_sample_buffers_alive(monkeypatch, tmp_path
         cpu_embed.mark_constant(t)
     out = g.compile("cpu")(inputs)
     torch.testing.assert_close(out[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("provider", ["onednn-packed", "yirage-gemm"])
+def test_a_conv_weight_shared_under_two_batch_norms_is_packed_once_for_each(provider, monkeypatch):
+    """One weight, two convolutions with different BatchNorms folded in: each keeps its own
+    packed form (keyed by the tensors folded into it), so calls after the first repack
+    nothing, and both outputs match torch.nn.functional."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(tuning, "choose", lambda key, cands, default, **kw: tuning.Choice(provider, "pinned"))
+    g = yr.new_kernel_graph(backend="cpu")
+    x, w = g.new_input((1, 8, 6, 6)), g.new_input((8, 8, 1, 1))
+    bn1, bn2 = [g.new_input((8,)) for _ in range(4)], [g.new_input((8,)) for _ in range(4)]
+    g.mark_output(g.relu(g.batch_norm(g.conv2d(x, w), *bn1)))
+    g.mark_output(g.relu(g.batch_norm(g.conv2d(x, w), *bn2)))
+    stats = [[torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)] for _ in range(2)]
+    inputs = [torch.randn(1, 8, 6, 6), torch.randn(8, 8, 1, 1), *stats[0], *stats[1]]
+    for t in inputs[1:]:
+        cpu_embed.mark_constant(t)
+    cg = g.compile("cpu")
+    cg(inputs)
+    packed = {k: v[1] for k, v in cpu_embed._packed.items() if k[0] == id(inputs[1])}
+    out = cg(inputs)
+    assert len(packed) == 2 and all(cpu_embed._packed[k][1] is v for k, v in packed.items())
+    for o, s in zip(out, stats):
+        want = F.batch_norm(F.conv2d(inputs[0], inputs[1]), *s, training=False).relu()
+        torch.testing.assert_close(o, want, rtol=1e-4, atol=1e-4)

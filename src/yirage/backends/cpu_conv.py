@@ -74,6 +74,21 @@ def _bn_scale_shift(c: ConvInputs, eps: float):
     return bn_scale_shift(c.mean, c.var, c.bn_weight, c.bn_bias, eps)
 
 
+def _deps(c: ConvInputs) -> tuple:
+    """The tensors a convolution's packed weight is derived from besides the weight itself."""
+    return tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
+
+
+def _packed_kind(provider: str, c: ConvInputs, x) -> str:
+    """The packed-weight cache kind of ``provider`` (``cpu_embed._cached``): per input shape for
+    oneDNN's reorder, and per set of folded tensors, so a weight shared by two convolutions
+    with different BatchNorms keeps one packed form for each instead of repacking at every call."""
+    folded = "/".join(str(id(t)) for t in _deps(c))
+    if provider in ("onednn-packed", "onednn-copy"):
+        return f"onednn-conv/{tuple(x.shape)}/{folded}"
+    return f"{provider}/{folded}"
+
+
 def _folded(c: ConvInputs, attrs: dict):
     """The convolution's weight and bias with its batch norm folded in (Ioffe & Szegedy 2015,
     as inference frameworks fold it): ``w * scale[o]`` and ``b * scale + shift``, in w's dtype
@@ -131,8 +146,7 @@ def _conv_onednn(c: ConvInputs, x, y, r, attrs, copy: bool = False):
     act = attrs.get("activation")
     act_args = attrs.get("act_args") or []
     unary = act if act == "relu" else None   # oneDNN fuses only relu after the add; others run after it
-    deps = tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
-    kind = f"onednn-conv/{tuple(x.shape)}"
+    deps, kind = _deps(c), _packed_kind("onednn-packed", c, x)
 
     def pack(w):
         wf, bf = _folded(c, attrs)
@@ -174,7 +188,7 @@ def _conv_gemm(c: ConvInputs, x, y, r, attrs):
     x2 = x.permute(0, 2, 3, 1).view(-1, C)   # the NHWC buffer itself
     y2 = y.permute(0, 2, 3, 1).view(-1, O)
     r2 = None if r is None else r.permute(0, 2, 3, 1).view(-1, O)
-    deps = tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
+    deps, kind = _deps(c), _packed_kind("yirage-gemm", c, x)
     act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
     epilogue = None
     if act or r2 is not None:
@@ -186,8 +200,8 @@ def _conv_gemm(c: ConvInputs, x, y, r, attrs):
     def pack(w):
         wf, bf = _folded(c, attrs)
         return cpu_embed.pack_f32(wf.reshape(O, C).contiguous()), None if bf is None else bf.float().contiguous()
-    cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps)   # folded and packed now, once
-    run = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, "yirage-conv1x1", pack, deps),
+    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and packed now, once
+    run = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, kind, pack, deps),
                                   epilogue)
     if epilogue is not None:
         run.epilogue_args = (ptrs, y2, r2)   # the argument array, and what its pointers point at, live as long as the thunk
@@ -201,13 +215,13 @@ def _conv_depthwise(c: ConvInputs, x, y, r, attrs):
     O, _, kh, kw = c.weight.shape
     N, C, H, W = x.shape
     Ho, Wo = y.shape[2:]
-    deps = tuple(t for t in (c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None)
+    deps, kind = _deps(c), _packed_kind("yirage-depthwise", c, x)
     act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
 
     def pack(w):
         wf, bf = _folded(c, attrs)
         return wf.float().reshape(O, kh * kw).t().contiguous(), None if bf is None else bf.float().contiguous()
-    cpu_embed._cached(c.weight, "yirage-depthwise", pack, deps)   # folded and transposed now, once
+    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and transposed now, once
     fn = library().yr_depthwise_nhwc_f32
     xb, yb = x.permute(0, 2, 3, 1), y.permute(0, 2, 3, 1)   # the NHWC buffers
     rb = None if r is None else r.permute(0, 2, 3, 1)
@@ -215,7 +229,7 @@ def _conv_depthwise(c: ConvInputs, x, y, r, attrs):
                 _EPILOGUE_ACT[act], float(act_args[0]), float(act_args[1]))
 
     def run():
-        wt, b = cpu_embed._cached(c.weight, "yirage-depthwise", pack, deps)
+        wt, b = cpu_embed._cached(c.weight, kind, pack, deps)
         fn(xb.data_ptr(), wt.data_ptr(), None if b is None else b.data_ptr(), None if rb is None else rb.data_ptr(),
            yb.data_ptr(), *geometry)
     return run
@@ -270,10 +284,9 @@ def _conv2d(node, graph, args, out, status):
     default = "onednn-packed" if "onednn-packed" in cands else "aten"
     choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, default)
     onednn = {"onednn-packed", "onednn-copy"}
-    for provider, kind in (("onednn-packed", f"onednn-conv/{tuple(x.shape)}"), ("yirage-gemm", "yirage-conv1x1"),
-                           ("yirage-depthwise", "yirage-depthwise")):
+    for provider in ("onednn-packed", "yirage-gemm", "yirage-depthwise"):
         if provider in cands and choice.provider != provider and not {provider, choice.provider} <= onednn:
-            cpu_embed.forget_packed(c.weight, kind)   # measured, not chosen
+            cpu_embed.forget_packed(c.weight, _packed_kind(provider, c, x))   # measured, not chosen
     thunk = cands[choice.provider](c, x, y, r, a)
     thunk.provider = f"{choice.provider} ({choice.source})"
     return thunk
