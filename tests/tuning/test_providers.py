@@ -298,12 +298,15 @@ _BLOCKS = {"identity-relu": (2, 8, 9, 7, 8, 3, 1, 1, "identity", "relu"),
            "1x1-identity-relu": (2, 8, 5, 6, 8, 1, 1, 1, "identity", "relu"),
            "1x1-large-relu6": (2, 24, 23, 21, 40, 1, 1, 1, None, "relu6"),   # 966 rows: many GEMM row blocks
            "depthwise-5x5-s2": (1, 70, 9, 8, 70, 5, 2, 70, None, "silu"),   # 70 channels: a partial block of 64
-           "depthwise-identity-relu": (2, 12, 8, 9, 12, 3, 1, 12, "identity", "relu")}
+           "depthwise-identity-relu": (2, 12, 8, 9, 12, 3, 1, 12, "identity", "relu"),
+           "5x5-s2-silu": (1, 5, 13, 11, 33, 5, 2, 1, None, "silu"),   # 33 outputs: a partial panel of 32
+           "3x3-large-relu6": (2, 24, 23, 21, 40, 3, 1, 1, None, "relu6")}   # 966 pixels: many row blocks
 _CONV_CASES = [(p, b) for p in ("aten", "aten-nchw", "onednn-packed") for b in _BLOCKS] + [
     ("yirage-gemm", "1x1-silu"), ("yirage-gemm", "1x1-identity-relu"), ("yirage-gemm", "1x1-large-relu6"),
     ("onednn-copy", "depthwise-relu6"), ("yirage-depthwise", "depthwise-relu6"), ("yirage-depthwise", "depthwise-5x5-s2"),
     ("yirage-depthwise", "depthwise-identity-relu"),
-    ("onednn-copy", "1x1-silu")]
+    ("onednn-copy", "1x1-silu"), ("yirage-igemm/48x768", "identity-relu"), ("yirage-igemm/192x384", "conv-shortcut"),
+    ("yirage-igemm/96x768", "5x5-s2-silu"), ("yirage-igemm/48x768", "3x3-large-relu6")]
 
 
 @pytest.mark.parametrize("provider,block", _CONV_CASES, ids=[f"{p}-{b}" for p, b in _CONV_CASES])
@@ -330,6 +333,8 @@ def test_conv2d_providers_compute_the_block(provider, block, monkeypatch):
     assert chosen and all(k.startswith("conv2d|float32/nhwc") for k in chosen)
     if provider == "yirage-gemm":
         assert all("/1x1/" in k for k in chosen)
+    if provider.startswith("yirage-igemm"):
+        assert any("/1x1/" not in k for k in chosen)
     for i, w in want.items():
         torch.testing.assert_close(out[i], w, rtol=1e-4, atol=1e-4)
 
@@ -396,3 +401,52 @@ def test_a_conv_weight_shared_under_two_batch_norms_is_packed_once_for_each(prov
     for o, s in zip(out, stats):
         want = F.batch_norm(F.conv2d(inputs[0], inputs[1]), *s, training=False).relu()
         torch.testing.assert_close(o, want, rtol=1e-4, atol=1e-4)
+
+
+def _igemm_case(res: bool):
+    """A float32 NHWC convolution with an uneven window, stride, padding and dilation, its
+    weight and bias constant, and the torch.nn.functional reference (+ residual, then ReLU)."""
+    import torch.nn.functional as F
+    from yirage.ir.conv import ConvInputs
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, 13, 10, generator=g).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(37, 7, 3, 5, generator=g) / 6, torch.randn(37, generator=g)
+    attrs = {"stride": [2, 1], "padding": [1, 2], "dilation": [2, 1], "groups": 1, "activation": "relu"}
+    want = F.conv2d(x, w, b, (2, 1), (1, 2), (2, 1))
+    r = torch.randn(want.shape, generator=g).contiguous(memory_format=torch.channels_last) if res else None
+    want = (want if r is None else want + r).relu()
+    for t in (w, b):
+        cpu_embed.mark_constant(t)
+    y = torch.full(want.shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    return ConvInputs(x, w, b, residual=r), x, y, r, attrs, want
+
+
+@pytest.mark.parametrize("mc,kc", [(1, 1), (5, 7), (48, 768), (4096, 4096)])
+@pytest.mark.parametrize("res", [False, True], ids=["plain", "residual"])
+def test_conv2d_implicit_gemm_tiles_compute_the_convolution(mc, kc, res):
+    """yirage's implicit-GEMM convolution in any tile (pixels per gathered block, k-block), on a
+    3x5 window with stride (2, 1), padding (1, 2) and dilation (2, 1), 37 output channels (a
+    partial panel), against torch.nn.functional."""
+    from yirage.backends import cpu_conv
+
+    c, x, y, r, attrs, want = _igemm_case(res)
+    cpu_conv._conv_igemm(c, x, y, r, attrs, mc=mc, kc=kc)()
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv2d_implicit_gemm_refuses_a_geometry_that_does_not_fit():
+    """The native kernel checks the geometry it is handed (an output size the window does not
+    give, a tile out of range): a clear error, and the output untouched."""
+    from yirage.backends import cpu_conv
+
+    c, x, y, r, attrs, _ = _igemm_case(False)
+    run = cpu_conv._conv_igemm(c, x, y, r, attrs)
+    for index, value in ((5, 99), (15, 0), (16, 5000), (3, 8)):   # Ho, mc, kc, C (x_len too short)
+        geo = run.epilogue_args[1]
+        saved = int(geo[index])
+        geo[index] = value
+        with pytest.raises(YirageError, match="implicit GEMM"):
+            run()
+        geo[index] = saved
+        assert y.isnan().all()

@@ -2,9 +2,10 @@
 
 - ``conv2d`` with its epilogue (folded batch norm, residual, activation), NCHW or NHWC: torch's
   convolution plus in-place epilogue ops, or oneDNN on a folded, reordered weight with the
-  epilogue as post-ops, or yirage's own kernels (the packed GEMM for 1x1 convolutions, a
-  direct NHWC kernel for depthwise ones, both with the epilogue fused), chosen by measurement
-  (``tuning.choose``); an implicit-GEMM kernel of yirage's for larger windows is still to come;
+  epilogue as post-ops, or yirage's own kernels (the packed GEMM for 1x1 convolutions, an
+  implicit GEMM on the same packed GEMM for other ungrouped ones, a direct NHWC kernel for
+  depthwise ones, all with the epilogue fused), chosen with their tile sizes by measurement
+  (``tuning.choose``);
 - ``max_pool2d``, ``avg_pool2d``, ``adaptive_avg_pool2d`` and ``batch_norm`` (inference):
   hand-written C++ (kernels/cpu/conv.cpp), float32/float16/bfloat16.
 
@@ -86,7 +87,7 @@ def _packed_kind(provider: str, c: ConvInputs, x) -> str:
     folded = "/".join(str(id(t)) for t in _deps(c))
     if provider in ("onednn-packed", "onednn-copy"):
         return f"onednn-conv/{tuple(x.shape)}/{folded}"
-    return f"{provider}/{folded}"
+    return f"{provider.split('/')[0]}/{folded}"   # one packed weight for all tile sizes of a kernel
 
 
 def _folded(c: ConvInputs, attrs: dict):
@@ -179,23 +180,34 @@ def _f32_bits(v: float) -> int:
     return struct.unpack("<i", struct.pack("<f", float(v)))[0]
 
 
+def _row_epilogue(y2, r2, attrs):
+    """The residual add and activation of a convolution run as a GEMM, as that GEMM's row
+    epilogue (conv.cpp ``yr_conv_epilogue`` over the output rows ``y2`` [M, O], ``r2`` the
+    residual rows or None): ``((fn, args), keep)`` with ``keep`` what must live as long as the
+    thunk (the argument array and the buffers its pointers point at), or ``(None, ())``."""
+    act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
+    if not act and r2 is None:
+        return None, ()
+    words = [y2.data_ptr(), 0 if r2 is None else r2.data_ptr(), y2.shape[0], y2.shape[1], _EPILOGUE_ACT[act],
+             _f32_bits(act_args[0]), _f32_bits(act_args[1])]
+    ptrs = (ctypes.c_int64 * len(words))(*words)
+    return (ctypes.cast(library().yr_conv_epilogue, ctypes.c_void_p).value, ctypes.addressof(ptrs)), (ptrs, y2, r2)
+
+
+def _nhwc_rows(t, cols: int):
+    """The NHWC buffer behind a channels-last NCHW view, as [N*H*W, cols] rows (None stays None)."""
+    return None if t is None else t.permute(0, 2, 3, 1).view(-1, cols)
+
+
 def _conv_gemm(c: ConvInputs, x, y, r, attrs):
     """A 1x1, stride-1, ungrouped NHWC convolution as the GEMM it is, on yirage's packed float32
     GEMM (kernels/cpu/embed_kernels.h): x [N*H*W, C] times the folded weight [O, C] packed
     once, the bias in the GEMM, and the residual add and the activation as its row epilogue
     (conv.cpp's ``yr_conv_epilogue``, on each block of rows while they are in cache)."""
     O, C = c.weight.shape[:2]
-    x2 = x.permute(0, 2, 3, 1).view(-1, C)   # the NHWC buffer itself
-    y2 = y.permute(0, 2, 3, 1).view(-1, O)
-    r2 = None if r is None else r.permute(0, 2, 3, 1).view(-1, O)
+    x2, y2, r2 = _nhwc_rows(x, C), _nhwc_rows(y, O), _nhwc_rows(r, O)
     deps, kind = _deps(c), _packed_kind("yirage-gemm", c, x)
-    act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
-    epilogue = None
-    if act or r2 is not None:
-        words = [y2.data_ptr(), 0 if r2 is None else r2.data_ptr(), y2.shape[0], O, _EPILOGUE_ACT[act],
-                 _f32_bits(act_args[0]), _f32_bits(act_args[1])]
-        ptrs = (ctypes.c_int64 * len(words))(*words)
-        epilogue = (ctypes.cast(library().yr_conv_epilogue, ctypes.c_void_p).value, ctypes.addressof(ptrs))
+    epilogue, keep = _row_epilogue(y2, r2, attrs)
 
     def pack(w):
         wf, bf = _folded(c, attrs)
@@ -203,8 +215,48 @@ def _conv_gemm(c: ConvInputs, x, y, r, attrs):
     cpu_embed._cached(c.weight, kind, pack, deps)   # folded and packed now, once
     run = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, kind, pack, deps),
                                   epilogue)
-    if epilogue is not None:
-        run.epilogue_args = (ptrs, y2, r2)   # the argument array, and what its pointers point at, live as long as the thunk
+    run.epilogue_args = keep   # the kernel reads them through raw pointers
+    return run
+
+
+#: (mc, kc) tiles of yirage's implicit-GEMM convolution: output pixels per gathered block, and
+#: its k-block. Each is a candidate of its own (``yirage-igemm/<mc>x<kc>``), so measurement
+#: per shape class picks the tile along with the provider, and the tuning profile caches it.
+#: On the Zen 4 the best of these was within 3% of the best of 12 (mc 48-192, kc 128-768) on
+#: ResNet's 3x3 and stem shapes, and the fixed 192x384 up to 10% slower than the best.
+IGEMM_TILES = ((48, 768), (96, 768), (192, 384))
+
+
+def _conv_igemm(c: ConvInputs, x, y, r, attrs, mc: int = 192, kc: int = 384):
+    """An ungrouped float32 NHWC convolution of any window, stride, padding and dilation as an
+    implicit GEMM on yirage's packed GEMM (kernels/cpu/conv_gemm.h): blocks of ``mc`` output
+    pixels gather their receptive fields into cache-resident rows, multiplied by the folded
+    weight [O, kh*kw*C] packed once; the bias in the GEMM, the residual add and activation as
+    its row epilogue."""
+    O, C, kh, kw = c.weight.shape
+    N, _, H, W = x.shape
+    Ho, Wo = y.shape[2:]
+    xb, y2, r2 = x.permute(0, 2, 3, 1), _nhwc_rows(y, O), _nhwc_rows(r, O)
+    deps, kind = _deps(c), _packed_kind("yirage-igemm", c, x)
+    epilogue, keep = _row_epilogue(y2, r2, attrs)
+    epi_fn, epi_args = epilogue or (None, None)
+    geo = torch.tensor([N, H, W, C, O, Ho, Wo, kh, kw, *attrs["stride"], *attrs["padding"], *attrs["dilation"], mc, kc],
+                       dtype=torch.int64)
+
+    def pack(w):
+        wf, bf = _folded(c, attrs)
+        wk = wf.float().permute(0, 2, 3, 1).reshape(O, kh * kw * C).contiguous()   # (ky, kx, c) order
+        return cpu_embed.pack_f32(wk), None if bf is None else bf.float().contiguous()
+    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and packed now, once
+    lib, st = cpu_embed._lib(), cpu_embed._status()
+
+    def run():
+        P, b = cpu_embed._cached(c.weight, kind, pack, deps)
+        lib.yr_conv_igemm_f32(xb.data_ptr(), P.data_ptr(), None if b is None else b.data_ptr(), y2.data_ptr(),
+                              geo.data_ptr(), xb.numel(), P.numel(), y2.numel(), epi_fn, epi_args, st.data_ptr())
+        if st[0]:
+            cpu_embed._raise_status(st, "conv2d (implicit GEMM)")
+    run.epilogue_args = (keep, geo)   # the kernel reads them through raw pointers
     return run
 
 
@@ -242,8 +294,10 @@ def _conv2d(node, graph, args, out, status):
     (``layout="nhwc"``) float32/bfloat16 convolutions whose weights (and folded batch-norm
     parameters) are constant, oneDNN on a reordered weight with fused post-ops
     (``onednn-packed``, in place; ``onednn-copy`` without a residual), for float32 depthwise
-    ones yirage's direct kernel (``yirage-depthwise``) and, for 1x1 stride-1 float32 ones, yirage's packed GEMM
-    (``yirage-gemm``). NHWC buffers are handed to torch as channels-last NCHW views."""
+    ones yirage's direct kernel (``yirage-depthwise``), for 1x1 stride-1 float32 ones yirage's packed GEMM
+    (``yirage-gemm``), and for other ungrouped float32 ones yirage's implicit GEMM in each of
+    ``IGEMM_TILES`` (``yirage-igemm/<mc>x<kc>``). NHWC buffers are handed to torch as
+    channels-last NCHW views."""
     a = node.attrs
     c = conv_inputs(list(args), a)
     nhwc = a.get("layout", "nchw") == "nhwc"
@@ -261,9 +315,12 @@ def _conv2d(node, graph, args, out, status):
             cands["onednn-copy"] = functools.partial(_conv_onednn, copy=True)
         if x.dtype == torch.float32 and a["groups"] == c.weight.shape[0] == x.shape[1] and c.weight.shape[1] == 1:
             cands["yirage-depthwise"] = _conv_depthwise
-        if (x.dtype == torch.float32 and c.weight.shape[2:] == (1, 1) and list(a["stride"]) == [1, 1]
-                and list(a["padding"]) == [0, 0] and a["groups"] == 1):
-            cands["yirage-gemm"] = _conv_gemm
+        if x.dtype == torch.float32 and a["groups"] == 1:
+            if c.weight.shape[2:] == (1, 1) and list(a["stride"]) == [1, 1] and list(a["padding"]) == [0, 0]:
+                cands["yirage-gemm"] = _conv_gemm   # a plain GEMM over the NHWC buffer, nothing to gather
+            else:
+                for mc, kc in IGEMM_TILES:
+                    cands[f"yirage-igemm/{mc}x{kc}"] = functools.partial(_conv_igemm, mc=mc, kc=kc)
     O, cg, kh, kw = c.weight.shape
     N, _, Ho, Wo = y.shape
     what = (f"{x.dtype}".removeprefix("torch.") + f"/{a.get('layout', 'nchw')}/{kh}x{kw}/s{a['stride'][0]}"
@@ -283,9 +340,8 @@ def _conv2d(node, graph, args, out, status):
         return make
     default = "onednn-packed" if "onednn-packed" in cands else "aten"
     choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, default)
-    onednn = {"onednn-packed", "onednn-copy"}
-    for provider in ("onednn-packed", "yirage-gemm", "yirage-depthwise"):
-        if provider in cands and choice.provider != provider and not {provider, choice.provider} <= onednn:
+    for provider in ("onednn-packed", "yirage-gemm", "yirage-depthwise", "yirage-igemm"):
+        if _packed_kind(provider, c, x) != _packed_kind(choice.provider, c, x):
             cpu_embed.forget_packed(c.weight, _packed_kind(provider, c, x))   # measured, not chosen
     thunk = cands[choice.provider](c, x, y, r, a)
     thunk.provider = f"{choice.provider} ({choice.source})"

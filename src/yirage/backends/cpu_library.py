@@ -71,6 +71,9 @@ SIGNATURES: dict[str, tuple] = {
     "yr_emb_pack_s8": (_P, _P, _P, _I, _I, _I, _I, _I, _P),  # wt [K, N], P, comp, K, N, group, p/comp_len
     # x, qbuf, sbuf, P, comp, ws, bias, y, M, N, K, group, x/q/s/p/comp/y lengths, epilogue fn, args, status
     "yr_emb_linear_w8a8": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P),
+    # x, P, bias, y, geometry {N, H, W, C, O, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, mc, kc}, x/p/y lengths,
+    # row epilogue fn (or NULL) and its args, status (kernels/cpu/conv_gemm.h)
+    "yr_conv_igemm_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P),
     # qkv, offsets, out, T, B, H, Dh, scale, qkv_len, out_len, status
     "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
 }

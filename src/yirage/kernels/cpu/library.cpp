@@ -1438,3 +1438,5 @@ void yr_rows_parallel(void (*fn)(const int64_t*, int64_t, int64_t), const int64_
 #include "ggml_quants.h"
 // The embedding engine's encoder kernels (float32/int8 GEMM on packed weights, varlen attention).
 #include "embed_kernels.h"
+// Convolutions as implicit GEMMs on the same packed GEMM.
+#include "conv_gemm.h"
