@@ -28,6 +28,7 @@ from .ir.graph import KernelGraph
 from .ir.serialize import from_json, to_json
 from .runtime.executor import CompiledGraph
 from .transforms.conv import optimize_convolutions
+from .transforms.parallel import merge_parallel_linears
 
 
 class KNGraph(KernelGraph):
@@ -50,7 +51,8 @@ class KNGraph(KernelGraph):
         name = resolve_backend(backend or self.backend)
         if name not in self._compiled:
             impl = get_backend_impl(name)
-            self._compiled[name] = CompiledGraph(optimize_convolutions(self, impl.channels_last), impl)
+            graph = merge_parallel_linears(self, impl.merge_linears)
+            self._compiled[name] = CompiledGraph(optimize_convolutions(graph, impl.channels_last), impl)
         return self._compiled[name]
 
     def __call__(self, inputs: Sequence[torch.Tensor], backend: str | None = None) -> list[torch.Tensor]:

@@ -450,3 +450,52 @@ def test_conv2d_implicit_gemm_refuses_a_geometry_that_does_not_fit():
             run()
         geo[index] = saved
         assert y.isnan().all()
+
+
+@pytest.mark.parametrize("layout,bias", [("nk", True), ("kn", False)])
+def test_linear_stack_packed_gemm_writes_each_plane_and_sees_weight_writes(layout, bias):
+    """The stacked packed GEMM (one GEMM over k weights packed together, each output in its own
+    plane) against F.linear per weight; a weight written after the first call is repacked."""
+    import torch.nn.functional as F
+
+    M, N, K = 13, 64, 40
+    x = torch.randn(M, K)
+    ws = [torch.randn(N, K) for _ in range(3)]
+    stored = [w.t().contiguous() if layout == "kn" else w for w in ws]
+    bs = [torch.randn(N) for _ in range(3)] if bias else None
+    out = torch.full((3, M, N), float("nan"))
+    run = cpu_embed.bind_linear_stack_f32(x, stored, bs, out, layout)
+    for step in range(2):
+        run()
+        for i, w in enumerate(ws):
+            torch.testing.assert_close(out[i], F.linear(x, w, bs[i] if bs else None), rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            stored[1].mul_(-2.0)
+            ws[1].mul_(-2.0)
+
+
+def test_linear_stack_kernel_refuses_planes_that_split_a_panel():
+    """Out features per plane must be a multiple of the 32-column panel: a clear error, no write."""
+    x, ws = torch.randn(4, 8), [torch.randn(48, 8) for _ in range(2)]
+    out = torch.full((2, 4, 48), float("nan"))
+    with pytest.raises(YirageError, match="linear_stack"):
+        cpu_embed.bind_linear_stack_f32(x, ws, None, out)()
+    assert out.isnan().all()
+
+
+def test_parallel_linears_merge_by_measurement(monkeypatch, tmp_path):
+    """The CPU's answer for a group of parallel linears is a measured choice between the
+    separate linears and the stacked GEMM, recorded in the machine's profile under its shape class."""
+    from yirage.backends import cpu_library
+    from yirage.transforms.parallel import LinearGroup
+
+    monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
+    tuning.reload_profile()
+    monkeypatch.setattr(tuning, "matching_template", lambda: None)
+    case = LinearGroup(M=16, N=64, K=64, parts=3, dtype="float32", layout="nk", bias=True)
+    merged = cpu_library.merge_linears(case)
+    entries = tuning.active_profile().entries   # saved to disk only when the figures were steady
+    (key, entry), = [(k, e) for k, e in entries.items() if k.startswith("linear_stack|float32/nk/x3/bias|m16")]
+    assert set(entry["median_s"]) == {"separate", "stacked"} and merged == (entry["choice"] == "stacked")
+    assert not cpu_library.merge_linears(LinearGroup(16, 40, 64, 3, "float32", "nk", True))   # planes split panels
+    assert not cpu_library.merge_linears(LinearGroup(16, 64, 64, 3, "bfloat16", "nk", True))

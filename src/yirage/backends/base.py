@@ -147,7 +147,10 @@ class BackendImpl(ABC):
       repeated calls reuse);
     - ``synchronize()``: wait for queued device work;
     - ``channels_last``: whether convolution chains should run in NHWC (kernel.py then applies
-      transforms/conv.py's layout pass before compiling).
+      transforms/conv.py's layout pass before compiling);
+    - ``merge_linears(case)``: whether parallel linear layers of one input
+      (transforms.parallel.LinearGroup) should run as one ``linear_stack`` (kernel.py applies
+      transforms/parallel.py before compiling). The default says no.
 
     Subclasses set ``name``, ``device_type`` (the torch device type) and ``codegen`` (the
     language fused kernels are compiled to: 'cpp', 'triton', or None when they run as torch
@@ -287,6 +290,12 @@ class BackendImpl(ABC):
         in cache). None (the default) binds the two apart. Only asked for ops without a
         status slot."""
         return None
+
+    def merge_linears(self, case) -> bool:
+        """Should the parallel linear layers ``case`` (transforms.parallel.LinearGroup: k linears
+        of one input, M rows, N out features each) run as one stacked GEMM? The default, False,
+        keeps them apart; a backend answers by measurement once it has a kernel worth it."""
+        return False
 
     def declare_constant(self, tensors: list[torch.Tensor]) -> None:
         """Declare ``tensors`` (a model's parameters and buffers, on ``torch_device``) constant

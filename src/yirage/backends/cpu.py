@@ -75,6 +75,11 @@ class CPUBackend(BackendImpl):
         """The C++ library kernel (or torch BLAS for float matmuls) for ``node``."""
         return cpu_library.OPS[node.op][1](node, graph, args, out, status)
 
+    def merge_linears(self, case) -> bool:
+        """Parallel float32 linears as one stacked GEMM where measurement says it is faster
+        (``cpu_library.merge_linears``)."""
+        return cpu_library.merge_linears(case)
+
     def declare_constant(self, tensors):
         """float32/bfloat16 weights become candidates for the packed providers
         (``cpu_embed.mark_constant``): 2-D ones for the GEMMs (``cpu_providers``), convolution

@@ -328,6 +328,35 @@ def bind_gemm_f32(x2: torch.Tensor, o2: torch.Tensor, weights, epilogue: tuple[i
     return run
 
 
+def bind_linear_stack_f32(x2: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
+                          out: torch.Tensor, weight_layout: str = "nk"):
+    """Thunk of ``linear_stack`` on the packed float32 GEMM: ``out[i]`` = ``x2`` @ W_i^T + b_i for
+    the k weights (each [Np, K], or [K, Np] with ``weight_layout`` "kn"), one GEMM over the
+    weights stacked and packed once (remade when any of them or a bias is written), each
+    output plane written in place (``yr_emb_gemm_f32_planes``). ``x2`` float32 [M, K], ``out``
+    float32 [k, ..., Np] (M rows per plane) contiguous, Np a multiple of 32. Raises YirageError (at run time) when a
+    size does not fit (the kernel checks)."""
+    (M, K), planes, Np = x2.shape, out.shape[0], out.shape[-1]
+    kn = weight_layout == "kn"
+    deps = tuple(weights[1:]) + tuple(biases or ())
+    kind = "f32-stack/" + "/".join(str(id(t)) for t in deps) + ("/kn" if kn else "")
+
+    def pack(_):
+        w = torch.cat([t.t() if kn else t for t in weights]).contiguous()
+        return pack_f32(w), None if biases is None else torch.cat(biases).float().contiguous()
+    _cached(weights[0], kind, pack, deps)   # stacked and packed now, once
+    lib, st = _lib(), _status()
+    o2 = out.view(planes, M, Np)
+
+    def run():
+        P, bias = _cached(weights[0], kind, pack, deps)
+        lib.yr_emb_gemm_f32_planes(x2.data_ptr(), P.data_ptr(), _ptr(bias), o2.data_ptr(), M, planes, Np, K,
+                                   x2.numel(), P.numel(), o2.numel(), st.data_ptr())
+        if st[0]:
+            _raise_status(st, "linear_stack (packed float32)")
+    return run
+
+
 def bind_linear_bf16_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                             epilogue: tuple[int, int] | None = None, weight_layout: str = "nk"):
     """Thunk of a bfloat16 ``linear`` (``gemm_bf16_packed``'s rounding): ``x`` float32 [..., K],

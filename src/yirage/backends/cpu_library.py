@@ -26,6 +26,7 @@ from ..dtypes import DType
 from ..ir.ops import linear_nk
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
+from ..transforms.parallel import linear_stack_parts
 from ..tuning import profile as tuning
 from . import cpu_conv, cpu_embed, cpu_indexing, cpu_providers, cpu_strided
 from .cpu_threadblock import bind_customized, customized_ok
@@ -65,6 +66,8 @@ SIGNATURES: dict[str, tuple] = {
     "yr_emb_pack_f32": (_P, _P, _I, _I, _I, _P),       # w [N, K], P, N, K, p_len, status
     # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
     "yr_emb_gemm_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
+    # x, P, bias, y [planes, M, Np], M, planes, Np, K, x/p/y lengths, status
+    "yr_emb_gemm_f32_planes": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P),
     "yr_emb_pack_bf16": (_P, _P, _I, _I, _I, _P),      # w [N, K] bf16 bits, P, N, K, p_len, status
     # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
     "yr_emb_gemm_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
@@ -150,6 +153,72 @@ def _linear(node, graph, args, out, status):
     if bias is None:
         return lambda: torch.mm(x2, w_t, out=o2)
     return lambda: torch.addmm(bias, x2, w_t, out=o2)
+
+
+def _linear_stack(node, graph, args, out, status):
+    """``linear_stack``: one packed float32 GEMM over the stacked weights, each output plane
+    written in place (cpu_embed.bind_linear_stack_f32), when x is float32, the weights and
+    biases are constant (declared by the caller: torch.compile's frozen parameters) and the
+    out features a multiple of 32; otherwise each part as the ``linear`` it stands for, into
+    its plane."""
+    k, has_bias = node.attrs["parts"], node.attrs.get("bias")
+    layout = node.attrs.get("weight_layout", "nk")
+    x, weights, biases = args[0], list(args[1:1 + k]), (list(args[1 + k:]) if has_bias else None)
+    N, K = linear_nk(graph.tensors[node.inputs[1]].shape, node.attrs)
+    if (x.dtype == torch.float32 and N % cpu_embed._PANEL == 0
+            and all(cpu_embed.is_constant(t) for t in weights + (biases or []))):
+        return cpu_embed.bind_linear_stack_f32(x.view(-1, K), weights, biases, out, layout)
+    parts = [_linear(part, graph, [args[p] for p in pos], out[i], status)
+             for i, (part, pos) in enumerate(linear_stack_parts(node))]
+
+    def run():
+        for p in parts:
+            p()
+    return run
+
+
+def merge_linears(case) -> bool:
+    """Should the parallel linear layers ``case`` (transforms.parallel.LinearGroup) run as one
+    ``linear_stack``? Chosen by measurement per shape class (``tuning.choose``, cached in the
+    profile): the k linears, each on the provider chosen for it, against the stacked packed
+    GEMM, on random constant weights of the case's shapes. Only float32 cases whose out
+    features are a multiple of 32 are measured (the stacked kernel's planes); others: False."""
+    if case.dtype != "float32" or case.N % cpu_embed._PANEL or case.M == 0:
+        return False
+    kn = case.layout == "kn"
+    what = f"float32/{case.layout}/x{case.parts}" + ("/bias" if case.bias else "")
+    key = tuning.shape_class("linear_stack", what, case.M, case.N, case.K, torch.get_num_threads())
+
+    def sample():
+        x = torch.randn(case.M, case.K)
+        ws = [torch.randn((case.K, case.N) if kn else (case.N, case.K)) / case.K ** 0.5 for _ in range(case.parts)]
+        bs = [torch.randn(case.N) for _ in range(case.parts)] if case.bias else None
+        for t in ws + (bs or []):
+            cpu_embed.mark_constant(t)
+        return x, ws, bs, torch.empty(case.parts, case.M, case.N)
+
+    def separate():
+        x, ws, bs, out = sample()
+        runs = []
+        for i, w in enumerate(ws):
+            args = [x, w] + ([bs[i]] if bs else [])
+            run = cpu_providers.bind_linear("linear", args, out[i], layout=case.layout)
+            if run is None:
+                raise RuntimeError("no packed provider for this linear")
+            runs.append(run)
+
+        def run_all():
+            for r in runs:
+                r()
+        run_all.samples = (x, ws, bs, out)   # the kernels hold raw pointers into them
+        return run_all
+
+    def stacked():
+        x, ws, bs, out = sample()
+        run = cpu_embed.bind_linear_stack_f32(x, ws, bs, out, case.layout)
+        run.samples = (x, ws, bs, out)
+        return run
+    return tuning.choose(key, {"separate": separate, "stacked": stacked}, "separate").provider == "stacked"
 
 
 def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
@@ -313,6 +382,7 @@ def _always(node, graph) -> bool:
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status))
 OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
+    "linear_stack": (_always, _linear_stack),
     "matmul": (_always, _matmul),
     "embedding": (_embedding_ok, _embedding),
     "rope": (_float32_first, _rope),

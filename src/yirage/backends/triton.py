@@ -25,6 +25,7 @@ import os
 from typing import Callable
 
 from ..dtypes import DType
+from ..transforms.parallel import linear_stack_parts
 from .strided_views import contiguous_strides, copies, mid_view, reduced_dims
 from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from .triton_threadblock import bind_customized, customized_ok
@@ -87,6 +88,21 @@ def _linear(node, graph, args, out, status):
     kind = w_type.value if w_type.is_quantized else "float"
     fn = _lib().linear
     return lambda: fn(x, w, bias, out, kind)
+
+
+def _linear_stack_ok(node, graph) -> bool:
+    return all(_linear_ok(part, graph) for part, _ in linear_stack_parts(node))
+
+
+def _linear_stack(node, graph, args, out, status):
+    """``linear_stack``: each part as the ``linear`` it stands for, into its output plane."""
+    parts = [_linear(part, graph, [args[p] for p in pos], out[i], status)
+             for i, (part, pos) in enumerate(linear_stack_parts(node))]
+
+    def run():
+        for p in parts:
+            p()
+    return run
 
 
 def _matmul(node, graph, args, out, status):
@@ -234,6 +250,7 @@ def _pool(node, graph, args, out, status):
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status) -> thunk)
 OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
+    "linear_stack": (_linear_stack_ok, _linear_stack),
     "matmul": (_float_first, _matmul),
     "embedding": (_embedding_ok, _embedding),
     "rope": (_float_first, _rope),

@@ -541,6 +541,22 @@ class KernelGraph:
             attrs["weight_layout"] = weight_layout
         return self._add("linear", [x, w] + ([bias] if bias is not None else []), **attrs)
 
+    def linear_stack(self, x, weights, biases=None, weight_layout: str = "nk"):
+        """The k linear layers of one input as one op (horizontal fusion: q/k/v projections):
+        ``stack([x @ w.T (+ b) for w, b in zip(weights, biases)])``, [k, ..., N] for x [..., K]
+        and k float weights [N, K] of x's dtype (or [K, N] with ``weight_layout`` 'kn'), biases
+        None or k tensors [N]. Output ``i`` is a contiguous plane, so ``slice_rows`` of it is free.
+        GraphError for an empty list, weights of different shapes or dtypes, or bad biases."""
+        weights = list(weights)
+        biases = None if biases is None else list(biases)
+        if not weights or (biases is not None and len(biases) != len(weights)):
+            raise GraphError(f"linear_stack: needs one or more weights and as many biases (or None), got "
+                             f"{len(weights)} weights and {'no' if biases is None else len(biases)} biases")
+        attrs = {"parts": len(weights), "bias": biases is not None}
+        if weight_layout != "nk":
+            attrs["weight_layout"] = weight_layout
+        return self._add("linear_stack", [x, *weights, *(biases or [])], **attrs)
+
     def linear_w8a8(self, x, w_t, w_scale, bias=None, group_size: int = 0):
         """int8 linear layer: ``x`` float32 [..., K] quantized per token (row) to int8 at run time,
         times the per-channel int8 weight ``w_t`` [K, N] (transposed: in x out features) with

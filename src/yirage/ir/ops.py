@@ -438,6 +438,35 @@ def _linear_ref(args, attrs):
     return F.linear(x.float(), w.float(), bias).to(x.dtype)
 
 
+def _stack_parts(ts, attrs) -> tuple[list, list]:
+    """(weights, biases) of a ``linear_stack`` (biases empty without ``bias``)."""
+    k = attrs["parts"]
+    return ts[1:1 + k], ts[1 + k:]
+
+
+def _linear_stack_infer(ts, attrs):
+    k = attrs.get("parts")
+    if not isinstance(k, int) or k < 1 or len(ts) != 1 + k * (2 if attrs.get("bias") else 1):
+        _fail("linear_stack", ts, f"needs x, the {k} weights and, with bias=True, their {k} biases")
+    weights, biases = _stack_parts(ts, attrs)
+    x = ts[0]
+    for w in weights:
+        if w.dtype != x.dtype or not x.dtype.is_float or len(w.shape) != 2 or w.shape != weights[0].shape:
+            _fail("linear_stack", ts, "every weight must be a 2-d float tensor of x's dtype and of the first's shape")
+    shapes = [_linear_infer([x, w] + ([b] if biases else []),
+                            {"weight_layout": attrs.get("weight_layout", "nk")}).shape
+              for w, b in zip(weights, biases or weights)]
+    return TensorType((k, *shapes[0]), x.dtype)
+
+
+def _linear_stack_ref(args, attrs):
+    """torch.stack of the k linear layers of x (``_linear_ref`` each): [k, ..., N]."""
+    k, bias = attrs["parts"], attrs.get("bias")
+    layout = {"weight_layout": attrs.get("weight_layout", "nk")}
+    return torch.stack([_linear_ref([args[0], args[1 + i]] + ([args[1 + k + i]] if bias else []), layout)
+                        for i in range(k)])
+
+
 def _linear_w8a8_infer(ts, attrs):
     x, w = ts[0], ts[1]
     if x.dtype != DType.float32:
@@ -683,6 +712,7 @@ def _argmax_infer(ts, attrs):
 
 _register("matmul", "library", 2, _matmul_infer, lambda args, a: torch.matmul(args[0], args[1]))
 _register("linear", "library", -1, _linear_infer, _linear_ref)
+_register("linear_stack", "library", -1, _linear_stack_infer, _linear_stack_ref)
 _register("linear_w8a8", "library", -1, _linear_w8a8_infer,
           lambda args, a: linear_w8a8_reference(*args, group_size=a.get("group_size", 0)))
 _register("embedding", "library", 2, _embedding_infer, _embedding_ref, index_input=0)

@@ -862,6 +862,38 @@ def _linear_f32_bf16_compute(M: int, N: int, K: int, layout: str) -> Built:
     return g, [xs, stored, bias], {0: F.linear(xs.to(torch.bfloat16), wf.to(torch.bfloat16)).float() + bias}
 
 
+def _linear_stack(M: int, N: int, K: int, parts: int, layout: str, bias: bool, dtype: DType) -> Built:
+    """``linear_stack``: ``parts`` weights ([N, K], or [K, N] with layout 'kn') of one x, with or
+    without biases; the reference is torch.stack of F.linear in float32."""
+    ws = [torch.randn(N, K) / K ** 0.5 for _ in range(parts)]
+    bs = [torch.randn(N) for _ in range(parts)] if bias else []
+    stored = [w.t().contiguous() if layout == "kn" else w for w in ws]
+    g = new_kernel_graph()
+    x = g.new_input((M, K), dtype)
+    wi = [g.new_input(tuple(w.shape), dtype) for w in stored]
+    bi = [g.new_input((N,), dtype) for _ in bs] or None
+    g.mark_output(g.linear_stack(x, wi, bi, weight_layout=layout))
+    xs = torch.randn(M, K)
+    want = torch.stack([F.linear(xs, w, b) for w, b in zip(ws, bs or [None] * parts)])
+    cast = [t.to(dtype.torch_dtype) for t in [xs, *stored, *bs]]
+    return g, cast, {0: want.to(dtype.torch_dtype)}
+
+
+def _parallel_linears(M: int, D: int) -> Built:
+    """q/k/v projections of one x ([1, M, D], three [D, D] linears with biases) feeding what
+    attention does with them: the graph a transformer layer makes, which transforms/parallel.py
+    may turn into one ``linear_stack`` (by the backend's measurement); same outputs either way."""
+    g = new_kernel_graph()
+    x = g.new_input((1, M, D))
+    ws, bs = [g.new_input((D, D)) for _ in range(3)], [g.new_input((D,)) for _ in range(3)]
+    q, k, v = (g.linear(x, w, b) for w, b in zip(ws, bs))
+    g.mark_output(g.add(g.mul(q, k), v))
+    g.mark_output(g.relu(k))
+    data = [torch.randn(1, M, D)] + [torch.randn(D, D) / D ** 0.5 for _ in range(3)] + [torch.randn(D) for _ in range(3)]
+    qs, ks, vs = (F.linear(data[0], data[1 + i], data[4 + i]) for i in range(3))
+    return g, data, {0: qs * ks + vs, 1: ks.relu()}
+
+
 def _embedding(V: int, D: int, dtype: DType) -> Built:
     storage, table = _weight((V, D), dtype)
     g = new_kernel_graph()
@@ -891,6 +923,13 @@ def _weight_cases() -> list[Case]:
     cases += [Case("linear", f"float32 {layout} weight, bfloat16 compute M={M}",
                    functools.partial(_linear_f32_bf16_compute, M, 40, 96, layout), tol=(8e-3, 8e-3))
               for layout in ("nk", "kn") for M in (3, 20)]
+    cases += [Case("linear_stack", f"x{k} {layout}{' bias' if b else ''} {d.value} M={M} N={N}",
+                   functools.partial(_linear_stack, M, N, 48, k, layout, b, d),
+                   tol=(1e-4, 1e-4) if d == DType.float32 else (2e-2, 2e-2))
+              for k, layout, b, d, M, N in [(3, "nk", True, DType.float32, 7, 64), (2, "kn", False, DType.float32, 20, 40),
+                                            (3, "nk", True, DType.bfloat16, 5, 32)]]
+    cases += [Case("linear", f"q/k/v of one x M={M}", functools.partial(_parallel_linears, M, 64), tol=(1e-4, 1e-4))
+              for M in (3, 17)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 50, 64, d), tol=(0.0, 0.0))
               for d in (DType.q4_1, DType.q8_0, DType.float32)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 9, 256, d), tol=(0.0, 0.0))

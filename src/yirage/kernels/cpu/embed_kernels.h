@@ -760,6 +760,41 @@ void yr_emb_pack_f32(const float* w, float* P, int64_t N, int64_t K, int64_t p_l
             }
 }
 
+}  // extern "C"
+
+namespace {
+// The float32 GEMM of yr_emb_gemm_f32 and yr_emb_gemm_f32_planes: output column n of row m at
+// y[(n / Np) * M * Np + m * Np + n % Np] (Np == N: the plain [M, N] layout; Np a multiple of
+// the 32-column panel otherwise, so no panel straddles two planes). Sizes checked by the caller.
+void emb_gemm_f32(const float* x, const float* P, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                  int64_t Np, EmbEpilogue epi, const int64_t* epi_args) {
+    const EmbTiles t = emb_tiles(M, N);
+    int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
+#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
+    emb_for_tasks(t, M, done, epi, epi_args, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+        for (int64_t k0 = 0; k0 < K; k0 += EMB_KC) {
+            const int64_t kc = std::min(EMB_KC, K - k0);
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t n0 = p * EMB_NR, plane = n0 / Np;
+                float* yp = y + plane * M * Np + (n0 - plane * Np);   // column n0's place in its plane
+                const int nr = (int)std::min<int64_t>(EMB_NR, N - n0);
+                const float* B = P + (p * K + k0) * EMB_NR;
+                const float* bp = (bias && k0 == 0 && nr == EMB_NR) ? bias + n0 : nullptr;
+                for (int64_t m = m0; m < m1; m += EMB_MR) {
+                    const int mr = (int)std::min<int64_t>(EMB_MR, m1 - m);
+                    emb_f32_rows<EMB_MR>(mr, x + m * K + k0, K, B, kc, yp + m * Np, Np, bp, k0 > 0, nr);
+                }
+                if (bias && k0 == 0 && nr < EMB_NR)   // last partial panel: bias added here
+                    for (int64_t m = m0; m < m1; ++m)
+                        for (int j = 0; j < nr; ++j) yp[m * Np + j] += bias[n0 + j];
+            }
+        }
+    });
+}
+}  // namespace
+
+extern "C" {
+
 // y[M, N] = x[M, K] @ W^T + bias (bias may be null), W packed by yr_emb_pack_f32 (p_len
 // floats). Float32 FMAs, k in order within each 384-wide block. status: sizes outside their
 // buffers (x_len, y_len elements) or a packed length that does not fit N, K. epi (may be
@@ -769,30 +804,29 @@ void yr_emb_gemm_f32(const float* x, const float* P, const float* bias, float* y
                      const int64_t* epi_args, int64_t* status) {
     if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, N, 1, INT64_MAX) ||
         !emb_check(status, K, 1, INT64_MAX)) return;
-    const EmbTiles t = emb_tiles(M, N);
+    const int64_t npanels = (N + EMB_NR - 1) / EMB_NR;
     if (!emb_check(status, emb_mul(M, K), 0, x_len + 1) || !emb_check(status, emb_mul(M, N), 0, y_len + 1) ||
-        !emb_check(status, emb_mul(t.npanels, EMB_NR, K), 0, p_len + 1)) return;
+        !emb_check(status, emb_mul(npanels, EMB_NR, K), 0, p_len + 1)) return;
     if (M == 0) return;
-    int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
-#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
-    emb_for_tasks(t, M, done, epi, epi_args, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-        for (int64_t k0 = 0; k0 < K; k0 += EMB_KC) {
-            const int64_t kc = std::min(EMB_KC, K - k0);
-            for (int64_t p = p0; p < p1; ++p) {
-                const int64_t n0 = p * EMB_NR;
-                const int nr = (int)std::min<int64_t>(EMB_NR, N - n0);
-                const float* B = P + (p * K + k0) * EMB_NR;
-                const float* bp = (bias && k0 == 0 && nr == EMB_NR) ? bias + n0 : nullptr;
-                for (int64_t m = m0; m < m1; m += EMB_MR) {
-                    const int mr = (int)std::min<int64_t>(EMB_MR, m1 - m);
-                    emb_f32_rows<EMB_MR>(mr, x + m * K + k0, K, B, kc, y + m * N + n0, N, bp, k0 > 0, nr);
-                }
-                if (bias && k0 == 0 && nr < EMB_NR)   // last partial panel: bias added here
-                    for (int64_t m = m0; m < m1; ++m)
-                        for (int j = 0; j < nr; ++j) y[m * N + n0 + j] += bias[n0 + j];
-            }
-        }
-    });
+    emb_gemm_f32(x, P, bias, y, M, N, K, N, epi, epi_args);
+}
+
+// The GEMM of `planes` linear layers of the same x, their weights packed as one [planes * Np,
+// K] (yr_emb_pack_f32 of the stacked W_i), each layer's output in a plane of its own: y
+// [planes, M, Np] with y[i] = x @ W_i^T + bias[i * Np : (i + 1) * Np] (bias may be null).
+// Np must be a multiple of 32 (a panel never straddles two planes). status: as in
+// yr_emb_gemm_f32, or an Np that is not a positive multiple of 32.
+void yr_emb_gemm_f32_planes(const float* x, const float* P, const float* bias, float* y, int64_t M,
+                            int64_t planes, int64_t Np, int64_t K, int64_t x_len, int64_t p_len, int64_t y_len,
+                            int64_t* status) {
+    if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, planes, 1, INT64_MAX) ||
+        !emb_check(status, Np, 1, INT64_MAX) || !emb_check(status, Np % EMB_NR, 0, 1) ||
+        !emb_check(status, K, 1, INT64_MAX)) return;
+    const int64_t N = emb_mul(planes, Np);
+    if (!emb_check(status, N, 1, INT64_MAX / EMB_NR) || !emb_check(status, emb_mul(M, K), 0, x_len + 1) ||
+        !emb_check(status, emb_mul(M, N), 0, y_len + 1) || !emb_check(status, emb_mul(N, K), 0, p_len + 1)) return;
+    if (M == 0) return;
+    emb_gemm_f32(x, P, bias, y, M, N, K, Np, nullptr, nullptr);
 }
 
 // Packs W [N, K] bfloat16 (uint16 bits, row-major: out x in features) into P for

@@ -1,0 +1,119 @@
+"""Merging parallel linear layers: the k ``linear`` ops that read the same input (a transformer's
+q/k/v projections, an MLP's gate and up projections) become one ``linear_stack`` (one GEMM
+over the stacked weights) whose output planes are the old outputs, taken as free views
+(``slice_rows`` then ``reshape``, both aliases of the stacked buffer).
+
+``merge_parallel_linears(graph, decide)`` returns a new graph computing the same outputs from
+the same inputs (or ``graph`` itself when nothing merges). A group merges when:
+- each op is a plain float ``linear`` (no GGUF-block weight, no ``compute_dtype``) with a
+  weight of x's dtype, all of one weight shape and layout, all with a bias or none;
+- its weights and biases are graph inputs (the model's parameters, available before any op);
+- ``decide(case)`` says so: the backend's answer for a ``LinearGroup``, by measurement on the
+  CPU (backends/cpu.py), since one wider GEMM is not faster everywhere.
+
+The stacked op takes the place of the group's first linear; the views of the later parts are
+made there too, which is safe because every input of the group exists by then.
+
+Source: the "batch optimization" of the YiRage/Mirage documents and the horizontal fusion of
+TensorRT and TorchInductor's ``concat_linear`` (vLLM's ``QKVParallelLinear`` does it by hand).
+
+This module must never run a graph or depend on a backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..ir.graph import KernelGraph, OpNode
+from ..ir.ops import OPS, linear_nk
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """k linear layers of one input: x [M, K] (leading dims flattened) times k weights of N out
+    features each; ``dtype`` the IR dtype name; ``layout`` the weights' layout ("nk"/"kn")."""
+
+    M: int
+    N: int
+    K: int
+    parts: int
+    dtype: str
+    layout: str
+    bias: bool
+
+
+def _candidate(graph: KernelGraph, node: OpNode, inputs: set[int]):
+    """The grouping key of a linear that may merge, or None."""
+    if node.op != "linear" or set(node.attrs) - {"weight_layout"}:
+        return None
+    x, w = graph.tensors[node.inputs[0]], graph.tensors[node.inputs[1]]
+    if not x.dtype.is_float or w.dtype != x.dtype or any(t not in inputs for t in node.inputs[1:]):
+        return None
+    return node.inputs[0], node.attrs.get("weight_layout", "nk"), len(node.inputs) == 3, tuple(w.shape)
+
+
+def merge_parallel_linears(graph: KernelGraph, decide: Callable[[LinearGroup], bool]) -> KernelGraph:
+    """The graph with each group of parallel linear layers that ``decide`` accepts merged into
+    one ``linear_stack`` (see the module docstring); ``graph`` itself when none is."""
+    if any(n.op == "customized" for n in graph.ops):   # threadblock ops stay bound to their graph
+        return graph
+    inputs = set(graph.inputs)
+    groups: dict[tuple, list[int]] = {}
+    for i, n in enumerate(graph.ops):
+        key = _candidate(graph, n, inputs)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    merged: dict[int, list[int]] = {}   # first op index -> the group's op indices
+    for (x, layout, bias, w_shape), idx in groups.items():
+        if len(idx) < 2:
+            continue
+        N, K = linear_nk(w_shape, {"weight_layout": layout})
+        case = LinearGroup(math.prod(graph.tensors[x].shape[:-1]), N, K, len(idx), graph.tensors[x].dtype.value,
+                           layout, bias)
+        if decide(case):
+            merged[idx[0]] = idx
+    if not merged:
+        return graph
+    absorbed = {i for idx in merged.values() for i in idx}
+    g = KernelGraph(graph.backend)
+    g.tensors, g.names = list(graph.tensors), dict(graph.names)
+    g.inputs, g.outputs = list(graph.inputs), list(graph.outputs)
+
+    def add(op: str, ins: list[int], attrs: dict, out: int | None = None) -> int:
+        if out is None:
+            g.tensors.append(OPS[op].infer([g.tensors[t] for t in ins], attrs))
+            out = len(g.tensors) - 1
+        g.ops.append(OpNode(op, ins, attrs, out))
+        return out
+
+    for i, n in enumerate(graph.ops):
+        if i in merged:
+            parts = [graph.ops[j] for j in merged[i]]
+            bias = len(n.inputs) == 3
+            attrs = {"parts": len(parts), "bias": bias, **({"weight_layout": n.attrs["weight_layout"]}
+                                                          if "weight_layout" in n.attrs else {})}
+            ins = [n.inputs[0]] + [p.inputs[1] for p in parts] + ([p.inputs[2] for p in parts] if bias else [])
+            stacked = add("linear_stack", ins, attrs)
+            for k, p in enumerate(parts):
+                plane = add("slice_rows", [stacked], {"start": k, "end": k + 1})
+                add("reshape", [plane], {"shape": list(graph.tensors[p.output].shape)}, out=p.output)
+        elif i not in absorbed:
+            g.ops.append(n)
+    return g
+
+
+def linear_stack_parts(node: OpNode) -> list[tuple[OpNode, list[int]]]:
+    """The ``linear`` ops a ``linear_stack`` node stands for: ``(op, positions)`` per part, the
+    positions of its inputs (x, weight[, bias]) among the stacked node's inputs; each op's
+    output id is the stacked node's (a backend binds it into that part's plane)."""
+    k, bias = node.attrs["parts"], node.attrs.get("bias")
+    attrs = {"weight_layout": node.attrs["weight_layout"]} if "weight_layout" in node.attrs else {}
+    parts = []
+    for i in range(k):
+        pos = [0, 1 + i] + ([1 + k + i] if bias else [])
+        parts.append((OpNode("linear", [node.inputs[p] for p in pos], dict(attrs), node.output), pos))
+    return parts
+
+
+__all__ = ["LinearGroup", "linear_stack_parts", "merge_parallel_linears"]
