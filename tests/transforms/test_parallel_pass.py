@@ -67,3 +67,21 @@ def test_a_forced_merge_computes_the_graph_on_the_kernels(backend, constant):
     out = CompiledGraph(ng, impl)([t.to(impl.torch_device) for t in inputs])
     for i, w in want.items():
         torch.testing.assert_close(out[i].cpu(), w, rtol=1e-4, atol=1e-4)
+
+
+def test_linears_of_separate_reshapes_of_one_tensor_merge():
+    """torch.compile's graphs flatten x once per linear: reshapes of one tensor to one shape,
+    through any chain of reshapes, count as the same input."""
+    g = yr.new_kernel_graph()
+    x = g.new_input((2, 5, 32))
+    ws = [g.new_input((32, 32)) for _ in range(3)]
+    flat = [g.reshape(x, (10, 32)) for _ in range(2)] + [g.reshape(x, (5, 64))]
+    outs = [g.linear(flat[0], ws[0]), g.linear(flat[1], ws[1]), g.linear(g.reshape(flat[2], (10, 32)), ws[2])]
+    for o in outs:
+        g.mark_output(o)
+    seen = []
+    ng = merge_parallel_linears(g, lambda case: seen.append(case) or True)
+    assert [c.parts for c in seen] == [3] and _ops(ng).count("linear_stack") == 1
+    inputs = [torch.randn(2, 5, 32)] + [torch.randn(32, 32) for _ in range(3)]
+    for a, b in zip(interpret(ng, inputs), interpret(g, inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

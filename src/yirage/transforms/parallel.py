@@ -11,8 +11,10 @@ the same inputs (or ``graph`` itself when nothing merges). A group merges when:
 - ``decide(case)`` says so: the backend's answer for a ``LinearGroup``, by measurement on the
   CPU (backends/cpu.py), since one wider GEMM is not faster everywhere.
 
-The stacked op takes the place of the group's first linear; the views of the later parts are
-made there too, which is safe because every input of the group exists by then.
+Linears of the same input include those of reshapes of one tensor to one shape (torch.compile's
+graphs flatten x for each linear apart). The stacked op takes the place of the group's first
+linear and reads that linear's x; the views of the later parts are made there too, which is safe
+because every input of the group exists by then.
 
 Source: the "batch optimization" of the YiRage/Mirage documents and the horizontal fusion of
 TensorRT and TorchInductor's ``concat_linear`` (vLLM's ``QKVParallelLinear`` does it by hand).
@@ -43,14 +45,18 @@ class LinearGroup:
     bias: bool
 
 
-def _candidate(graph: KernelGraph, node: OpNode, inputs: set[int]):
-    """The grouping key of a linear that may merge, or None."""
+def _candidate(graph: KernelGraph, node: OpNode, inputs: set[int], reshaped: dict[int, int]):
+    """The grouping key of a linear that may merge, or None. x is keyed by the tensor it is a
+    reshape of (torch.compile's graphs flatten x once per linear) and its shape."""
     if node.op != "linear" or set(node.attrs) - {"weight_layout"}:
         return None
     x, w = graph.tensors[node.inputs[0]], graph.tensors[node.inputs[1]]
     if not x.dtype.is_float or w.dtype != x.dtype or any(t not in inputs for t in node.inputs[1:]):
         return None
-    return node.inputs[0], node.attrs.get("weight_layout", "nk"), len(node.inputs) == 3, tuple(w.shape)
+    root = node.inputs[0]
+    while root in reshaped:
+        root = reshaped[root]
+    return root, tuple(x.shape), node.attrs.get("weight_layout", "nk"), len(node.inputs) == 3, tuple(w.shape)
 
 
 def merge_parallel_linears(graph: KernelGraph, decide: Callable[[LinearGroup], bool]) -> KernelGraph:
@@ -59,18 +65,19 @@ def merge_parallel_linears(graph: KernelGraph, decide: Callable[[LinearGroup], b
     if any(n.op == "customized" for n in graph.ops):   # threadblock ops stay bound to their graph
         return graph
     inputs = set(graph.inputs)
+    reshaped = {n.output: n.inputs[0] for n in graph.ops if n.op == "reshape"}
     groups: dict[tuple, list[int]] = {}
     for i, n in enumerate(graph.ops):
-        key = _candidate(graph, n, inputs)
+        key = _candidate(graph, n, inputs, reshaped)
         if key is not None:
             groups.setdefault(key, []).append(i)
     merged: dict[int, list[int]] = {}   # first op index -> the group's op indices
-    for (x, layout, bias, w_shape), idx in groups.items():
+    for (_, x_shape, layout, bias, w_shape), idx in groups.items():
         if len(idx) < 2:
             continue
         N, K = linear_nk(w_shape, {"weight_layout": layout})
-        case = LinearGroup(math.prod(graph.tensors[x].shape[:-1]), N, K, len(idx), graph.tensors[x].dtype.value,
-                           layout, bias)
+        x = graph.tensors[graph.ops[idx[0]].inputs[0]]
+        case = LinearGroup(math.prod(x_shape[:-1]), N, K, len(idx), x.dtype.value, layout, bias)
         if decide(case):
             merged[idx[0]] = idx
     if not merged:
