@@ -2,8 +2,8 @@
 (``permute``, ``expand``, ``slice``, ``select``, ``cat``) as strided copies, and over [outer, n,
 inner] views the
 reductions (``reduction``, ``sum``, ``mean``, ``amax``, ``amin``, ``var``) and ``softmax`` /
-``log_softmax`` over a dim that is not the last one. Over the trailing dims those ops are fused
-row programs (transforms/fusion.py) and never reach this module.
+``log_softmax`` over a dim that is not the last one (over the trailing dims those ops are fused
+row programs, transforms/fusion.py, and never reach this module), and ``cumsum`` along any dim.
 
 Binders run once per plan and return a thunk; they never allocate per call. This module must
 never run a kernel on a tensor whose shape differs from the graph's.
@@ -24,6 +24,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, tuple] = {
     "yr_reduce_mid": (_P, _P, _I, _I, _I, _I, _F, _I),   # x, out, outer, n, inner, op, correction, dtype
     "yr_softmax_mid": (_P, _P, _I, _I, _I, _I, _I),      # x, out, outer, n, inner, log, dtype
+    "yr_cumsum_mid": (_P, _P, _I, _I, _I, _I),           # x, out, outer, n, inner, input dtype
     # src, dst, ndim, sizes, src strides, src offset, dst strides, dst offset, element bytes
     "yr_strided_copy": (_P, _P, _I, _P, _P, _I, _P, _I, _I),
 }
@@ -71,6 +72,18 @@ def _softmax(node, graph, args, out, status):
     return lambda: fn(*p)
 
 
+#: input type codes of strided.cpp's cumsum (floats keep their type, the others sum into int64)
+CUMSUM_CODES = {**DTYPE_CODES, DType.bool: 3, DType.int32: 4, DType.int64: 5}
+
+
+def _cumsum(node, graph, args, out, status):
+    t = graph.tensors[node.inputs[0]]
+    outer, n, inner = mid_view(t.shape, [node.attrs["dim"]])
+    fn = library().yr_cumsum_mid
+    p = (args[0].data_ptr(), out.data_ptr(), outer, n, inner, CUMSUM_CODES[t.dtype])
+    return lambda: fn(*p)
+
+
 def _always(node, graph) -> bool:
     return True
 
@@ -105,5 +118,6 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     **{op: (supports, _reduce) for op in REDUCE_CODES},
     "softmax": (supports, _softmax),
     "log_softmax": (supports, _softmax),
+    "cumsum": (lambda node, graph: graph.tensors[node.inputs[0]].dtype in CUMSUM_CODES, _cumsum),
     **{op: (_always, _layout) for op in LAYOUT_OPS},
 }

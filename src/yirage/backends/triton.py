@@ -181,6 +181,13 @@ def _softmax_mid(node, graph, args, out, status):
     return lambda: fn(x, out, outer, n, inner, log)
 
 
+def _cumsum(node, graph, args, out, status):
+    """cumsum along any dim (kernels/triton/strided.py)."""
+    outer, n, inner = mid_view(graph.tensors[node.inputs[0]].shape, [node.attrs["dim"]])
+    fn, x = _lib().cumsum_mid, args[0]
+    return lambda: fn(x, out, outer, n, inner)
+
+
 def _layout(node, graph, args, out, status):
     """permute, expand, slice, select, cat: strided copies (strided_views.copies; strided.py),
     their metadata made once here."""
@@ -261,6 +268,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "customized": (customized_ok, bind_customized),  # threadblock graphs (triton_threadblock.py)
     **{op: (_float_first, _reduce_mid) for op in ("reduction", "sum", "mean", "amax", "amin", "var")},
     "softmax": (_float_first, _softmax_mid),
+    "cumsum": (_always, _cumsum),
     "log_softmax": (_float_first, _softmax_mid),
     **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat", "pad")},
     "conv2d": (_float_first, _conv2d),   # kernels/triton/conv.py

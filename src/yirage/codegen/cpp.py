@@ -12,7 +12,7 @@ runtime (kernels/cpu/persistent.cpp). The row loop is OpenMP-parallel; the loop 
 one phase and read in a later one is kept in a per-thread row buffer; plain input loads
 are simply reloaded. All arithmetic is float32; float16/bfloat16 are converted on load
 and store (bfloat16 rounds to nearest even); bool (uint8_t storage) is loaded as 0.0f/1.0f and
-stored as ``v != 0``.
+stored as ``v != 0``; int32/int64 inputs (a cast's source) are loaded as the nearest float32.
 
 This module must never compile or load anything: runtime/cpp_kernels.py and
 runtime/toolchain.py do that.
@@ -29,7 +29,8 @@ from ..transforms.fusion import RS, VEC, FusedKernel, phases
 HEADER = '#include "yirage_prelude.h"\n'
 
 
-_CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t", DType.bool: "uint8_t"}
+_CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t", DType.bool: "uint8_t",
+          DType.int32: "int32_t", DType.int64: "int64_t"}   # integers: loaded only (a cast's input)
 
 _UNARY = {
     # yr_exp / yr_tanh / yr_erf (yirage_prelude.h) are arithmetic that GCC vectorizes; libm's

@@ -18,7 +18,8 @@ one: ``[1, BLOCK_D]`` for row inputs, ``[BLOCK_R, 1]`` for per-row values, a 0-d
 ``.to(tl.float32)``, stores convert to the output dtype, rounding to nearest even
 (float32 -> bfloat16 goes through the module's ``_to_bf16``: the GPU's ``cvt.rn``, or the
 same rounding done on the bits under Triton's interpreter, which would truncate). A bool
-(``tl.int1``) is loaded as 0.0/1.0 and stored as ``v != 0``; ``tanh`` and ``pow`` are the
+(``tl.int1``) is loaded as 0.0/1.0 and stored as ``v != 0``; an int32/int64 input (a cast's
+source) is loaded as the nearest float32; ``tanh`` and ``pow`` are the
 module's ``_tanh``/``_pow`` (core ``tl`` ops only: libdevice does not run in the interpreter).
 Masked lanes never reach a reduction (``where(cols < D, v, 0 / -inf)``).
 
@@ -192,8 +193,8 @@ class _Renderer:
             if d not in _TL_DTYPE:
                 raise NotImplementedError(f"triton codegen: output dtype {d.value} is not supported")
             (self.vec_outs if kernel.stmts[sid].kind == VEC else self.rs_outs).setdefault(sid, []).append((n, d))
-        for inp in kernel.inputs:
-            if inp.dtype not in _TL_DTYPE:
+        for inp in kernel.inputs:   # integers are loaded only (a cast's source), as the nearest float32
+            if inp.dtype not in _TL_DTYPE and inp.dtype not in (DType.int32, DType.int64):
                 raise NotImplementedError(f"triton codegen: input dtype {inp.dtype.value} is not supported")
 
     def emit(self, line: str, depth: int = 1) -> None:
@@ -361,8 +362,8 @@ def render_kernel(kernel: FusedKernel, name: str, mode: str = "auto") -> str:
     ``mode`` (``auto``, ``persistent`` or ``looped``) picks the code shape
     (``code_shape``); launch it with ``launch_config(kernel, R, mode)``. The text needs
     the module ``HEADER`` (imports and the ``_to_bf16`` helper); ``render_module`` adds it.
-    Raises NotImplementedError for a dtype other than float32/float16/bfloat16/bool or an
-    unknown statement.
+    Raises NotImplementedError for a dtype other than float32/float16/bfloat16/bool (int32/int64
+    inputs too) or an unknown statement.
     """
     return _Renderer(kernel, name, mode).render()
 

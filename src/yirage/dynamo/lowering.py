@@ -436,8 +436,11 @@ def _check_to_copy(node):
         return f"layout {node.kwargs['layout']}"
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
         return f"memory_format {node.kwargs['memory_format']}"
+    # from any dtype a row program loads (the float types, bool, int32, int64: a mask's int64
+    # to bool or float) to one it stores (the float types and bool)
     return _all_of(_no_kwargs("dtype", "layout", "device", "memory_format", "pin_memory"),
-                   lambda n: _tensors_ok(n, same_dtype=False, dtypes=ROW_DTYPES))(node)
+                   lambda n: _tensors_ok(n, same_dtype=False, output=False, dtypes=LAYOUT_DTYPES),
+                   lambda n: tensor_problem(n, dtypes=ROW_DTYPES))(node)
 
 
 def _check_narrowing(node):
@@ -573,6 +576,63 @@ def _reduce(e, node):
     r = getattr(e.g, name)(x, None if dims is None else list(dims), keepdim=True, **extra)
     out_shape = tuple(_val(node).shape)
     return r if out_shape == tuple(r.shape) else e.g.reshape(r, out_shape)
+
+
+def _norm_args(node):
+    """(ord, dims or None, keepdim) of ``linalg_vector_norm(x, ord=2, dim=None, keepdim=False)``."""
+    a = list(node.args[1:]) + [None] * (3 - len(node.args[1:]))
+    order = node.kwargs.get("ord", a[0] if a[0] is not None else 2)
+    dims = node.kwargs.get("dim", a[1])
+    keepdim = node.kwargs.get("keepdim", a[2] if a[2] is not None else False)
+    return order, ([dims] if isinstance(dims, int) else dims), bool(keepdim)
+
+
+def _check_vector_norm(node):
+    order, dims, _ = _norm_args(node)
+    if not _is_scalar(order) or not (order > 0 or order == float("-inf")):
+        return f"ord={order!r} (a positive real, inf or -inf is lowered)"
+    if node.kwargs.get("dtype") is not None:
+        return f"dtype={node.kwargs['dtype']}"
+    n = _val(node.args[0]).dim() if isinstance(_val(node.args[0]), torch.Tensor) else 0
+    if dims is not None:
+        ds = sorted(d % n for d in dims) if n else []
+        if not ds or ds != list(range(ds[0], ds[0] + len(ds))):
+            return f"dims {dims} are not adjacent"
+    return _all_of(_no_kwargs("ord", "dim", "keepdim", "dtype"), _tensors_ok)(node)
+
+
+@lowers(aten.linalg_vector_norm.default, check=_check_vector_norm)
+def _vector_norm(e, node):
+    """The vector p-norm over dims: sqrt(sum(x*x)) for p = 2, sum |x| for 1, max / min |x| for
+    +-inf, (sum |x|^p)^(1/p) otherwise (torch.linalg.vector_norm's definition)."""
+    order, dims, keepdim = _norm_args(node)
+    x, g = e[node.args[0]], e.g
+    dims = None if dims is None else list(dims)
+    if order == 2:
+        r = g.sqrt(g.sum(g.mul(x, x), dims, keepdim=True))
+    elif order == 1:
+        r = g.sum(g.abs(x), dims, keepdim=True)
+    elif order in (float("inf"), float("-inf")):
+        r = (g.amax if order > 0 else g.amin)(g.abs(x), dims, keepdim=True)
+    else:
+        r = g.pow(g.sum(g.pow(g.abs(x), float(order)), dims, keepdim=True), 1.0 / float(order))
+    out_shape = tuple(_val(node).shape)
+    return r if out_shape == tuple(r.shape) else g.reshape(r, out_shape)
+
+
+def _check_cumsum(node):
+    x, v = _val(node.args[0]), _val(node)
+    if not isinstance(x, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return "no tensor metadata"
+    natural = x.dtype if x.dtype.is_floating_point else torch.int64
+    if v.dtype != natural:
+        return f"dtype={v.dtype} (a {x.dtype} cumsum sums into {natural}; a cast in the op is not lowered)"
+    return _all_of(_no_kwargs("dtype"), lambda n: _tensors_ok(n, same_dtype=False, dtypes=LAYOUT_DTYPES))(node)
+
+
+@lowers(aten.cumsum.default, check=_check_cumsum)
+def _cumsum(e, node):
+    return e.g.cumsum(e[node.args[0]], node.args[1])
 
 
 # ---- layout: permute, expand, slice, select, cat (copies) ---------------------------------

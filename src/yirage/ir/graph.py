@@ -373,9 +373,10 @@ class KernelGraph:
         return self._add("clamp", [x], min_val=lo, max_val=hi)
 
     def cast(self, x, dtype):
-        """Elementwise conversion between floating-point dtypes and bool (yr.float32/float16/
-        bfloat16/bool; to half types rounding to nearest even, like torch's ``Tensor.to``; to
-        bool ``x != 0``; from bool 0 or 1). GraphError for another source or target dtype."""
+        """Elementwise conversion to a floating-point dtype or bool (yr.float32/float16/bfloat16/
+        bool) from those or from int32/int64 (to half types rounding to nearest even, like
+        torch's ``Tensor.to``; to bool ``x != 0``; from bool 0 or 1; from an integer the nearest
+        float32, as torch rounds it, then that). GraphError for another source or target dtype."""
         dtype = _dtype("cast", dtype)
         if not (dtype.is_float or dtype == DType.bool):
             raise GraphError(f"cast: target dtype must be floating point or bool, got {dtype.value}")
@@ -797,6 +798,14 @@ class KernelGraph:
         if e < 0:
             raise GraphError(f"batch_norm: eps must be >= 0, got {eps!r}")
         return self._add("batch_norm", ins, eps=e, affine=weight is not None)
+
+    def cumsum(self, x, dim: int):
+        """``torch.cumsum(x, dim)``: running sums along ``dim`` (negative counts from the end).
+        Float x keeps its dtype (sums kept in float64 on the CPU, as torch's CPU kernel does);
+        bool, int32 and int64 x give int64 (exact, wrapping as torch's). GraphError for a bad
+        dim or dtype."""
+        d = self._dim("cumsum", x, dim)
+        return self._add("cumsum", [x], dim=d)
 
     def slice_rows(self, x, start: int, end: int):
         """Rows ``start:end`` of the first dim (a view; no copy). ``start`` and ``end`` are

@@ -202,8 +202,8 @@ _register("pow_scalar", "elementwise", 1, _unary_infer("pow_scalar"),
 
 
 def _cast_infer(ts, attrs):
-    if not _row_dtype(ts[0]):
-        _fail("cast", ts, f"casts floating-point and bool tensors, got {ts[0].dtype.value}")
+    if not (_row_dtype(ts[0]) or ts[0].dtype in (DType.int32, DType.int64)):
+        _fail("cast", ts, f"casts floating-point, bool, int32 and int64 tensors, got {ts[0].dtype.value}")
     return TensorType(ts[0].shape, DType(attrs["dtype"]))
 
 
@@ -908,6 +908,15 @@ def _cat_infer(ts, attrs):
     return TensorType(tuple(shape), x.dtype)
 
 
+def _cumsum_infer(ts, attrs):
+    x = ts[0]
+    _norm_dim("cumsum", x, attrs["dim"])
+    if not (x.dtype.is_float or x.dtype in (DType.bool, DType.int32, DType.int64)) or x.dtype.is_quantized:
+        _fail("cumsum", ts, f"sums float, bool, int32 and int64 tensors, got {x.dtype.value}")
+    return TensorType(x.shape, x.dtype if x.dtype.is_float else DType.int64)
+
+
+_register("cumsum", "library", 1, _cumsum_infer, lambda args, a: torch.cumsum(args[0], a["dim"]))
 _register("permute", "library", 1, _permute_infer, lambda args, a: args[0].permute(*a["dims"]).contiguous())
 _register("expand", "library", 1, _expand_infer, lambda args, a: args[0].expand(*a["shape"]).contiguous())
 _register("slice", "library", 1, _slice_dim_infer,

@@ -466,13 +466,32 @@ def _cast(src: DType, dst: DType) -> Built:
     return g, [torch.randn(7, 33).to(src.torch_dtype)], {}
 
 
+def _cast_from_int(src: DType, dst: DType) -> Built:
+    """An integer tensor (an attention mask, ids) cast to ``dst`` in a fused kernel, used by
+    arithmetic after it: values past float32's exact range round as torch's ``.to()`` does."""
+    g = new_kernel_graph()
+    x = g.new_input((3, 7), src)
+    y = g.cast(x, dst)
+    g.mark_output(y if dst == DType.bool else g.mul(y, y))
+    xf = g.cast(x, DType.float32)
+    g.mark_output(g.where(g.cast(x, DType.bool), g.scale(xf, 2.0), g.neg(xf)))
+    big = 2 ** 40 + 1 if src == DType.int64 else 2 ** 30 + 1
+    data = torch.randint(-3, 4, (3, 7), dtype=src.torch_dtype)
+    data[0, :3] = torch.tensor([big, -big, 16777217])
+    want_y = data.to(dst.torch_dtype)
+    want = want_y if dst == DType.bool else (want_y.float() * want_y.float()).to(dst.torch_dtype)
+    return g, [data], {0: want, 1: torch.where(data != 0, data.float() * 2.0, -data.float())}
+
+
 def _cast_cases() -> list[Case]:
     # from float32 the cast is the same rounding as torch's .to(); from a half type the reference
     # rounds exp's result to that type first, the fused kernel keeps float32
     pairs = [(DType.float32, DType.float16), (DType.float32, DType.bfloat16), (DType.bfloat16, DType.float32),
              (DType.float16, DType.bfloat16)]
     return [Case("cast", f"{s.value}->{d.value}", functools.partial(_cast, s, d),
-                 tol=(0.0, 0.0) if s == DType.float32 else (1e-2, 1e-2)) for s, d in pairs]
+                 tol=(0.0, 0.0) if s == DType.float32 else (1e-2, 1e-2)) for s, d in pairs] + [
+        Case("cast", f"{s.value}->{d.value}", functools.partial(_cast_from_int, s, d), tol=(0.0, 0.0))
+        for s in (DType.int64, DType.int32) for d in (DType.bool, DType.float32)]
 
 
 def _rows(op: str, R: int, D: int) -> Built:
@@ -545,12 +564,27 @@ def _any_dim_cases() -> list[Case]:
               for s, G, a, d in [((2, 6, 5, 7), 3, True, DType.float32), ((3, 4), 2, False, DType.float32),
                                  ((1, 8, 33), 8, True, DType.float32), ((2, 6, 5, 7), 2, True, DType.float16),
                                  ((2, 6, 5, 7), 6, True, DType.bfloat16)]]
+    cases += [Case("cumsum", f"{_dims(s)} dim={dim} {d.value}", part(_cumsum, s, dim, d),
+                   tol=(0.0, 0.0) if not d.is_float else (1e-5, 1e-5) if d == DType.float32 else (2e-2, 2e-2))
+              for s, dim, d in [((7, 33), -1, DType.int64), ((2, 9, 3), 1, DType.int32), ((5, 6), 0, DType.bool),
+                                ((3, 300), 1, DType.float32), ((4, 5, 3), 0, DType.float32),
+                                ((2, 40), 1, DType.bfloat16), ((2, 40), 1, DType.float16)]]
     for op in ("softmax", "log_softmax"):
         for shape, dim in [((7, 33), 0), ((7, 33), -1), ((2, 3, 5, 8), 1), ((3, 4097), 0)]:
             for d in _HALF_AND_FLOAT if shape == (7, 33) else (DType.float32,):
                 cases.append(Case(op, f"{_dims(shape)} dim={dim} {d.value}", part(_any_dim, op, shape, dim, None, d),
                                   tol=(1e-4, 1e-4) if d == DType.float32 else None))
     return cases
+
+
+def _cumsum(shape, dim: int, dtype: DType) -> Built:
+    """cumsum along ``dim`` of a float, bool or integer tensor (integers and bool into int64)."""
+    g = new_kernel_graph()
+    g.mark_output(g.cumsum(g.new_input(shape, dtype), dim))
+    data = _data(shape, dtype)
+    if dtype == DType.int64:
+        data.view(-1)[0] = 2 ** 62   # int64 sums stay exact (wrapping as torch's)
+    return g, [data], {0: torch.cumsum(data, dim)}
 
 
 def _group_norm(shape, groups: int, affine: bool, dtype: DType) -> Built:

@@ -1,6 +1,7 @@
 // Kernels over strided views: a strided copy (the layout ops), and, over a tensor viewed as
 // [outer, n, inner] (contiguous), reductions and softmax over the middle dim, for the IR ops whose dim is not the last one (a reduction over the trailing
-// dims is a fused row program instead: codegen/cpp.py). Bound by backends/cpu_strided.py.
+// dims is a fused row program instead: codegen/cpp.py), and the running sum (cumsum) along any
+// dim. Bound by backends/cpu_strided.py.
 //
 // Every entry takes its element type as a code (0 float32, 1 float16, 2 bfloat16), computes in
 // float32 and stores in that type. No entry reads an index from memory, so none needs a status.
@@ -9,6 +10,8 @@
 #include "yirage_prelude.h"
 
 #include <omp.h>
+
+#include <type_traits>
 
 namespace {
 
@@ -126,9 +129,43 @@ void strided_copy(const T* src, T* dst, int64_t ndim, const int64_t* sizes, cons
     }
 }
 
+// out[o, i, :] = sum_{j <= i} x[o, j, :] with the running sums in A (double for floats, as
+// torch's CPU cumsum accumulates; int64 for integers and bool, wrapping as two's complement).
+template <typename A, typename TI, typename TO>
+void cumsum_mid(const TI* x, TO* out, int64_t outer, int64_t n, int64_t inner) {
+    for_chunks(outer, n, inner, [&](int64_t o, int64_t i0, int64_t len) {
+        A acc[CHUNK];
+        for (int64_t k = 0; k < len; ++k) acc[k] = 0;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t at = (o * n + j) * inner + i0;
+            for (int64_t k = 0; k < len; ++k) {
+                if constexpr (std::is_same_v<A, double>) {
+                    acc[k] += (double)load(x, at + k);
+                    store(out, at + k, (float)acc[k]);
+                } else {
+                    acc[k] = (int64_t)((uint64_t)acc[k] + (uint64_t)(int64_t)x[at + k]);
+                    out[at + k] = acc[k];
+                }
+            }
+        }
+    });
+}
+
 }  // namespace
 
 extern "C" {
+
+// out[o, i, :] = x[o, 0, :] + ... + x[o, i, :] over [outer, n, inner]. dtype: the input's code
+// (0 float32, 1 float16, 2 bfloat16: out the same type; 3 bool (uint8), 4 int32, 5 int64:
+// out int64). An unknown code writes nothing.
+void yr_cumsum_mid(const void* x, void* out, int64_t outer, int64_t n, int64_t inner, int64_t dtype) {
+    if (outer <= 0 || n <= 0 || inner <= 0) return;
+    if (dtype >= 0 && dtype <= 2)
+        by_dtype((int)dtype, x, out, [&](auto* xs, auto* os) { cumsum_mid<double>(xs, os, outer, n, inner); });
+    else if (dtype == 3) cumsum_mid<int64_t>((const uint8_t*)x, (int64_t*)out, outer, n, inner);
+    else if (dtype == 4) cumsum_mid<int64_t>((const int32_t*)x, (int64_t*)out, outer, n, inner);
+    else if (dtype == 5) cumsum_mid<int64_t>((const int64_t*)x, (int64_t*)out, outer, n, inner);
+}
 
 // A strided copy of elements of `elem_bytes` (1, 2, 4 or 8) bytes: see strided_copy. The layout
 // ops (permute, expand, slice, select, cat) are this with strides computed from static shapes.

@@ -22,6 +22,7 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
   exception to the rules above: by default it validates its offsets on the host (a
   device-to-host copy) and raises yirage's errors (``GraphError``, ``IndexOutOfRangeError``);
   ``check_offsets=False`` checks them on the device instead, with no sync.
+- :func:`cumsum_mid` (strided.py): running sums along any dim;
 - :func:`reduce_mid`, :func:`softmax_mid` (strided.py): reductions (sum, mean, amax, amin, var) and
   softmax/log_softmax over the middle dim of an [outer, n, inner] view (a dim that is not the last).
 - :func:`strided_copy`, :func:`strided_copy_meta` (strided.py): the layout ops (permute, expand,
@@ -48,9 +49,9 @@ from .int8 import W8A8Workspace, linear_w8a8, linear_w8a8_workspace
 from .linear import linear
 from .matmul import matmul
 from .rope import rope
-from .strided import reduce_mid, softmax_mid, strided_copy, strided_copy_meta
+from .strided import cumsum_mid, reduce_mid, softmax_mid, strided_copy, strided_copy_meta
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
-           "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "strided_copy",
+           "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "cumsum_mid", "strided_copy",
            "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
            "conv2d", "pool2d"]

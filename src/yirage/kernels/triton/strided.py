@@ -1,6 +1,7 @@
-"""Reductions and softmax over the middle dim of a contiguous tensor viewed as [outer, n, inner]:
-the IR's ``reduction``/``sum``/``mean``/``amax``/``amin``/``var`` and ``softmax``/``log_softmax``
-over a dim that is not the last one (over the trailing dims they are fused row programs).
+"""Reductions, softmax and running sums over the middle dim of a contiguous tensor viewed as
+[outer, n, inner]: the IR's ``reduction``/``sum``/``mean``/``amax``/``amin``/``var`` and
+``softmax``/``log_softmax`` over a dim that is not the last one (over the trailing dims they are
+fused row programs), and ``cumsum`` along any dim (``tl.cumsum`` per tile plus a carry).
 
 Program ``(o, c)`` owns inner columns ``c*BLOCK_I ..`` of outer index ``o`` and walks n in chunks of
 ``BLOCK_N`` rows, accumulating a float32 ``[BLOCK_N, BLOCK_I]`` tile (two passes for var: mean,
@@ -117,6 +118,41 @@ def softmax_mid(x: torch.Tensor, out: torch.Tensor, outer: int, n: int, inner: i
     block_n, block_i = _blocks(n, inner)
     _softmax_mid_kernel[(outer, triton.cdiv(inner, block_i))](x, out, n, inner, LOG=bool(log),
                                                              BLOCK_N=block_n, BLOCK_I=block_i)
+
+
+@triton.jit
+def _cumsum_mid_kernel(x_ptr, out_ptr, n, inner, INT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    # a [BLOCK_N, BLOCK_I] tile at a time: its prefix sums down the rows plus the running carry
+    o = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]
+    cmask = cols < inner
+    base = o * n * inner
+    if INT:
+        carry = tl.zeros([1, BLOCK_I], dtype=tl.int64)
+    else:
+        carry = tl.zeros([1, BLOCK_I], dtype=tl.float32)
+    for j in range(0, n, BLOCK_N):
+        rows = j + tl.arange(0, BLOCK_N)[:, None]
+        m = (rows < n) & cmask
+        v = tl.load(x_ptr + base + rows * inner + cols, mask=m, other=0)
+        v = v.to(tl.int64) if INT else v.to(tl.float32)
+        y = tl.cumsum(v, axis=0) + carry
+        tl.store(out_ptr + base + rows * inner + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+        carry += tl.sum(v, axis=0, keep_dims=True)
+
+
+def cumsum_mid(x: torch.Tensor, out: torch.Tensor, outer: int, n: int, inner: int) -> None:
+    """``out[o, i, :] = x[o, 0, :] + ... + x[o, i, :]`` over contiguous x viewed as [outer, n,
+    inner]: float x into out of its dtype (float32 sums), bool/int32/int64 x into int64 out
+    (exact, wrapping). ValueError as ``reduce_mid``, or for an output dtype that does not follow."""
+    check_tensors("cumsum_mid", x=x, out=out)
+    integer = not x.dtype.is_floating_point
+    if out.dtype != (torch.int64 if integer else x.dtype):
+        raise ValueError(f"cumsum_mid: {x.dtype} sums into {torch.int64 if integer else x.dtype}, got {out.dtype}")
+    xs = x.view(torch.uint8) if x.dtype == torch.bool else x
+    block_n, block_i = _blocks(n, inner)
+    _cumsum_mid_kernel[(outer, triton.cdiv(inner, block_i))](xs, out, n, inner, INT=integer, BLOCK_N=block_n,
+                                                            BLOCK_I=block_i)
 
 
 #: most dims a strided copy handles
