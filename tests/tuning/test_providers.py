@@ -260,12 +260,20 @@ def test_templates_tell_cpu_generations_apart():
     assert names["amd-epyc-zen4-avx512-2cores"]["cpu_generation"] == "25/17"
 
 
-@pytest.mark.parametrize("provider", ["flash", "gemm"])
-@pytest.mark.parametrize("spec", [(2, 4, 4, 9, 9, (2, 1, 1, 9), False, None), (1, 2, 2, 7, 7, None, True, 0.5)],
-                         ids=["mask", "causal"])
+_SDPA_SPECS = {"mask": (2, 4, 4, 9, 9, (2, 1, 1, 9), False, None), "causal": (1, 2, 2, 7, 7, None, True, 0.5),
+               "gqa-causal-mask-d32": (1, 2, 1, 40, 40, (1, 1, 40, 40), True, None, 32),
+               "mask-per-head-d64": (2, 3, 3, 17, 23, (1, 3, 17, 23), False, None, 64)}
+_SDPA_CASES = [(p, s) for p in ("flash", "gemm", "yirage") for s in _SDPA_SPECS
+               if not (p == "gemm" and _SDPA_SPECS[s][1] != _SDPA_SPECS[s][2])]
+
+
+@pytest.mark.parametrize("provider,spec", _SDPA_CASES, ids=[f"{p}-{s}" for p, s in _SDPA_CASES])
 def test_sdpa_providers_compute_attention(provider, spec, monkeypatch):
-    """Both providers of ``sdpa`` (torch's fused kernel, two batched GEMMs around a softmax)
-    against attention written out (conformance's builder)."""
+    """Every provider of ``sdpa`` (torch's fused kernel, two batched GEMMs around a softmax,
+    yirage's kernel: its register-blocked path for head dims of 32 and 64, the any-width one
+    for 16; queries split into chunks at 40) against attention written out (conformance's
+    builder)."""
+    spec = _SDPA_SPECS[spec]
     from yirage.tools import conformance
 
     monkeypatch.setattr(tuning, "choose", lambda key, cands, default, **kw: tuning.Choice(provider, "pinned"))
@@ -274,7 +282,7 @@ def test_sdpa_providers_compute_attention(provider, spec, monkeypatch):
     torch.testing.assert_close(out[0], want[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("provider", ["flash", "gemm"])
+@pytest.mark.parametrize("provider", ["flash", "gemm", "yirage"])
 def test_sdpa_providers_give_zero_for_a_fully_masked_row(provider, monkeypatch):
     """A query row whose keys are all masked (-inf) attends to nothing: 0, as torch's fused kernel
     (and its decomposition's safe softmax) gives, not NaN."""
@@ -499,3 +507,25 @@ def test_parallel_linears_merge_by_measurement(monkeypatch, tmp_path):
     assert set(entry["median_s"]) == {"separate", "stacked"} and merged == (entry["choice"] == "stacked")
     assert not cpu_library.merge_linears(LinearGroup(16, 40, 64, 3, "float32", "nk", True))   # planes split panels
     assert not cpu_library.merge_linears(LinearGroup(16, 64, 64, 3, "bfloat16", "nk", True))
+
+
+def test_sdpa_kernel_refuses_a_geometry_that_does_not_fit():
+    """yirage's attention kernel checks what it is handed (query heads not a multiple of the
+    key heads, a mask shorter than its strides reach): a clear error, the output untouched."""
+    from yirage.backends import cpu_library
+
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    mask, out = torch.zeros(1, 4, 5, 6), torch.full((1, 4, 5, 16), float("nan"))
+    run = cpu_library._sdpa_yirage(q, k, v, mask, out, False, None)
+    geo = run.keep[0]
+    for index, value in ((2, 3), (8, 999), (3, 0)):   # Hkv, the mask's head stride, Tq
+        saved = int(geo[index])
+        geo[index] = value
+        with pytest.raises(YirageError, match="sdpa"):
+            run()
+        geo[index] = saved
+        assert out.isnan().all()
+    run()
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                     enable_gqa=True),
+                               rtol=1e-5, atol=1e-5)

@@ -37,9 +37,11 @@ def _status() -> torch.Tensor:
 
 
 def _raise_status(status: torch.Tensor, what: str) -> None:
-    """YirageError naming the size a kernel rejected (status = {1, value, lo, hi})."""
+    """YirageError naming the size a kernel rejected (status = {1, value, lo, hi}); the status
+    is cleared first, so a thunk called again after the cause is fixed does not raise anew."""
     if int(status[0]):
         value, lo, hi = status[1:].tolist()
+        status.zero_()
         raise YirageError(f"{what}: size {value} outside [{lo}, {hi}) (a buffer is too small or a size is invalid)")
 
 

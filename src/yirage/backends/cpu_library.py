@@ -77,6 +77,9 @@ SIGNATURES: dict[str, tuple] = {
     # x, P, bias, y, geometry {N, H, W, C, O, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, mc, kc}, x/p/y lengths,
     # row epilogue fn (or NULL) and its args, status (kernels/cpu/conv_gemm.h)
     "yr_conv_igemm_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P),
+    # q, k, v, mask|NULL, out, geometry {B, Hq, Hkv, Tq, Tk, Dh, causal, mask strides b/h/i}, scale,
+    # q/kv/mask/out lengths, status
+    "yr_sdpa_f32": (_P, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _P),
     # qkv, offsets, out, T, B, H, Dh, scale, qkv_len, out_len, status
     "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
 }
@@ -323,10 +326,34 @@ def _sdpa_gemm(q, k, v, mask, out, causal: bool, scale):
     return run
 
 
+def _sdpa_yirage(q, k, v, mask, out, causal: bool, scale):
+    """yirage's attention kernel (kernels/cpu/embed_kernels.h ``yr_sdpa_f32``: K transposed per
+    head, Q K^T and P V in register tiles, the mask and causal bias added to the scores, GQA by
+    head index), float32 with v's head dim equal to q's."""
+    B, H, S, D = q.shape
+    Hk, T = k.shape[1], k.shape[2]
+    strides = [0, 0, 0]
+    if mask is not None:
+        st = mask.stride()
+        strides = [0 if mask.shape[i] == 1 else st[i] for i in range(3)]
+    geo = torch.tensor([B, H, Hk, S, T, D, int(causal), *strides], dtype=torch.int64)
+    s = float(scale) if scale is not None else D ** -0.5
+    fn, st = library().yr_sdpa_f32, torch.zeros(4, dtype=torch.int64)
+    p = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(), geo.data_ptr(), s, q.numel(),
+         k.numel(), 0 if mask is None else mask.numel(), out.numel(), st.data_ptr())
+
+    def run():
+        fn(*p)
+        if st[0]:
+            cpu_embed._raise_status(st, "sdpa (yirage kernel)")
+    run.keep = (geo, st, q, k, v, mask, out)   # the kernel reads them through raw pointers
+    return run
+
+
 def _sdpa(node, graph, args, out, status):
     """``sdpa`` on the provider chosen by measurement for its shape class: torch's fused
-    flash-attention CPU kernel, or two batched GEMMs (MKL) around a softmax (q and k heads equal
-    only). Nothing of yirage's own yet."""
+    flash-attention CPU kernel, two batched GEMMs (MKL) around a softmax (q and k heads equal
+    only), or yirage's kernel (float32, v's head dim equal to q's)."""
     q, k, v = args[:3]
     mask = args[3] if len(args) == 4 else None
     causal, scale = node.attrs["causal"], node.attrs["scale"]
@@ -334,6 +361,9 @@ def _sdpa(node, graph, args, out, status):
     cands = {"flash": _sdpa_flash}
     if k.shape[1] == H:
         cands["gemm"] = _sdpa_gemm
+    if q.dtype == torch.float32 and v.shape[3] == D and all(t.is_contiguous() for t in (q, k, v, out)) and (
+            mask is None or mask.is_contiguous()):
+        cands["yirage"] = _sdpa_yirage
     key = tuning.shape_class("sdpa", f"{q.dtype}".removeprefix("torch.") + ("/mask" if mask is not None else "")
                              + ("/causal" if causal else ""), B * H * S, k.shape[2], D, torch.get_num_threads())
 

@@ -181,6 +181,19 @@ def _softmax_mid(node, graph, args, out, status):
     return lambda: fn(x, out, outer, n, inner, log)
 
 
+def _sdpa(node, graph, args, out, status):
+    """sdpa: FlashAttention forward with the mask, causal and GQA (kernels/triton/sdpa.py)."""
+    q, k, v = args[:3]
+    mask = args[3] if len(args) == 4 else None
+    fn, causal, scale = _lib().sdpa, node.attrs["causal"], node.attrs["scale"]
+    return lambda: fn(q, k, v, mask, out, causal, scale)
+
+
+def _sdpa_ok(node, graph) -> bool:
+    q, _, v = _types(node, graph)[:3]
+    return q.dtype.is_float and v.shape[3] == q.shape[3]
+
+
 def _cumsum(node, graph, args, out, status):
     """cumsum along any dim (kernels/triton/strided.py)."""
     outer, n, inner = mid_view(graph.tensors[node.inputs[0]].shape, [node.attrs["dim"]])
@@ -269,6 +282,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     **{op: (_float_first, _reduce_mid) for op in ("reduction", "sum", "mean", "amax", "amin", "var")},
     "softmax": (_float_first, _softmax_mid),
     "cumsum": (_always, _cumsum),
+    "sdpa": (_sdpa_ok, _sdpa),
     "log_softmax": (_float_first, _softmax_mid),
     **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat", "pad")},
     "conv2d": (_float_first, _conv2d),   # kernels/triton/conv.py

@@ -1115,10 +1115,9 @@ def _customized() -> Built:
     return g, [x, w1, w3], {0: F.silu(x @ w1) * (x @ w3)}
 
 
-def _sdpa(B: int, H: int, Hk: int, S: int, T: int, mask_shape, causal: bool, scale) -> Built:
+def _sdpa(B: int, H: int, Hk: int, S: int, T: int, mask_shape, causal: bool, scale, D: int = 16) -> Built:
     """``sdpa`` against attention written out: softmax(q k^T * scale + mask, causal) v, with the
-    k/v heads repeated for GQA."""
-    D = 16
+    k/v heads repeated for GQA; head dim ``D``."""
     g = new_kernel_graph()
     q, k, v = g.new_input((B, H, S, D)), g.new_input((B, Hk, T, D)), g.new_input((B, Hk, T, D))
     m = g.new_input(mask_shape) if mask_shape else None
@@ -1147,7 +1146,8 @@ def _library_cases() -> list[Case]:
         *(Case("sdpa", name, part(_sdpa, *spec), tol=(1e-4, 1e-4)) for name, spec in [
             ("mask [B,1,1,T]", (2, 4, 4, 9, 9, (2, 1, 1, 9), False, None)),
             ("causal", (1, 2, 2, 7, 7, None, True, None)),
-            ("GQA, mask [1,H,S,T], scale 0.3", (2, 4, 2, 5, 6, (1, 4, 5, 6), False, 0.3))]),
+            ("GQA, mask [1,H,S,T], scale 0.3", (2, 4, 2, 5, 6, (1, 4, 5, 6), False, 0.3)),
+            ("GQA, causal, mask [B,1,S,T], 40 queries, D=32", (1, 2, 1, 40, 40, (1, 1, 40, 40), True, None, 32))]),
         Case("rope", "T=3 start=2", part(_rope, 3, 2)),
         Case("rope", "T=1 start=11", part(_rope, 1, 11)),
         Case("attention", "prefill T=7", part(_attention, 7, 0, 0)),

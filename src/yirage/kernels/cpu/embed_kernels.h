@@ -605,36 +605,67 @@ inline vf vmax(vf a, vf b) { return std::max(a, b); }
 inline float vhmax(vf a) { return a; }
 #endif
 
-// out rows of sentence [s, s+L), head h: softmax(q k^T * scale) v. Any Dh: K is transposed
-// into scratch kt[Dh][Lp] so that the scores of one query are FMAs over VL keys at a time.
-void emb_attention_head_any(const float* qkv, float* out, int64_t s, int64_t L, int64_t h, int64_t H,
-                            int64_t Dh, float scale) {
+// One head of attention: O[i] = softmax(scale * Q[i] . K^T + bias[i]) V for the queries i < Tq
+// over the keys j < Tk, the rows of Q, K, V, O at strides ldq, ldk, ldv, ldo floats (head dim
+// Dh for all four). bias[i][j]: mask[(qoff + i) * mask_ld + j] when mask is given (mask_ld 0:
+// one row for every query), and -inf for j > qoff + i when causal (torch's is_causal, aligned
+// top left); qoff is the first query's row in the whole head (a chunk of queries). A query whose
+// every score is -inf gets 0 (what torch's fused kernel's safe softmax gives).
+struct AttnHead {
+    const float *q, *k, *v;
+    float* o;
+    int64_t ldq, ldk, ldv, ldo, Tq, Tk, Dh;
+    float scale;
+    const float* mask;
+    int64_t mask_ld, qoff;
+    bool causal;
+};
+
+// Adds query row i's bias into its scores s[0:Tk]; returns their max (-inf: every key masked).
+inline float attn_bias_row(const AttnHead& a, int64_t i, float* s) {
+    if (a.mask) {
+        const float* m = a.mask + (a.qoff + i) * a.mask_ld;
+        for (int64_t j = 0; j < a.Tk; ++j) s[j] += m[j];
+    }
+    if (a.causal)
+        for (int64_t j = std::max<int64_t>(a.qoff + i + 1, 0); j < a.Tk; ++j) s[j] = -INFINITY;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < a.Tk; ++j) mx = std::max(mx, s[j]);
+    return mx;
+}
+
+// Any Dh: K is transposed into scratch kt[Dh][Lp] so that the scores of one query are FMAs
+// over VL keys at a time.
+void attention_head_any(const AttnHead& a) {
     static thread_local std::vector<float> kbuf, sbuf, obuf;
-    const int64_t ld = 3 * H * Dh, HD = H * Dh;
+    const int64_t L = a.Tk, Dh = a.Dh;
     const int64_t Lp = (L + VL - 1) / VL * VL;
     float* kt = scratch(kbuf, (size_t)(Dh * Lp));
     float* sc = scratch(sbuf, (size_t)Lp);
     float* o = scratch(obuf, (size_t)Dh);
     for (int64_t j = 0; j < L; ++j) {
-        const float* kj = qkv + (s + j) * ld + HD + h * Dh;
+        const float* kj = a.k + j * a.ldk;
         for (int64_t d = 0; d < Dh; ++d) kt[d * Lp + j] = kj[d];
     }
     for (int64_t d = 0; d < Dh; ++d)
         for (int64_t j = L; j < Lp; ++j) kt[d * Lp + j] = 0.0f;
-    const vf vsc = vbroadcast(&scale);
-    for (int64_t i = 0; i < L; ++i) {
-        const float* qi = qkv + (s + i) * ld + h * Dh;
+    const vf vsc = vbroadcast(&a.scale);
+    for (int64_t i = 0; i < a.Tq; ++i) {
+        const float* qi = a.q + i * a.ldq;
         for (int64_t j0 = 0; j0 < Lp; j0 += VL) {
             vf acc = vzero();
             for (int64_t d = 0; d < Dh; ++d) acc = vfma(vbroadcast(qi + d), vload(kt + d * Lp + j0), acc);
             vstore(sc + j0, vmul(acc, vsc));
         }
-        float mx = sc[0];
-        for (int64_t j = 1; j < L; ++j) mx = std::max(mx, sc[j]);
+        const float mx = attn_bias_row(a, i, sc);
+        float* oi = a.o + i * a.ldo;
+        if (mx == -INFINITY) {
+            std::fill(oi, oi + Dh, 0.0f);
+            continue;
+        }
         const float inv = 1.0f / exp_shifted_sum(sc, L, mx);
         for (int64_t d = 0; d < Dh; ++d) o[d] = 0.0f;
-        for (int64_t j = 0; j < L; ++j) axpy(sc[j], qkv + (s + j) * ld + 2 * HD + h * Dh, o, Dh);
-        float* oi = out + (s + i) * HD + h * Dh;
+        for (int64_t j = 0; j < L; ++j) axpy(sc[j], a.v + j * a.ldv, o, Dh);
         for (int64_t d = 0; d < Dh; ++d) oi[d] = o[d] * inv;
     }
 }
@@ -658,32 +689,28 @@ inline float emb_softmax_row(float* s, int64_t Lp) {
 }
 
 // The same for Dh a multiple of 2 * VL, register-blocked: K^T by VL x VL transposes, then
-// S = Q K^T and O = P V in tiles of 4 query rows x 2 vectors (8 accumulators).
-void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t L, int64_t h, int64_t H,
-                                int64_t Dh, float scale) {
+// S = Q K^T and O = P V in tiles of RB query rows x 2 vectors.
+void attention_head_blocked(const AttnHead& a) {
     static thread_local std::vector<float> kbuf, sbuf;
     static const float zeros[VL] = {};
     constexpr int RB = YR_EMB_ATT_RB;
-    const int64_t ld = 3 * H * Dh, HD = H * Dh;
+    const int64_t L = a.Tk, Dh = a.Dh;
     const int64_t Lp = (L + 2 * VL - 1) / (2 * VL) * (2 * VL);
-    const int64_t Lr = (L + RB - 1) / RB * RB;
+    const int64_t Lr = (a.Tq + RB - 1) / RB * RB;
     float* kt = scratch(kbuf, (size_t)(Dh * Lp));
     float* S = scratch(sbuf, (size_t)(Lr * Lp + Lp));
     float* pad = S + Lr * Lp;                 // 0 for real keys, -inf for the padding columns
     for (int64_t j = 0; j < Lp; ++j) pad[j] = j < L ? 0.0f : -INFINITY;
-    const float* K0 = qkv + s * ld + HD + h * Dh;
-    const float* V0 = qkv + s * ld + 2 * HD + h * Dh;
-    const float* Q0 = qkv + s * ld + h * Dh;
     for (int64_t j0 = 0; j0 < Lp; j0 += VL)
         for (int64_t d0 = 0; d0 < Dh; d0 += VL) {
             const float* src[VL];
-            for (int l = 0; l < VL; ++l) src[l] = j0 + l < L ? K0 + (j0 + l) * ld + d0 : zeros;
+            for (int l = 0; l < VL; ++l) src[l] = j0 + l < L ? a.k + (j0 + l) * a.ldk + d0 : zeros;
             transpose_block(src, kt + d0 * Lp + j0, Lp);
         }
-    const vf vsc = vbroadcast(&scale);
-    for (int64_t i0 = 0; i0 < L; i0 += RB) {
+    const vf vsc = vbroadcast(&a.scale);
+    for (int64_t i0 = 0; i0 < a.Tq; i0 += RB) {
         const float* q[RB];
-        for (int r = 0; r < RB; ++r) q[r] = Q0 + std::min(i0 + r, L - 1) * ld;
+        for (int r = 0; r < RB; ++r) q[r] = a.q + std::min(i0 + r, a.Tq - 1) * a.ldq;
         for (int64_t j0 = 0; j0 < Lp; j0 += 2 * VL) {
             vf a0[RB], a1[RB];
 #pragma GCC unroll 16
@@ -704,12 +731,17 @@ void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t
             }
         }
     }
+    const bool biased = a.mask || a.causal;
     float inv[RB];
-    for (int64_t i0 = 0; i0 < L; i0 += RB) {
-        const int rows = (int)std::min<int64_t>(RB, L - i0);
+    for (int64_t i0 = 0; i0 < a.Tq; i0 += RB) {
+        const int rows = (int)std::min<int64_t>(RB, a.Tq - i0);
         for (int r = 0; r < RB; ++r) {
             float* si = S + (i0 + r) * Lp;
-            if (r >= rows) { std::fill(si, si + L, 0.0f); inv[r] = 0.0f; continue; }
+            if (r >= rows || (biased && attn_bias_row(a, i0 + r, si) == -INFINITY)) {
+                std::fill(si, si + L, 0.0f);   // no query, or every key masked: 0
+                inv[r] = 0.0f;
+                continue;
+            }
             inv[r] = 1.0f / emb_softmax_row(si, Lp);
         }
         for (int64_t d0 = 0; d0 < Dh; d0 += 2 * VL) {
@@ -717,7 +749,7 @@ void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t
 #pragma GCC unroll 16
             for (int r = 0; r < RB; ++r) a0[r] = a1[r] = vzero();
             for (int64_t j = 0; j < L; ++j) {
-                const float* vj = V0 + j * ld + d0;
+                const float* vj = a.v + j * a.ldv + d0;
                 const vf b0 = vload(vj), b1 = vload(vj + VL);
 #pragma GCC unroll 16
                 for (int r = 0; r < RB; ++r) {
@@ -727,7 +759,7 @@ void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t
                 }
             }
             for (int r = 0; r < rows; ++r) {
-                float* o = out + (s + i0 + r) * HD + h * Dh + d0;
+                float* o = a.o + (i0 + r) * a.ldo + d0;
                 const vf vi = vbroadcast(&inv[r]);
                 vstore(o, vmul(a0[r], vi));
                 vstore(o + VL, vmul(a1[r], vi));
@@ -736,10 +768,18 @@ void emb_attention_head_blocked(const float* qkv, float* out, int64_t s, int64_t
     }
 }
 
+void attention_head(const AttnHead& a) {
+    if (a.Dh % (2 * VL) == 0) attention_head_blocked(a);
+    else attention_head_any(a);
+}
+
+// out rows of sentence [s, s+L), head h, of the packed qkv [T, 3 * H * Dh]: softmax(q k^T * scale) v.
 void emb_attention_head(const float* qkv, float* out, int64_t s, int64_t L, int64_t h, int64_t H,
                         int64_t Dh, float scale) {
-    if (Dh % (2 * VL) == 0) emb_attention_head_blocked(qkv, out, s, L, h, H, Dh, scale);
-    else emb_attention_head_any(qkv, out, s, L, h, H, Dh, scale);
+    const int64_t ld = 3 * H * Dh, HD = H * Dh;
+    const float* base = qkv + s * ld + h * Dh;
+    attention_head({base, base + HD, base + 2 * HD, out + s * HD + h * Dh, ld, ld, ld, HD, L, L, Dh, scale,
+                    nullptr, 0, 0, false});
 }
 
 }  // namespace
@@ -992,6 +1032,47 @@ void yr_emb_attention_varlen(const float* qkv, const int64_t* offsets, float* ou
         const int64_t s = offsets[b], L = offsets[b + 1] - s;
         for (int64_t h = g * H / groups; h < (g + 1) * H / groups && L > 0; ++h)
             emb_attention_head(qkv, out, s, L, h, H, Dh, scale);
+    }
+}
+
+// Scaled dot-product attention (the IR's sdpa; torch's F.scaled_dot_product_attention):
+// out [B, Hq, Tq, Dh] = softmax(scale * q k^T + mask (+ causal -inf above the diagonal)) v for
+// contiguous float32 q [B, Hq, Tq, Dh] and k, v [B, Hkv, Tk, Dh], query head h reading key/value
+// head h / (Hq / Hkv) (GQA). geo: {B, Hq, Hkv, Tq, Tk, Dh, causal, mask_sb, mask_sh, mask_si}:
+// the mask (may be null) is additive float32, mask[b*sb + h*sh + i*si + j] (a stride 0
+// broadcasts that dim; rows contiguous over Tk). A query whose every key is masked gets 0.
+// status: a size outside [1, ...), Hq not a multiple of Hkv, a negative stride, or buffers
+// shorter than the geometry needs (q_len, kv_len for each of k and v, mask_len, out_len
+// elements); then nothing is written. Tasks: a head and a chunk of at most 256 queries.
+void yr_sdpa_f32(const float* q, const float* k, const float* v, const float* mask, float* out, const int64_t* geo,
+                 float scale, int64_t q_len, int64_t kv_len, int64_t mask_len, int64_t out_len, int64_t* status) {
+    const int64_t B = geo[0], Hq = geo[1], Hkv = geo[2], Tq = geo[3], Tk = geo[4], Dh = geo[5];
+    const bool causal = geo[6] != 0;
+    const int64_t sb = geo[7], sh = geo[8], si = geo[9];
+    for (int64_t n : {B, Hq, Hkv, Tq, Tk, Dh})
+        if (!emb_check(status, n, 1, INT32_MAX)) return;
+    if (!emb_check(status, Hq % Hkv, 0, 1) || !emb_check(status, emb_mul(B, Hq, Tq, Dh), 0, q_len + 1) ||
+        !emb_check(status, emb_mul(B, Hkv, Tk, Dh), 0, kv_len + 1) ||
+        !emb_check(status, emb_mul(B, Hq, Tq, Dh), 0, out_len + 1))
+        return;
+    if (mask) {
+        for (int64_t st : {sb, sh, si})
+            if (!emb_check(status, st, 0, INT32_MAX)) return;
+        const int64_t last = emb_mul(B - 1, sb) + emb_mul(Hq - 1, sh) + emb_mul(Tq - 1, si) + Tk;   // < 2^63
+        if (!emb_check(status, last, 0, mask_len + 1)) return;
+    }
+    const int threads = emb_threads();
+    int64_t chunk = std::min<int64_t>(Tq, 256);
+    while (chunk > YR_EMB_ATT_RB && B * Hq * ((Tq + chunk - 1) / chunk) < 4 * threads) chunk = (chunk + 1) / 2;
+    const int64_t chunks = (Tq + chunk - 1) / chunk, G = Hq / Hkv;
+#pragma omp parallel for schedule(dynamic, 1) if (emb_mul(B, Hq, Tq, Tk, Dh) >= PAR_MIN_MACS)
+    for (int64_t task = 0; task < B * Hq * chunks; ++task) {
+        const int64_t b = task / (Hq * chunks), h = task / chunks % Hq, c = task % chunks;
+        const int64_t i0 = c * chunk, n = std::min(chunk, Tq - i0);
+        const float* qh = q + ((b * Hq + h) * Tq + i0) * Dh;
+        const int64_t kvh = (b * Hkv + h / G) * Tk * Dh;
+        attention_head({qh, k + kvh, v + kvh, out + ((b * Hq + h) * Tq + i0) * Dh, Dh, Dh, Dh, Dh, n, Tk, Dh, scale,
+                        mask ? mask + b * sb + h * sh : nullptr, si, i0, causal});
     }
 }
 

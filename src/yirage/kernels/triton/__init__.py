@@ -22,6 +22,8 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
   exception to the rules above: by default it validates its offsets on the host (a
   device-to-host copy) and raises yirage's errors (``GraphError``, ``IndexOutOfRangeError``);
   ``check_offsets=False`` checks them on the device instead, with no sync.
+- :func:`sdpa` (sdpa.py): scaled dot-product attention over [B, H, S, D] (additive mask with
+  broadcast strides, causal, GQA, scale), FlashAttention's forward pass;
 - :func:`cumsum_mid` (strided.py): running sums along any dim;
 - :func:`reduce_mid`, :func:`softmax_mid` (strided.py): reductions (sum, mean, amax, amin, var) and
   softmax/log_softmax over the middle dim of an [outer, n, inner] view (a dim that is not the last).
@@ -49,9 +51,10 @@ from .int8 import W8A8Workspace, linear_w8a8, linear_w8a8_workspace
 from .linear import linear
 from .matmul import matmul
 from .rope import rope
+from .sdpa import sdpa
 from .strided import cumsum_mid, reduce_mid, softmax_mid, strided_copy, strided_copy_meta
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
            "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "cumsum_mid", "strided_copy",
            "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
-           "conv2d", "pool2d"]
+           "conv2d", "pool2d", "sdpa"]
