@@ -39,8 +39,13 @@ class KNGraph(KernelGraph):
             the default backend at call time, see ``yr.set_backend``).
     """
 
+    #: run transforms/parallel.py (linear layers of one input as one ``linear_stack``, where
+    #: the backend's measurement says so) before compiling; set by front ends that want it
+    merge_parallel_linears: bool = False
+
     def compile(self, backend: str | None = None) -> CompiledGraph:
-        """Fuse and compile for ``backend`` (default: the graph's, else ``yr.get_backend()``).
+        """Fuse and compile for ``backend`` (default: the graph's, else ``yr.get_backend()``),
+        after the graph passes: parallel linears (``merge_parallel_linears``) and convolutions.
 
         Returns a ``runtime.executor.CompiledGraph``, cached per backend until the graph changes.
 
@@ -51,7 +56,7 @@ class KNGraph(KernelGraph):
         name = resolve_backend(backend or self.backend)
         if name not in self._compiled:
             impl = get_backend_impl(name)
-            graph = merge_parallel_linears(self, impl.merge_linears)
+            graph = merge_parallel_linears(self, impl.merge_linears) if self.merge_parallel_linears else self
             self._compiled[name] = CompiledGraph(optimize_convolutions(graph, impl.channels_last), impl)
         return self._compiled[name]
 

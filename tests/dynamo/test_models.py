@@ -37,7 +37,7 @@ class Block(nn.Module):
 
 
 class Split(nn.Module):
-    """Two lowerable blocks with an op yirage does not lower (cumsum) between them."""
+    """Two lowerable blocks with an op yirage does not lower (cumprod) between them."""
 
     def __init__(self, d=32):
         super().__init__()
@@ -45,7 +45,7 @@ class Split(nn.Module):
 
     def forward(self, x):
         h = F.silu(self.a(x)) * 0.5
-        h = torch.cumsum(h, dim=-1)
+        h = torch.cumprod(h, dim=-1)
         return torch.relu(self.b(h)) + 1.0
 
 
@@ -89,11 +89,11 @@ def test_unsupported_op_splits_into_two_partitions():
     with torch.no_grad():
         torch.testing.assert_close(report.outputs, model(x), **TOL)
     assert len(report.yirage_partitions) == 2
-    (cumsum,) = report.torch_ops
-    assert cumsum.op == "aten.cumsum.default" and "no lowering" in cumsum.reason
+    (cumprod,) = report.torch_ops
+    assert cumprod.op == "aten.cumprod.default" and "no lowering" in cumprod.reason
     text = str(report)
-    assert "2 partition(s) on yirage" in text and "cumsum" in text and "no lowering" in text
-    assert report.to_dict()["graphs"][0]["torch_ops"][0]["op"] == "aten.cumsum.default"
+    assert "2 partition(s) on yirage" in text and "cumprod" in text and "no lowering" in text
+    assert report.to_dict()["graphs"][0]["torch_ops"][0]["op"] == "aten.cumprod.default"
 
 
 def test_registered_name_and_yr_compile():

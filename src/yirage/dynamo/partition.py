@@ -326,6 +326,9 @@ class YiragePartition(torch.nn.Module):
 
     def _graph(self, g: KNGraph) -> KNGraph:
         g.runtime_row_width = self.symbolic   # transforms/fusion.py: C++ takes D at run time
+        # transforms/parallel.py on static shapes only: a measured choice per size would give a
+        # symbolic partition a new structure (and C++ builds) at some sizes
+        g.merge_parallel_linears = not self.symbolic
         return g
 
     def _from_entry(self, entry: cache.Entry, tensor_inputs: list[int]) -> _Variant:

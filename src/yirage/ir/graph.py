@@ -167,6 +167,16 @@ class KernelGraph:
         self.outputs: list[int] = []
         self._compiled = {}  # derived state of front ends (compiled plans); cleared on any edit
 
+    def blank_like(self) -> "KernelGraph":
+        """A new, empty graph of this graph's class and backend that carries the front-end
+        settings set on this one (attributes such as ``runtime_row_width``): what a graph pass
+        (transforms/) builds its result into."""
+        g = type(self)(self.backend)
+        for k, v in vars(self).items():
+            if k not in vars(g):
+                setattr(g, k, v)
+        return g
+
     # ---- building -------------------------------------------------------------------------
     def _new_tensor(self, ttype: TensorType, name: str | None = None) -> DTensor:
         self.tensors.append(ttype)

@@ -125,10 +125,7 @@ class _Replay:
 
     def __init__(self, g: KernelGraph, channels_last: bool):
         self.g, self.channels_last = g, channels_last
-        self.ng = type(g)(g.backend)
-        for k, v in vars(g).items():   # front-end settings (e.g. runtime_row_width)
-            if k not in vars(self.ng):
-                setattr(self.ng, k, v)
+        self.ng = g.blank_like()   # with the front end's settings (e.g. runtime_row_width)
         self.forms: dict[int, dict[str, object]] = {}
         self.bcast: dict[int, object] = {}
 

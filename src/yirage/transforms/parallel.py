@@ -4,7 +4,10 @@ over the stacked weights) whose output planes are the old outputs, taken as free
 (``slice_rows`` then ``reshape``, both aliases of the stacked buffer).
 
 ``merge_parallel_linears(graph, decide)`` returns a new graph computing the same outputs from
-the same inputs (or ``graph`` itself when nothing merges). A group merges when:
+the same inputs (or ``graph`` itself when nothing merges). ``KNGraph.compile`` runs it on graphs
+that set ``merge_parallel_linears`` (torch.compile's static-shape partitions do; the LLM engines'
+decode graphs do not: their persistent kernel schedules each linear as tasks of its own, and a
+symbolic partition would change structure between sizes). A group merges when:
 - each op is a plain float ``linear`` (no GGUF-block weight, no ``compute_dtype``) with a
   weight of x's dtype, all of one weight shape and layout, all with a bias or none;
 - its weights and biases are graph inputs (the model's parameters, available before any op);
@@ -61,8 +64,9 @@ def _candidate(graph: KernelGraph, node: OpNode, inputs: set[int], reshaped: dic
 
 def merge_parallel_linears(graph: KernelGraph, decide: Callable[[LinearGroup], bool]) -> KernelGraph:
     """The graph with each group of parallel linear layers that ``decide`` accepts merged into
-    one ``linear_stack`` (see the module docstring); ``graph`` itself when none is."""
-    if any(n.op == "customized" for n in graph.ops):   # threadblock ops stay bound to their graph
+    one ``linear_stack`` (see the module docstring); ``graph`` itself when none is, or when the
+    graph holds threadblock ``customized`` ops (they stay bound to their graph)."""
+    if any(n.op == "customized" for n in graph.ops):
         return graph
     inputs = set(graph.inputs)
     reshaped = {n.output: n.inputs[0] for n in graph.ops if n.op == "reshape"}
@@ -83,7 +87,7 @@ def merge_parallel_linears(graph: KernelGraph, decide: Callable[[LinearGroup], b
     if not merged:
         return graph
     absorbed = {i for idx in merged.values() for i in idx}
-    g = KernelGraph(graph.backend)
+    g = graph.blank_like()
     g.tensors, g.names = list(graph.tensors), dict(graph.names)
     g.inputs, g.outputs = list(graph.inputs), list(graph.outputs)
 
