@@ -450,14 +450,20 @@ def test_conv2d_implicit_gemm_refuses_a_geometry_that_does_not_fit():
 
     c, x, y, r, attrs, _ = _igemm_case(False)
     run = cpu_conv._conv_igemm(c, x, y, r, attrs)
-    for index, value in ((5, 99), (15, 0), (16, 5000), (3, 8)):   # Ho, mc, kc, C (x_len too short)
-        geo = run.epilogue_args[1]
+    # Ho, mc, kc, C (then x_len is too short)
+    _assert_refused(run, run.epilogue_args[1], {5: 99, 15: 0, 16: 5000, 3: 8}, y, "implicit GEMM")
+
+
+def _assert_refused(run, geo: torch.Tensor, bad: dict[int, int], out: torch.Tensor, match: str) -> None:
+    """Each bad value put in the kernel's geometry array in turn: a YirageError naming the op,
+    and ``out`` (NaN-filled) left untouched; the geometry is restored after each."""
+    for index, value in bad.items():
         saved = int(geo[index])
         geo[index] = value
-        with pytest.raises(YirageError, match="implicit GEMM"):
+        with pytest.raises(YirageError, match=match):
             run()
         geo[index] = saved
-        assert y.isnan().all()
+        assert out.isnan().all()
 
 
 @pytest.mark.parametrize("layout,bias", [("nk", True), ("kn", False)])
@@ -517,14 +523,7 @@ def test_sdpa_kernel_refuses_a_geometry_that_does_not_fit():
     q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     mask, out = torch.zeros(1, 4, 5, 6), torch.full((1, 4, 5, 16), float("nan"))
     run = cpu_library._sdpa_yirage(q, k, v, mask, out, False, None)
-    geo = run.keep[0]
-    for index, value in ((2, 3), (8, 999), (3, 0)):   # Hkv, the mask's head stride, Tq
-        saved = int(geo[index])
-        geo[index] = value
-        with pytest.raises(YirageError, match="sdpa"):
-            run()
-        geo[index] = saved
-        assert out.isnan().all()
+    _assert_refused(run, run.keep[0], {2: 3, 8: 999, 3: 0}, out, "sdpa")   # Hkv, the mask's head stride, Tq
     run()
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                                      enable_gqa=True),

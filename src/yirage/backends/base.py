@@ -104,6 +104,21 @@ def unavailable_error(requested: str, why: str) -> BackendUnavailableError:
     )
 
 
+def bind_linear_stack_parts(node, graph, args, out, status, bind_linear: Callable) -> Thunk:
+    """A ``linear_stack`` as the ``linear`` ops it stands for, each bound by the backend's
+    ``bind_linear(node, graph, args, out, status)`` into its output plane ``out[i]``; one
+    thunk running them in order."""
+    from yirage.transforms.parallel import linear_stack_parts
+
+    parts = [bind_linear(part, graph, [args[p] for p in pos], out[i], status)
+             for i, (part, pos) in enumerate(linear_stack_parts(node))]
+
+    def run():
+        for p in parts:
+            p()
+    return run
+
+
 def base_versions() -> dict[str, str]:
     """Versions every backend reports: torch and python."""
     return {"torch": torch.__version__, "python": platform.python_version()}

@@ -26,9 +26,9 @@ from ..dtypes import DType
 from ..ir.ops import linear_nk
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
-from ..transforms.parallel import linear_stack_parts
 from ..tuning import profile as tuning
 from . import cpu_conv, cpu_embed, cpu_indexing, cpu_providers, cpu_strided
+from .base import bind_linear_stack_parts
 from .cpu_threadblock import bind_customized, customized_ok
 
 _P = ctypes.c_void_p
@@ -171,13 +171,7 @@ def _linear_stack(node, graph, args, out, status):
     if (x.dtype == torch.float32 and N % cpu_embed._PANEL == 0
             and all(cpu_embed.is_constant(t) for t in weights + (biases or []))):
         return cpu_embed.bind_linear_stack_f32(x.view(-1, K), weights, biases, out, layout)
-    parts = [_linear(part, graph, [args[p] for p in pos], out[i], status)
-             for i, (part, pos) in enumerate(linear_stack_parts(node))]
-
-    def run():
-        for p in parts:
-            p()
-    return run
+    return bind_linear_stack_parts(node, graph, args, out, status, _linear)
 
 
 def merge_linears(case) -> bool:

@@ -27,7 +27,7 @@ from typing import Callable
 from ..dtypes import DType
 from ..transforms.parallel import linear_stack_parts
 from .strided_views import contiguous_strides, copies, mid_view, reduced_dims
-from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
+from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk, bind_linear_stack_parts
 from .triton_threadblock import bind_customized, customized_ok
 
 
@@ -96,13 +96,7 @@ def _linear_stack_ok(node, graph) -> bool:
 
 def _linear_stack(node, graph, args, out, status):
     """``linear_stack``: each part as the ``linear`` it stands for, into its output plane."""
-    parts = [_linear(part, graph, [args[p] for p in pos], out[i], status)
-             for i, (part, pos) in enumerate(linear_stack_parts(node))]
-
-    def run():
-        for p in parts:
-            p()
-    return run
+    return bind_linear_stack_parts(node, graph, args, out, status, _linear)
 
 
 def _matmul(node, graph, args, out, status):
