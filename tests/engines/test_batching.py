@@ -213,3 +213,38 @@ def test_engine_rejects_bad_requests(smollm):
     s = eng.add([1, 2], make_sampling(0.0))
     eng.cancel(s)
     assert [(e.token, e.finish) for e in eng.step()] == [(None, "cancelled")] and not eng.has_work()
+
+
+@pytest.mark.slow
+def test_prefix_reuse_skips_the_shared_prefill_and_changes_no_token(smollm, alone):
+    """On one slot, one after another: a prompt; the same conversation one turn further (its
+    prompt starts with the first prompt, so only the rest is prefilled); an unrelated prompt
+    (only the chat template's system prefix is shared); the first prompt again (all but its
+    last token found). Every answer equals the prompt run alone."""
+    eng = BatchEngine(smollm, max_slots=1, max_batch_tokens=16)
+
+    def run(ids, n):
+        seq = eng.add(ids, max_new_tokens=n)
+        while eng.has_work():
+            eng.step()
+        return seq
+
+    first_ids = smollm.prompt_ids(PROMPTS[0])
+    first = run(first_ids, MAX_NEW[0])
+    assert first.cached_tokens == 0 and first.token_ids == alone[(PROMPTS[0], MAX_NEW[0], None)].token_ids
+    turn = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": first.text},
+            {"role": "user", "content": PROMPTS[3]}]
+    turn_ids = smollm.prompt_ids(turn)
+    # what the slot holds: every generated token was fed but the last one of a 'length' finish
+    held = (first_ids + first.token_ids)[:len(first_ids) + len(first.token_ids) - (first.finish_reason == "length")]
+    shared = next((i for i, (a, b) in enumerate(zip(held, turn_ids)) if a != b), min(len(held), len(turn_ids)))
+    assert shared > len(first_ids) // 2
+    second = run(turn_ids, 8)
+    assert second.cached_tokens == min(shared, len(turn_ids) - 1)
+    assert second.token_ids == smollm.generate(turn, max_new_tokens=8).token_ids
+    other = run(smollm.prompt_ids(PROMPTS[2]), MAX_NEW[2])
+    assert 0 < other.cached_tokens < len(first_ids) // 2 + 8
+    assert other.token_ids == alone[(PROMPTS[2], MAX_NEW[2], None)].token_ids
+    again = run(smollm.prompt_ids(PROMPTS[2]), MAX_NEW[2])
+    assert again.cached_tokens == len(again.prompt_ids) - 1 and again.result().cached_tokens == again.cached_tokens
+    assert again.token_ids == other.token_ids

@@ -308,3 +308,22 @@ def test_serve_cli_errors(yirage_cli):
     assert code == 1 and "nothing to serve" in err
     code, out, err = yirage_cli("serve", "--api-key", "a", "--api-key-file", "b")
     assert code == 1 and "not both" in err
+
+
+@pytest.mark.slow
+def test_a_repeated_prompt_reuses_its_cached_prefix(client, url):
+    """With continuous batching, a request whose prompt a slot already holds prefills only its
+    last token: ``usage.prompt_tokens_details.cached_tokens`` says so, the answer is the same,
+    and /metrics counts the tokens. One sequence at a time (the persistent kernel) reuses none."""
+    first, second = (client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=6, temperature=0)
+                     for _ in range(2))
+    assert second.choices[0].message.content == first.choices[0].message.content
+    batching = APPS[url].state.yirage.options.parallel > 1
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    text = httpx.get(f"{url}/metrics").text
+    counted = next(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("yirage_prompt_tokens_cached_total"))
+    if batching:
+        assert cached == second.usage.prompt_tokens - 1 and counted >= cached
+    else:
+        assert cached == 0 and counted == 0

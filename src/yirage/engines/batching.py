@@ -12,6 +12,12 @@ llama.cpp's server slots and vLLM's scheduler do):
   slot, attention runs per sequence, and logits are computed only for the rows that sample
   (decode rows, and the last row of a prompt's final chunk).
 
+Prefix reuse (llama-server's prompt cache, per slot): each slot remembers the tokens whose K/V
+it holds from the sequence that used it last. A new request takes the free slot whose tokens
+share the longest prefix with its prompt and prefills only the rest (at least its last prompt
+token, whose logits it samples from). Attention at position p reads keys 0..p only, so the
+stale rows past the shared prefix are overwritten before they are read.
+
 Requests join between steps when a slot is free; a sequence leaves on EOS (unless
 ``ignore_eos``), a stop string, its token limit, the end of the KV cache or cancellation, and
 frees its slot. Row counts are padded up to buckets (powers of two) so a few compiled plans
@@ -63,6 +69,8 @@ class Sequence:
         error: the message of an 'error' finish, else None.
         slot: its KV-cache slot while it runs, else None.
         computed: how many of its tokens the KV cache holds (prompt + fed generated tokens).
+        cached_tokens: how many prompt tokens it found in its slot's KV cache (prefix reuse)
+            and did not prefill.
     """
 
     _ids = itertools.count()
@@ -77,6 +85,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.slot: int | None = None
         self.computed = 0
+        self.cached_tokens = 0
+        self._written = 0   # tokens of it whose K/V a finished forward step wrote (<= computed)
         self.cancelled = False
         self.error: str | None = None
         self._emitted = 0
@@ -114,7 +124,7 @@ class Sequence:
         decode_s = self._t_end - first
         tps = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
         return GenerationResult(self.text, list(self.token_ids), self.finish_reason, first - self._t_add, tps,
-                                len(self.prompt_ids))
+                                len(self.prompt_ids), self.cached_tokens)
 
     def __repr__(self) -> str:
         state = self.finish_reason or ("waiting" if self.slot is None else
@@ -159,6 +169,7 @@ class BatchEngine:
         self.cache = self.model.new_batch_cache(max_slots)   # this engine's own KV cache
         self.scratch_slot = max_slots
         self._free = list(range(max_slots - 1, -1, -1))   # pop() hands out slot 0 first
+        self._slot_tokens: dict[int, list[int]] = {}     # slot -> the tokens its K/V rows hold
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []                # in admission order
         self._lock = threading.Lock()                     # guards _waiting (add from other threads)
@@ -234,6 +245,8 @@ class BatchEngine:
         if not rows:
             return events
         logits, argmax = self._forward(rows, len(samplers))
+        for seq in self._running:   # the step's K/V rows are in the cache now
+            seq._written = seq.computed
         for i, seq in enumerate(samplers):
             try:
                 tok = seq.sampling.pick(logits[i:i + 1], argmax[i:i + 1])
@@ -259,8 +272,28 @@ class BatchEngine:
         with self._lock:
             while self._free and self._waiting:
                 seq = self._waiting.popleft()
-                seq.slot = self._free.pop()
+                slot, shared = self._best_slot(seq.prompt_ids)
+                self._free.remove(slot)
+                seq.slot = slot
+                # the shared prefix is in the cache; the last prompt token is always fed (its
+                # logits give the first sampled token)
+                seq.computed = seq._written = seq.cached_tokens = min(shared, len(seq.prompt_ids) - 1)
                 self._running.append(seq)
+
+    def _best_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """The free slot whose cached tokens share the longest prefix with ``prompt`` (the most
+        recently freed one among equals, as before prefix reuse) and that prefix's length."""
+        best, best_len = self._free[-1], -1
+        for slot in reversed(self._free):
+            held = self._slot_tokens.get(slot, ())
+            n = 0
+            for a, b in zip(held, prompt):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = slot, n
+        return best, max(best_len, 0)
 
     def _schedule(self) -> tuple[list[tuple[int, int, int]], list[Sequence]]:
         """The rows (token id, position, slot) of this step and the sequences that sample, in
@@ -346,10 +379,12 @@ class BatchEngine:
         return StepEvent(seq, tok, finish)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        """``seq`` leaves: finish reason set, its slot freed."""
+        """``seq`` leaves: finish reason set, its slot freed, remembering the tokens whose K/V
+        rows it wrote there (for the next request's prefix reuse)."""
         seq.finish_reason = reason
         seq._t_end = time.perf_counter()
         if seq.slot is not None:
             self._running.remove(seq)
+            self._slot_tokens[seq.slot] = (seq.prompt_ids + seq.token_ids)[:seq._written]
             self._free.append(seq.slot)
             seq.slot = None

@@ -43,6 +43,8 @@ class GenerationResult:
         decode_tokens_per_s: tokens/s over the decode steps after the first token
             (0.0 when fewer than two tokens were generated).
         prompt_tokens: number of prompt tokens.
+        cached_tokens: how many of them were found in the KV cache and not prefilled (the
+            batch engine's prefix reuse; 0 elsewhere).
     """
 
     text: str
@@ -51,11 +53,12 @@ class GenerationResult:
     prefill_s: float
     decode_tokens_per_s: float
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "prefill_s": self.prefill_s, "decode_tokens_per_s": self.decode_tokens_per_s,
-                "prompt_tokens": self.prompt_tokens}
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
 
 
 #: Greedy decode steps per call of the persistent decode loop (then streamed one by one).

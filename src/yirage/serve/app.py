@@ -335,9 +335,10 @@ async def _respond(s: _State, request: Request, req, ids: list[int], limit: int 
         choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
                    for i, r in enumerate(results)]
         obj = "text_completion"
+    cached = results[0].cached_tokens if results else 0   # the prefix its (first) slot already held
     return {**meta, "object": obj, "choices": choices,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                      "total_tokens": len(ids) + completion}}
+                      "total_tokens": len(ids) + completion, "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
 class _JobStream(StreamingResponse):

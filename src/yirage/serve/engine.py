@@ -272,6 +272,7 @@ class BatchingEngine:
             self._owner.pop(s.id, None)
             self._last.pop(s.id, None)
             self.metrics.prompt_tokens.inc(r.prompt_tokens)
+            self.metrics.cached_prompt_tokens.inc(r.cached_tokens)
             self.metrics.generation_tokens.inc(len(r.token_ids))
             self.metrics.finished.labels(finish_reason=r.finish_reason).inc()
             self.metrics.request_seconds.observe(time.perf_counter() - job.submitted)

@@ -24,6 +24,9 @@ class Metrics:
         self.running = Gauge("yirage_requests_running", "Generation requests on the engine now.", registry=r)
         self.waiting = Gauge("yirage_requests_waiting", "Generation requests waiting for the engine.", registry=r)
         self.prompt_tokens = Counter("yirage_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.cached_prompt_tokens = Counter("yirage_prompt_tokens_cached",
+                                            "Prompt tokens found in a slot's KV cache (prefix reuse), not prefilled.",
+                                            registry=r)
         self.generation_tokens = Counter("yirage_generation_tokens", "Tokens generated.", registry=r)
         self.embedding_inputs = Counter("yirage_embedding_inputs", "Texts or token lists embedded.", registry=r)
         self.ttft = Histogram("yirage_time_to_first_token_seconds",
