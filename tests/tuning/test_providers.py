@@ -513,6 +513,7 @@ def test_parallel_linears_merge_by_measurement(monkeypatch, tmp_path):
     assert set(entry["median_s"]) == {"separate", "stacked"} and merged == (entry["choice"] == "stacked")
     assert not cpu_library.merge_linears(LinearGroup(16, 40, 64, 3, "float32", "nk", True))   # planes split panels
     assert not cpu_library.merge_linears(LinearGroup(16, 64, 64, 3, "bfloat16", "nk", True))
+    assert not cpu_library.merge_linears(LinearGroup(16, 4096, 4096, 3, "float32", "nk", True))   # 192 MiB
 
 
 def test_sdpa_kernel_refuses_a_geometry_that_does_not_fit():

@@ -174,13 +174,21 @@ def _linear_stack(node, graph, args, out, status):
     return bind_linear_stack_parts(node, graph, args, out, status, _linear)
 
 
+#: the largest stacked weight (bytes) merge_linears measures: the measurement allocates sample
+#: weights of the case's shapes (and packs them twice), and GEMMs this large are compute-bound,
+#: where one wider GEMM gained nothing here (q/k/v at M = 1024: within 4%)
+MERGE_MAX_WEIGHT_BYTES = 64 << 20
+
+
 def merge_linears(case) -> bool:
     """Should the parallel linear layers ``case`` (transforms.parallel.LinearGroup) run as one
     ``linear_stack``? Chosen by measurement per shape class (``tuning.choose``, cached in the
     profile): the k linears, each on the provider chosen for it, against the stacked packed
     GEMM, on random constant weights of the case's shapes. Only float32 cases whose out
-    features are a multiple of 32 are measured (the stacked kernel's planes); others: False."""
-    if case.dtype != "float32" or case.N % cpu_embed._PANEL or case.M == 0:
+    features are a multiple of 32 (the stacked kernel's planes) and whose weights take at most
+    ``MERGE_MAX_WEIGHT_BYTES`` are measured; others: False."""
+    if (case.dtype != "float32" or case.N % cpu_embed._PANEL or case.M == 0
+            or case.parts * case.N * case.K * 4 > MERGE_MAX_WEIGHT_BYTES):
         return False
     kn = case.layout == "kn"
     what = f"float32/{case.layout}/x{case.parts}" + ("/bias" if case.bias else "")
