@@ -103,12 +103,12 @@ def test_attention_rows_checks_slots_and_positions(run, bad, fragment):
     assert torch.equal(kc, before)   # nothing written
 
 
-@pytest.mark.parametrize("run", ["cpu", "reference"])
+@pytest.mark.parametrize("run", ["cpu", "triton-interpret", "reference"])
 def test_rope_rows_checks_positions(run):
     g = _rope_graph(2, "rope_rows")
     inputs = [torch.randn(2, 3, Dh), torch.randn(S, Dh // 2), torch.randn(S, Dh // 2), torch.tensor([3, S])]
     with pytest.raises(yr.IndexOutOfRangeError, match=f"rope_rows: position {S} is out of range"):
-        _compiled(g, inputs) if run == "cpu" else g.interpret(inputs)
+        g.interpret(inputs) if run == "reference" else g.compile(run).plan(inputs).run()
 
 
 # ---- the engine on the default model ----------------------------------------------------------

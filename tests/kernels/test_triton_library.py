@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from yirage.ir.ops import attention_reference, rope_reference
+from yirage.ir.ops import attention_reference, rope_reference, rope_rows_reference
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -259,6 +259,45 @@ def test_rope(K, device, dtype, start):
     assert status.tolist() == [0, 0, 0, 0]
     K.rope(xd, cd, sd, pos, xd)                        # out aliasing x
     assert torch.equal(xd, out)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rope_rows(K, device, dtype):
+    """A position per row (rows of several sequences, repeats, the table's last row), against
+    ``rope_rows_reference``; in place too."""
+    g = gen(7)
+    T, H, Dh, S = 6, 3, 24, 20
+    ang = torch.rand(S, Dh // 2, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    x = torch.randn(T, H, Dh, generator=g).to(dtype)
+    pos = torch.tensor([3, 0, 19, 3, 7, 8])
+    ref = rope_rows_reference(x.float(), cos, sin, pos)
+    xd, cd, sd, pd = x.to(device), cos.to(device), sin.to(device), pos.to(device)
+    out, status = torch.empty_like(xd), new_status(device)
+    K.rope_rows(xd, cd, sd, pd, out, status=status)
+    close(out, ref, dtype)
+    assert status.tolist() == [0, 0, 0, 0]
+    K.rope_rows(xd, cd, sd, pd, xd)
+    assert torch.equal(xd, out)
+
+
+def test_rope_rows_out_of_range(K, device):
+    """A row whose position is outside [0, S): that row neither read nor written, the others
+    rotated, the status [1, position, 0, S]."""
+    g = gen(8)
+    T, H, Dh, S = 4, 2, 8, 10
+    ang = torch.rand(S, Dh // 2, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    x = torch.randn(T, H, Dh, generator=g)
+    for bad in (S, -1):
+        pos = torch.tensor([1, bad, 9, 0])
+        out, status = torch.full((T, H, Dh), 7.0, device=device), new_status(device)
+        K.rope_rows(x.to(device), cos.to(device), sin.to(device), pos.to(device), out, status=status)
+        assert status.tolist() == [1, bad, 0, S]
+        assert torch.equal(out[1].cpu(), torch.full((H, Dh), 7.0))
+        good = [0, 2, 3]
+        ref = rope_rows_reference(x[good], cos, sin, pos[good])
+        torch.testing.assert_close(out.cpu()[good], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_rope_out_of_range(K, device):

@@ -119,6 +119,12 @@ def _rope(node, graph, args, out, status):
     return lambda: fn(x, cos, sin, pos, out, status=status)
 
 
+def _rope_rows(node, graph, args, out, status):
+    x, cos, sin, pos = args
+    fn = _lib().rope_rows
+    return lambda: fn(x, cos, sin, pos, out, status=status)
+
+
 def _attention(node, graph, args, out, status):
     q, k, v, kc, vc, pos = args
     lib = _lib()
@@ -268,6 +274,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "matmul": (_float_first, _matmul),
     "embedding": (_embedding_ok, _embedding),
     "rope": (_float_first, _rope),
+    "rope_rows": (_float_first, _rope_rows),
     "attention": (_float_first, _attention),
     "attention_varlen": (_float_first, _attention_varlen),  # kernels/triton/attention_varlen.py
     "argmax": (_float_first, _argmax),

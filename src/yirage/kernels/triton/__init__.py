@@ -10,7 +10,8 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
   (llama.cpp ggml-common.h layouts); a GEMV for M <= 8 rows, a ``tl.dot`` GEMM above.
 - :func:`matmul` (matmul.py): ``torch.matmul`` with broadcast batch dims.
 - :func:`embedding` (embedding.py): row gather from a float or q8_0/q4_1 table.
-- :func:`rope` (rope.py): rotate-half RoPE at positions ``start_pos[0] + t``.
+- :func:`rope` (rope.py): rotate-half RoPE at positions ``start_pos[0] + t``; :func:`rope_rows`
+  at a position per row (continuous batching).
 - :func:`attention`, :func:`attention_workspace` (attention.py): causal GQA over a KV cache,
   full or in a sliding window (``window``); flash-decoding for T == 1, FlashAttention for T > 1.
 - :func:`argmax` (argmax.py): first index of the row maximum, NaN wins.
@@ -50,11 +51,11 @@ from .indexing import index_copy, index_copy_meta
 from .int8 import W8A8Workspace, linear_w8a8, linear_w8a8_workspace
 from .linear import linear
 from .matmul import matmul
-from .rope import rope
+from .rope import rope, rope_rows
 from .sdpa import sdpa
 from .strided import cumsum_mid, reduce_mid, softmax_mid, strided_copy, strided_copy_meta
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
            "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "cumsum_mid", "strided_copy",
            "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
-           "conv2d", "pool2d", "sdpa"]
+           "conv2d", "pool2d", "sdpa", "rope_rows"]

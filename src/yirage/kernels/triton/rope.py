@@ -2,7 +2,8 @@
 
 Su et al. 2021 (RoFormer), in the rotate-half layout of transformers' Llama: for each head the
 first and second halves of the head dim form the (x, y) pairs. Positions come from a device
-tensor, so a decode step can be captured in a CUDA graph.
+tensor, so a decode step can be captured in a CUDA graph. ``rope_rows`` gives every row its own
+position (the continuous-batching step).
 """
 from __future__ import annotations
 
@@ -17,22 +18,25 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, status_ptr, H, HALF, LAST,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_STATUS: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_STATUS: tl.constexpr,
+                 ROWS: tl.constexpr):
     """Grid (T, cdiv(H, BLOCK_H)): heads h0..h0+BLOCK_H of token t; both halves in registers.
 
-    ``LAST`` = S - T is the largest valid start position. Outside ``[0, LAST]`` (compared in
-    int64) no program reads or writes anything (out is left as it was); program (0, 0) reports
-    it when ``HAS_STATUS``.
+    Without ``ROWS`` token t sits at ``pos[0] + t`` and ``LAST`` = S - T is the largest valid
+    start position: outside ``[0, LAST]`` (compared in int64) no program reads or writes
+    anything (out is left as it was); program (0, 0) reports it when ``HAS_STATUS``. With
+    ``ROWS`` token t sits at its own ``pos[t]`` and ``LAST`` = S - 1: a row out of range is not
+    read or written, and its programs over head block 0 report it.
     """
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_HALF)
-    p0 = tl.load(pos_ptr).to(tl.int64)
+    p0 = tl.load(pos_ptr + t).to(tl.int64) if ROWS else tl.load(pos_ptr).to(tl.int64)
     ok = (p0 >= 0) & (p0 <= LAST)
     if HAS_STATUS:
-        if ((p0 < 0) | (p0 > LAST)) & (t == 0) & (tl.program_id(1) == 0):
+        if ((p0 < 0) | (p0 > LAST)) & ((t == 0) | ROWS) & (tl.program_id(1) == 0):
             report_violation(status_ptr, p0, 0, LAST + 1)
-    pos_i = tl.full([BLOCK_HALF], 0, tl.int64) + tl.where(ok, p0, 0) + t
+    pos_i = tl.full([BLOCK_HALF], 0, tl.int64) + tl.where(ok, p0, 0) + (0 if ROWS else t)
     i_mask = offs_i < tl.where(ok, HALF, 0)           # all False when out of range
     c = tl.load(cos_ptr + pos_i * HALF + offs_i, mask=i_mask, other=1.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos_i * HALF + offs_i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
@@ -93,4 +97,46 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch
     BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_HALF))
     _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, start_pos, out, status_ptr, H, half, cos.shape[0] - T,
                                                BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_STATUS=has_status,
-                                               num_warps=4)
+                                               ROWS=False, num_warps=4)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+              status: torch.Tensor | None = None) -> None:
+    """Rotate-half RoPE with a position per row (continuous batching: rows of many sequences),
+    as ``yirage.ir.ops.rope_rows_reference``: row t is rotated by ``cos/sin[positions[t]]``.
+
+    Args:
+        x: ``[T, H, Dh]`` float32/float16/bfloat16, contiguous, Dh even. Computed in float32.
+        cos, sin: ``[S, Dh//2]`` float32 tables.
+        positions: int64 ``(T,)`` on x's device, read inside the kernel; each must be in
+            ``[0, S)``. A row out of range is neither read nor written (its out rows are left
+            as they were) and, with ``status``, reported there as ``[1, position, 0, S]``.
+        out: like x; may be x itself.
+        status: None, or an int64 ``(4,)`` tensor on x's device, zero on entry (one writer).
+
+    Raises:
+        ValueError: wrong ranks/dtypes, odd Dh, shapes that don't agree, or a bad ``status``.
+    """
+    check_tensors("rope_rows", x=x, cos=cos, sin=sin, positions=positions, out=out)
+    status_ptr, has_status = status_arg("rope_rows", status, positions)
+    if x.dim() != 3 or x.dtype not in _FLOATS or x.shape[2] % 2:
+        raise ValueError(f"rope_rows: x must be [T, H, Dh] float32/float16/bfloat16 with Dh even, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    T, H, Dh = x.shape
+    half = Dh // 2
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != half or cos.dtype != torch.float32 or (
+            sin.dtype != torch.float32):
+        raise ValueError(f"rope_rows: cos and sin must be float32 [max_seq, {half}], got {tuple(cos.shape)} "
+                         f"{cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+    if positions.shape != (T,) or positions.dtype != torch.int64:
+        raise ValueError(f"rope_rows: positions must be int64 of shape ({T},), got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"rope_rows: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if x.numel() == 0:
+        return
+    BLOCK_HALF = triton.next_power_of_2(half)
+    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_HALF))
+    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, positions, out, status_ptr, H, half, cos.shape[0] - 1,
+                                               BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_STATUS=has_status,
+                                               ROWS=True, num_warps=4)
