@@ -64,7 +64,7 @@ def _single_graph(T, window):
 
 
 @pytest.mark.parametrize("window", [0, 4])
-@pytest.mark.parametrize("run", ["cpu", "reference"])
+@pytest.mark.parametrize("run", ["cpu", "triton-interpret", "reference"])
 def test_attention_rows_equals_attention_per_sequence(window, run):
     """A decode row (slot 0 at 9), a prefill chunk (slot 2 at 3..7), a decode row near the end
     (slot 1 at 23) and a padding row (slot 3 at 0), against ``attention`` per sequence."""
@@ -76,7 +76,7 @@ def test_attention_rows_equals_attention_per_sequence(window, run):
     slots, pos = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
     g = _rows_graph(T, window)
     inputs = [q, k, v, kc, vc, slots, pos]
-    got = _compiled(g, inputs)[0] if run == "cpu" else g.interpret(inputs)[0]
+    got = g.interpret(inputs)[0] if run == "reference" else g.compile(run).plan(inputs).run()[0]
     for slot in range(4):
         idx = [t for t, r in enumerate(rows) if r[0] == slot]
         sc, sv = k0[slot].clone(), v0[slot].clone()
@@ -87,7 +87,7 @@ def test_attention_rows_equals_attention_per_sequence(window, run):
         torch.testing.assert_close(vc[slot], sv, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("run", ["cpu", "reference"])
+@pytest.mark.parametrize("run", ["cpu", "triton-interpret", "reference"])
 @pytest.mark.parametrize("bad,fragment", [((4, 0), "slot or position 4 is out of range \\[0, 4\\)"),
                                           ((1, S), f"slot or position {S} is out of range \\[0, {S}\\)"),
                                           ((-1, 0), "slot or position -1")])
@@ -99,7 +99,7 @@ def test_attention_rows_checks_slots_and_positions(run, bad, fragment):
     inputs = [torch.randn(2, Hq, Dh), torch.randn(2, Hkv, Dh), torch.randn(2, Hkv, Dh), kc, kc.clone(),
               torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])]
     with pytest.raises(yr.IndexOutOfRangeError, match=fragment):
-        _compiled(g, inputs) if run == "cpu" else g.interpret(inputs)
+        g.interpret(inputs) if run == "reference" else g.compile(run).plan(inputs).run()
     assert torch.equal(kc, before)   # nothing written
 
 

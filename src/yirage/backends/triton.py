@@ -119,6 +119,13 @@ def _rope(node, graph, args, out, status):
     return lambda: fn(x, cos, sin, pos, out, status=status)
 
 
+def _attention_rows(node, graph, args, out, status):
+    """attention_rows: each row over its own KV-cache slot (kernels/triton/attention_rows.py)."""
+    q, k, v, kc, vc, slots, pos = args
+    fn, scale, window = _lib().attention_rows, node.attrs["scale"], node.attrs.get("window", 0)
+    return lambda: fn(q, k, v, kc, vc, slots, pos, out, scale, window, status=status)
+
+
 def _rope_rows(node, graph, args, out, status):
     x, cos, sin, pos = args
     fn = _lib().rope_rows
@@ -275,6 +282,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "embedding": (_embedding_ok, _embedding),
     "rope": (_float_first, _rope),
     "rope_rows": (_float_first, _rope_rows),
+    "attention_rows": (_float_first, _attention_rows),
     "attention": (_float_first, _attention),
     "attention_varlen": (_float_first, _attention_varlen),  # kernels/triton/attention_varlen.py
     "argmax": (_float_first, _argmax),

@@ -23,6 +23,9 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
   exception to the rules above: by default it validates its offsets on the host (a
   device-to-host copy) and raises yirage's errors (``GraphError``, ``IndexOutOfRangeError``);
   ``check_offsets=False`` checks them on the device instead, with no sync.
+- :func:`attention_rows` (attention_rows.py): the continuous-batching step's attention, each
+  row over its own slot of the KV cache (after writing its k, v there), slots and positions
+  checked on the device;
 - :func:`sdpa` (sdpa.py): scaled dot-product attention over [B, H, S, D] (additive mask with
   broadcast strides, causal, GQA, scale), FlashAttention's forward pass;
 - :func:`cumsum_mid` (strided.py): running sums along any dim;
@@ -45,6 +48,7 @@ from ._common import interpreting
 from .argmax import argmax
 from .conv import conv2d, pool2d
 from .attention import AttentionWorkspace, attention, attention_workspace
+from .attention_rows import attention_rows
 from .attention_varlen import attention_varlen
 from .embedding import embedding
 from .indexing import index_copy, index_copy_meta
@@ -58,4 +62,4 @@ from .strided import cumsum_mid, reduce_mid, softmax_mid, strided_copy, strided_
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
            "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "cumsum_mid", "strided_copy",
            "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
-           "conv2d", "pool2d", "sdpa", "rope_rows"]
+           "conv2d", "pool2d", "sdpa", "rope_rows", "attention_rows"]
