@@ -91,13 +91,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: torch
                          f"{tuple(start_pos.shape)}")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"rope: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    _launch(x, cos, sin, start_pos, out, status_ptr, has_status, cos.shape[0] - T, rows=False)
+
+
+def _launch(x, cos, sin, pos, out, status_ptr, has_status: bool, last: int, rows: bool) -> None:
+    """One launch of ``_rope_kernel`` over x [T, H, Dh] (checked by the caller)."""
     if x.numel() == 0:
         return
+    T, H, Dh = x.shape
+    half = Dh // 2
     BLOCK_HALF = triton.next_power_of_2(half)
     BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_HALF))
-    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, start_pos, out, status_ptr, H, half, cos.shape[0] - T,
-                                               BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_STATUS=has_status,
-                                               ROWS=False, num_warps=4)
+    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, pos, out, status_ptr, H, half, last, BLOCK_H=BLOCK_H,
+                                               BLOCK_HALF=BLOCK_HALF, HAS_STATUS=has_status, ROWS=rows, num_warps=4)
 
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
@@ -133,10 +139,4 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
                          f"{tuple(positions.shape)}")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"rope_rows: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-    if x.numel() == 0:
-        return
-    BLOCK_HALF = triton.next_power_of_2(half)
-    BLOCK_H = min(triton.next_power_of_2(H), max(1, 4096 // BLOCK_HALF))
-    _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](x, cos, sin, positions, out, status_ptr, H, half, cos.shape[0] - 1,
-                                               BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_STATUS=has_status,
-                                               ROWS=True, num_warps=4)
+    _launch(x, cos, sin, positions, out, status_ptr, has_status, cos.shape[0] - 1, rows=True)
