@@ -137,6 +137,35 @@ def _prune_decode(configs, args):
 
 # The first config of each list is the one the interpreter runs; all compile for sm_90 (Dh 64
 # and 128) without spills for the dtypes the prune functions let through.
+@triton.jit
+def attend_key_range(q, kc_base, vc_base, row, lo, hi, qk_scale, offs_d, d_mask, UPCAST: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The query heads ``q`` [BLOCK_G, BLOCK_D] of one KV head over its keys ``lo .. hi - 1``
+    (key j's row at ``kc_base + j * row``, its value's at ``vc_base + j * row``), in tiles of
+    BLOCK_S keys with the online softmax (FlashAttention's recurrence) in base 2 (``qk_scale``
+    includes log2(e)). Returns float32 (row max, denominator, unnormalized output
+    [BLOCK_G, BLOCK_D]); a head with no key keeps max -inf, denominator 0 and output 0."""
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(lo, hi, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < hi
+        k = tl.load(kc_base + offs_s[None, :] * row + offs_d[:, None], mask=d_mask[:, None] & s_mask[None, :],
+                    other=0.0)                                                     # [BLOCK_D, BLOCK_S]
+        qk = mma(q, k, tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32), UPCAST) * qk_scale
+        qk = tl.where(s_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_base + offs_s[:, None] * row + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0)                                                     # [BLOCK_S, BLOCK_D]
+        acc = mma(cast_rtne(p, vc_base.dtype.element_ty), v, acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 _DECODE_CONFIGS = [
     triton.Config({"BLOCK_S": 32}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_S": 16}, num_warps=4, num_stages=2),
@@ -170,27 +199,8 @@ def _decode_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr
     d_mask = offs_d < Dh
     h = kvh * G + offs_g                             # query heads of this group
     q = tl.load(q_ptr + h[:, None] * Dh + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    row = Hkv * Dh
-    kc_base = kc_ptr + kvh * Dh
-    vc_base = vc_ptr + kvh * Dh
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for s0 in range(lo, hi, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = offs_s < hi
-        k = tl.load(kc_base + offs_s[None, :] * row + offs_d[:, None], mask=d_mask[:, None] & s_mask[None, :],
-                    other=0.0)                                                     # [BLOCK_D, BLOCK_S]
-        qk = mma(q, k, tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32), UPCAST) * qk_scale
-        qk = tl.where(s_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_base + offs_s[:, None] * row + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                    other=0.0)                                                     # [BLOCK_S, BLOCK_D]
-        acc = mma(cast_rtne(p, vc_ptr.dtype.element_ty), v, acc * alpha[:, None], UPCAST)
-        m_i = m_new
+    m_i, l_i, acc = attend_key_range(q, kc_ptr + kvh * Dh, vc_ptr + kvh * Dh, Hkv * Dh, lo, hi, qk_scale, offs_d,
+                                     d_mask, UPCAST, BLOCK_G, BLOCK_D, BLOCK_S)
     ws = h.to(tl.int64) * NCH + c
     live = g_mask & (tl.full([BLOCK_G], 0, tl.int64) + lo < hi)
     tl.store(m_ptr + ws, m_i, mask=live)

@@ -10,19 +10,22 @@ row sees the keys the step's other rows write:
 2. one program per KV head writes each row's k, v into ``cache[slot, position]``, rows in order
    (a later row naming the same place wins, as in the reference), unless a violation was found;
 3. program ``(t, kv head)`` attends row t's query heads of that KV head (GQA) over the keys
-   ``j <= position`` of its slot (``j > position - window`` with a window), online softmax in
-   float32 (FlashAttention's recurrence), unless a violation was found (out untouched).
+   ``j <= position`` of its slot (``j > position - window`` with a window), with the decode
+   kernel's key loop (attention.py ``attend_key_range``: ``tl.dot`` tiles of the query heads
+   padded to 16, online softmax in float32), unless a violation was found (out untouched).
 
-Scores are elementwise products summed in registers, not ``tl.dot``: a step's rows rarely give
-a 16-row tile per head. Not yet run on a GPU (tested under ``TRITON_INTERPRET=1``).
+Not yet run on a GPU (tested under ``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensors, report_violation, status_arg, to_out
+from ._common import check_tensors, dot_upcast, report_violation, status_arg, to_out
+from .attention import attend_key_range
 
 
 @triton.jit
@@ -56,9 +59,9 @@ def _write_rows_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, status_
 
 
 @triton.jit
-def _attend_rows_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, status_ptr, scale, HQ, HKV, G, D,
-                        NUM_SLOTS, MAX_SEQ, WINDOW, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+def _attend_rows_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, status_ptr, qk_scale, HQ, HKV, G, D,
+                        NUM_SLOTS, MAX_SEQ, WINDOW, UPCAST: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     s = tl.load(slots_ptr + t).to(tl.int64)
@@ -69,27 +72,12 @@ def _attend_rows_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, stat
     g_mask, d_mask = offs_g < G, offs_d < D
     heads = kvh * G + offs_g
     q_off = (t * HQ + heads)[:, None] * D + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     lo = tl.where(WINDOW > 0, tl.maximum(p - WINDOW + 1, 0), 0)
     hi = tl.where(ok, p + 1, 0)                         # no key (no read) for a bad row
     base = (tl.where(ok, s, 0) * MAX_SEQ * HKV + kvh) * D
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
-        offs_n = j0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        kv_off = base + offs_n[:, None] * (HKV * D) + offs_d[None, :]
-        k = tl.load(kc_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale          # [BLOCK_G, BLOCK_N]
-        sc = tl.where(n_mask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        e = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(e, axis=1)
-        v = tl.load(vc_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(e[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+    _, l_i, acc = attend_key_range(q, kc_ptr + base, vc_ptr + base, HKV * D, lo, hi, qk_scale, offs_d, d_mask,
+                                   UPCAST, BLOCK_G, BLOCK_D, BLOCK_N)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     ok_row = (offs_g * 0 + ok.to(tl.int32)) > 0
     tl.store(out_ptr + q_off, to_out(o, out_ptr), mask=(g_mask & ok_row)[:, None] & d_mask[None, :])
@@ -139,6 +127,7 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     _write_rows_kernel[(Hkv,)](k, v, k_cache, v_cache, slots, positions, status_ptr, T, Hkv, D, n_slots, max_seq,
                                BLOCK_D=block_d)
     G = Hq // Hkv
-    _attend_rows_kernel[(T, Hkv)](q, k_cache, v_cache, slots, positions, out, status_ptr, float(scale), Hq, Hkv, G, D,
-                                  n_slots, max_seq, int(window), BLOCK_G=triton.next_power_of_2(G), BLOCK_D=block_d,
-                                  BLOCK_N=32)
+    _attend_rows_kernel[(T, Hkv)](q, k_cache, v_cache, slots, positions, out, status_ptr,
+                                  float(scale) * math.log2(math.e), Hq, Hkv, G, D, n_slots, max_seq, int(window),
+                                  UPCAST=dot_upcast(q), BLOCK_G=max(16, triton.next_power_of_2(G)),   # tl.dot tiles
+                                  BLOCK_D=max(16, block_d), BLOCK_N=32)
