@@ -28,6 +28,14 @@ def test_gemm_f32_packed(lib, M, N, K, with_bias):
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-4 * K ** 0.5)
 
 
+@pytest.mark.parametrize("N,K", [(1, 1), (33, 7), (70, 4000), (96, 129)])   # (70, 4000): the parallel path
+def test_pack_f32_is_the_panel_layout(lib, N, K):
+    w = torch.randn(N, K)
+    panels = (N + 31) // 32
+    ref = torch.nn.functional.pad(w, (0, 0, 0, panels * 32 - N)).reshape(panels, 32, K).transpose(1, 2)
+    assert torch.equal(ce.pack_f32(w, lib=lib), ref)
+
+
 def _bf16_in_order(x, w, bias):
     """The bfloat16 GEMM's result computed by torch in its summation order: x rounded to bf16
     as torch rounds it, each product of two bf16 values exact in float32, summed in float32 in

@@ -61,8 +61,14 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
             signature on first use, and its C++ takes row counts and widths at run time,
             so a new sequence length normally costs no C++ build (see partition.py).
 
-    Returns the compiled module (what ``torch.compile`` returns). Inference only: a graph that
-    needs gradients runs eager with one warning (see yirage/dynamo/compiler.py).
+    Returns, for an ``nn.Module``, a ``PrecompiledModule`` (precompile.py): its first call
+    loads the model's graph precompiled by an earlier process (dynamo's bytecode and guards and
+    yirage's partitions, checked against the model's source and this call's arguments), or
+    compiles and stores it, so that a second process skips dynamo's tracing and AOTAutograd;
+    a model that cannot be precompiled (graph breaks, hooks, ...) and calls whose arguments
+    fail its guards run through plain ``torch.compile``. For a function, what
+    ``torch.compile`` returns. Inference only: a graph that needs gradients runs eager with
+    one warning (see yirage/dynamo/compiler.py).
 
     Raises:
         TorchCompileError: an unknown mode or option key (the message lists the valid ones) or
@@ -70,7 +76,11 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
     """
     import torch
     from .compiler import YirageBackend
-    return torch.compile(model, backend=YirageBackend(mode, options), **torch_compile_kwargs)
+    backend = YirageBackend(mode, options)
+    if isinstance(model, torch.nn.Module):
+        from .precompile import PrecompiledModule
+        return PrecompiledModule(model, backend, **torch_compile_kwargs)
+    return torch.compile(model, backend=backend, **torch_compile_kwargs)
 
 
 def explain(model, *inputs, mode: str | None = None, options: dict | None = None, **kwargs):

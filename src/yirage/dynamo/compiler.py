@@ -93,14 +93,18 @@ class YirageBackend:
         return gm.forward
 
     def _compile_inference(self, gm: GraphModule, example_inputs):
-        """AOTAutograd's forward compiler: partition and compile the ATen graph."""
+        """AOTAutograd's forward compiler: partition and compile the ATen graph. Under torch's
+        ``aot_compile`` (``yr.compile``'s precompiled path) it returns a serializable
+        ``precompile.YirageOutputCode`` holding the partitioned graph."""
+        from . import precompile
         reference = _copy(gm) if self.options.verify else None
         static, constant = static_inputs(self.options)
         lowered, report = lower_graph(gm, self.options, static, constant)
         self.reports.append(report)
-        if reference is None:
-            return lowered.forward
-        return _verified(lowered.forward, reference.forward)
+        run = lowered.forward if reference is None else _verified(lowered.forward, reference.forward)
+        if precompile.in_aot_compile():
+            return precompile.output_code(lowered, run, self.options)
+        return run
 
 
 def static_inputs(options: CompileOptions) -> tuple[frozenset[int], frozenset[int]]:

@@ -42,6 +42,9 @@ from .lowering import LOWERINGS, VIEW_TARGETS, Emitter, drop_legacy_empty_cat_in
 from .options import CompileOptions, op_name
 from .specialize import is_symbolic, signature, specialize
 
+#: the name prefix of the partitions' submodules in a lowered graph
+PARTITION_PREFIX = "yirage_partition_"
+
 
 @dataclass
 class PartitionReport:
@@ -146,17 +149,14 @@ def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozens
         else:
             kept.append(p)
     if kept:
-        partitioner.fuse_partitions(kept, prefix="yirage_partition_")
+        partitioner.fuse_partitions(kept, prefix=PARTITION_PREFIX)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     frozen = {placeholders[i] for i in constant_inputs if i < len(placeholders)}
     static = {placeholders[i] for i in static_inputs if i < len(placeholders)}
     for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target.startswith("yirage_partition_"):
-            sub = getattr(gm, node.target)
-            part = YiragePartition(node.target, sub, [a.meta.get("val") for a in node.args], backend, options,
-                                   [j for j, a in enumerate(node.args) if a in frozen],
+        if node.op == "call_module" and node.target.startswith(PARTITION_PREFIX):
+            part = _wrap_partition(gm, node, backend, options, [j for j, a in enumerate(node.args) if a in frozen],
                                    [j for j, a in enumerate(node.args) if a in static])
-            setattr(gm, node.target, part)
             report.partitions.append(part.report)
         elif node.op == "call_function" and node.target is operator.getitem:
             pass   # picks one output of a torch op (a multi-output op stays in torch whole)
@@ -169,6 +169,32 @@ def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozens
             logger.debug("yirage torch.compile: %s (%s) stays in torch: %s", node.name, node_op(node), why)
     gm.recompile()
     return gm, report
+
+
+def _wrap_partition(gm: GraphModule, node: Node, backend: str, options: CompileOptions,
+                    constant_positions: list[int], static_positions: list[int]) -> YiragePartition:
+    """Replace the fused submodule that ``node`` calls by a ``YiragePartition`` (compiled now
+    when its shapes are static) and return it."""
+    part = YiragePartition(node.target, getattr(gm, node.target), [a.meta.get("val") for a in node.args],
+                           backend, options, constant_positions, static_positions)
+    setattr(gm, node.target, part)
+    return part
+
+
+def restore_partitions(gm: GraphModule, options: CompileOptions, layout: dict[str, tuple[list[int], list[int]]]
+                       ) -> GraphReport:
+    """Turn a partitioned graph stored without its ``YiragePartition`` modules (each fused
+    submodule as its torch ops, precompile.py) back into a running one: ``layout`` maps each
+    partition's name to its (constant, static) input positions, as ``lower_graph`` chose
+    them. Each partition compiles as in ``lower_graph`` (normally a hit in the compile cache).
+    Returns the report of its partitions. Raises as ``lower_graph`` does."""
+    backend = resolve_backend(options.backend).value
+    report = GraphReport()
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in layout:
+            constant, static = layout[node.target]
+            report.partitions.append(_wrap_partition(gm, node, backend, options, list(constant), list(static)).report)
+    return report
 
 
 @contextlib.contextmanager

@@ -1,0 +1,229 @@
+"""Precompiled models (yirage/dynamo/precompile.py): ``yr.compile(model)`` stores the graph it
+compiled (dynamo's bytecode and guards, yirage's partitions), and a later ``yr.compile`` of the
+same model, in this process or another, loads it without tracing; against eager every time.
+
+An entry must never be used where it does not apply: a changed source, a changed function
+reached through a guard torch cannot store, other shapes, train mode, a damaged file; and models
+that cannot be precompiled (graph breaks, hooks, gradients) run through plain torch.compile."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import yirage as yr
+from yirage.dynamo import precompile
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def _entries(tmp_path, monkeypatch):
+    """Entries go to this test's own directory (the kernels' caches stay shared, so no C++
+    is rebuilt); the counts start at zero."""
+    d = tmp_path / "precompiled"
+    d.mkdir()
+    monkeypatch.setattr(precompile, "entry_path", lambda k, options: d / f"{k}.pt2")
+    precompile.reset_stats()
+    return d
+
+
+class Block(nn.Module):
+    def __init__(self, d=32, act=F.gelu):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 64), nn.Linear(64, d)
+        self.act = act
+
+    def forward(self, x):
+        y = self.fc2(self.act(self.fc1(self.ln(x)))) + x
+        return y * 2 if self.training else y
+
+
+def _compiled(model, x):
+    m = yr.compile(model)
+    with torch.no_grad():
+        y = m(x)
+        torch.testing.assert_close(y, model(x), **TOL)
+    return m
+
+
+def test_a_second_compile_loads_the_entry_without_tracing():
+    model, x = Block().eval(), torch.randn(2, 5, 32)
+    first = _compiled(model, x)
+    assert first.precompile_status.startswith("compiled and stored")
+    assert len(first._yirage_backend.reports) == 1 and first._yirage_backend.reports[0].partitions
+    second = _compiled(model, x)
+    assert second.precompile_status.startswith("loaded"), second.precompile_status
+    assert second._yirage_backend.reports == []        # the backend never ran: nothing was traced
+    assert precompile.stats() == {"hits": 1, "misses": 1, "stores": 1, "rejected": 0, "declined": 0}
+
+
+def test_calls_outside_the_guards_run_through_torch_compile():
+    model = Block().eval()
+    m = _compiled(model, torch.randn(2, 5, 32))
+    with torch.no_grad():
+        for shape in ((3, 7, 32), (1, 9, 32), (2, 5, 32)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(m(x), model(x), **TOL)
+        model.train()                       # the guard on self.training fails: train-mode code runs
+        x = torch.randn(2, 5, 32)
+        torch.testing.assert_close(m(x), model(x), **TOL)
+        assert torch.allclose(m(x), model.eval()(x) * 2, **TOL)
+
+
+def test_a_changed_function_behind_an_unstorable_guard_is_not_loaded():
+    """``self.act`` is a builtin: dynamo's guard on it cannot be stored, so the entry checks
+    it by name; a model whose act is another function compiles afresh."""
+    x = torch.randn(2, 5, 32)
+    _compiled(Block(act=torch.relu).eval(), x)
+    model = Block(act=torch.sigmoid).eval()
+    m = _compiled(model, x)
+    assert m.precompile_status.startswith("compiled and stored"), m.precompile_status
+    assert precompile.stats()["rejected"] == 1
+
+
+SOURCE = """
+import torch.nn as nn
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x).relu() * {scale}
+"""
+
+
+def test_a_changed_source_is_not_loaded(tmp_path, monkeypatch):
+    (tmp_path / "scaled_model.py").write_text(SOURCE.format(scale="2.0"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("scaled_model")
+    x = torch.randn(4, 16)
+    model = mod.Scaled().eval()
+    _compiled(model, x)
+    (tmp_path / "scaled_model.py").write_text(SOURCE.format(scale="3.0"))
+    os.utime(tmp_path / "scaled_model.py", ns=(1, 10**18))   # a new mtime, whatever the clock's resolution
+    mod = importlib.reload(mod)
+    changed = mod.Scaled().eval()
+    changed.load_state_dict(model.state_dict())
+    m = _compiled(changed, x)                 # the same key (class name, parameters); new code
+    assert m.precompile_status.startswith("compiled and stored"), m.precompile_status
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), model(x) * 1.5, **TOL)
+    sys.modules.pop("scaled_model", None)
+
+
+def test_a_damaged_entry_is_compiled_afresh(_entries):
+    model, x = Block().eval(), torch.randn(2, 5, 32)
+    _compiled(model, x)
+    (path,) = _entries.glob("*.pt2")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    m = _compiled(model, x)
+    assert m.precompile_status.startswith("compiled and stored")
+    assert precompile.stats()["rejected"] == 1
+    assert _compiled(model, x).precompile_status.startswith("loaded")
+
+
+class Breaks(Block):
+    def forward(self, x):
+        y = self.fc1(self.ln(x))
+        torch._dynamo.graph_break()
+        return self.fc2(F.gelu(y)) + x
+
+
+def test_models_that_cannot_be_precompiled_run_through_torch_compile():
+    x = torch.randn(2, 5, 32)
+    m = _compiled(Breaks().eval(), x)
+    assert m.precompile_status.startswith("declined"), m.precompile_status
+    assert len(m._yirage_backend.reports) == 2          # torch.compile's two graphs, both compiled
+
+    calls = []
+    hooked = Block().eval()
+    hooked.register_forward_hook(lambda mod, args, out: calls.append(1))
+    m = _compiled(hooked, x)
+    assert m.precompile_status == "declined: the model has forward hooks" and len(calls) == 2
+
+    model = Block().eval()
+    m = yr.compile(model)
+    with pytest.warns(yr.YirageFallbackWarning, match="needs gradients"):
+        y = m(x)                                          # grad mode on: the graph runs eager
+    torch.testing.assert_close(y, model(x), **TOL)
+    assert m.precompile_status == "declined: the call needs gradients"
+    assert precompile.stats()["declined"] == 3 and precompile.stats()["stores"] == 0
+
+
+def test_concurrent_first_calls_get_the_answers_they_would_get_alone():
+    model = Block().eval()
+    xs = [torch.randn(2, 5, 32) for _ in range(4)]
+    with torch.no_grad():
+        expected = [model(x) for x in xs]
+    m, got = yr.compile(model), [None] * 4
+
+    def call(i):
+        with torch.no_grad():
+            got[i] = m(xs[i])
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, **TOL)
+    assert precompile.stats()["misses"] == 1
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    import torch, transformers as tf
+    import yirage as yr
+    from yirage.dynamo import precompile
+
+    entries = Path(sys.argv[1])
+    precompile.entry_path = lambda k, options: entries / f"{k}.pt2"
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    model = tf.BertModel(cfg).eval()
+    ids = torch.randint(0, 100, (2, 12))
+    m = yr.compile(model)
+    with torch.no_grad():
+        t = time.perf_counter()
+        got = m(input_ids=ids).last_hidden_state
+        seconds = time.perf_counter() - t
+        err = (got - model(input_ids=ids).last_hidden_state).abs().max().item()
+    print(json.dumps({"status": m.precompile_status, "traced": len(m._yirage_backend.reports), "err": err,
+                      "seconds": seconds, "stats": precompile.stats()}))
+""")
+
+
+def _run(entries: Path) -> dict:
+    env = dict(os.environ, YIRAGE_BACKEND="cpu")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(entries)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_a_transformers_model(_entries):
+    """transformers' decorated forwards (closures over the wrapped function) and the globals
+    dynamo installs for its bytecode are found again in a fresh interpreter."""
+    first = _run(_entries)
+    assert first["status"].startswith("compiled and stored") and first["traced"] == 1 and first["err"] < 1e-4
+    second = _run(_entries)
+    assert second["status"].startswith("loaded"), second["status"]
+    assert second["traced"] == 0 and second["err"] < 1e-4
+    assert second["stats"]["hits"] == 1 and second["stats"]["rejected"] == 0
