@@ -1,4 +1,4 @@
-"""torch.compile(backend="yirage") against torch eager and Inductor on a model suite.
+"""yr.compile (torch.compile with yirage) against torch eager and Inductor on a model suite.
 
 Prints one JSON object. Models are built from transformers configs with random weights (no
 network): BERT, GPT-2, a small Llama, ViT, DistilBERT, T5's encoder and all-MiniLM-L6-v2 (the
@@ -16,11 +16,14 @@ turn into denormals: Kaiming convolutions, BatchNorm affine parameters reset, an
 running statistics calibrated on a few random batches in train mode.
 
 Every (model, batch) has three sides, each in its own process (``_sides.py``): eager,
-``torch.compile`` (Inductor) and ``torch.compile(backend="yirage")``. A side builds the model
-from the same seed, runs its first call (``compile_s``: the cold compile, for eager its first
-call), warms up, then times one forward per sample; the sides are sampled in interleaved
-rounds and ratios are medians of per-round ratios. A second yirage process built after the
-first gives ``warm_compile_s`` (yirage's disk caches warm). Per model the JSON has each side's
+``torch.compile`` (Inductor) and ``yr.compile`` (``torch.compile`` with the yirage backend,
+precompiled: yirage/dynamo/precompile.py). A side builds the model from the same seed, runs its
+first call (``compile_s``: the cold compile, for eager its first call; the yirage side first
+deletes the stored precompiled models, so it traces and stores the graph; both compilers' other
+disk caches stay as earlier runs left them), warms up, then times one forward per sample; the
+sides are sampled in interleaved rounds and ratios are medians of per-round ratios. A second
+yirage process built after the first gives ``warm_compile_s`` (it loads the precompiled graph;
+``warm_precompile`` says whether it did). Per model the JSON has each side's
 median seconds, peak RSS (MiB), the yirage and Inductor outputs' max abs error and cosine to
 eager, and the speedups against eager, Inductor and the faster of the two (what a user would
 pick); ``summary`` has their geomeans and the pass rate (outputs within tolerance). With
@@ -118,12 +121,19 @@ def build(name: str, batch: int, dtype: str, small: bool):
 class CompiledSide:
     """One side in its worker: ``mode`` 'eager', 'inductor' or 'yirage'."""
 
-    def __init__(self, model: str, batch: int, dtype: str, small: bool, mode: str):
+    def __init__(self, model: str, batch: int, dtype: str, small: bool, mode: str, warm: bool = False):
         import torch
 
         self.torch = torch
         net, self.inputs = build(model, batch, dtype, small)
-        self.fn = net if mode == "eager" else torch.compile(net, backend="inductor" if mode == "inductor" else "yirage")
+        if mode == "yirage":
+            import yirage as yr
+            from yirage.dynamo import precompile
+            if not warm:
+                precompile.clear()   # the cold side compiles (and stores) the model's graph
+            self.fn = yr.compile(net)
+        else:
+            self.fn = net if mode == "eager" else torch.compile(net, backend="inductor")
         with torch.no_grad():
             t0 = time.perf_counter()
             self.out = self._first(self.fn(**self.inputs))
@@ -132,7 +142,7 @@ class CompiledSide:
                 self.fn(**self.inputs)
         self.info = {"compile_s": compile_s, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         if mode == "yirage":   # the first positional argument of every suite model is its input
-            import yirage as yr
+            self.info["precompile"] = self.fn.precompile_status.split(" /")[0]
             with torch.no_grad():
                 d = yr.explain(net, *self.inputs.values()).to_dict()
             self.info["ops_in_yirage"] = sum(len(p["ops"]) for g in d["graphs"] for p in g["partitions"]
@@ -210,8 +220,10 @@ def run_case(name: str, batch: int, args) -> dict:
         if "yirage_speedup_vs_eager" in entry and "yirage_speedup_vs_inductor" in entry:
             entry["yirage_speedup_vs_best"] = min(entry["yirage_speedup_vs_eager"], entry["yirage_speedup_vs_inductor"])
     with Sides(timeout_s=args.timeout) as warm:   # a second process: yirage's disk caches are warm now
-        if warm.start("yirage", SideSpec("torch_compile:CompiledSide", {**kw, "mode": "yirage"}, threads=args.threads)):
+        if warm.start("yirage", SideSpec("torch_compile:CompiledSide", {**kw, "mode": "yirage", "warm": True},
+                                         threads=args.threads)):
             entry["yirage"]["warm_compile_s"] = warm.info["yirage"]["compile_s"]
+            entry["yirage"]["warm_precompile"] = warm.info["yirage"]["precompile"]
     return entry
 
 

@@ -13,8 +13,7 @@ therefore returns a ``PrecompiledModule``, whose first call
    C++ in the kernel cache). The entry is used only when all of these hold, otherwise the
    model is compiled afresh and the entry rewritten:
    - its checksum;
-   - the source of every function dynamo traced is unchanged (line ranges and SHA-256, as
-     torch's own precompile records them);
+   - every source file dynamo traced code from is unchanged (SHA-256 of each file);
    - dynamo's guards pass on this call's arguments (shapes, dtypes, strides, module
      attributes such as ``training``, grad mode);
    - the guards torch cannot serialize (identity of functions, closures and builtins) are
@@ -42,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import importlib
 import os
@@ -375,11 +375,26 @@ def _safe_resolve(module: str, qualname: str):
         return None
 
 
+#: the ``InlinedSource.module`` prefix of a source recorded as a whole file (``_file_sources``)
+FILE_SOURCE = "file:"
+
+
+def _file_digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def sources_changed(source_info) -> str | None:
-    """The first function dynamo traced whose source differs now (``module:first-last``), or
-    None."""
+    """The first source file (or, as torch records them, function: ``module:first-last``)
+    that dynamo traced and that differs now, or None."""
     from torch._dynamo.package import _hash_sourcelines
     for s in source_info.inlined_sources:
+        if s.module.startswith(FILE_SOURCE):
+            if _file_digest(s.module[len(FILE_SOURCE):]) != s.checksum:
+                return s.module[len(FILE_SOURCE):]
+            continue
         try:
             now = _hash_sourcelines(importlib.import_module(s.module), s.firstlineno, s.lastlineno)
         except Exception:  # noqa: BLE001 - a module that cannot be read again: changed
@@ -387,6 +402,26 @@ def sources_changed(source_info) -> str | None:
         if now != s.checksum:
             return f"{s.module}:{s.firstlineno}-{s.lastlineno}"
     return None
+
+
+def _file_sources():
+    """A replacement for torch's ``SourceInfo.add_code`` while yirage precompiles: each traced
+    code object's whole source file is recorded by its SHA-256 (``FILE_SOURCE`` + path),
+    instead of torch's per-function line ranges, which tokenize every function (0.4 s on
+    BERT-base) and store each module's whole text in the entry (3 MB). Coarser: any change to
+    a file the model's code runs through invalidates the entry. Code without a source file
+    (generated code) is skipped, as torch skips it."""
+    from torch._dynamo.package import InlinedSource
+    digests: dict[str, str | None] = {}
+
+    def add_code(self, code) -> None:
+        path = code.co_filename
+        if path not in digests:
+            digests[path] = _file_digest(path) if os.path.isfile(path) else None
+        if digests[path] is not None:
+            self.inlined_sources.add(InlinedSource(module=FILE_SOURCE + path, firstlineno=0, lastlineno=0,
+                                                   checksum=digests[path], content=""))
+    return add_code
 
 
 def _tree_signature(x) -> object:
@@ -435,6 +470,19 @@ def entry_path(k: str, options) -> Path:
         d = cache_subdir("dynamo") / "precompiled"
     d.mkdir(parents=True, exist_ok=True)
     return d / f"{k}.pt2"
+
+
+def clear(cache_dir: str | None = None) -> int:
+    """Delete every stored precompiled model (under ``cache_dir``, or the usual cache dir);
+    returns how many. The next ``yr.compile`` of each model compiles and stores it again.
+    Raises CacheError when no cache directory is usable."""
+    from .options import CompileOptions
+    d = entry_path("x", CompileOptions(cache_dir=cache_dir)).parent
+    n = 0
+    for path in d.glob("*.pt2"):
+        path.unlink(missing_ok=True)
+        n += 1
+    return n
 
 
 @dataclasses.dataclass
@@ -511,10 +559,14 @@ class PrecompiledModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if not self._first_done:
-            with self._first_lock:
+            with self._first_lock, _gc_paused():
                 if not self._first_done:
                     self._first_call(args, kwargs)
                     object.__setattr__(self, "_first_done", True)
+                    return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         aot = self._aot
         if aot is not None and aot.guard_check(self._orig_mod, *args, **kwargs):
             return aot.fn(self._orig_mod, *args, **kwargs)
@@ -610,7 +662,7 @@ class PrecompiledModule(torch.nn.Module):
         from torch._dynamo.hooks import Hooks
         guards = GuardFilter()
         try:
-            with _skip_autograd_cache_io():
+            with _torch_precompile_patches():
                     aot = aot_compile_fullgraph(self._orig_mod.forward, (args, kwargs), hooks=Hooks(guard_filter_fn=guards),
                                             backend=self._yirage_backend, dynamic=self._dynamic)
         except TorchCompileError:
@@ -634,26 +686,44 @@ class PrecompiledModule(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _skip_autograd_cache_io():
-    """While ``aot_compile_fullgraph`` runs: AOTAutograd's cache key (Inductor's FX-graph hash,
-    which imports Inductor's code generators: 1.5-2 s on BERT-base) is replaced by a nonce, as
-    torch itself does under ``aot_compile`` when the key cannot be computed, and the bundled
-    entry is not written to torch's own cache directory (it could never be found under a nonce;
-    yirage stores the serialized function itself). Both are private to torch: where they are
-    missing, nothing is patched."""
-    from unittest import mock
+def _gc_paused():
+    """Python's cyclic garbage collector off while a model's first call loads or compiles it
+    (on again after, if it was on). Loading allocates many small objects, and with torch and
+    transformers imported each full collection scans millions: 0.2 s of a BERT-base load."""
+    was = gc.isenabled()
+    gc.disable()
     try:
-        from torch._functorch._aot_autograd import autograd_cache as ac
-    except ImportError:
         yield
-        return
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _torch_precompile_patches():
+    """While ``aot_compile_fullgraph`` runs for yirage (all three are torch internals; where
+    one is missing, it is not patched):
+    - AOTAutograd's cache key (Inductor's FX-graph hash, which imports Inductor's code
+      generators: 1.5-2 s on BERT-base) is a nonce, as torch itself uses under ``aot_compile``
+      when the key cannot be computed;
+    - the bundled entry is not written to torch's own cache directory (it could never be found
+      under a nonce; yirage stores the serialized function itself);
+    - traced sources are recorded per file (``_file_sources``)."""
+    from unittest import mock
     with contextlib.ExitStack() as stack:
+        try:
+            from torch._functorch._aot_autograd import autograd_cache as ac
+        except ImportError:
+            ac = None
         if hasattr(ac, "autograd_cache_key"):
             stack.enter_context(mock.patch.object(ac, "autograd_cache_key",
                                                   lambda *a, **k: (f"yirage-{os.urandom(8).hex()}", [])))
         if hasattr(getattr(ac, "AOTAutogradCache", None), "_write_to_local_cache"):
             stack.enter_context(mock.patch.object(ac.AOTAutogradCache, "_write_to_local_cache",
                                                   staticmethod(lambda *a, **k: None)))
+        from torch._dynamo import package
+        if hasattr(getattr(package, "SourceInfo", None), "add_code"):
+            stack.enter_context(mock.patch.object(package.SourceInfo, "add_code", _file_sources()))
         yield
 
 
