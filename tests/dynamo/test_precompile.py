@@ -64,6 +64,8 @@ def test_a_second_compile_loads_the_entry_without_tracing():
     assert second.precompile_status.startswith("loaded"), second.precompile_status
     assert second._yirage_backend.reports == []        # the backend never ran: nothing was traced
     assert precompile.stats() == {"hits": 1, "misses": 1, "stores": 1, "rejected": 0, "declined": 0}
+    assert second.fc1 is model.fc1 and second.training is False        # the model's attributes, as torch.compile's
+    assert list(second.state_dict()) == ["_orig_mod." + k for k in model.state_dict()]
 
 
 def test_calls_outside_the_guards_run_through_torch_compile():

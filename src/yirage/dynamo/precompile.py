@@ -488,7 +488,7 @@ def clear(cache_dir: str | None = None) -> int:
 @dataclasses.dataclass
 class Entry:
     """One precompiled model as stored: torch's serialized ``AOTCompiledFunction``, the
-    globals it needs (``installed_globals``), the ``GuardFilter`` checks and their count."""
+    globals it needs (``installed_globals``) and the ``GuardFilter`` checks."""
 
     aot: bytes
     installed: dict
@@ -556,6 +556,16 @@ class PrecompiledModule(torch.nn.Module):
         object.__setattr__(self, "_first_done", False)
         object.__setattr__(self, "_first_lock", threading.Lock())
         self.precompile_status = "not called yet"
+
+    def __getattr__(self, name: str):
+        # the model's own attributes (``config``, ...), as torch.compile's OptimizedModule gives them
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            mod = self.__dict__.get("_modules", {}).get("_orig_mod")
+            if mod is None:
+                raise
+            return getattr(mod, name)
 
     def forward(self, *args, **kwargs):
         if not self._first_done:
