@@ -549,6 +549,7 @@ class PrecompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, backend, **torch_compile_kwargs):
         super().__init__()
         self._orig_mod = model
+        self.training = model.training   # as the model; train()/eval() on this module reach the model too
         object.__setattr__(self, "_yirage_backend", backend)
         object.__setattr__(self, "_dynamo", torch.compile(model, backend=backend, **torch_compile_kwargs))
         object.__setattr__(self, "_dynamic", torch_compile_kwargs.get("dynamic"))
