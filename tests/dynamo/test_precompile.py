@@ -81,6 +81,20 @@ def test_calls_outside_the_guards_run_through_torch_compile():
         assert torch.allclose(m(x), model.eval()(x) * 2, **TOL)
 
 
+def test_ten_lengths_compile_at_most_three_times():
+    """The precompiled first shape, then torch.compile's graphs for the others (dynamo's
+    automatic dynamic shapes: the second length already compiles symbolically here, as dynamo
+    saw the first one traced): at most 3 graphs for 10 sequence lengths, each call equal to
+    eager."""
+    model = Block().eval()
+    m = yr.compile(model)
+    with torch.no_grad():
+        for length in range(3, 13):
+            x = torch.randn(2, length, 32)
+            torch.testing.assert_close(m(x), model(x), **TOL)
+    assert len(m._yirage_backend.reports) <= 3
+
+
 def test_a_changed_function_behind_an_unstorable_guard_is_not_loaded():
     """``self.act`` is a builtin: dynamo's guard on it cannot be stored, so the entry checks
     it by name; a model whose act is another function compiles afresh."""
