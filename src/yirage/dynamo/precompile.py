@@ -446,7 +446,7 @@ def key(model: torch.nn.Module, args: tuple, kwargs: dict, options, backend: str
     buffers = [(n, tuple(b.shape), str(b.dtype), str(b.device)) for n, b in model.named_buffers()]
     sig = _tree_signature((args, kwargs))
     if dynamic is True:
-        sig = repr(sig).count("tensor"), _strip_sizes(sig)
+        sig = _strip_sizes(sig)
     parts = repr((FORMAT, cls.__module__, cls.__qualname__, params, buffers, sig, torch.is_grad_enabled(),
                   torch.is_inference_mode_enabled(), dataclasses.astuple(options), backend, dynamic,
                   __version__, torch.__version__, platform.python_version()))
