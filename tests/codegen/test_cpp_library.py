@@ -81,7 +81,7 @@ def _assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("K", [32, 96, 4096])
 @pytest.mark.parametrize("N", [1, 7, 33, 64])
-@pytest.mark.parametrize("M", [1, 3, 6, 33])       # GEMV below 6 rows, packed GEMM from 6
+@pytest.mark.parametrize("M", [1, 3, 6, 9, 16, 33])   # GEMV below 6 rows, row tiles to 16 (AVX-512), packed GEMM
 def test_linear_quant(lib, fmt, M, N, K):
     g = torch.Generator().manual_seed(M * 10007 + N * 101 + K)
     x = torch.randn(M, K, generator=g)
@@ -94,8 +94,8 @@ def test_linear_quant(lib, fmt, M, N, K):
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("M,N,K", [(1, 1536, 576), (1, 576, 1536), (1, 4099, 64), (64, 1536, 576),
-                                   (130, 37, 320)])
+@pytest.mark.parametrize("M,N,K", [(1, 1536, 576), (1, 576, 1536), (1, 4099, 64), (16, 1536, 576), (13, 577, 1536),
+                                   (64, 1536, 576), (130, 37, 320)])
 def test_linear_quant_model_shapes(lib, fmt, M, N, K):
     """Shapes of a small LLM, large enough for the parallel paths."""
     g = torch.Generator().manual_seed(N + K + M)

@@ -835,6 +835,67 @@ void gemv_f32(const float* x, const float* w, const float* bias, float* y, int64
     });
 }
 
+#if defined(YR_AVX512)
+// Small-batch q4_1 GEMM (continuous batching's decode steps: GEMM_MIN_M .. Q4_1_ROWS_MAX_M rows
+// of x). The packed GEMM below dequantizes and transposes every weight into panels, which at 16
+// rows costs about as much as the multiply-adds. Here each block of two weight rows is decoded
+// once per tile of up to 8 x rows into four vectors (gemv_q4_1_rows' vpermps table) and
+// multiplied in dot-product form: 16 accumulators (2 weight rows x 8 x rows), a horizontal sum
+// per output. Weight rows are split over the threads, so each weight is read from memory once.
+constexpr int64_t Q4_1_ROWS_MAX_M = 16;
+
+template <int MR, int NR>
+inline void q4_1_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t nb,
+                           const float* bias, float* y, int64_t ldy) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[NR][MR];
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 lo[NR], hi[NR];
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
+            const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), iota,
+                                               _mm512_set1_ps(F16.v[load_u16(blk + 2)]));
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 4)));
+            lo[r] = _mm512_permutexvar_ps(q, lut);
+            hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+        }
+        for (int i = 0; i < MR; ++i) {
+            const __m512 xlo = _mm512_loadu_ps(x + i * K + b * QK), xhi = _mm512_loadu_ps(x + i * K + b * QK + 16);
+            for (int r = 0; r < NR; ++r) {
+                acc[r][i] = _mm512_fmadd_ps(xlo, lo[r], acc[r][i]);
+                acc[r][i] = _mm512_fmadd_ps(xhi, hi[r], acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MR; ++i) {
+            const float s = _mm512_reduce_add_ps(acc[r][i]);
+            y[i * ldy + r] = bias ? s + bias[r] : s;
+        }
+}
+
+void gemm_q4_1_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QK, rb = nb * Q4_1_BYTES, pairs = (N + 1) / 2;
+#pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t n0 = 2 * p;
+        const bool two = n0 + 1 < N;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int mr = (int)std::min<int64_t>(8, M - m0);
+            const float* xm = x + m0 * K;
+            const float* bn = bias ? bias + n0 : nullptr;
+            float* yo = y + m0 * N + n0;
+#define YR_CALL(R) (two ? q4_1_rows_tile<R, 2>(xm, K, w + n0 * rb, rb, nb, bn, yo, N) \
+                        : q4_1_rows_tile<R, 1>(xm, K, w + n0 * rb, rb, nb, bn, yo, N))
+            YR_DISPATCH_ROWS(mr, YR_CALL)
+#undef YR_CALL
+        }
+    }
+}
+#endif
+
 // The two ways of handing out row groups (see gemv_q4_1).
 #define YR_ALL_GROUPS [&](const void* wp, int64_t rowb, auto rows) { gemv_groups(N, M * N * K, wp, rowb, rows); }
 #define YR_TASK_GROUPS [&](const void* wp, int64_t rowb, auto rows) { gemv_range(lo, hi, wp, rowb, rows); }
@@ -852,6 +913,12 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
                     int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
+#if defined(YR_AVX512)
+    if (M >= GEMM_MIN_M && M <= Q4_1_ROWS_MAX_M) {
+        gemm_q4_1_rows(x, w, bias, y, M, N, K);
+        return;
+    }
+#endif
     if (M >= GEMM_MIN_M) {
         linear_packed(x, bias, y, M, N, K, [&](int64_t n0, int nr, float* P) {
             pack_quant<dequant_block_q4_1, Q4_1_BYTES>(w + n0 * rb, rb, K, nr, P);
