@@ -836,31 +836,47 @@ void gemv_f32(const float* x, const float* w, const float* bias, float* y, int64
 }
 
 #if defined(YR_AVX512)
-// Small-batch q4_1 GEMM (continuous batching's decode steps: GEMM_MIN_M .. Q4_1_ROWS_MAX_M rows
-// of x). The packed GEMM below dequantizes and transposes every weight into panels, which at 16
-// rows costs about as much as the multiply-adds. Here each block of two weight rows is decoded
-// once per tile of up to 8 x rows into four vectors (gemv_q4_1_rows' vpermps table) and
-// multiplied in dot-product form: 16 accumulators (2 weight rows x 8 x rows), a horizontal sum
-// per output. Weight rows are split over the threads, so each weight is read from memory once.
-constexpr int64_t Q4_1_ROWS_MAX_M = 16;
+// Small-batch GEMM on q4_1 / q8_0 blocks (continuous batching's decode steps: GEMM_MIN_M ..
+// QUANT_ROWS_MAX_M rows of x; the tied LM head is q8_0 in the default model). The packed GEMM
+// below dequantizes and transposes every weight into panels, which at 16 rows costs about as much
+// as the multiply-adds. Here each block of two weight rows is decoded once per tile of up to 8 x
+// rows into four vectors and multiplied in dot-product form: 16 accumulators (2 weight rows x 8
+// x rows), a horizontal sum per output. Weight rows are split over the threads, so each weight
+// is read from memory once.
+constexpr int64_t QUANT_ROWS_MAX_M = 16;
 
-template <int MR, int NR>
-inline void q4_1_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t nb,
-                           const float* bias, float* y, int64_t ldy) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+// A block's 32 weights as two vectors (0..15, 16..31).
+struct DecodeQ4_1 {
+    static constexpr int64_t BYTES = Q4_1_BYTES;
+    static inline void decode(const uint8_t* blk, __m512& lo, __m512& hi) {
+        // gemv_q4_1_rows' table: d * {0..15} + m, looked up by vpermps with each nibble
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), iota,
+                                           _mm512_set1_ps(F16.v[load_u16(blk + 2)]));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 4)));
+        lo = _mm512_permutexvar_ps(q, lut);
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+    }
+};
+
+struct DecodeQ8_0 {
+    static constexpr int64_t BYTES = Q8_0_BYTES;
+    static inline void decode(const uint8_t* blk, __m512& lo, __m512& hi) {
+        const __m512 d = _mm512_set1_ps(F16.v[load_u16(blk)]);
+        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)))));
+        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18)))));
+    }
+};
+
+template <typename D, int MR, int NR>
+inline void quant_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t nb,
+                            const float* bias, float* y, int64_t ldy) {
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; ++r)
         for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         __m512 lo[NR], hi[NR];
-        for (int r = 0; r < NR; ++r) {
-            const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
-            const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(F16.v[load_u16(blk)]), iota,
-                                               _mm512_set1_ps(F16.v[load_u16(blk + 2)]));
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 4)));
-            lo[r] = _mm512_permutexvar_ps(q, lut);
-            hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
-        }
+        for (int r = 0; r < NR; ++r) D::decode(w + r * rb + b * D::BYTES, lo[r], hi[r]);
         for (int i = 0; i < MR; ++i) {
             const __m512 xlo = _mm512_loadu_ps(x + i * K + b * QK), xhi = _mm512_loadu_ps(x + i * K + b * QK + 16);
             for (int r = 0; r < NR; ++r) {
@@ -876,8 +892,9 @@ inline void q4_1_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t 
         }
 }
 
-void gemm_q4_1_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-    const int64_t nb = K / QK, rb = nb * Q4_1_BYTES, pairs = (N + 1) / 2;
+template <typename D>
+void gemm_quant_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QK, rb = nb * D::BYTES, pairs = (N + 1) / 2;
 #pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
     for (int64_t p = 0; p < pairs; ++p) {
         const int64_t n0 = 2 * p;
@@ -887,8 +904,8 @@ void gemm_q4_1_rows(const float* x, const uint8_t* w, const float* bias, float* 
             const float* xm = x + m0 * K;
             const float* bn = bias ? bias + n0 : nullptr;
             float* yo = y + m0 * N + n0;
-#define YR_CALL(R) (two ? q4_1_rows_tile<R, 2>(xm, K, w + n0 * rb, rb, nb, bn, yo, N) \
-                        : q4_1_rows_tile<R, 1>(xm, K, w + n0 * rb, rb, nb, bn, yo, N))
+#define YR_CALL(R) (two ? quant_rows_tile<D, R, 2>(xm, K, w + n0 * rb, rb, nb, bn, yo, N) \
+                        : quant_rows_tile<D, R, 1>(xm, K, w + n0 * rb, rb, nb, bn, yo, N))
             YR_DISPATCH_ROWS(mr, YR_CALL)
 #undef YR_CALL
         }
@@ -914,8 +931,8 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
 #if defined(YR_AVX512)
-    if (M >= GEMM_MIN_M && M <= Q4_1_ROWS_MAX_M) {
-        gemm_q4_1_rows(x, w, bias, y, M, N, K);
+    if (M >= GEMM_MIN_M && M <= QUANT_ROWS_MAX_M) {
+        gemm_quant_rows<DecodeQ4_1>(x, w, bias, y, M, N, K);
         return;
     }
 #endif
@@ -932,6 +949,12 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
                     int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q8_0_BYTES;
+#if defined(YR_AVX512)
+    if (M >= GEMM_MIN_M && M <= QUANT_ROWS_MAX_M) {
+        gemm_quant_rows<DecodeQ8_0>(x, w, bias, y, M, N, K);
+        return;
+    }
+#endif
     if (M >= GEMM_MIN_M) {
         linear_packed(x, bias, y, M, N, K, [&](int64_t n0, int nr, float* P) {
             pack_quant<dequant_block_q8_0, Q8_0_BYTES>(w + n0 * rb, rb, K, nr, P);
