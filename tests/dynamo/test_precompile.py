@@ -199,6 +199,28 @@ def test_concurrent_first_calls_get_the_answers_they_would_get_alone():
     assert precompile.stats()["misses"] == 1
 
 
+KEY_SCRIPT = textwrap.dedent("""
+    import torch
+    from yirage.dynamo import precompile
+    from yirage.dynamo.options import parse_options
+    options = parse_options(None, {"torch_executed_ops": ["aten.gelu", "aten.add", "aten.mul", "aten.sub"]})
+    print(precompile.key(torch.nn.Linear(4, 4), (torch.ones(2, 4),), {}, options, "cpu", None))
+""")
+
+
+def test_the_key_is_the_same_in_every_process():
+    """Set-valued options (``torch_executed_ops``) enter the key sorted: string hashing, and so
+    a set's order, differs between processes."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    keys = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-c", KEY_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        keys.add(proc.stdout.strip().splitlines()[-1])
+    assert len(keys) == 1
+
+
 SCRIPT = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path

@@ -447,8 +447,12 @@ def key(model: torch.nn.Module, args: tuple, kwargs: dict, options, backend: str
     sig = _tree_signature((args, kwargs))
     if dynamic is True:
         sig = _strip_sizes(sig)
+    # options in field order, sets sorted: a frozenset's repr follows string hashing, which
+    # differs from process to process
+    opts = tuple(sorted(v) if isinstance(v, frozenset) else v
+                 for v in (getattr(options, f.name) for f in dataclasses.fields(options)))
     parts = repr((FORMAT, cls.__module__, cls.__qualname__, params, buffers, sig, torch.is_grad_enabled(),
-                  torch.is_inference_mode_enabled(), dataclasses.astuple(options), backend, dynamic,
+                  torch.is_inference_mode_enabled(), opts, backend, dynamic,
                   __version__, torch.__version__, platform.python_version()))
     return hashlib.sha256(parts.encode()).hexdigest()
 
