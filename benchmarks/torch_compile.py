@@ -8,8 +8,12 @@ the conv nets ResNet-50, ConvNeXt-tiny and MobileNetV2 at 224x224, each at every
 
     python benchmarks/torch_compile.py [--models bert,resnet50,...] [--batch-sizes 1 8]
                                        [--dtype float32] [--rounds 5] [--threads 2] [--small]
+                                       [--device cpu|cuda]
 
 ``--small`` uses tiny configs (hidden 64, 2 layers; 64x64 images) for a quick smoke run.
+``--device cuda`` puts models and inputs on the GPU: Inductor generates Triton there, and the
+yirage side compiles its partitions for yirage's ``cuda`` backend (Triton kernels); each
+timed forward ends with ``torch.cuda.synchronize()``.
 
 Conv nets get the initialization issue 21 asks for, so that activations neither vanish nor
 turn into denormals: Kaiming convolutions, BatchNorm affine parameters reset, and BatchNorm
@@ -88,8 +92,9 @@ def _config(name: str, small: bool):
     raise SystemExit(f"unknown model {name!r}: choose from {', '.join(TRANSFORMERS + CONV_NETS)}")
 
 
-def build(name: str, batch: int, dtype: str, small: bool):
-    """(model in eval mode, its input kwargs) with random weights from seed 0."""
+def build(name: str, batch: int, dtype: str, small: bool, device: str = "cpu"):
+    """(model in eval mode, its input kwargs) with random weights from seed 0, on ``device``
+    (built and calibrated on the CPU, then moved)."""
     import torch
     import torch.nn as nn
 
@@ -114,30 +119,32 @@ def build(name: str, batch: int, dtype: str, small: bool):
     else:
         seq = 32 if small else 128
         inputs = {"input_ids": torch.randint(0, cfg.vocab_size, (batch, seq))}
-    model = model.eval().to(getattr(torch, dtype))
-    inputs = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v) for k, v in inputs.items()}
+    model = model.eval().to(device=device, dtype=getattr(torch, dtype))
+    inputs = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).to(device) for k, v in inputs.items()}
     return model, inputs
 
 
 class CompiledSide:
     """One side in its worker: ``mode`` 'eager', 'inductor' or 'yirage'."""
 
-    def __init__(self, model: str, batch: int, dtype: str, small: bool, mode: str, warm: bool = False):
+    def __init__(self, model: str, batch: int, dtype: str, small: bool, mode: str, warm: bool = False,
+                 device: str = "cpu"):
         import torch
 
         self.torch = torch
-        net, self.inputs = build(model, batch, dtype, small)
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        net, self.inputs = build(model, batch, dtype, small, device)
         if mode == "yirage":
             import yirage as yr
             from yirage.dynamo import precompile
             if not warm:
                 precompile.clear()   # the cold side compiles (and stores) the model's graph
-            self.fn = yr.compile(net)
+            self.fn = yr.compile(net, options={"backend": "cuda"} if device == "cuda" else None)
         else:
             self.fn = net if mode == "eager" else torch.compile(net, backend="inductor")
         with torch.no_grad():
             t0 = time.perf_counter()
-            self.out = self._first(self.fn(**self.inputs))
+            self.out = self._first(self.fn(**self.inputs))   # .cpu() synchronizes
             compile_s = time.perf_counter() - t0
             for _ in range(2):
                 self.fn(**self.inputs)
@@ -155,12 +162,14 @@ class CompiledSide:
         t = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", None)
         if t is None:
             t = out.pooler_output if hasattr(out, "pooler_output") else out
-        return t.detach().float().numpy()   # numpy: torch tensors would travel through shared memory
+        return t.detach().float().cpu().numpy()   # numpy: torch tensors would travel through shared memory
 
     def sample(self):
         with self.torch.no_grad():
+            self.sync()
             t0 = time.perf_counter()
             self.fn(**self.inputs)
+            self.sync()
             return {"seconds": time.perf_counter() - t0}, self.out
 
 
@@ -200,7 +209,7 @@ def _against_float32(sides, kw: dict, args, entry: dict, outs: dict) -> None:
 
 
 def run_case(name: str, batch: int, args) -> dict:
-    kw = {"model": name, "batch": batch, "dtype": args.dtype, "small": args.small}
+    kw = {"model": name, "batch": batch, "dtype": args.dtype, "small": args.small, "device": args.device}
     entry: dict = {}
     with Sides(timeout_s=args.timeout) as sides:
         for mode in ("eager", "inductor", "yirage"):
@@ -244,7 +253,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a side may take per sample")
     ap.add_argument("--small", action="store_true", help="tiny configs: a quick smoke run")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: models on the GPU, yirage's cuda backend against Inductor's Triton")
     args = ap.parse_args()
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/torch_compile.py: --device cuda, but torch sees no CUDA device")
     from yirage.runtime.machine import machine_record
 
     results = {}
@@ -252,13 +267,15 @@ def main() -> None:
         for b in args.batch_sizes:
             print(f"[torch_compile] {name} batch {b}", file=sys.stderr, flush=True)
             results[f"{name} b{b}"] = run_case(name, b, args)
+            print(f"[torch_compile] {name} b{b}: {json.dumps(results[f'{name} b{b}'])}", file=sys.stderr, flush=True)
 
     def group(names):
         keys = [k for k in results if k.split(" ")[0] in names]
         return {f"geomean_vs_{p}": _geomean([results[k].get(f"yirage_speedup_vs_{p}") for k in keys])
                 for p in ("eager", "inductor", "best")}
     passed = [k for k, e in results.items() if e.get("yirage", {}).get("ok")]
-    print(json.dumps({"machine": machine_record(args.threads), "dtype": args.dtype, "rounds": args.rounds,
+    print(json.dumps({"machine": machine_record(args.threads), "device": args.device, "dtype": args.dtype,
+                      "rounds": args.rounds,
                       "small": args.small, "models": results,
                       "summary": {"pass_rate": f"{len(passed)}/{len(results)}", "transformers": group(TRANSFORMERS),
                                   "conv_nets": group(CONV_NETS)}}, indent=1))

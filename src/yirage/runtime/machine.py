@@ -141,7 +141,7 @@ def machine_record(threads: int | None = None) -> dict:
     """The machine a measurement was taken on, as JSON-ready fields: cpu (model name),
     cpu_generation (``cpu_generation``: x86 family/model), isa (``all_isa_flags``), amx (bool),
     cores (usable by this process), threads (``threads`` or torch's intra-op thread count), os,
-    and ``library_versions()`` plus yirage's version."""
+    gpu (the CUDA/ROCm device's name, or None) and ``library_versions()`` plus yirage's version."""
     import torch
 
     from .. import __version__
@@ -151,4 +151,5 @@ def machine_record(threads: int | None = None) -> dict:
             "amx": any(f.startswith("amx") for f in flags),
             "cores": usable_cpu_count(), "threads": threads if threads is not None else torch.get_num_threads(),
             "os": f"{platform.system()} {platform.release()}", "machine": platform.machine(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             **library_versions(), "yirage": __version__}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU checks of a session that has a CUDA machine: the tests that run on the `cuda` backend
+# (every backend-parametrized test and the Triton kernel tests' cuda cases), then
+# benchmarks/torch_compile.py with --device cuda on a few models. Each part has a time limit,
+# so the script ends within about TESTS_S + BENCH_S + 30 seconds; logs and JSON go to OUT.
+#
+#   OUT=/tmp/gpu TESTS_S=180 BENCH_S=220 MODELS=bert,resnet50 BATCH="8" bash benchmarks/gpu_checks.sh
+#
+# It uses the machine's own python3 (torch, Triton, transformers preinstalled) and installs
+# yirage from this checkout with --no-deps; wheels in .whl/ (e.g. gguf) are installed first
+# when present. PYTEST_K narrows the tests further (default: every test with "cuda" in its id).
+set -u
+OUT=${OUT:-/tmp/gpu-checks}; mkdir -p "$OUT"
+TESTS_S=${TESTS_S:-180}; BENCH_S=${BENCH_S:-220}
+MODELS=${MODELS:-bert,resnet50,convnext-tiny,mobilenetv2}; BATCH=${BATCH:-8}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 YIRAGE_CACHE_DIR=${YIRAGE_CACHE_DIR:-/tmp/yirage-cache}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+$PY -c "import torch, triton, transformers, yirage as yr; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'backends', [b.value for b in yr.get_available_backends()])"
+if [ "$TESTS_S" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -k 10 "$TESTS_S" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" -k "${PYTEST_K:-cuda}" \
+    --junitxml="$OUT/gpu-tests.xml" ${PYTEST_PATHS:-tests} >"$OUT/gpu-tests.log" 2>&1
+  echo "tests: rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -40
+fi
+if [ "$BENCH_S" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -k 10 "$BENCH_S" $PY benchmarks/torch_compile.py --device cuda --models "$MODELS" --batch-sizes $BATCH \
+    --rounds "${ROUNDS:-3}" --threads "${THREADS:-8}" --timeout 150 >"$OUT/torch-compile-cuda.json" 2>"$OUT/torch-compile-cuda.err"
+  echo "torch_compile --device cuda: rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^\[torch_compile\].*: \{" "$OUT/torch-compile-cuda.err" | cut -c1-1500
+  tail -5 "$OUT/torch-compile-cuda.err"
+fi
