@@ -22,6 +22,16 @@ from click.testing import CliRunner  # noqa: E402
 import yirage as yr  # noqa: E402
 
 
+def pytest_runtest_logreport(report):
+    """With YIRAGE_FAILURE_LOG set, each failure's traceback is appended to that file as it
+    happens, so a run cut short by a time limit (a lent GPU machine's: benchmarks/gpu_checks.sh)
+    still keeps what went wrong."""
+    path = os.environ.get("YIRAGE_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _own_machine_profile(tmp_path_factory):
     """Kernel-provider measurements taken while the suite runs (first use, yirage.tuning) go to

@@ -277,6 +277,13 @@ def test_cli_round_trip(model, tmp_path, monkeypatch, capsys):
 
 # ---- the IR ops the encoder uses, on every backend ------------------------------------------------
 
+def _on(backend, inputs):
+    """Run a graph's ``inputs`` (CPU tensors) on ``backend``: moved to its device."""
+    from yirage.backends import get_backend_impl
+    dev = get_backend_impl(backend).torch_device
+    return [t.to(dev) for t in inputs]
+
+
 @pytest.mark.parametrize("affine", [True, False])
 def test_layer_norm_op(backend, affine):
     g = yr.new_kernel_graph()
@@ -287,7 +294,7 @@ def test_layer_norm_op(backend, affine):
     g.mark_output(g.layer_norm(g.add(X, R), (40,), W, B, eps=1e-12))
     x, r, w, b = torch.randn(3, 5, 40) * 3 + 1, torch.randn(3, 5, 40), torch.randn(40), torch.randn(40)
     inputs = [x, r, w, b] if affine else [x, r]
-    out = g(inputs=inputs, backend=backend)[0]
+    out = g(inputs=_on(backend, inputs), backend=backend)[0].cpu()
     expect = F.layer_norm(x + r, (40,), w if affine else None, b if affine else None, 1e-12)
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(g.interpret(inputs)[0], expect, atol=1e-5, rtol=1e-5)
@@ -318,7 +325,7 @@ def test_linear_w8a8_op(backend, bias, group):
     x[1, 3] = 0  # a zero row: scale 1, output = bias
     wq, ws = quantize_rows_int8(w)
     inputs = [x, wq.t().contiguous(), ws.reshape(-1)] + ([b] if bias else [])
-    out = g(inputs=inputs, backend=backend)[0]
+    out = g(inputs=_on(backend, inputs), backend=backend)[0].cpu()
     torch.testing.assert_close(out, g.interpret(inputs)[0], atol=1e-5, rtol=1e-5)
     expect = F.linear(x, w, b if bias else None)
     assert (out - expect).abs().max() <= 0.03 * expect.abs().max()  # int8 rounding of x and w
@@ -346,16 +353,16 @@ def test_attention_varlen_op(backend):
     g.mark_output(g.attention_varlen(Q, O, H))
     qkv = torch.randn(T, 3 * H * Dh)
     offsets = torch.tensor([0, 5, 10, 13, 14])
-    out = g(inputs=[qkv, offsets], backend=backend)[0]
+    out = g(inputs=_on(backend, [qkv, offsets]), backend=backend)[0].cpu()
     for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
         q, k, v = qkv[s:e].view(e - s, 3, H, Dh).permute(1, 2, 0, 3)
         expect = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(e - s, H * Dh)
         torch.testing.assert_close(out[s:e], expect, atol=1e-5, rtol=1e-5)
     assert not out[14:].any()
     with pytest.raises(yr.IndexOutOfRangeError, match="attention_varlen"):
-        g(inputs=[qkv, torch.tensor([0, 5, 4, 13, 14])], backend=backend)
+        g(inputs=_on(backend, [qkv, torch.tensor([0, 5, 4, 13, 14])]), backend=backend)
     with pytest.raises(yr.IndexOutOfRangeError, match="attention_varlen"):
-        g(inputs=[qkv, torch.tensor([0, 5, 10, 13, T + 1])], backend=backend)
+        g(inputs=_on(backend, [qkv, torch.tensor([0, 5, 10, 13, T + 1])]), backend=backend)
 
 
 def test_attention_bidir_op(backend):
@@ -369,7 +376,7 @@ def test_attention_bidir_op(backend):
     mask = torch.zeros(B, S)
     for b, n in enumerate(lengths):
         mask[b, n:] = float("-inf")
-    out = g(inputs=[qkv, mask], backend=backend)[0]
+    out = g(inputs=_on(backend, [qkv, mask]), backend=backend)[0].cpu()
     q, k, v = qkv.view(B, S, 3, H, Dh).permute(2, 0, 3, 1, 4)
     keep = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
     expect = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :]).transpose(1, 2)
