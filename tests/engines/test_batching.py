@@ -166,6 +166,7 @@ def test_batched_greedy_equals_each_prompt_alone(smollm, alone):
     assert seqs[1].finish_reason == "stop" and "3." not in seqs[1].text
     assert len(set(slots_seen.values())) == 4 and len(slots_seen) == 6   # 6 sequences on 4 slots
     assert not eng.has_work() and sorted(eng._free) == [0, 1, 2, 3]
+    assert 0 < eng.solo_steps < eng.steps   # the tail's one-row steps ran on the persistent kernel
 
 
 @pytest.mark.slow
@@ -248,3 +249,27 @@ def test_prefix_reuse_skips_the_shared_prefill_and_changes_no_token(smollm, alon
     again = run(smollm.prompt_ids(PROMPTS[2]), MAX_NEW[2])
     assert again.cached_tokens == len(again.prompt_ids) - 1 and again.result().cached_tokens == again.cached_tokens
     assert again.token_ids == other.token_ids
+    assert eng.solo_steps > 0   # one slot: its decode steps ran on the persistent kernel, over batch-written K/V
+
+
+@pytest.mark.slow
+def test_one_row_steps_on_each_slot_with_one_kernel_kept(smollm, alone, monkeypatch):
+    """With one decode kernel kept, one-row steps on two slots (each sequence alone in turn,
+    then the longer one's tail) rebuild it for each slot; every answer equals the prompt
+    run alone."""
+    import yirage.engines.batching as batching
+    monkeypatch.setattr(batching, "MAX_SOLO_KERNELS", 1)
+    eng = BatchEngine(smollm, max_slots=2, max_batch_tokens=16)
+    # the second request takes slot 0 (the prefix the first left there), the third slot 1 and outlasts it
+    keys = [(PROMPTS[3], MAX_NEW[3], None), (PROMPTS[0], MAX_NEW[0], None), (PROMPTS[1], MAX_NEW[1], None)]
+    seqs = [eng.add(smollm.prompt_ids(keys[0][0]), max_new_tokens=keys[0][1])]
+    while eng.has_work():
+        eng.step()
+    seqs += [eng.add(smollm.prompt_ids(p), max_new_tokens=n) for p, n, _ in keys[1:]]
+    slot_of = {}
+    while eng.has_work():
+        eng.step()
+        slot_of.update({s.id: s.slot for s in eng.running})
+    assert [slot_of[s.id] for s in seqs[1:]] == [0, 1] and list(eng._solo) == [1] and eng.solo_steps > MAX_NEW[3]
+    for key, seq in zip(keys, seqs):
+        assert seq.token_ids == alone[key].token_ids, key

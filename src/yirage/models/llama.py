@@ -285,10 +285,13 @@ class LlamaModel:
         g.mark_output(g.argmax(logits, -1))
 
     def decode_kernel(self, num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
-                      adaptive_workers: bool = False) -> PersistentKernel:
+                      adaptive_workers: bool = False, k_cache: list[torch.Tensor] | None = None,
+                      v_cache: list[torch.Tensor] | None = None) -> PersistentKernel:
         """The decode step (T = 1) built with ``yr.PersistentKernel``'s layers and compiled:
         the same computation as ``build_graph(1)`` (``run_step(token, pos)`` returns the
-        logits [1, vocab] and the argmax [1]); on the CPU one task graph per step. Qwen3's
+        logits [1, vocab] and the argmax [1]); on the CPU one task graph per step. It reads and
+        writes the model's own KV cache, or ``k_cache``/``v_cache``: one [max_seq_length, Hkv,
+        Dh] tensor per layer in the activation dtype (a slot of a ``BatchKVCache``). Qwen3's
         and Gemma 3's per-head q/k RMSNorm is ``attention_layer``'s ``q_norm``/``k_norm``; Gemma 3's
         post-attention / post-feedforward norms are the ``post_norm`` of
         ``linear_with_residual_layer`` / ``gelu_mul_linear_with_residual_layer`` (fused with the
@@ -297,6 +300,7 @@ class LlamaModel:
         cfg = self.cfg
         H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         dt = self.dtype
+        k_cache, v_cache = k_cache or self.k_cache, v_cache or self.v_cache
         meta = [torch.zeros(1, dtype=torch.int64), torch.zeros(self.max_seq_length, dtype=torch.int64)]
         mpk = PersistentKernel(num_workers=num_workers, max_seq_length=self.max_seq_length,
                                eos_token_id=list(cfg.eos_token_ids), meta_tensors=meta, profiler_tensor=profiler_tensor,
@@ -334,8 +338,8 @@ class LlamaModel:
             if f"{p}.self_attn.q_norm.weight" in self.weights:  # Qwen3, Gemma 3: per-head RMSNorm of q and k
                 q_norm, k_norm = W(f"{p}.self_attn.q_norm.weight"), W(f"{p}.self_attn.k_norm.weight")
             rc, rs = local if self.layer_uses_local_rope(i) else (cos, sin)
-            mpk.attention_layer(tuple(qkv), mpk.attach_input(self.k_cache[i], f"k_cache.{i}"),
-                                mpk.attach_input(self.v_cache[i], f"v_cache.{i}"), q_norm, k_norm, rc, rs, a,
+            mpk.attention_layer(tuple(qkv), mpk.attach_input(k_cache[i], f"k_cache.{i}"),
+                                mpk.attach_input(v_cache[i], f"v_cache.{i}"), q_norm, k_norm, rc, rs, a,
                                 scale=cfg.attention_scale, eps=eps, window=self.layer_window(i))
             h_attn = act(f"{p}.h_attn", H)
             post_attn = W(f"{p}.post_attention_layernorm.weight") if sandwich else None  # Gemma: before the add
