@@ -253,6 +253,43 @@ def test_prefix_reuse_skips_the_shared_prefill_and_changes_no_token(smollm, alon
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("T", [2, 5, 16])
+def test_task_graph_step_equals_the_launch_per_op_plan(smollm, T):
+    """A step of T rows (several slots, different positions) as one task graph on the
+    persistent kernel's workers (what the engine runs for up to TASK_GRAPH_MAX_ROWS rows)
+    computes the launch-per-op plan's logits, argmax and K/V rows bit for bit, in one
+    scheduler segment; a bad slot is reported as by the plan, and nothing is written."""
+    from yirage.runtime.task_graph import compiled_task_graph, get_pool
+    m = smollm.model
+    caches = [m.new_batch_cache(4) for _ in range(2)]
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, smollm.config.vocab_size, (T,), generator=g)
+    positions, slots, sample = torch.arange(T) % 7 * 5, torch.arange(T) % 4, torch.arange(T - 1, -1, -1)
+    outs, errors = [], []
+    for cache, task_graph in zip(caches, (False, True)):
+        for c in cache.k + cache.v:   # earlier keys to attend
+            c.normal_(generator=torch.Generator().manual_seed(1))
+        graph, tensors = m.build_batch_graph(T, T, cache)
+        cg = graph.compile("cpu")
+        inputs = [ids, positions, slots, sample, *tensors]
+        plan = compiled_task_graph(cg, inputs, get_pool(None)) if task_graph else cg.plan(inputs)
+        outs.append([o.clone() for o in plan.run()])
+        before = [c.clone() for c in cache.k[:1]]
+        slots[0] = 5   # 4 slots and the scratch slot
+        with pytest.raises(yr.IndexOutOfRangeError, match="attention_rows") as err:
+            plan.run()
+        errors.append(str(err.value))
+        assert torch.equal(cache.k[0], before[0])
+        slots[0] = 0
+        assert not task_graph or plan.segments == 1
+    assert errors[0] == errors[1] and "5" in errors[0]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
 def test_one_row_steps_on_each_slot_with_one_kernel_kept(smollm, alone, monkeypatch):
     """With one decode kernel kept, one-row steps on two slots (each sequence alone in turn,
     then the longer one's tail) rebuild it for each slot; every answer equals the prompt

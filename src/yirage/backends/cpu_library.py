@@ -85,7 +85,8 @@ SIGNATURES: dict[str, tuple] = {
 }
 #: task entry points (address taken, called by the persistent kernel scheduler only)
 TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_f32", "yr_task_embedding",
-                "yr_task_rope", "yr_task_attention_append", "yr_task_attention_partial",
+                "yr_task_rope", "yr_task_rope_rows", "yr_task_attention_rows_append", "yr_task_attention_rows",
+                "yr_task_attention_append", "yr_task_attention_partial",
                 "yr_task_attention_combine", "yr_task_argmax_partial", "yr_task_argmax_reduce",
                 *(f"yr_task_{op}_{t}" for op in ("linear", "embedding") for t in GGML_FORMATS))
 
@@ -526,6 +527,39 @@ def _attention_task(node, graph, args, out, status, num_workers):
     return [append, partial, combine]
 
 
+def _rope_rows_task(node, graph, args, out, status, num_workers):
+    """yr_task_rope_rows: (row, head) pairs sliced over the workers (continuous batching's
+    step as one task graph)."""
+    x, cos, sin, pos = args
+    if x.dtype != torch.float32:
+        return None
+    T, H, Dh = x.shape
+    return [task_op("rope rows", _fn("yr_task_rope_rows"),
+                    (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), out.data_ptr(), T, H, Dh,
+                     cos.shape[0], _ptr(status)),
+                    split_range(T * H, num_workers if T * H * Dh >= 65536 else 1))]
+
+
+def _attention_rows_task(node, graph, args, out, status, num_workers):
+    """yr_attention_rows as two ops: one task checks the slots and positions and writes the
+    rows' k, v into their slots; then (row, query head) pairs sliced over the workers, each
+    computed as yr_attention_rows computes it (the same results)."""
+    q, k, v, kc, vc, slots, pos = args
+    if q.dtype != torch.float32:
+        return None
+    T, Hq, Dh = q.shape
+    Hkv, (num_slots, max_seq) = k.shape[1], kc.shape[:2]
+    append = task_op("attention rows append", _fn("yr_task_attention_rows_append"),
+                     (k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), pos.data_ptr(),
+                      T, Hkv, Dh, num_slots, max_seq, _ptr(status)), [(0, 1)])
+    attend = task_op(f"attention rows {T}x{Hq}", _fn("yr_task_attention_rows"),
+                     (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), pos.data_ptr(), out.data_ptr(),
+                      T, Hq, Hkv, Dh, num_slots, max_seq, _float_bits(node.attrs["scale"]),
+                      node.attrs.get("window", 0)),
+                     split_range(T * Hq, 4 * num_workers))
+    return [append, attend]
+
+
 def _argmax_task(node, graph, args, out, status, num_workers):
     x = args[0]
     if x.dtype != torch.float32:
@@ -548,6 +582,8 @@ TASKS: dict[str, Callable] = {
     "linear": _linear_task,
     "embedding": _embedding_task,
     "rope": _rope_task,
+    "rope_rows": _rope_rows_task,
     "attention": _attention_task,
+    "attention_rows": _attention_rows_task,
     "argmax": _argmax_task,
 }

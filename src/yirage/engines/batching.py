@@ -18,6 +18,11 @@ share the longest prefix with its prompt and prefills only the rest (at least it
 token, whose logits it samples from). Attention at position p reads keys 0..p only, so the
 stale rows past the shared prefix are overwritten before they are read.
 
+On the CPU (``LLM.persistent``) a step of up to ``TASK_GRAPH_MAX_ROWS`` rows runs as one task
+graph on the persistent kernel's worker pool (``runtime.task_graph``: the row tiles of the
+small-batch GEMM, RoPE and attention of the rows as tasks), not as a launch per op whose
+OpenMP fork/joins cost a tenth of a 16-row step; it computes the same values bit for bit.
+
 A step of one row (a sequence decoding alone, as at concurrency 1 or at the tail of a batch)
 runs on the persistent decode kernel instead, where the LLM has one (``LLM.persistent``, the
 CPU): ``LlamaModel.decode_kernel`` bound to that row's KV-cache slot, the kernel that
@@ -50,10 +55,15 @@ from typing import NamedTuple
 import torch
 
 from ..errors import GenerationError
+from ..runtime.task_graph import compiled_task_graph, get_pool
 from .generate import GenerationResult, _first_stop, _positive_int, _Sampling, _stable_len, make_sampling
 
 #: the most compiled step plans kept (one per (row bucket, sample-row bucket)); the oldest goes
 MAX_PLANS = 16
+#: steps of at most this many rows run as one task graph on the persistent kernel's workers
+#: (the CPU), larger ones (prompt chunks) launch per op: the task forms of the projections are
+#: the GEMV and the small-batch row tiles, not the packed GEMM of longer prompts
+TASK_GRAPH_MAX_ROWS = 16
 #: the most one-row decode kernels kept (one per slot; each about 50 ms to build), least recently used goes
 MAX_SOLO_KERNELS = 8
 
@@ -381,7 +391,11 @@ class BatchEngine:
         g, tensors = self.model.build_batch_graph(T, R, self.cache)
         dev = self.model.device
         idx = [torch.zeros(n, dtype=torch.int64, device=dev) for n in (T, T, T, R)]
-        plan = g.compile(self.model.backend.value).plan([*idx, *tensors])
+        cg = g.compile(self.model.backend.value)
+        if self.llm.persistent and T <= TASK_GRAPH_MAX_ROWS:
+            plan = compiled_task_graph(cg, [*idx, *tensors], get_pool(self.llm.steps.num_workers))
+        else:
+            plan = cg.plan([*idx, *tensors])
         self._plans[key] = entry = (plan, *idx)
         return entry
 

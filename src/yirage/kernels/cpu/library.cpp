@@ -836,14 +836,16 @@ void gemv_f32(const float* x, const float* w, const float* bias, float* y, int64
 }
 
 #if defined(YR_AVX512)
-// Small-batch GEMM on q4_1 / q8_0 blocks (continuous batching's decode steps: GEMM_MIN_M ..
+// Small-batch GEMM on q4_1 / q8_0 blocks (continuous batching's decode steps: QUANT_ROWS_MIN_M ..
 // QUANT_ROWS_MAX_M rows of x; the tied LM head is q8_0 in the default model). The packed GEMM
 // below dequantizes and transposes every weight into panels, which at 16 rows costs about as much
 // as the multiply-adds. Here each block of two weight rows is decoded once per tile of up to 8 x
 // rows into four vectors and multiplied in dot-product form: 16 accumulators (2 weight rows x 8
 // x rows), a horizontal sum per output. Weight rows are split over the threads, so each weight
 // is read from memory once.
-constexpr int64_t QUANT_ROWS_MAX_M = 16;
+// From 2 rows on: the GEMV decodes each block once per x row, the tiles once per 8 rows (a
+// SmolLM2-135M step of 2 / 4 rows on 2 Zen 4 cores: 14.9 -> 11.5 / 27.4 -> 16.5 ms).
+constexpr int64_t QUANT_ROWS_MIN_M = 2, QUANT_ROWS_MAX_M = 16;
 
 // A block's 32 weights as two vectors (0..15, 16..31).
 struct DecodeQ4_1 {
@@ -892,24 +894,36 @@ inline void quant_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t
         }
 }
 
+// Outputs (weight rows) n0 and n0 + 1 (n0 alone when n0 + 1 == n_end) of every x row.
 template <typename D>
-void gemm_quant_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-    const int64_t nb = K / QK, rb = nb * D::BYTES, pairs = (N + 1) / 2;
-#pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
-    for (int64_t p = 0; p < pairs; ++p) {
-        const int64_t n0 = 2 * p;
-        const bool two = n0 + 1 < N;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            const int mr = (int)std::min<int64_t>(8, M - m0);
-            const float* xm = x + m0 * K;
-            const float* bn = bias ? bias + n0 : nullptr;
-            float* yo = y + m0 * N + n0;
+inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                            int64_t K, int64_t n0, int64_t n_end) {
+    const int64_t nb = K / QK, rb = nb * D::BYTES;
+    const bool two = n0 + 1 < n_end;
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int mr = (int)std::min<int64_t>(8, M - m0);
+        const float* xm = x + m0 * K;
+        const float* bn = bias ? bias + n0 : nullptr;
+        float* yo = y + m0 * N + n0;
 #define YR_CALL(R) (two ? quant_rows_tile<D, R, 2>(xm, K, w + n0 * rb, rb, nb, bn, yo, N) \
                         : quant_rows_tile<D, R, 1>(xm, K, w + n0 * rb, rb, nb, bn, yo, N))
-            YR_DISPATCH_ROWS(mr, YR_CALL)
+        YR_DISPATCH_ROWS(mr, YR_CALL)
 #undef YR_CALL
-        }
     }
+}
+
+template <typename D>
+void gemm_quant_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+    const int64_t pairs = (N + 1) / 2;
+#pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
+    for (int64_t p = 0; p < pairs; ++p) quant_rows_pair<D>(x, w, bias, y, M, N, K, 2 * p, N);
+}
+
+// The same for the weight rows [lo, hi) (a task's slice; lo even, as GEMV_ROWS slices are).
+template <typename D>
+void gemm_quant_rows_range(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                           int64_t K, int64_t lo, int64_t hi) {
+    for (int64_t n0 = lo; n0 < hi; n0 += 2) quant_rows_pair<D>(x, w, bias, y, M, N, K, n0, hi);
 }
 #endif
 
@@ -931,7 +945,7 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
 #if defined(YR_AVX512)
-    if (M >= GEMM_MIN_M && M <= QUANT_ROWS_MAX_M) {
+    if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
         gemm_quant_rows<DecodeQ4_1>(x, w, bias, y, M, N, K);
         return;
     }
@@ -950,7 +964,7 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q8_0_BYTES;
 #if defined(YR_AVX512)
-    if (M >= GEMM_MIN_M && M <= QUANT_ROWS_MAX_M) {
+    if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
         gemm_quant_rows<DecodeQ8_0>(x, w, bias, y, M, N, K);
         return;
     }
@@ -1114,6 +1128,52 @@ void yr_rope_rows(const float* x, const float* cos_table, const float* sin_table
     }
 }
 
+}  // extern "C"
+
+namespace {
+
+// attention_rows' two halves (yr_attention_rows and its task form): the rows' k, v written at
+// cache[slots[t], positions[t]] in row order (slots and positions already checked) ...
+inline void attention_rows_append(const float* k, const float* v, float* k_cache, float* v_cache,
+                                  const int64_t* slots, const int64_t* positions, int64_t T, int64_t kv_row,
+                                  int64_t slot_len) {
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t at = slots[t] * slot_len + positions[t] * kv_row;
+        std::memcpy(k_cache + at, k + t * kv_row, (size_t)kv_row * sizeof(float));
+        std::memcpy(v_cache + at, v + t * kv_row, (size_t)kv_row * sizeof(float));
+    }
+}
+
+// ... and query head h of row t (th = t * Hq + h) over keys first_key(p, window) .. p of its
+// slot, kv head h / group: out = softmax(scale * q.k) @ v, the max subtracted first.
+inline void attention_row_head(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
+                               const int64_t* positions, float* out, int64_t th, int64_t Hq, int64_t group,
+                               int64_t Dh, int64_t kv_row, int64_t slot_len, float scale, int64_t window) {
+    static thread_local std::vector<float> score_buf;
+    const int64_t t = th / Hq, h = th % Hq, kvh = h / group, p = positions[t];
+    const int64_t j0 = first_key(p, window);   // keys j0 .. p
+    const int64_t L = p + 1 - j0;
+    float* s = scratch(score_buf, (size_t)(L + VL));
+    const float* qv = q + th * Dh;
+    const float* kc = k_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
+    const float* vc = v_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) {
+        s[j] = scale * dot(qv, kc + j * kv_row, Dh);
+        mx = std::max(mx, s[j]);
+    }
+    const float sum = exp_shifted_sum(s, L, mx);
+    float* o = out + th * Dh;
+    std::fill(o, o + Dh, 0.0f);
+    for (int64_t j = 0; j < L; ++j) axpy(s[j], vc + j * kv_row, o, Dh);
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
+}
+
+}  // namespace
+
+extern "C" {
+
 // yr_attention_rows: causal GQA attention of T rows, each over its own slot of the caches.
 // q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; caches: [num_slots, max_seq, Hkv, Dh]; out: [T, Hq, Dh];
 // slots, positions: int64 [T]. Every slot must be in [0, num_slots) and every position in
@@ -1130,36 +1190,15 @@ void yr_attention_rows(const float* q, const float* k, const float* v, float* k_
     if (!rows_in_range(slots, T, num_slots, status) || !rows_in_range(positions, T, max_seq, status)) return;
     const int64_t kv_row = Hkv * Dh;            // floats per cache position
     const int64_t slot_len = max_seq * kv_row;  // floats per slot
+    attention_rows_append(k, v, k_cache, v_cache, slots, positions, T, kv_row, slot_len);
     int64_t work = 0;
-    for (int64_t t = 0; t < T; ++t) {
-        const int64_t at = slots[t] * slot_len + positions[t] * kv_row;
-        std::memcpy(k_cache + at, k + t * kv_row, (size_t)kv_row * sizeof(float));
-        std::memcpy(v_cache + at, v + t * kv_row, (size_t)kv_row * sizeof(float));
-        work += (positions[t] + 1 - first_key(positions[t], window)) * Hq * Dh;
-    }
+    for (int64_t t = 0; t < T; ++t) work += (positions[t] + 1 - first_key(positions[t], window)) * Hq * Dh;
+    (void)work;  // read by the OpenMP if clause only
     const int64_t group = Hq / Hkv;
 #pragma omp parallel for schedule(dynamic, 1) if (work >= PAR_MIN_MACS / 4)
-    for (int64_t th = 0; th < T * Hq; ++th) {
-        static thread_local std::vector<float> score_buf;
-        const int64_t t = th / Hq, h = th % Hq, kvh = h / group, p = positions[t];
-        const int64_t j0 = first_key(p, window);   // keys j0 .. p
-        const int64_t L = p + 1 - j0;
-        float* s = scratch(score_buf, (size_t)(L + VL));
-        const float* qv = q + th * Dh;
-        const float* kc = k_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
-        const float* vc = v_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < L; ++j) {
-            s[j] = scale * dot(qv, kc + j * kv_row, Dh);
-            mx = std::max(mx, s[j]);
-        }
-        const float sum = exp_shifted_sum(s, L, mx);
-        float* o = out + th * Dh;
-        std::fill(o, o + Dh, 0.0f);
-        for (int64_t j = 0; j < L; ++j) axpy(s[j], vc + j * kv_row, o, Dh);
-        const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
-    }
+    for (int64_t th = 0; th < T * Hq; ++th)
+        attention_row_head(q, k_cache, v_cache, slots, positions, out, th, Hq, group, Dh, kv_row, slot_len, scale,
+                           window);
 }
 
 // =================================================================================
@@ -1317,6 +1356,13 @@ extern "C" {
 // a = {x, w, bias|0, y, M, N, K}; [lo, hi): output columns (weight rows) of y.
 void yr_task_linear_q4_1(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
+#if defined(YR_AVX512)
+    if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {   // as yr_linear_q4_1: the small-batch row tiles
+        gemm_quant_rows_range<DecodeQ4_1>(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*),
+                                          YR_ARG(2, const float*), YR_ARG(3, float*), M, N, K, lo, hi);
+        return;
+    }
+#endif
     gemv_q4_1(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*), YR_ARG(3, float*),
               M, N, K, YR_TASK_GROUPS);
 }
@@ -1324,6 +1370,13 @@ void yr_task_linear_q4_1(const int64_t* a, int64_t lo, int64_t hi) {
 // a = {x, w, bias|0, y, M, N, K}; [lo, hi): weight rows.
 void yr_task_linear_q8_0(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
+#if defined(YR_AVX512)
+    if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
+        gemm_quant_rows_range<DecodeQ8_0>(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*),
+                                          YR_ARG(2, const float*), YR_ARG(3, float*), M, N, K, lo, hi);
+        return;
+    }
+#endif
     gemv_q8_0(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*), YR_ARG(3, float*),
               M, N, K, YR_TASK_GROUPS);
 }
@@ -1333,6 +1386,53 @@ void yr_task_linear_f32(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
     gemv_f32(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, const float*), YR_ARG(3, float*),
              M, N, K, YR_TASK_GROUPS);
+}
+
+// a = {x, cos, sin, positions, out, T, H, Dh, S, status}; [lo, hi): (row, head) pairs t * H + h.
+// yr_rope_rows as tasks: each task checks every position (a step's few rows) and writes nothing
+// if one is out of [0, S); the task of pair 0 reports it.
+void yr_task_rope_rows(const int64_t* a, int64_t lo, int64_t hi) {
+    const int64_t* positions = YR_ARG(3, const int64_t*);
+    const int64_t T = a[5], H = a[6], Dh = a[7], S = a[8];
+    if (!rows_in_range(positions, T, S, lo == 0 ? YR_ARG(9, int64_t*) : nullptr)) return;
+    const float* x = YR_ARG(0, const float*);
+    const float* cos_table = YR_ARG(1, const float*);
+    const float* sin_table = YR_ARG(2, const float*);
+    float* out = YR_ARG(4, float*);
+    const int64_t half = Dh / 2;
+    for (int64_t th = lo; th < hi; ++th) {
+        const int64_t p = positions[th / H];
+        rope_vec(x + th * Dh, cos_table + p * half, sin_table + p * half, out + th * Dh, Dh);
+    }
+}
+
+// a = {k, v, k_cache, v_cache, slots, positions, T, Hkv, Dh, num_slots, max_seq, status}; one task:
+// yr_attention_rows' checks (slots, then positions: the first bad one reported, nothing written)
+// and its writes of the rows' k, v into their slots.
+void yr_task_attention_rows_append(const int64_t* a, int64_t, int64_t) {
+    const int64_t* slots = YR_ARG(4, const int64_t*);
+    const int64_t* positions = YR_ARG(5, const int64_t*);
+    const int64_t T = a[6], kv_row = a[7] * a[8], num_slots = a[9], max_seq = a[10];
+    int64_t* status = YR_ARG(11, int64_t*);
+    if (!rows_in_range(slots, T, num_slots, status) || !rows_in_range(positions, T, max_seq, status)) return;
+    attention_rows_append(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, float*), YR_ARG(3, float*),
+                          slots, positions, T, kv_row, max_seq * kv_row);
+}
+
+// a = {q, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale bits, window};
+// [lo, hi): (row, query head) pairs t * Hq + h, as yr_attention_rows computes them (after the
+// append task). With a slot or position out of range (reported by the append task) nothing is
+// read or written.
+void yr_task_attention_rows(const int64_t* a, int64_t lo, int64_t hi) {
+    const int64_t* slots = YR_ARG(3, const int64_t*);
+    const int64_t* positions = YR_ARG(4, const int64_t*);
+    const int64_t T = a[6], Hq = a[7], Hkv = a[8], Dh = a[9], num_slots = a[10], max_seq = a[11];
+    if (!rows_in_range(slots, T, num_slots, nullptr) || !rows_in_range(positions, T, max_seq, nullptr)) return;
+    const int64_t kv_row = Hkv * Dh;
+    for (int64_t th = lo; th < hi; ++th)
+        attention_row_head(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, const float*), slots,
+                           positions, YR_ARG(5, float*), th, Hq, Hq / Hkv, Dh, kv_row, max_seq * kv_row,
+                           float_arg(a[12]), a[13]);
 }
 
 // a = {ids, table, out, T, D, V, status, format (0 f32, 1 q8_0, 2 q4_1)}; [lo, hi): tokens.
