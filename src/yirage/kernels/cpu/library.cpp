@@ -241,6 +241,22 @@ inline float exp_shifted_sum(float* s, int64_t n, float mx) {
     return sum;
 }
 
+// One query's attention over L cached keys (rows kv_row floats apart from kc, vc):
+// o = softmax(scale * q.k) @ v, the max subtracted first; s: scratch of >= L + VL floats.
+inline void attend_keys(const float* qv, const float* kc, const float* vc, int64_t kv_row, int64_t L, int64_t Dh,
+                        float scale, float* s, float* o) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) {
+        s[j] = scale * dot(qv, kc + j * kv_row, Dh);
+        mx = std::max(mx, s[j]);
+    }
+    const float sum = exp_shifted_sum(s, L, mx);
+    std::fill(o, o + Dh, 0.0f);
+    for (int64_t j = 0; j < L; ++j) axpy(s[j], vc + j * kv_row, o, Dh);
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
+}
+
 // =================================================================================
 // Block dequantization (bitwise equal to gguf.quants.dequantize)
 // =================================================================================
@@ -1085,20 +1101,8 @@ void yr_attention_window(const float* q, const float* k, const float* v, float* 
         const int64_t j0 = first_key(p0 + t, window);   // keys j0 .. p0+t
         const int64_t L = p0 + t + 1 - j0;
         float* s = scratch(score_buf, (size_t)(std::max<int64_t>(max_seq, L) + VL));
-        const float* qv = q + th * Dh;
-        const float* kc = k_cache + kvh * Dh + j0 * kv_row;
-        const float* vc = v_cache + kvh * Dh + j0 * kv_row;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < L; ++j) {
-            s[j] = scale * dot(qv, kc + j * kv_row, Dh);
-            mx = std::max(mx, s[j]);
-        }
-        const float sum = exp_shifted_sum(s, L, mx);
-        float* o = out + th * Dh;
-        std::fill(o, o + Dh, 0.0f);
-        for (int64_t jj = 0; jj < L; ++jj) axpy(s[jj], vc + jj * kv_row, o, Dh);
-        const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
+        attend_keys(q + th * Dh, k_cache + kvh * Dh + j0 * kv_row, v_cache + kvh * Dh + j0 * kv_row, kv_row, L, Dh,
+                    scale, s, out + th * Dh);
     }
 }
 
@@ -1154,20 +1158,8 @@ inline void attention_row_head(const float* q, const float* k_cache, const float
     const int64_t j0 = first_key(p, window);   // keys j0 .. p
     const int64_t L = p + 1 - j0;
     float* s = scratch(score_buf, (size_t)(L + VL));
-    const float* qv = q + th * Dh;
-    const float* kc = k_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
-    const float* vc = v_cache + slots[t] * slot_len + kvh * Dh + j0 * kv_row;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-        s[j] = scale * dot(qv, kc + j * kv_row, Dh);
-        mx = std::max(mx, s[j]);
-    }
-    const float sum = exp_shifted_sum(s, L, mx);
-    float* o = out + th * Dh;
-    std::fill(o, o + Dh, 0.0f);
-    for (int64_t j = 0; j < L; ++j) axpy(s[j], vc + j * kv_row, o, Dh);
-    const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
+    const int64_t base = slots[t] * slot_len + kvh * Dh + j0 * kv_row;
+    attend_keys(q + th * Dh, k_cache + base, v_cache + base, kv_row, L, Dh, scale, s, out + th * Dh);
 }
 
 }  // namespace
