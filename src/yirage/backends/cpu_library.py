@@ -58,6 +58,7 @@ SIGNATURES: dict[str, tuple] = {
     "yr_attention_window": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     # x, cos, sin, positions [T], out, T, H, Dh, S (table rows), status
     "yr_rope_rows": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
+    "yr_linear_task_rows": (_P,),   # out int64 [2]: the most rows of the q4_1/q8_0 and other linear tasks
     # q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale, window, status
     "yr_attention_rows": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
@@ -449,6 +450,15 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", float(x)))[0]
 
 
+@functools.lru_cache(maxsize=1)
+def _task_linear_rows() -> tuple[int, int]:
+    """(q4_1 / q8_0, every other weight format): the most x rows for which a linear's task form
+    computes as its launch does (library.cpp ``yr_linear_task_rows``)."""
+    out = torch.zeros(2, dtype=torch.int64)
+    library().yr_linear_task_rows(out.data_ptr())
+    return int(out[0]), int(out[1])
+
+
 def _linear_task(node, graph, args, out, status, num_workers):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
@@ -466,6 +476,8 @@ def _linear_task(node, graph, args, out, status, num_workers):
         return None
     N, K = wt.shape
     M = x.numel() // K
+    if M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0) else 1]:
+        return None   # launched: its packed GEMM beats a GEMV per row
     tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
     # One token (a GEMV): each task writes y[lo:hi] only, so it may be redone elsewhere.
     return [task_op(f"linear {wt.dtype.value} {N}x{K}", _fn(fn),

@@ -18,10 +18,14 @@ share the longest prefix with its prompt and prefills only the rest (at least it
 token, whose logits it samples from). Attention at position p reads keys 0..p only, so the
 stale rows past the shared prefix are overwritten before they are read.
 
-On the CPU (``LLM.persistent``) a step of up to ``TASK_GRAPH_MAX_ROWS`` rows runs as one task
-graph on the persistent kernel's worker pool (``runtime.task_graph``: the row tiles of the
-small-batch GEMM, RoPE and attention of the rows as tasks), not as a launch per op whose
-OpenMP fork/joins cost a tenth of a 16-row step; it computes the same values bit for bit.
+On the CPU (``LLM.persistent``) a step of up to ``TASK_GRAPH_MAX_ROWS`` rows runs as a task
+graph on the persistent kernel's worker pool (``runtime.task_graph``: the small-batch row tiles
+or GEMVs of the projections, RoPE and attention of the rows as tasks), not as a launch per op
+whose OpenMP fork/joins cost a tenth of a 16-row step. On q4_1/q8_0 weights it computes the
+launches' values bit for bit; float32 projections of 2-5 rows run as GEMV tasks instead of the
+provider measured for the launch (last-bit differences), and projections the tasks have no
+better kernel for (float32 from 6 rows, other GGUF formats from 6 rows) are launched between
+task-graph segments.
 
 A step of one row (a sequence decoding alone, as at concurrency 1 or at the tail of a batch)
 runs on the persistent decode kernel instead, where the LLM has one (``LLM.persistent``, the

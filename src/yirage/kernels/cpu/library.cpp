@@ -1380,6 +1380,18 @@ void yr_task_linear_f32(const int64_t* a, int64_t lo, int64_t hi) {
              M, N, K, YR_TASK_GROUPS);
 }
 
+// out[0], out[1]: the most x rows for which yr_task_linear_{q4_1,q8_0} and the other formats'
+// task forms compute as the launches do (the row tiles, or the GEMV below GEMM_MIN_M rows); with
+// more rows the launch's packed GEMM is the better kernel, and a task form would be a GEMV per row.
+void yr_linear_task_rows(int64_t* out) {
+#if defined(YR_AVX512)
+    out[0] = QUANT_ROWS_MAX_M;
+#else
+    out[0] = GEMM_MIN_M - 1;
+#endif
+    out[1] = GEMM_MIN_M - 1;
+}
+
 // a = {x, cos, sin, positions, out, T, H, Dh, S, status}; [lo, hi): (row, head) pairs t * H + h.
 // yr_rope_rows as tasks: each task checks every position (a step's few rows) and writes nothing
 // if one is out of [0, S); the task of pair 0 reports it.
