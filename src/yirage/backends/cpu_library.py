@@ -464,7 +464,7 @@ def _linear_task(node, graph, args, out, status, num_workers):
     bias = args[2] if len(args) == 3 else None
     wt = graph.tensors[node.inputs[1]]
     if (x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32)
-            or node.attrs.get("weight_layout", "nk") != "nk"):
+            or node.attrs.get("weight_layout", "nk") != "nk" or node.attrs.get("compute_dtype")):
         return None
     if wt.dtype.is_quantized:
         if wt.dtype not in _QUANT:
@@ -478,6 +478,12 @@ def _linear_task(node, graph, args, out, status, num_workers):
     M = x.numel() // K
     if M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0) else 1]:
         return None   # launched: its packed GEMM beats a GEMV per row
+    if wt.dtype.is_quantized and M >= cpu_providers.VENDOR_QUANT_MIN_M:
+        # a vendor GEMM competes for this shape class: tasks only where yirage's kernel won
+        # (the launch would run the same row tiles); else the launch with the measured winner
+        case = cpu_providers.case_of("linear", list(args), out, quant=(wt.dtype.value, N, K))
+        if case is None or cpu_providers.choose(case, list(args))[0].name != "yirage":
+            return None
     tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
     # One token (a GEMV): each task writes y[lo:hi] only, so it may be redone elsewhere.
     return [task_op(f"linear {wt.dtype.value} {N}x{K}", _fn(fn),
