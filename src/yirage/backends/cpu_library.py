@@ -507,11 +507,14 @@ def _embedding_task(node, graph, args, out, status, num_workers):
 
 
 def _rope_task(node, graph, args, out, status, num_workers):
+    """yr_task_rope (``rope``: one start position) or yr_task_rope_rows (``rope_rows``: a
+    position per row, continuous batching's step), both with the argument block {x, cos, sin,
+    positions, out, T, H, Dh, S, status} and (row, head) pairs sliced over the workers."""
     x, cos, sin, pos = args
     if x.dtype != torch.float32:
         return None
     T, H, Dh = x.shape
-    return [task_op("rope", _fn("yr_task_rope"),
+    return [task_op(node.op.replace("_", " "), _fn(f"yr_task_{node.op}"),
                     (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), out.data_ptr(), T, H, Dh,
                      cos.shape[0], _ptr(status)),
                     split_range(T * H, num_workers if T * H * Dh >= 65536 else 1))]
@@ -543,19 +546,6 @@ def _attention_task(node, graph, args, out, status, num_workers):
                       (part.data_ptr(), out.data_ptr(), T, Hq, Dh, splits),
                       split_range(T * Hq, num_workers if T * Hq * splits * Dh >= 65536 else 1), keep=[part])
     return [append, partial, combine]
-
-
-def _rope_rows_task(node, graph, args, out, status, num_workers):
-    """yr_task_rope_rows: (row, head) pairs sliced over the workers (continuous batching's
-    step as one task graph)."""
-    x, cos, sin, pos = args
-    if x.dtype != torch.float32:
-        return None
-    T, H, Dh = x.shape
-    return [task_op("rope rows", _fn("yr_task_rope_rows"),
-                    (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), out.data_ptr(), T, H, Dh,
-                     cos.shape[0], _ptr(status)),
-                    split_range(T * H, num_workers if T * H * Dh >= 65536 else 1))]
 
 
 def _attention_rows_task(node, graph, args, out, status, num_workers):
@@ -600,7 +590,7 @@ TASKS: dict[str, Callable] = {
     "linear": _linear_task,
     "embedding": _embedding_task,
     "rope": _rope_task,
-    "rope_rows": _rope_rows_task,
+    "rope_rows": _rope_task,
     "attention": _attention_task,
     "attention_rows": _attention_rows_task,
     "argmax": _argmax_task,

@@ -21,8 +21,8 @@ stale rows past the shared prefix are overwritten before they are read.
 On the CPU (``LLM.persistent``) a step of up to ``TASK_GRAPH_MAX_ROWS`` rows runs as a task
 graph on the persistent kernel's worker pool (``runtime.task_graph``: the small-batch row tiles
 or GEMVs of the projections, RoPE and attention of the rows as tasks), not as a launch per op
-whose OpenMP fork/joins cost a tenth of a 16-row step. On q4_1/q8_0 weights it computes the
-launches' values bit for bit; float32 projections of 2-5 rows run as GEMV tasks instead of the
+whose OpenMP fork/joins cost a third of a 16-row step (62 -> 42 ms on SmolLM2-135M, 2-core
+Zen 4). On q4_1/q8_0 weights it computes the launches' values bit for bit; float32 projections of 2-5 rows run as GEMV tasks instead of the
 provider measured for the launch (last-bit differences), and projections the tasks have no
 better kernel for (float32 from 6 rows, other GGUF formats from 6 rows) are launched between
 task-graph segments.
