@@ -139,7 +139,7 @@ def test_a_provider_added_since_the_measurement_is_measured(monkeypatch):
     tuning.active_profile().entries[key] = {"choice": "old", "median_s": {"old": 1e-6}}
     measured = []
 
-    def fake_measure(thunks, budget_s):
+    def fake_measure(thunks, budget_s, **kw):
         measured.append(sorted(thunks))
         return None
     monkeypatch.setattr(tuning, "measure", fake_measure)

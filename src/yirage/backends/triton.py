@@ -317,9 +317,23 @@ class TritonBackend(BackendImpl):
         from ..runtime.triton_kernels import compile_triton
         return compile_triton(kernels)
 
+    #: choose between the Triton kernel and torch's own op by measurement (triton_providers.py);
+    #: off for the interpreter, which exists to test the Triton kernels
+    measures_vendor = True
+
     def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
-        """The Triton library kernel for ``node`` (yirage/kernels/triton)."""
-        return OPS[node.op][1](node, graph, args, out, status)
+        """The Triton library kernel for ``node`` (yirage/kernels/triton), or for ``linear``,
+        ``matmul``, ``conv2d`` and ``sdpa`` the faster of it and torch's op (cuBLAS, cuDNN, ...)
+        for the shape class, measured (``triton_providers``)."""
+        bind = OPS[node.op][1]
+        if not self.measures_vendor:
+            return bind(node, graph, args, out, status)
+        from . import triton_providers
+        if node.op == "linear_stack":   # each part chooses as the linear it stands for
+            def bind_part(n, g, a, o, s):
+                return triton_providers.bind(n, g, a, o, s, _linear, self.synchronize)
+            return bind_linear_stack_parts(node, graph, args, out, status, bind_part)
+        return triton_providers.bind(node, graph, args, out, status, bind, self.synchronize)
 
     def bind_customized_group(self, nodes, graph, args, outs):
         """All outputs of one block graph as one Triton kernel (triton_threadblock.py)."""
@@ -336,6 +350,7 @@ class TritonInterpreterBackend(TritonBackend):
 
     name = Backend.TRITON_INTERPRET
     device_type = "cpu"
+    measures_vendor = False
 
     def unavailable_reason(self) -> str | None:
         # the environment first: importing Triton costs ~0.3 s that a CPU-only 'auto' must not pay

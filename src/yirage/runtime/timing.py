@@ -33,11 +33,11 @@ MIN_SAMPLE_S = 0.002
 ROUNDS = 7
 
 
-def _noop() -> None:
-    pass
+def no_sync() -> None:
+    """The default ``sync``: CPU work is done when the call returns."""
 
 
-def calibrate(fn: Callable[[], object], min_sample_s: float = MIN_SAMPLE_S, sync: Callable[[], None] = _noop,
+def calibrate(fn: Callable[[], object], min_sample_s: float = MIN_SAMPLE_S, sync: Callable[[], None] = no_sync,
               warmup: int = 1, max_calls: int = 1 << 20) -> int:
     """Calls per sample so that one sample of ``fn`` lasts at least ``min_sample_s`` seconds,
     from one timed call after ``warmup`` untimed ones (at least 1, at most ``max_calls``)."""
@@ -51,7 +51,7 @@ def calibrate(fn: Callable[[], object], min_sample_s: float = MIN_SAMPLE_S, sync
     return max(1, min(max_calls, math.ceil(min_sample_s / once)))
 
 
-def sample(fn: Callable[[], object], calls: int, sync: Callable[[], None] = _noop) -> float:
+def sample(fn: Callable[[], object], calls: int, sync: Callable[[], None] = no_sync) -> float:
     """Seconds per call of ``fn`` over one batch of ``calls`` back-to-back calls, the device
     synchronized (``sync``) once at the end."""
     t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def beats(ratios: list[float], margin: float = 0.03, consistency: float = 2 / 3)
 
 
 def compare(candidates: Mapping[str, Callable[[], object]], rounds: int = ROUNDS,
-            min_sample_s: float = MIN_SAMPLE_S, sync: Callable[[], None] = _noop, warmup: int = 1,
+            min_sample_s: float = MIN_SAMPLE_S, sync: Callable[[], None] = no_sync, warmup: int = 1,
             deadline: float | None = None, min_rounds: int = 3,
             calls: Mapping[str, int] | None = None) -> Comparison:
     """Time ``candidates`` ({name: zero-argument callable}) in interleaved rounds.
@@ -163,7 +163,7 @@ def compare(candidates: Mapping[str, Callable[[], object]], rounds: int = ROUNDS
 
 
 def bench(fn: Callable[[], object], rounds: int = ROUNDS, min_sample_s: float = MIN_SAMPLE_S,
-          sync: Callable[[], None] = _noop, warmup: int = 1) -> float:
+          sync: Callable[[], None] = no_sync, warmup: int = 1) -> float:
     """Median seconds per call of one callable (``compare`` with one candidate)."""
     return compare({"fn": fn}, rounds, min_sample_s, sync, warmup).median("fn")
 

@@ -252,10 +252,11 @@ def lookup(key: str, candidates: Mapping[str, object]) -> Choice | None:
 
 
 def measure(candidates: Mapping[str, Callable[[], object]], budget_s: float = FIRST_USE_BUDGET_S,
-            min_sample_s: float = 0.001) -> timing.Comparison:
+            min_sample_s: float = 0.001, sync: Callable[[], None] = timing.no_sync) -> timing.Comparison:
     """Time ready-to-run candidates ({name: thunk}) in interleaved rounds for about
-    ``budget_s`` seconds (at least 3 rounds)."""
-    return timing.compare(candidates, rounds=9, min_sample_s=min_sample_s,
+    ``budget_s`` seconds (at least 3 rounds); ``sync`` waits for a device's queued work after
+    each sample (GPU candidates)."""
+    return timing.compare(candidates, rounds=9, min_sample_s=min_sample_s, sync=sync,
                           deadline=time.perf_counter() + budget_s, min_rounds=3)
 
 
@@ -310,7 +311,7 @@ def record(key: str, comparison: timing.Comparison, source: str, profile: Profil
 
 
 def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]], default: str,
-           budget_s: float = FIRST_USE_BUDGET_S) -> Choice:
+           budget_s: float = FIRST_USE_BUDGET_S, sync: Callable[[], None] = timing.no_sync) -> Choice:
     """The provider for shape class ``key``.
 
     Args:
@@ -319,6 +320,7 @@ def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]
             is only called when a measurement is needed. A factory that raises leaves its
             provider out (logged at DEBUG).
         default: the provider used with ``YIRAGE_TUNE=off`` (must be a candidate).
+        sync: waits for queued device work; called after each timed sample (GPU providers).
 
     Returns: a ``Choice``. Raises YirageError for a bad ``YIRAGE_TUNE`` or a default that is not
     a candidate.
@@ -340,7 +342,7 @@ def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]
             logger.debug("provider %s left out of %s: %s: %s", name, key, type(e).__name__, e)
     if len(thunks) <= 1:   # nothing to compare: not recorded, asked again by the next process
         return Choice(next(iter(thunks), default), "only candidate")
-    choice = record(key, measure(thunks, budget_s), "first use")
+    choice = record(key, measure(thunks, budget_s, sync=sync), "first use")
     logger.info("%s: %s chosen by measurement (%s)", key, choice.provider,
                 ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in choice.median_s.items()))
     return choice

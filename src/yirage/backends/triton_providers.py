@@ -1,0 +1,196 @@
+"""Kernel choice on the GPU backends: yirage's Triton kernel or torch's own op, by measurement.
+
+The Triton backends have their own kernel for every library op (``backends/triton.py``). For
+four of them the GPU's vendor libraries, reached through torch, are candidates too, and the
+faster of the two per shape class runs, as the CPU chooses among its providers
+(``cpu_providers.py``, ``cpu_conv.py``):
+
+| op        | ``yirage`` (kernels/triton)                 | ``torch`` (the vendor library through torch)  |
+|-----------|---------------------------------------------|-----------------------------------------------|
+| ``linear``  | GEMV / tiled GEMM (``linear.py``, ``matmul.py`` for [K, N] weights) | ``torch.addmm`` / ``torch.mm`` (cuBLAS, hipBLAS) |
+| ``matmul``  | batched tiled GEMM (``matmul.py``)          | ``torch.matmul`` (cuBLAS, hipBLAS)            |
+| ``conv2d``  | implicit GEMM / direct depthwise with the fused epilogue (``conv.py``) | ``F.conv2d`` (cuDNN, MIOpen), then the epilogue as torch ops (the op's reference) |
+| ``sdpa``    | FlashAttention forward (``sdpa.py``)        | ``F.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN attention) |
+
+Only float weights of x's dtype have a ``torch`` candidate for ``linear`` (q4_1/q8_0 blocks and
+``compute_dtype`` stay yirage's). Both compute what the op's reference computes, up to the
+order of the sums; ``torch``'s float32 GEMMs follow torch's own settings
+(``torch.backends.cuda.matmul.allow_tf32``: off by default, so IEEE float32 like yirage's).
+
+The shape class is ``tuning.shape_class`` with the GPU's name in the dtype field
+(``linear|NVIDIA-H100-80GB-HBM3/float32|m1024|n768|k768|t0``): a choice is never read on
+another GPU, and the profile file is already per host and library versions (``tuning``). Each
+candidate is timed on random activations of the class and the real weights, with the device
+synchronized after every sample. ``YIRAGE_TUNE=off`` gives ``yirage``. Triton's interpreter
+('triton-interpret') does not measure: it exists to test the Triton kernels, so they always run
+there; tests reach this module's providers through ``bind_provider``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..ir.conv import conv_inputs
+from ..ir.ops import OPS
+from ..tuning import profile as tuning
+
+#: the ops with a ``torch`` candidate
+VENDOR_OPS = ("linear", "matmul", "conv2d", "sdpa")
+#: the provider with YIRAGE_TUNE=off, and the only one where torch's does not apply
+DEFAULT = "yirage"
+
+Binder = Callable   # (node, graph, args, out, status) -> thunk
+
+
+def vendor_applies(node, graph) -> bool:
+    """Does ``node`` have a ``torch`` candidate? (``linear``: a float weight of x's dtype, no
+    ``compute_dtype``.)"""
+    if node.op not in VENDOR_OPS:
+        return False
+    if node.op == "linear":
+        x, w = (graph.tensors[i] for i in node.inputs[:2])
+        return x.dtype.is_float and w.dtype == x.dtype and not node.attrs.get("compute_dtype")
+    return True
+
+
+def _linear_torch(node, graph, args, out, status):
+    """x @ W^T (+ bias) with ``torch.mm`` / ``torch.addmm``; W [N, K], or [K, N] (``kn``)."""
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) == 3 else None
+    kn = node.attrs.get("weight_layout") == "kn"
+    K, N = (w.shape[0], w.shape[1]) if kn else (w.shape[1], w.shape[0])
+    o2 = out.view(-1, N)
+    x2 = x.view(-1, K) if x.is_contiguous() else None   # else reshaped at each call (reads x then)
+
+    def run():
+        xm = x2 if x2 is not None else x.reshape(-1, K)
+        wt = w if kn else w.t()   # now: a weight whose storage was replaced is read where it is
+        if bias is None:
+            torch.mm(xm, wt, out=o2)
+        else:
+            torch.addmm(bias, xm, wt, out=o2)
+    return run
+
+
+def _matmul_torch(node, graph, args, out, status):
+    a, b = args
+    return lambda: torch.matmul(a, b, out=out)
+
+
+def _reference_torch(node, graph, args, out, status):
+    """The op's torch reference (``ir`` op table), copied into ``out``."""
+    ref, attrs = OPS[node.op].reference, node.attrs
+    return lambda: out.copy_(ref(args, attrs))
+
+
+VENDOR: dict[str, Binder] = {"linear": _linear_torch, "matmul": _matmul_torch, "conv2d": _reference_torch,
+                             "sdpa": _reference_torch}
+
+
+def _activations(node, args) -> list[int]:
+    """Positions of the inputs that are activations (random in a measurement; the rest, the
+    weights, stay real)."""
+    if node.op == "linear":
+        return [0]
+    if node.op == "conv2d":
+        c = conv_inputs(list(args), node.attrs)
+        return [0] + ([len(args) - 1] if c.residual is not None else [])
+    return list(range(len(args)))   # matmul's two operands; sdpa's q, k, v and mask
+
+
+def _like(t: torch.Tensor, fill: bool) -> torch.Tensor:
+    """A tensor with ``t``'s sizes, strides, dtype and device over storage of its own: uniform
+    [0, 1) values (no denormals, no NaN) if ``fill``, else uninitialized."""
+    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    base = torch.empty(span, dtype=t.dtype, device=t.device)
+    if fill and span:
+        base.uniform_() if t.is_floating_point() else base.zero_()
+    return base.as_strided(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tag(device: str) -> str:
+    """The GPU's name for shape classes ('NVIDIA-H100-80GB-HBM3'), or the device type."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev).replace(" ", "-")
+    if dev.type == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.xpu.get_device_name(dev).replace(" ", "-")
+    return dev.type
+
+
+def shape_key(node, graph, args, out) -> str:
+    """The shape class ``node`` is measured and recorded under (see the module docstring):
+    ``linear``: M x N x K, the weight layout and a bias; ``matmul``: the batch, M, N, K;
+    ``conv2d``: N*Ho*Wo x O x (C/groups)*kh*kw with the kernel size, stride, groups, layout and
+    residual; ``sdpa``: B*H*S x T x D with the head counts, mask and causality."""
+    x = args[0]
+    what = f"{_device_tag(str(x.device))}/{x.dtype}".replace("torch.", "")
+    a = node.attrs
+    if node.op == "linear":
+        w = args[1]
+        kn = a.get("weight_layout") == "kn"
+        K, N = (w.shape[0], w.shape[1]) if kn else (w.shape[1], w.shape[0])
+        what += ("/kn" if kn else "") + ("/bias" if len(args) == 3 else "")
+        return tuning.shape_class("linear", what, x.numel() // max(1, K), N, K, 0)
+    if node.op == "matmul":
+        M, K, N = x.shape[-2], x.shape[-1], args[1].shape[-1]
+        return tuning.shape_class("matmul", f"{what}/b{out.numel() // max(1, M * N)}", M, N, K, 0)
+    if node.op == "conv2d":
+        c = conv_inputs(list(args), a)
+        O, cg, kh, kw = c.weight.shape
+        rows = out.numel() // max(1, O)
+        what += (f"/{a.get('layout', 'nchw')}/{kh}x{kw}/s{a['stride'][0]}"
+                 f"/g{'dw' if a['groups'] == O and cg == 1 else a['groups']}"
+                 + ("/bn" if a.get("bn") else "") + ("/res" if c.residual is not None else ""))
+        return tuning.shape_class("conv2d", what, rows, O, cg * kh * kw, 0)
+    B, H, S, D = x.shape
+    k = args[1]
+    what += f"/h{H}-{k.shape[1]}" + ("/mask" if len(args) == 4 else "") + ("/causal" if a.get("causal") else "")
+    return tuning.shape_class(node.op, what, B * H * S, k.shape[2], D, 0)
+
+
+def bind_provider(name: str, node, graph, args, out, status, bind_yirage: Binder):
+    """The thunk of provider ``name`` ('yirage': ``bind_yirage``, the Triton kernel's binder;
+    'torch': the vendor op) for ``node``. KeyError for another name."""
+    if name == "yirage":
+        return bind_yirage(node, graph, args, out, status)
+    if name != "torch":
+        raise KeyError(f"no provider {name!r} for {node.op} on the Triton backends (yirage, torch)")
+    return VENDOR[node.op](node, graph, args, out, status)
+
+
+def bind(node, graph, args, out, status, bind_yirage: Binder, sync: Callable[[], None]):
+    """The thunk for ``node`` on the provider chosen for its shape class (``tuning.choose``:
+    the profile, a template, or a measurement now, each sample followed by ``sync``);
+    ``thunk.provider`` says which and how it was chosen. Ops without a ``torch`` candidate get
+    ``bind_yirage``'s thunk."""
+    if not vendor_applies(node, graph):
+        return bind_yirage(node, graph, args, out, status)
+    act = _activations(node, args)
+
+    def factory(name):
+        def make():   # random activations (the plan's buffers hold garbage now), the real weights
+            sample = [_like(t, fill=True) if i in act else t for i, t in enumerate(args)]
+            so = _like(out, fill=False)
+            thunk = bind_provider(name, node, graph, sample, so, status, bind_yirage)
+            thunk.samples = (sample, so)   # kept alive with the thunk
+            return thunk
+        return make
+    choice = tuning.choose(shape_key(node, graph, args, out), {n: factory(n) for n in ("yirage", "torch")},
+                           DEFAULT, sync=sync)
+    thunk = bind_provider(choice.provider, node, graph, args, out, status, bind_yirage)
+    try:
+        thunk.provider = f"{choice.provider} ({choice.source})"
+    except AttributeError:   # a builtin or bound method: wrapped so it can carry the attribute
+        inner = thunk
+
+        def thunk():
+            return inner()
+        thunk.provider = f"{choice.provider} ({choice.source})"
+    return thunk
+
+
+__all__ = ["VENDOR_OPS", "DEFAULT", "vendor_applies", "shape_key", "bind_provider", "bind"]

@@ -1,0 +1,144 @@
+"""Kernel choice on the Triton backends (backends/triton_providers.py): yirage's Triton kernel or
+torch's op (cuBLAS, cuDNN, torch's SDPA on a GPU) for linear, matmul, conv2d and sdpa.
+
+Without a GPU these run on 'triton-interpret' with its measuring switched on for the test (the
+interpreter itself never measures: it exists to test the Triton kernels): each provider,
+pinned, computes what torch eager does; the first use measures both with the backend's sync
+after every sample and records the choice under a key naming the device; YIRAGE_TUNE=off and
+ops without a vendor candidate keep yirage's kernel."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import yirage as yr
+from yirage.backends import triton_providers
+from yirage.backends.triton import TritonInterpreterBackend
+from yirage.tuning import profile as tuning
+
+pytestmark = pytest.mark.skipif(not yr.get_backend_info("triton-interpret").available,
+                                reason="Triton's interpreter is not available")
+
+
+def _linear(layout, bias, M=5):
+    g = yr.new_kernel_graph("triton-interpret")
+    N, K = 24, 40
+    x = g.new_input((M, K))
+    w = g.new_input((K, N) if layout == "kn" else (N, K))
+    ins = [torch.randn(M, K), torch.randn((K, N) if layout == "kn" else (N, K)) / K ** 0.5]
+    wt = ins[1] if layout == "kn" else ins[1].t()
+    want = ins[0] @ wt
+    if bias:
+        b = g.new_input((N,))
+        ins.append(torch.randn(N))
+        want = want + ins[2]
+        y = g.linear(x, w, b, weight_layout=layout)
+    else:
+        y = g.linear(x, w, weight_layout=layout)
+    g.mark_output(y)
+    return g, ins, want
+
+
+def _matmul():
+    g = yr.new_kernel_graph("triton-interpret")
+    a, b = g.new_input((3, 7, 16)), g.new_input((3, 16, 12))
+    g.mark_output(g.matmul(a, b))
+    ins = [torch.randn(3, 7, 16), torch.randn(3, 16, 12)]
+    return g, ins, ins[0] @ ins[1]
+
+
+def _sdpa():
+    g = yr.new_kernel_graph("triton-interpret")
+    q, k, v = g.new_input((2, 4, 9, 16)), g.new_input((2, 2, 9, 16)), g.new_input((2, 2, 9, 16))
+    g.mark_output(g.sdpa(q, k, v, causal=True))
+    ins = [torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)]
+    return g, ins, F.scaled_dot_product_attention(*ins, is_causal=True, enable_gqa=True)
+
+
+def _conv():
+    """conv -> BatchNorm -> + (strided 1x1 conv -> BatchNorm) -> ReLU, pooled (conformance's
+    block: fused into conv2d ops with epilogues)."""
+    from yirage.tools import conformance
+    return conformance._conv_block(1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu", yr.float32)
+
+
+CASES = {"linear-nk-bias": lambda: _linear("nk", True), "linear-nk": lambda: _linear("nk", False),
+         "linear-kn-bias": lambda: _linear("kn", True), "matmul-batched": _matmul, "sdpa-causal-gqa": _sdpa,
+         "conv-block": _conv}
+
+
+@pytest.fixture
+def measuring(monkeypatch):
+    """The interpreter backend choosing as a GPU backend does."""
+    monkeypatch.setattr(TritonInterpreterBackend, "measures_vendor", True)
+
+
+def _outputs(out, want):
+    return (list(out), list(want.values())) if isinstance(want, dict) else ([out[0]], [want])
+
+
+@pytest.mark.parametrize("provider", ["yirage", "torch"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_provider_computes_what_torch_eager_does(case, provider, measuring, monkeypatch):
+    chosen = []
+
+    def pin(key, cands, default, **kw):
+        assert set(cands) == {"yirage", "torch"} and default == "yirage" and callable(kw.get("sync"))
+        chosen.append(key)
+        return tuning.Choice(provider, "pinned")
+    monkeypatch.setattr(tuning, "choose", pin)
+    g, ins, want = CASES[case]()
+    plan = g.compile("triton-interpret").plan(ins)
+    op = {"conv": "conv2d"}.get(case.split("-")[0], case.split("-")[0])
+    assert chosen and all(k.startswith(f"{op}|cpu/float32") and k.endswith("|t0") for k in chosen)
+    picked = [t.provider for t in plan.thunks if hasattr(t, "provider")]
+    assert picked and set(picked) == {f"{provider} (pinned)"}
+    got, expected = _outputs(plan.run(), want)
+    if isinstance(want, dict):
+        got = [got[i] for i in want]
+    for o, w in zip(got, expected):
+        torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-4)
+
+
+def test_first_use_measures_both_with_the_device_sync_and_records_the_choice(measuring, monkeypatch):
+    monkeypatch.setattr(tuning, "unsteady_reason", lambda c: None)
+    syncs = []
+    monkeypatch.setattr(TritonInterpreterBackend, "synchronize", lambda self: syncs.append(1))
+    g, ins, want = _linear("nk", True)
+    plan = g.compile("triton-interpret").plan(ins)
+    key = "linear|cpu/float32/bias|m4|n24|k40|t0"
+    entry = tuning.active_profile().entries[key]
+    assert set(entry["median_s"]) == {"yirage", "torch"} and entry["source"] == "first use"
+    assert entry["choice"] == min(entry["median_s"], key=entry["median_s"].get)
+    assert len(syncs) >= 6   # after every sample: 3+ rounds of 2 candidates
+    assert plan.thunks[0].provider == f"{entry['choice']} (measured)"
+    torch.testing.assert_close(plan.run()[0], want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured again"))
+    g2, ins2, _ = _linear("nk", True, M=7)   # M 7: the same bucket of rows (4..7)
+    plan2 = g2.compile("triton-interpret").plan(ins2)
+    assert plan2.thunks[0].provider == f"{entry['choice']} (profile)"
+
+
+def test_the_interpreter_and_tune_off_keep_the_triton_kernel(monkeypatch):
+    monkeypatch.setattr(tuning, "choose", lambda *a, **k: pytest.fail("the interpreter measured"))
+    g, ins, want = _linear("nk", True)
+    plan = g.compile("triton-interpret").plan(ins)
+    assert not any(hasattr(t, "provider") for t in plan.thunks)   # Triton's kernel, bound directly
+    torch.testing.assert_close(plan.run()[0], want, rtol=1e-4, atol=1e-4)
+    monkeypatch.undo()
+    monkeypatch.setattr(TritonInterpreterBackend, "measures_vendor", True)
+    monkeypatch.setenv("YIRAGE_TUNE", "off")
+    plan = g.compile("triton-interpret").plan(ins)
+    assert plan.thunks[0].provider == "yirage (default (YIRAGE_TUNE=off))"
+
+
+def test_only_float_weights_of_the_activations_dtype_have_a_torch_candidate():
+    g = yr.new_kernel_graph("triton-interpret")
+    x = g.new_input((2, 64))
+    w = g.new_input((8, 64), dtype="q8_0")
+    g.mark_output(g.linear(x, w))
+    node = next(n for n in g.ops if n.op == "linear")
+    assert not triton_providers.vendor_applies(node, g)
+    g2, _, _ = _linear("nk", False)
+    assert triton_providers.vendor_applies(next(n for n in g2.ops if n.op == "linear"), g2)
+    with pytest.raises(KeyError, match="yirage, torch"):
+        triton_providers.bind_provider("mkl", node, g, [], None, None, None)
