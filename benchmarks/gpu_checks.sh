@@ -41,13 +41,18 @@ if [ "$TESTS_S" -gt 0 ]; then
   export YIRAGE_FAILURE_LOG="$OUT/gpu-failures.log"   # tracebacks as they happen (tests/conftest.py)
   for paths in "${PYTEST_PATHS:-tests}" ${PYTEST_PATHS2:+"$PYTEST_PATHS2"}; do
     left=$(( TESTS_S - ($(date +%s) - start) )); [ "$left" -gt 10 ] || break
-    timeout -k 10 "$left" $PY -m pytest -v --tb=short -W ignore -p no:cacheprovider -p no:benchmark $per_test \
-      -n "${WORKERS:-8}" -k "${PYTEST_K:-cuda}" $paths >>"$OUT/gpu-tests.log" 2>&1
-    echo "tests ($paths): rc=$? at $(( $(date +%s) - start )) s"
+    # its own process group (setsid), killed whole afterwards: a time limit ends pytest, not
+    # its xdist workers, which would go on using the GPU during the benchmarks
+    setsid timeout -k 10 "$left" $PY -m pytest -v --tb=short -W ignore -p no:cacheprovider -p no:benchmark \
+      $per_test -n "${WORKERS:-8}" -k "${PYTEST_K:-cuda}" $paths >>"$OUT/gpu-tests.log" 2>&1 &
+    group=$!; wait $group; rc=$?
+    kill -9 -- -$group 2>/dev/null; sleep 1
+    echo "tests ($paths): rc=$rc at $(( $(date +%s) - start )) s"
   done
   echo "passed $(grep -c ' PASSED ' "$OUT/gpu-tests.log"), skipped $(grep -c ' SKIPPED ' "$OUT/gpu-tests.log")"
   grep -E " (FAILED|ERROR) " "$OUT/gpu-tests.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | head -40
 fi
+echo "before the benchmarks: load $(cut -d' ' -f1-3 /proc/loadavg), pytest processes left: $(pgrep -c -f pytest)"
 if [ "$BENCH_S" -gt 0 ]; then
   start=$(date +%s)
   timeout -k 10 "$BENCH_S" $PY benchmarks/torch_compile.py --device cuda --models "$MODELS" --batch-sizes $BATCH \

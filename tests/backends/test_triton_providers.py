@@ -61,8 +61,28 @@ def _conv():
     return conformance._conv_block(1, 6, 11, 10, 8, 3, 2, 1, "conv", "relu", yr.float32)
 
 
+def _layout():
+    """A permute (BERT's head split) and a cat with a pad after it: strided copies."""
+    g = yr.new_kernel_graph("triton-interpret")
+    x, y = g.new_input((2, 5, 3, 4)), g.new_input((2, 3, 5, 2))
+    p = g.permute(x, (0, 2, 1, 3))
+    g.mark_output(g.pad(g.cat([p, y], dim=3), [(0, 0), (0, 0), (0, 0), (1, 2)], 0.5))
+    ins = [torch.randn(2, 5, 3, 4), torch.randn(2, 3, 5, 2)]
+    return g, ins, F.pad(torch.cat([ins[0].permute(0, 2, 1, 3), ins[1]], dim=3), (1, 2), value=0.5)
+
+
+def _sdpa_mask_causal():
+    g = yr.new_kernel_graph("triton-interpret")
+    q, k, v, m = (g.new_input(s) for s in ((2, 4, 9, 16), (2, 2, 11, 16), (2, 2, 11, 16), (2, 1, 1, 11)))
+    g.mark_output(g.sdpa(q, k, v, m, causal=True))
+    ins = [torch.randn(2, 4, 9, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 1, 1, 11)]
+    want = F.scaled_dot_product_attention(*ins[:3], attn_mask=ins[3], is_causal=True, enable_gqa=True)
+    return g, ins, want
+
+
 CASES = {"linear-nk-bias": lambda: _linear("nk", True), "linear-nk": lambda: _linear("nk", False),
          "linear-kn-bias": lambda: _linear("kn", True), "matmul-batched": _matmul, "sdpa-causal-gqa": _sdpa,
+         "sdpa-mask-causal": _sdpa_mask_causal, "layout-permute-cat-pad": _layout,
          "conv-block": _conv}
 
 
@@ -90,6 +110,8 @@ def test_each_provider_computes_what_torch_eager_does(case, provider, measuring,
     plan = g.compile("triton-interpret").plan(ins)
     op = {"conv": "conv2d"}.get(case.split("-")[0], case.split("-")[0])
     assert chosen and all(k.startswith(f"{op}|cpu/float32") and k.endswith("|t0") for k in chosen)
+    if op == "layout":
+        assert {k.split("|")[1] for k in chosen} == {"cpu/float32/permute/0213", "cpu/float32/cat", "cpu/float32/pad"}
     picked = [t.provider for t in plan.thunks if hasattr(t, "provider")]
     assert picked and set(picked) == {f"{provider} (pinned)"}
     got, expected = _outputs(plan.run(), want)

@@ -586,3 +586,20 @@ def test_linear_w8a8_errors(K):
         K.linear_w8a8(x, w_t, ws, None, torch.empty(3, 9), ws_ok)
     with pytest.raises(ValueError, match="workspace"):
         K.linear_w8a8(x, w_t, ws, None, out, K.linear_w8a8_workspace(torch.randn(4, 64), 16))
+
+
+@pytest.mark.parametrize("idx32", [True, False])
+def test_strided_copy_int32_and_int64_indices(K, device, idx32):
+    """A permute (BERT's head split [B, S, H, D] -> [B, H, S, D]) and a strided slice into an
+    offset window of the output, with int32 and with int64 index arithmetic, against torch."""
+    x = torch.randn(2, 7, 3, 5, device=device)
+    out = torch.zeros(2, 3, 7, 5, device=device)
+    sizes, src = (2, 3, 7, 5), (105, 5, 15, 1)   # x.permute(0, 2, 1, 3)'s strides
+    assert K.fits_int32(sizes, src, (105, 35, 5, 1), 0, 0)
+    K.strided_copy(x, out, K.strided_copy_meta(sizes, src, (105, 35, 5, 1), device), 210, 0, 0, idx32)
+    torch.testing.assert_close(out, x.permute(0, 2, 1, 3), rtol=0, atol=0)
+    window = torch.zeros(40, device=device)   # x[1, 2:6:2, 0, :] into window[7:17]
+    K.strided_copy(x, window, K.strided_copy_meta((2, 5), (30, 1), (5, 1), device), 10, 105 + 30, 7, idx32)
+    torch.testing.assert_close(window[7:17], x[1, 2:6:2, 0, :].reshape(-1), rtol=0, atol=0)
+    assert window[:7].eq(0).all() and window[17:].eq(0).all()
+    assert not K.fits_int32((2 ** 16, 2 ** 16), (2 ** 16, 1), (1, 2 ** 16), 0, 0)

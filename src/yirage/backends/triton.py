@@ -217,15 +217,16 @@ def _layout(node, graph, args, out, status):
         total = 1
         for n in c.sizes:
             total *= n
-        calls.append((args[c.input], meta, total, c.src_offset, c.dst_offset))
+        idx32 = lib.fits_int32(c.sizes, c.src_strides, c.dst_strides, c.src_offset, c.dst_offset)
+        calls.append((args[c.input], meta, total, c.src_offset, c.dst_offset, idx32))
     fn = lib.strided_copy
     fill = node.attrs["value"] if node.op == "pad" else None   # pad: the borders (a fill first)
 
     def run():
         if fill is not None:
             out.fill_(fill)
-        for src, meta, total, so, do in calls:
-            fn(src, out, meta, total, so, do)
+        for src, meta, total, so, do, idx32 in calls:
+            fn(src, out, meta, total, so, do, idx32)
     return run
 
 
@@ -250,16 +251,17 @@ def _always(node, graph) -> bool:
 def _conv2d(node, graph, args, out, status):
     """conv2d with its epilogue (kernels/triton/conv.py): the implicit GEMM, or the direct
     depthwise kernel; a folded BatchNorm runs as the epilogue's per-channel scale and shift,
-    computed from the statistics at each call (a few [O] ops)."""
-    from ..ir.conv import bn_scale_shift, conv_inputs
+    computed from the statistics when they change (``BatchNormFold``)."""
+    from ..ir.conv import conv_inputs
+    from .triton_providers import BatchNormFold
     a = node.attrs
     c = conv_inputs(list(args), a)
-    fn, bn = _lib().conv2d, a.get("bn")
+    fn, bn = _lib().conv2d, BatchNormFold.of(c, a)
     geometry = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), a["groups"])
     act, act_args, nhwc = a.get("activation"), a.get("act_args") or (0.0, 0.0), a.get("layout") == "nhwc"
 
     def run():
-        scale, shift = bn_scale_shift(c.mean, c.var, c.bn_weight, c.bn_bias, bn["eps"]) if bn else (None, None)
+        scale, shift = bn.scale_shift() if bn else (None, None)
         fn(c.x, c.weight, c.bias, out, *geometry, scale, shift, c.residual, act, act_args, nhwc)
     return run
 

@@ -11,11 +11,15 @@ faster of the two per shape class runs, as the CPU chooses among its providers
 | ``matmul``  | batched tiled GEMM (``matmul.py``)          | ``torch.matmul`` (cuBLAS, hipBLAS)            |
 | ``conv2d``  | implicit GEMM / direct depthwise with the fused epilogue (``conv.py``) | ``F.conv2d`` (cuDNN, MIOpen), then the epilogue as torch ops (the op's reference) |
 | ``sdpa``    | FlashAttention forward (``sdpa.py``)        | ``F.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN attention) |
+| layout ops (``permute``, ``expand``, ``slice``, ``select``, ``cat``, ``pad``) | strided copies (``strided.py``) | ``Tensor.copy_`` between strided views |
 
 Only float weights of x's dtype have a ``torch`` candidate for ``linear`` (q4_1/q8_0 blocks and
 ``compute_dtype`` stay yirage's). Both compute what the op's reference computes, up to the
-order of the sums; ``torch``'s float32 GEMMs follow torch's own settings
-(``torch.backends.cuda.matmul.allow_tf32``: off by default, so IEEE float32 like yirage's).
+order of the sums; ``torch``'s float32 GEMMs and convolutions follow torch's own settings, as
+eager does: ``torch.backends.cuda.matmul.allow_tf32`` is off by default (IEEE float32, like
+yirage's kernels), ``torch.backends.cudnn.allow_tf32`` on (convolutions in TF32). ``torch``'s
+``conv2d`` folds a BatchNorm into the weight and bias (``BatchNormFold``: once, and again only
+when the statistics or weights are written), so cuDNN's convolution adds the bias itself.
 
 The shape class is ``tuning.shape_class`` with the GPU's name in the dtype field
 (``linear|NVIDIA-H100-80GB-HBM3/float32|m1024|n768|k768|t0``): a choice is never read on
@@ -32,12 +36,17 @@ from typing import Callable
 
 import torch
 
-from ..ir.conv import conv_inputs
+import torch.nn.functional as F
+
+from ..ir.conv import ACTIVATIONS, bn_scale_shift, conv_inputs
 from ..ir.ops import OPS
 from ..tuning import profile as tuning
+from .strided_views import copies
 
+#: the layout ops (strided copies)
+LAYOUT_OPS = ("permute", "expand", "slice", "select", "cat", "pad")
 #: the ops with a ``torch`` candidate
-VENDOR_OPS = ("linear", "matmul", "conv2d", "sdpa")
+VENDOR_OPS = ("linear", "matmul", "conv2d", "sdpa", *LAYOUT_OPS)
 #: the provider with YIRAGE_TUNE=off, and the only one where torch's does not apply
 DEFAULT = "yirage"
 
@@ -85,8 +94,100 @@ def _reference_torch(node, graph, args, out, status):
     return lambda: out.copy_(ref(args, attrs))
 
 
-VENDOR: dict[str, Binder] = {"linear": _linear_torch, "matmul": _matmul_torch, "conv2d": _reference_torch,
-                             "sdpa": _reference_torch}
+class BatchNormFold:
+    """A convolution's inference BatchNorm (attr ``bn``) as a per-channel ``scale`` and
+    ``shift`` (``ir.conv.bn_scale_shift``), or folded into the convolution's weight and bias
+    (``folded``: ``w * scale``, ``bias * scale + shift``). Each is computed once and again only
+    when a tensor it comes from is written (its version counter) or replaced (its storage), so
+    frozen statistics cost nothing per call and writes stay visible; during a CUDA graph capture
+    it is computed by the captured kernels themselves, so that replays read the tensors."""
+
+    def __init__(self, c, eps: float):
+        self.c, self.eps, self._ss, self._fold = c, eps, (None, None), (None, None)
+
+    @classmethod
+    def of(cls, c, attrs: dict) -> "BatchNormFold | None":
+        """The fold of ``c`` (``ir.conv.ConvInputs``) if ``attrs`` has a BatchNorm, else None."""
+        return cls(c, attrs["bn"]["eps"]) if attrs.get("bn") else None
+
+    @staticmethod
+    def _state(tensors) -> tuple:
+        return tuple((t.data_ptr(), t._version) for t in tensors if t is not None)
+
+    @staticmethod
+    def _capturing(t: torch.Tensor) -> bool:
+        return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift), float32 [O] each."""
+        c = self.c
+        stats = (c.mean, c.var, c.bn_weight, c.bn_bias)
+        if self._capturing(c.mean):
+            return bn_scale_shift(*stats, self.eps)
+        key = self._state(stats)
+        if self._ss[0] != key:
+            self._ss = (key, bn_scale_shift(*stats, self.eps))
+        return self._ss[1]
+
+    def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight [O, C/groups, kh, kw], bias [O]) in the weight's dtype, the BatchNorm folded in."""
+        c = self.c
+        tensors = (c.weight, c.bias, c.mean, c.var, c.bn_weight, c.bn_bias)
+        capturing = self._capturing(c.weight)
+        key = None if capturing else self._state(tensors)
+        if capturing or self._fold[0] != key:
+            scale, shift = bn_scale_shift(c.mean, c.var, c.bn_weight, c.bn_bias, self.eps)
+            w = (c.weight.float() * scale.view(-1, 1, 1, 1)).to(c.weight.dtype)
+            b = shift if c.bias is None else c.bias.float() * scale + shift
+            if capturing:
+                return w, b.to(c.weight.dtype)
+            self._fold = (key, (w, b.to(c.weight.dtype)))
+        return self._fold[1]
+
+
+def _conv_torch(node, graph, args, out, status):
+    """``F.conv2d`` (cuDNN) with a BatchNorm folded into its weight and bias, then the residual
+    and the activation in place, copied into ``out`` (NHWC buffers as channels-last views)."""
+    a = node.attrs
+    c = conv_inputs(list(args), a)
+    nhwc = a.get("layout", "nchw") == "nhwc"
+
+    def nchw(t):
+        return None if t is None else t.permute(0, 3, 1, 2) if nhwc else t
+    x, y, r = nchw(c.x), nchw(out), nchw(c.residual)
+    bn = BatchNormFold.of(c, a)
+    geometry = (tuple(a["stride"]), tuple(a["padding"]), tuple(a["dilation"]), a["groups"])
+    act, act_args = ACTIVATIONS.get(a.get("activation")), a.get("act_args") or []
+
+    def run():
+        w, b = bn.folded() if bn else (c.weight, c.bias)
+        z = F.conv2d(x, w, b, *geometry)
+        if r is not None:
+            z.add_(r)
+        y.copy_(act(z, act_args) if act else z)
+    return run
+
+
+def _layout_torch(node, graph, args, out, status):
+    """A layout op as ``Tensor.copy_`` between strided views of its input(s) and ``out`` (the
+    copies of ``strided_views.copies``; pad's borders filled first)."""
+    pairs = []
+    for c in copies(node, graph):
+        src = args[c.input]
+        pairs.append((out.as_strided(c.sizes, c.dst_strides, out.storage_offset() + c.dst_offset),
+                      src.as_strided(c.sizes, c.src_strides, src.storage_offset() + c.src_offset)))
+    fill = node.attrs["value"] if node.op == "pad" else None
+
+    def run():
+        if fill is not None:
+            out.fill_(fill)
+        for dst, src in pairs:
+            dst.copy_(src)
+    return run
+
+
+VENDOR: dict[str, Binder] = {"linear": _linear_torch, "matmul": _matmul_torch, "conv2d": _conv_torch,
+                             "sdpa": _reference_torch, **{op: _layout_torch for op in LAYOUT_OPS}}
 
 
 def _activations(node, args) -> list[int]:
@@ -125,10 +226,14 @@ def shape_key(node, graph, args, out) -> str:
     """The shape class ``node`` is measured and recorded under (see the module docstring):
     ``linear``: M x N x K, the weight layout and a bias; ``matmul``: the batch, M, N, K;
     ``conv2d``: N*Ho*Wo x O x (C/groups)*kh*kw with the kernel size, stride, groups, layout and
-    residual; ``sdpa``: B*H*S x T x D with the head counts, mask and causality."""
+    residual; ``sdpa``: B*H*S x T x D with the head counts, mask and causality; layout ops: the
+    output's elements x the inputs x the output's rank, with the op (and permute's dims)."""
     x = args[0]
     what = f"{_device_tag(str(x.device))}/{x.dtype}".replace("torch.", "")
     a = node.attrs
+    if node.op in LAYOUT_OPS:
+        what += f"/{node.op}" + ("/" + "".join(map(str, a["dims"])) if node.op == "permute" else "")
+        return tuning.shape_class("layout", what, out.numel(), len(node.inputs), out.dim(), 0)
     if node.op == "linear":
         w = args[1]
         kn = a.get("weight_layout") == "kn"

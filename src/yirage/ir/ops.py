@@ -827,6 +827,10 @@ def sdpa_reference(q, k, v, mask=None, causal: bool = False, scale: float | None
     """Scaled dot-product attention (Vaswani et al. 2017) as torch computes it:
     ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)``,
     with GQA (k/v heads repeated over the query heads they serve)."""
+    if mask is not None and causal:   # one additive mask: torch's GPU kernels refuse both together
+        S, T = q.shape[2], k.shape[2]
+        keep = torch.ones(S, T, dtype=torch.bool, device=q.device).tril()   # torch's is_causal: top-left aligned
+        mask, causal = torch.where(keep, mask, torch.tensor(float("-inf"), dtype=mask.dtype, device=mask.device)), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 

@@ -57,9 +57,9 @@ from .linear import linear
 from .matmul import matmul
 from .rope import rope, rope_rows
 from .sdpa import sdpa
-from .strided import cumsum_mid, reduce_mid, softmax_mid, strided_copy, strided_copy_meta
+from .strided import cumsum_mid, fits_int32, reduce_mid, softmax_mid, strided_copy, strided_copy_meta
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
            "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "cumsum_mid", "strided_copy",
-           "strided_copy_meta", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
+           "strided_copy_meta", "fits_int32", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
            "conv2d", "pool2d", "sdpa", "rope_rows", "attention_rows"]
