@@ -190,6 +190,7 @@ def _yirage_output_code_class():
             return self.run(*inputs)
 
         def prepare_for_serialization(self) -> None:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
             from torch.fx._graph_pickler import GraphPickler, Options
 
             from .partition import YiragePartition
@@ -199,7 +200,10 @@ def _yirage_output_code_class():
                 if isinstance(part, YiragePartition):
                     setattr(top, name, _copy_for_storage(part.torch_module))
                     layout[name] = (list(part.constant_positions), sorted(part.static_positions))
-            self._serialized = GraphPickler.dumps(top, Options(ops_filter=None))
+            # real tensors: a model's folded constants pickle as host copies, which on a GPU is a
+            # device-to-host copy that an active fake mode (torch's AOT compile) would refuse
+            with unset_fake_temporarily():
+                self._serialized = GraphPickler.dumps(top, Options(ops_filter=None))
             self._layout = layout
             self.module = self.run = None
 
