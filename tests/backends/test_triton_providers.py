@@ -164,3 +164,28 @@ def test_only_float_weights_of_the_activations_dtype_have_a_torch_candidate():
     assert triton_providers.vendor_applies(next(n for n in g2.ops if n.op == "linear"), g2)
     with pytest.raises(KeyError, match="yirage, torch"):
         triton_providers.bind_provider("mkl", node, g, [], None, None, None)
+
+
+@pytest.mark.parametrize("provider", ["yirage", "torch"])
+def test_a_written_batch_norm_statistic_or_weight_is_seen_by_the_next_call(provider, measuring, monkeypatch):
+    """BatchNormFold computes the folded BatchNorm once, and again after a write to a statistic
+    or the convolution's weight (version counter): a frozen model's parameters written in place
+    stay visible, for the Triton kernel's scale and shift as for cuDNN's folded weight."""
+    monkeypatch.setattr(tuning, "choose", lambda key, cands, default, **kw: tuning.Choice(provider, "pinned"))
+    g = yr.new_kernel_graph("triton-interpret")
+    x, w = g.new_input((1, 4, 6, 5)), g.new_input((6, 4, 3, 3))
+    stats = [g.new_input((6,)) for _ in range(4)]
+    g.mark_output(g.relu(g.batch_norm(g.conv2d(x, w, None, 1, 1), *stats, eps=1e-5)))
+    ins = [torch.randn(1, 4, 6, 5), torch.randn(6, 4, 3, 3) / 3, torch.randn(6), torch.rand(6) + 0.5,
+           torch.randn(6), torch.randn(6)]
+
+    def want():
+        y = F.conv2d(ins[0], ins[1], None, 1, 1)
+        return F.batch_norm(y, ins[2], ins[3], ins[4], ins[5], training=False, eps=1e-5).relu()
+    plan = g.compile("triton-interpret").plan(ins)
+    assert [t.provider for t in plan.thunks if hasattr(t, "provider")] == [f"{provider} (pinned)"]
+    torch.testing.assert_close(plan.run()[0], want(), rtol=1e-4, atol=1e-4)
+    ins[3].mul_(4.0)   # running_var
+    torch.testing.assert_close(plan.run()[0], want(), rtol=1e-4, atol=1e-4)
+    ins[1].neg_()      # the convolution's weight
+    torch.testing.assert_close(plan.run()[0], want(), rtol=1e-4, atol=1e-4)

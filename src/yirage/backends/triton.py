@@ -325,8 +325,8 @@ class TritonBackend(BackendImpl):
 
     def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
         """The Triton library kernel for ``node`` (yirage/kernels/triton), or for ``linear``,
-        ``matmul``, ``conv2d`` and ``sdpa`` the faster of it and torch's op (cuBLAS, cuDNN, ...)
-        for the shape class, measured (``triton_providers``)."""
+        ``matmul``, ``conv2d``, ``sdpa`` and the layout ops the faster of it and torch's op
+        (cuBLAS, cuDNN, ...) for the shape class, measured (``triton_providers``)."""
         bind = OPS[node.op][1]
         if not self.measures_vendor:
             return bind(node, graph, args, out, status)

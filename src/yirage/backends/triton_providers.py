@@ -1,15 +1,15 @@
 """Kernel choice on the GPU backends: yirage's Triton kernel or torch's own op, by measurement.
 
 The Triton backends have their own kernel for every library op (``backends/triton.py``). For
-four of them the GPU's vendor libraries, reached through torch, are candidates too, and the
-faster of the two per shape class runs, as the CPU chooses among its providers
-(``cpu_providers.py``, ``cpu_conv.py``):
+the GEMMs, convolutions, attention and layout copies the GPU's vendor libraries, reached
+through torch, are candidates too, and the faster of the two per shape class runs, as the CPU
+chooses among its providers (``cpu_providers.py``, ``cpu_conv.py``):
 
 | op        | ``yirage`` (kernels/triton)                 | ``torch`` (the vendor library through torch)  |
 |-----------|---------------------------------------------|-----------------------------------------------|
 | ``linear``  | GEMV / tiled GEMM (``linear.py``, ``matmul.py`` for [K, N] weights) | ``torch.addmm`` / ``torch.mm`` (cuBLAS, hipBLAS) |
 | ``matmul``  | batched tiled GEMM (``matmul.py``)          | ``torch.matmul`` (cuBLAS, hipBLAS)            |
-| ``conv2d``  | implicit GEMM / direct depthwise with the fused epilogue (``conv.py``) | ``F.conv2d`` (cuDNN, MIOpen), then the epilogue as torch ops (the op's reference) |
+| ``conv2d``  | implicit GEMM / direct depthwise with the fused epilogue (``conv.py``) | ``F.conv2d`` (cuDNN, MIOpen) with the BatchNorm folded in, then the residual and activation as torch ops |
 | ``sdpa``    | FlashAttention forward (``sdpa.py``)        | ``F.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN attention) |
 | layout ops (``permute``, ``expand``, ``slice``, ``select``, ``cat``, ``pad``) | strided copies (``strided.py``) | ``Tensor.copy_`` between strided views |
 
@@ -19,7 +19,8 @@ order of the sums; ``torch``'s float32 GEMMs and convolutions follow torch's own
 eager does: ``torch.backends.cuda.matmul.allow_tf32`` is off by default (IEEE float32, like
 yirage's kernels), ``torch.backends.cudnn.allow_tf32`` on (convolutions in TF32). ``torch``'s
 ``conv2d`` folds a BatchNorm into the weight and bias (``BatchNormFold``: once, and again only
-when the statistics or weights are written), so cuDNN's convolution adds the bias itself.
+when the statistics or weights are written; it keeps that folded copy of the weight while the
+plan lives), so cuDNN's convolution adds the bias itself.
 
 The shape class is ``tuning.shape_class`` with the GPU's name in the dtype field
 (``linear|NVIDIA-H100-80GB-HBM3/float32|m1024|n768|k768|t0``): a choice is never read on
@@ -35,7 +36,6 @@ import functools
 from typing import Callable
 
 import torch
-
 import torch.nn.functional as F
 
 from ..ir.conv import ACTIVATIONS, bn_scale_shift, conv_inputs
@@ -298,4 +298,5 @@ def bind(node, graph, args, out, status, bind_yirage: Binder, sync: Callable[[],
     return thunk
 
 
-__all__ = ["VENDOR_OPS", "DEFAULT", "vendor_applies", "shape_key", "bind_provider", "bind"]
+__all__ = ["VENDOR_OPS", "LAYOUT_OPS", "DEFAULT", "BatchNormFold", "vendor_applies", "shape_key", "bind_provider",
+           "bind"]
