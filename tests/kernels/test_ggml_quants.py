@@ -220,6 +220,24 @@ def test_linear_extreme_blocks(lib, fmt, fill):
         assert_linear_close(y, x, w, None)
 
 
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k"])
+def test_linear_int_gemv_x_at_half_steps(lib, fmt):
+    """The integer GEMV's split of x into int8 parts where every element sits half a step of the
+    first part from a grid point (x = +-0.5 with max|x| = 127: the first part's scale is 1): the
+    remainder is exactly half a step, the worst case of the second part's range. The parts must
+    still carry x to float32's precision (with 256 steps per part the second part needed 128 and
+    saturated at 127, losing 0.002 per element)."""
+    per = DType(fmt).block[0]
+    N, K = 9, 2 * per
+    raw, w = weight(fmt, N, K, seed=5)
+    x = torch.full((1, K), 0.5)
+    x[0, 1::2] = -0.5
+    x[0, ::per] = 127.0
+    y = torch.full((1, N), float("nan"))
+    getattr(lib, f"yr_linear_{fmt}")(_ptr(x), _ptr(raw), None, _ptr(y), 1, N, K)
+    assert_linear_close(y, x, w, None)
+
+
 @pytest.fixture(scope="module")
 def lib_no_vbmi():
     """The native build without AVX512-VBMI: the K-quants' integer GEMV of AVX512-VNNI CPUs
@@ -242,6 +260,7 @@ def test_linear_int_gemv_without_vbmi(lib_no_vbmi, fmt):
         y = torch.full((M, N), float("nan"))
         getattr(lib_no_vbmi, f"yr_linear_{fmt}")(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K)
         assert_linear_close(y, x, w, bias)
+    test_linear_int_gemv_x_at_half_steps(lib_no_vbmi, fmt)   # its own split of x (gemv_rows_int)
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0", "q2_k", "q3_k", "iq4_nl", "iq4_xs"])

@@ -702,29 +702,33 @@ struct IQ4_XS : Chunked<IQ4_XS> {
 // With 2-3 bits a weight, the float path (a table lookup and an FMA per 16 weights) is
 // compute-bound at about 0.45-0.55x Q4_1's GB/s. Here the quants stay bytes and meet x in
 // vpdpbusd (64 byte products a vector op). x is first split per block of 256 into three int8
-// parts: s = max|x| / 127, x1 = round(x / s), x2 = round(256 (x - s x1) / s), x3 likewise for
-// what x1 and x2 leave (each saturated to int8), so x = s (x1 + x2 / 256 + x3 / 65536) to
-// within s / 65536 = max|x| 2^-23 / 127: the precision of float32 at the block's largest
-// element (so results stay within float32 tolerance, unlike the 8-bit activations of
-// llama.cpp's q8_K). The 16 sub-block sums of x are kept in float for the terms that do not
+// parts: s = max|x| / 127, x1 = round(x / s), x2 = round(128 (x - s x1) / s), x3 likewise for
+// what x1 and x2 leave, so x = s (x1 + x2 / 128 + x3 / 16384) to within s / 32768, about
+// max|x| 2^-22: near the precision of float32 at the block's largest element (so results stay
+// within float32 tolerance, unlike the 8-bit activations of llama.cpp's q8_K). Base 128 keeps
+// x2 and x3 in [-64, 64]; with base 256 a remainder of exactly s / 2 needed 128, which int8
+// saturates (an error of 0.002 s per such element: x at half steps of s). The 16 sub-block sums of x are kept in float for the terms that do not
 // depend on the quants (Q2_K's minimums, Q3_K's offset of 4). A lane of vpdpbusd sums 4
 // neighbouring products, all of one sub-block of 16, so each lane is scaled by its
-// sub-block's scale after the three products (combined as ((p1 << 8) + p2 << 8) + p3: at
-// most 4 * 7 * 127 * 65536 < 2^31).
+// sub-block's scale after the three products (combined as ((p1 << 7) + p2 << 7) + p3: at
+// most 4 * 7 * 127 * 16513 < 2^26).
 #if defined(__AVX512VNNI__)
 #define YR_INT_GEMV 1
+// The base of x's int8 parts: part p + 1 counts steps of 1 / SPLIT_STEP of part p's.
+constexpr int SPLIT_SHIFT = 7;
+constexpr float SPLIT_STEP = 128.0f, SPLIT_UNIT = SPLIT_STEP * SPLIT_STEP;
 
 // One block of 256 floats xb split into three int8 parts q1, q2, q3 [256] with
-// xb ~ s * (q1 + q2 / 256 + q3 / 65536), s = max|xb| / 127 (returned); sums [16] (may be null)
+// xb ~ s * (q1 + q2 / 128 + q3 / 16384), s = max|xb| / 127 (returned); sums [16] (may be null)
 // gets the sum of each 16 floats.
 inline float split3_block(const float* xb, int8_t* q1, int8_t* q2, int8_t* q3, float* sums) {
     __m512 mx = _mm512_setzero_ps();
     for (int i = 0; i < 16; ++i) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
     const float m = _mm512_reduce_max_ps(mx);
     const float sc = m > 0 ? m / 127.0f : 1.0f;
-    const __m512 s1 = _mm512_set1_ps(sc), s2 = _mm512_set1_ps(sc / 256.0f);
-    const __m512 inv1 = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(256.0f / sc),
-                 inv3 = _mm512_set1_ps(65536.0f / sc);
+    const __m512 s1 = _mm512_set1_ps(sc), s2 = _mm512_set1_ps(sc / SPLIT_STEP);
+    const __m512 inv1 = _mm512_set1_ps(1.0f / sc), inv2 = _mm512_set1_ps(SPLIT_STEP / sc),
+                 inv3 = _mm512_set1_ps(SPLIT_UNIT / sc);
     for (int i = 0; i < 16; ++i) {
         const __m512 v = _mm512_loadu_ps(xb + 16 * i);
         const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv1));             // round to nearest
@@ -740,12 +744,12 @@ inline float split3_block(const float* xb, int8_t* q1, int8_t* q2, int8_t* q3, f
     return sc;
 }
 
-// x [K] (K a multiple of 256) -> x1, x2, x3 [K] int8, s65536 [K / 256] = s / 65536, sums [K / 16].
-inline void quantize_x_int(const float* x, int64_t K, int8_t* x1, int8_t* x2, int8_t* x3, float* s65536,
+// x [K] (K a multiple of 256) -> x1, x2, x3 [K] int8, sunit [K / 256] = s / SPLIT_UNIT, sums [K / 16].
+inline void quantize_x_int(const float* x, int64_t K, int8_t* x1, int8_t* x2, int8_t* x3, float* sunit,
                            float* sums) {
     for (int64_t b = 0; b < K / QK_K; ++b) {
         const int64_t o = b * QK_K;
-        s65536[b] = split3_block(x + o, x1 + o, x2 + o, x3 + o, sums + b * 16) / 65536.0f;
+        sunit[b] = split3_block(x + o, x1 + o, x2 + o, x3 + o, sums + b * 16) / SPLIT_UNIT;
     }
 }
 
@@ -760,7 +764,7 @@ inline __m512i bytes_x2_sll(const uint8_t* p, int lo, int hi) {
 }
 
 // Each format: PREP_INT floats per block, prepare_int(b, p, s) = {scale of sub-block i
-// times s = s65536 of the block (16), offset of sub-block i (16): the weight is scale * u + offset}, and
+// times s = sunit of the block (16), offset of sub-block i (16): the weight is scale * u + offset}, and
 // u_chunk(b, c) = the 64 unsigned quants u of weights 64c .. 64c + 63 in order.
 struct Q2_K_Int {
     static constexpr int64_t QB = QK_K, BYTES = Q2_K_BYTES;
@@ -804,8 +808,8 @@ struct Q3_K_Int {
 // bytes of qs dword (L, d ^ c). For c < 2 that dword is in the lane's own qword, for c >= 2 in
 // the other one (vpshufd swaps them once per block), so one vpmultishiftqb moves the field to
 // bits 0-1 (and, for Q3_K, one more moves hmask bit 4h + d of the same bytes to bit 2). So a
-// row's int32 lanes sum the whole block (4 chunks x 3 x parts: 12 vpdpbusd, ((P1 << 8) + P2
-// << 8) + P3 <= 16 * 7 * 128 * 65793 < 2^30) and the block costs one convert and one FMA with
+// row's int32 lanes sum the whole block (4 chunks x 3 x parts: 12 vpdpbusd, ((P1 << 7) + P2
+// << 7) + P3 <= 16 * 7 * 128 * 16513 < 2^28) and the block costs one convert and one FMA with
 // its 16 scales in lane order (decoded into a vector, widened by a zero-masked vpermb) instead
 // of Q2_K_Int's shift pair, vpermps, convert and FMA per chunk and per-block prepare. x's parts
 // are stored once per call in that order (quantize_x_lanes), with each lane's sub-block sum of
@@ -848,10 +852,10 @@ inline __m512i q3k_scale_lanes(const uint8_t* s, __m512i order) {
     return _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, order, _mm512_castsi128_si512(u));
 }
 
-// x [K] -> xq [K / 256][3][256] (x1, x2, x3 of each block in lane order), s65536 [K / 256],
-// x4 [K / 256][16] = 4 ((X1 << 8) + X2 << 8) + X3) for the 16 weights of lane k's sub-block
-// (Xp: the sum of part p over them; |.| <= 4 * 16 * 128 * 65793 < 2^30).
-inline void quantize_x_lanes(const float* x, int64_t K, int8_t* xq, float* s65536, int32_t* x4) {
+// x [K] -> xq [K / 256][3][256] (x1, x2, x3 of each block in lane order), sunit [K / 256],
+// x4 [K / 256][16] = 4 ((X1 << 7) + X2 << 7) + X3) for the 16 weights of lane k's sub-block
+// (Xp: the sum of part p over them; |.| <= 4 * 16 * 128 * 16513 < 2^28).
+inline void quantize_x_lanes(const float* x, int64_t K, int8_t* xq, float* sunit, int32_t* x4) {
     alignas(64) float xr[QK_K];
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t b = 0; b < K / QK_K; ++b) {
@@ -861,12 +865,12 @@ inline void quantize_x_lanes(const float* x, int64_t K, int8_t* xq, float* s6553
         const float sc = split3_block(xr, q, q + QK_K, q + 2 * QK_K, nullptr);
         __m512i X = _mm512_setzero_si512();
         for (int p = 0; p < 3; ++p) {
-            if (p) X = _mm512_slli_epi32(X, 8);
+            if (p) X = _mm512_slli_epi32(X, SPLIT_SHIFT);
             for (int c = 0; c < 4; ++c)
                 X = _mm512_dpbusd_epi32(X, ones, _mm512_loadu_si512((const void*)(q + p * QK_K + 64 * c)));
         }
         _mm512_storeu_si512((void*)(x4 + 16 * b), _mm512_slli_epi32(X, 2));
-        s65536[b] = sc / 65536.0f;
+        sunit[b] = sc / SPLIT_UNIT;
     }
 }
 
@@ -898,7 +902,7 @@ inline void gemv_rows_q3k(const int8_t* xq, const float* xscale, const int32_t* 
             const __m512i u[4] = {U(qs0, hm0, lo0, hb0), U(qs0, hm0, lo1, hb1), U(qs1, hm1, lo0, hb0), U(qs1, hm1, lo1, hb1)};
             __m512i a = _mm512_setzero_si512();
             for (int p = 0; p < 3; ++p) {
-                if (p) a = _mm512_slli_epi32(a, 8);
+                if (p) a = _mm512_slli_epi32(a, SPLIT_SHIFT);
                 for (int c = 0; c < 4; ++c)
                     a = _mm512_dpbusd_epi32(a, u[c], _mm512_loadu_si512((const void*)(xb + p * QK_K + 64 * c)));
             }
@@ -941,7 +945,7 @@ inline void gemv_rows_q2k(const int8_t* xq, const float* xscale, const int32_t* 
                                   _mm512_and_si512(_mm512_multishift_epi64_epi8(lo1, qs1), m3)};
             __m512i a = _mm512_setzero_si512();
             for (int p = 0; p < 3; ++p) {
-                if (p) a = _mm512_slli_epi32(a, 8);
+                if (p) a = _mm512_slli_epi32(a, SPLIT_SHIFT);
                 for (int c = 0; c < 4; ++c)
                     a = _mm512_dpbusd_epi32(a, u[c], _mm512_loadu_si512((const void*)(xb + p * QK_K + 64 * c)));
             }
@@ -991,8 +995,8 @@ inline void gemv_rows_int(const int8_t* x1, const int8_t* x2, const int8_t* x3, 
             for (int r = 0; r < R; ++r) {
                 const __m512i u = I::u_chunk(w + r * rb + b * I::BYTES, c);
                 __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xa);
-                a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), u, xb);
-                a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), u, xc);
+                a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, SPLIT_SHIFT), u, xb);
+                a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, SPLIT_SHIFT), u, xc);
                 const __m512 sc = _mm512_permutexvar_ps(idx, _mm512_load_ps(pb + r * I::PREP_INT));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sc, acc[r]);
             }
