@@ -7,7 +7,7 @@ chooses among its providers (``cpu_providers.py``, ``cpu_conv.py``):
 
 | op        | ``yirage`` (kernels/triton)                 | ``torch`` (the vendor library through torch)  |
 |-----------|---------------------------------------------|-----------------------------------------------|
-| ``linear``  | GEMV / tiled GEMM (``linear.py``, ``matmul.py`` for [K, N] weights) | ``torch.addmm`` / ``torch.mm`` (cuBLAS, hipBLAS) |
+| ``linear``  | GEMV / tiled GEMM (``linear.py``, ``matmul.py`` for [K, N] weights) | ``torch.addmm`` (cuBLASLt, hipBLASLt), or ``torch.mm`` then the bias (``torch-mm``) |
 | ``matmul``  | batched tiled GEMM (``matmul.py``)          | ``torch.matmul`` (cuBLAS, hipBLAS)            |
 | ``conv2d``  | implicit GEMM / direct depthwise with the fused epilogue (``conv.py``) | ``F.conv2d`` (cuDNN, MIOpen) with the BatchNorm folded in, then the residual and activation as torch ops |
 | ``sdpa``    | FlashAttention forward (``sdpa.py``)        | ``F.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN attention) |
@@ -64,8 +64,10 @@ def vendor_applies(node, graph) -> bool:
     return True
 
 
-def _linear_torch(node, graph, args, out, status):
-    """x @ W^T (+ bias) with ``torch.mm`` / ``torch.addmm``; W [N, K], or [K, N] (``kn``)."""
+def _linear_torch(node, graph, args, out, status, split_bias: bool = False):
+    """x @ W^T (+ bias) with ``torch.addmm`` (cuBLASLt's bias epilogue), or with ``split_bias``
+    ``torch.mm`` then the bias added in place (cuBLAS's plain GEMM, whose kernel choice differs);
+    W [N, K], or [K, N] (``kn``)."""
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
     kn = node.attrs.get("weight_layout") == "kn"
@@ -76,11 +78,17 @@ def _linear_torch(node, graph, args, out, status):
     def run():
         xm = x2 if x2 is not None else x.reshape(-1, K)
         wt = w if kn else w.t()   # now: a weight whose storage was replaced is read where it is
-        if bias is None:
+        if bias is None or split_bias:
             torch.mm(xm, wt, out=o2)
+            if bias is not None:
+                o2.add_(bias)
         else:
             torch.addmm(bias, xm, wt, out=o2)
     return run
+
+
+def _linear_torch_mm(node, graph, args, out, status):
+    return _linear_torch(node, graph, args, out, status, split_bias=True)
 
 
 def _matmul_torch(node, graph, args, out, status):
@@ -257,13 +265,25 @@ def shape_key(node, graph, args, out) -> str:
     return tuning.shape_class(node.op, what, B * H * S, k.shape[2], D, 0)
 
 
+def providers(node, graph) -> tuple[str, ...]:
+    """The candidate providers of ``node``: 'yirage', 'torch', and for a biased ``linear``
+    'torch-mm' (the GEMM, then the bias: which is faster varies with the shape)."""
+    if node.op == "linear" and len(node.inputs) == 3:
+        return ("yirage", "torch", "torch-mm")
+    return ("yirage", "torch")
+
+
 def bind_provider(name: str, node, graph, args, out, status, bind_yirage: Binder):
-    """The thunk of provider ``name`` ('yirage': ``bind_yirage``, the Triton kernel's binder;
-    'torch': the vendor op) for ``node``. KeyError for another name."""
+    """The thunk of provider ``name`` (one of ``providers(node, graph)``: 'yirage' is
+    ``bind_yirage``, the Triton kernel's binder; 'torch' and 'torch-mm' the vendor op) for
+    ``node``. KeyError for another name."""
+    if name not in providers(node, graph):
+        raise KeyError(f"no provider {name!r} for this {node.op} on the Triton backends "
+                       f"({', '.join(providers(node, graph))})")
     if name == "yirage":
         return bind_yirage(node, graph, args, out, status)
-    if name != "torch":
-        raise KeyError(f"no provider {name!r} for {node.op} on the Triton backends (yirage, torch)")
+    if name == "torch-mm":
+        return _linear_torch_mm(node, graph, args, out, status)
     return VENDOR[node.op](node, graph, args, out, status)
 
 
@@ -284,7 +304,7 @@ def bind(node, graph, args, out, status, bind_yirage: Binder, sync: Callable[[],
             thunk.samples = (sample, so)   # kept alive with the thunk
             return thunk
         return make
-    choice = tuning.choose(shape_key(node, graph, args, out), {n: factory(n) for n in ("yirage", "torch")},
+    choice = tuning.choose(shape_key(node, graph, args, out), {n: factory(n) for n in providers(node, graph)},
                            DEFAULT, sync=sync)
     thunk = bind_provider(choice.provider, node, graph, args, out, status, bind_yirage)
     try:
@@ -298,5 +318,5 @@ def bind(node, graph, args, out, status, bind_yirage: Binder, sync: Callable[[],
     return thunk
 
 
-__all__ = ["VENDOR_OPS", "LAYOUT_OPS", "DEFAULT", "BatchNormFold", "vendor_applies", "shape_key", "bind_provider",
-           "bind"]
+__all__ = ["VENDOR_OPS", "LAYOUT_OPS", "DEFAULT", "BatchNormFold", "vendor_applies", "providers", "shape_key",
+           "bind_provider", "bind"]

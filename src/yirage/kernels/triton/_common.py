@@ -17,6 +17,8 @@ offending id/position, ``[lo, hi)`` the valid range) via :func:`report_violation
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -40,17 +42,25 @@ def autotune(configs, key, prune=None, **kwargs):
     On a GPU every config in ``configs`` (optionally filtered by ``prune(configs, args)``, args
     being the launch's arguments by name, constexprs included) is timed the first time a new
     ``key`` tuple (plus the argument dtypes) is seen, so the backend must run each shape once
-    before capturing a CUDA graph. Under ``TRITON_INTERPRET=1`` only the first surviving config
-    is kept, so the first config of each list is chosen to be cheap for the interpreter (few,
-    large programs) as well as sane on a GPU.
+    before capturing a CUDA graph. The winners are kept in Triton's on-disk cache
+    (``cache_results``, where this Triton has it), so a later process does not time them again.
+    Under ``TRITON_INTERPRET=1`` only the first surviving config is kept, so the first config of
+    each list is chosen to be cheap for the interpreter (few, large programs) as well as sane on
+    a GPU.
     """
     def early_prune(cfgs, named_args, **kw):
         kept = list(prune(cfgs, {**named_args, **kw})) if prune is not None else list(cfgs)
         kept = kept or list(cfgs[:1])
         return kept[:1] if interpreting() else kept
 
+    if _AUTOTUNE_CACHES:
+        kwargs.setdefault("cache_results", True)
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune},
                            **kwargs)
+
+
+#: whether this Triton's autotuner can keep its results on disk (``cache_results``, Triton >= 3.2)
+_AUTOTUNE_CACHES = "cache_results" in inspect.signature(triton.autotune).parameters
 
 
 def acc_per_thread(cfg, block_m="BLOCK_M", block_n="BLOCK_N") -> float:
