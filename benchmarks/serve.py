@@ -121,11 +121,13 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def yirage_server(model: str, port: int, threads: int, slots: int, ctx: int) -> ServerProcess:
-    """``yirage serve`` (this Python, this checkout's yirage) with ``--parallel slots``."""
+def yirage_server(model: str, port: int, threads: int, slots: int, ctx: int,
+                  batch_tokens: int | None = None) -> ServerProcess:
+    """``yirage serve`` (this Python, this checkout's yirage) with ``--parallel slots`` (and
+    ``--max-batch-tokens`` if given)."""
     cmd = [sys.executable, "-c", "import sys; from yirage.cli import main; sys.argv[0] = 'yirage'; main()",
            "serve", "-m", model, "--port", str(port), "--parallel", str(slots), "--ctx-size", str(ctx),
-           "--max-queue", "1024"]
+           "--max-queue", "1024", *(["--max-batch-tokens", str(batch_tokens)] if batch_tokens else [])]
     return ServerProcess("yirage", cmd, port, env={"OMP_NUM_THREADS": str(threads)})
 
 
@@ -269,6 +271,7 @@ def main() -> None:
     ap.add_argument("--no-yirage", action="store_true", help="run llama-server only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slots", type=int, default=16, help="yirage --parallel and llama-server -np")
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="yirage serve --max-batch-tokens")
     ap.add_argument("--ctx", type=int, default=1024, help="tokens of KV cache per slot")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
@@ -298,6 +301,7 @@ def main() -> None:
     if args.llama_server:
         sides.append("llama-server")
     out: dict = {"model": args.model, "gguf": gguf, "threads": args.threads, "slots": args.slots,
+                 "max_batch_tokens": args.max_batch_tokens,
                  "ctx_per_slot": args.ctx, "output_tokens": args.output_tokens, "machine": machine_record(args.threads),
                  "servers": {}, "rounds": []}
     if not args.llama_server:
@@ -306,7 +310,8 @@ def main() -> None:
         got = {}
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:
             port = free_port()
-            server = (yirage_server(args.model, port, args.threads, args.slots, args.ctx) if side == "yirage" else
+            server = (yirage_server(args.model, port, args.threads, args.slots, args.ctx, args.max_batch_tokens)
+                      if side == "yirage" else
                       llama_server(args.llama_server, gguf, port, args.threads, args.slots, args.ctx))
             got[side] = bench_server(server, args, args.model, scenarios)
         out["rounds"].append(got)

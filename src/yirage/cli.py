@@ -434,6 +434,10 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
                    "prompt chunks); 1 runs one at a time on the persistent decode kernel.")
 @click.option("--ctx-size", type=int, default=4096, show_default=True,
               help="The LLM's KV-cache capacity in tokens (prompt + reply).")
+@click.option("--max-batch-tokens", type=int, default=None,
+              help="Rows per continuous-batching step: one per decoding sequence plus prompt chunks "
+                   "(default: max(128, --parallel)). Fewer bound the inter-token latency when prompts "
+                   "arrive during decoding; more fill prompts in fewer steps.")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ requests.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
               help="Read the API key from this file's first line.")
@@ -441,8 +445,8 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
               help="Generation requests that may wait for the engine; more get HTTP 503 with Retry-After.")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds a request may take, waiting included; then HTTP 504.")
-def serve(model, embedding_model, host, port, backend, parallel, ctx_size, api_key, api_key_file, max_queue,
-          timeout) -> None:
+def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_batch_tokens, api_key, api_key_file,
+          max_queue, timeout) -> None:
     """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
     /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
     try:
@@ -455,6 +459,9 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, api_k
         for name, value in (("--parallel", parallel), ("--ctx-size", ctx_size), ("--max-queue", max_queue)):
             if value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value}")
+        if max_batch_tokens is not None and not parallel <= max_batch_tokens <= ctx_size:
+            raise GenerationError(f"--max-batch-tokens must be in [--parallel, --ctx-size] = [{parallel}, {ctx_size}] "
+                                  f"(a step holds one row per decoding sequence), got {max_batch_tokens}")
         if not 1 <= port <= 65535:
             raise GenerationError(f"--port must be in 1..65535, got {port}")
         if not timeout > 0:
@@ -473,7 +480,8 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, api_k
             raise GenerationError("nothing to serve: give an LLM (-m) or an --embedding-model")
         from .serve import ServeOptions, run_server
 
-        options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel)
+        options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel,
+                               max_batch_tokens)
         click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
                    "GET /health answers 200 when ready)", err=True)
         error = run_server(options, host, port)

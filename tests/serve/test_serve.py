@@ -308,6 +308,28 @@ def test_serve_cli_errors(yirage_cli):
     assert code == 1 and "nothing to serve" in err
     code, out, err = yirage_cli("serve", "--api-key", "a", "--api-key-file", "b")
     assert code == 1 and "not both" in err
+    code, out, err = yirage_cli("serve", "--parallel", "4", "--max-batch-tokens", "3")
+    assert code == 1 and "--max-batch-tokens must be in [--parallel, --ctx-size] = [4, 4096]" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_small_step_budget_gives_the_same_answers(smollm):
+    """--max-batch-tokens 6 with 4 slots: each step holds the decoding rows plus at most 2-6
+    prompt tokens, so the prompts fill in chunks over many steps; every answer still equals
+    the model's alone."""
+    prompts = [f"List {k} colours, one per line." for k in range(2, 6)]
+    alone = [smollm.generate(p, max_new_tokens=8, temperature=0).text for p in prompts]
+    app = create_app(ServeOptions(LLM_NAME, max_queue=8, timeout_s=120, parallel=4, max_batch_tokens=6), llm=smollm)
+    with running(app) as base:
+        engine = app.state.yirage.engine.engine
+        assert engine.max_batch_tokens == 6
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+        def ask(p):
+            return client.chat.completions.create(model=LLM_NAME, messages=[{"role": "user", "content": p}],
+                                                  max_tokens=8, temperature=0).choices[0].message.content
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, prompts)) == alone
 
 
 @pytest.mark.slow

@@ -59,7 +59,8 @@ class ServeOptions:
     (the LLM's max_seq_length in tokens), ``api_key`` (None: no authentication),
     ``max_queue`` (waiting generation requests), ``timeout_s`` (seconds per request),
     ``parallel`` (sequences decoded together by continuous batching; 1: one at a time on the
-    persistent decode kernel)."""
+    persistent decode kernel), ``max_batch_tokens`` (rows per batching step; None:
+    ``BatchingEngine``'s default)."""
 
     model: str | None = None
     embedding_model: str | None = None
@@ -69,6 +70,7 @@ class ServeOptions:
     max_queue: int = 64
     timeout_s: float = 600.0
     parallel: int = 4
+    max_batch_tokens: int | None = None
 
 
 @dataclass
@@ -135,7 +137,8 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
     def become_ready(model, emb) -> None:
         state.llm, state.embedder = model, emb
         if model is not None and options.parallel > 1:
-            state.engine = BatchingEngine(model, options.parallel, options.max_queue, state.metrics)
+            state.engine = BatchingEngine(model, options.parallel, options.max_queue, state.metrics,
+                                          options.max_batch_tokens)
         elif model is not None:
             state.engine = LLMEngine(model, options.max_queue, state.metrics)
         state.ready = True

@@ -149,6 +149,8 @@ class BatchingEngine:
         max_slots: sequences decoded together (``--parallel``).
         max_queue: the most requests waiting for a slot; more are refused (QueueFull).
         metrics: where request counts, tokens and latencies go.
+        max_batch_tokens: rows per step (``BatchEngine``'s token budget); None: max(128,
+            max_slots), capped at the LLM's max_seq_length.
     """
 
     def __init__(self, llm, max_slots: int, max_queue: int, metrics: Metrics, max_batch_tokens: int | None = None):
