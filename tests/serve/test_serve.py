@@ -313,6 +313,13 @@ def test_serve_cli_errors(yirage_cli):
     assert len(err.splitlines()) == 1
 
 
+def test_the_default_step_budget_is_the_slots_plus_32_prompt_tokens(smollm):
+    for parallel, rows in ((4, 48), (16, 48), (40, 72)):
+        app = create_app(ServeOptions(LLM_NAME, parallel=parallel), llm=smollm)
+        with running(app):
+            assert app.state.yirage.engine.engine.max_batch_tokens == rows
+
+
 def test_a_small_step_budget_gives_the_same_answers(smollm):
     """--max-batch-tokens 6 with 4 slots: each step holds the decoding rows plus at most 2-6
     prompt tokens, so the prompts fill in chunks over many steps; every answer still equals
