@@ -436,7 +436,7 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
               help="The LLM's KV-cache capacity in tokens (prompt + reply).")
 @click.option("--max-batch-tokens", type=int, default=None,
               help="Rows per continuous-batching step: one per decoding sequence plus prompt chunks "
-                   "(default: max(48, --parallel + 32)). Fewer bound the inter-token latency when prompts "
+                   "(default: max(128, --parallel)). Fewer bound the inter-token latency when prompts "
                    "arrive during decoding; more fill prompts in fewer steps.")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ requests.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,

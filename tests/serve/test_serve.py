@@ -313,11 +313,12 @@ def test_serve_cli_errors(yirage_cli):
     assert len(err.splitlines()) == 1
 
 
-def test_the_default_step_budget_is_the_slots_plus_32_prompt_tokens(smollm):
-    for parallel, rows in ((4, 48), (16, 48), (40, 72)):
-        app = create_app(ServeOptions(LLM_NAME, parallel=parallel), llm=smollm)
-        with running(app):
-            assert app.state.yirage.engine.engine.max_batch_tokens == rows
+def test_the_default_step_budget_is_128_rows_or_one_per_slot(smollm):
+    from yirage.serve.engine import default_batch_tokens
+    app = create_app(ServeOptions(LLM_NAME, parallel=4), llm=smollm)
+    with running(app):
+        assert app.state.yirage.engine.engine.max_batch_tokens == 128
+    assert default_batch_tokens(200) == 200   # every slot's decode row fits one step
 
 
 def test_a_small_step_budget_gives_the_same_answers(smollm):

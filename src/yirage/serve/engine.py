@@ -140,19 +140,20 @@ class LLMEngine:
         return results
 
 
-#: prompt tokens a server step carries beside a full batch of decode rows, by default: a step's
-#: time is what every decoding sequence waits between two tokens. On the 2-core Zen 4, 16 slots,
-#: 128-token prompts (benchmarks/serve.py, 3 runs each): with 32 (a budget of 48 rows) the
-#: inter-token latency p99 at concurrency 16 was 0.12 s against 0.21-0.26 s with the budget of
-#: 128 rows used before, output tokens/s the same within noise (197-209 against 190-216), and the
-#: time to first token p50 1.1-1.2 s against 0.75-0.92 s (at concurrency 4: 0.37-0.46 s both).
-PROMPT_TOKENS_PER_STEP = 32
+#: the server's default step budget in rows (decode rows plus prompt chunks), at least one per
+#: slot. A throughput choice: on the 2-core Zen 4 (16 slots, SmolLM2-135M; benchmarks/serve.py
+#: against llama-server, 2026-11-26) a budget of 48 rows halved the inter-token latency p99 at
+#: concurrency 16 with 128-token prompts (0.11-0.14 s against 0.21-0.26 s) at the same output
+#: tokens/s, but with 512-token prompts it cut output tokens/s from 1.26x / 1.64x / 1.38x
+#: llama-server's to 1.00x / 1.27x / 1.14x at concurrency 1 / 4 / 16 (prompts fill in more,
+#: smaller steps). ``--max-batch-tokens`` picks the other side of that trade.
+DEFAULT_BATCH_TOKENS = 128
 
 
 def default_batch_tokens(max_slots: int) -> int:
-    """The server's default step budget in rows: one per slot plus ``PROMPT_TOKENS_PER_STEP``,
-    at least 48 (an offline ``llm.generate`` batch uses 128: throughput, not latency)."""
-    return max(48, max_slots + PROMPT_TOKENS_PER_STEP)
+    """The server's default step budget in rows: ``DEFAULT_BATCH_TOKENS``, or one per slot if
+    there are more slots."""
+    return max(DEFAULT_BATCH_TOKENS, max_slots)
 
 
 class BatchingEngine:
