@@ -459,6 +459,9 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         for name, value in (("--parallel", parallel), ("--ctx-size", ctx_size), ("--max-queue", max_queue)):
             if value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value}")
+        if max_batch_tokens is not None and parallel == 1:
+            raise GenerationError("--max-batch-tokens sets continuous batching's step budget: give --parallel 2 "
+                                  "or more (with --parallel 1 each request runs alone on the persistent kernel)")
         if max_batch_tokens is not None and not parallel <= max_batch_tokens <= ctx_size:
             raise GenerationError(f"--max-batch-tokens must be in [--parallel, --ctx-size] = [{parallel}, {ctx_size}] "
                                   f"(a step holds one row per decoding sequence), got {max_batch_tokens}")

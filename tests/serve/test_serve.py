@@ -311,6 +311,8 @@ def test_serve_cli_errors(yirage_cli):
     code, out, err = yirage_cli("serve", "--parallel", "4", "--max-batch-tokens", "3")
     assert code == 1 and "--max-batch-tokens must be in [--parallel, --ctx-size] = [4, 4096]" in err
     assert len(err.splitlines()) == 1
+    code, out, err = yirage_cli("serve", "--parallel", "1", "--max-batch-tokens", "64")
+    assert code == 1 and "give --parallel 2 or more" in err
 
 
 def test_the_default_step_budget_is_128_rows_or_one_per_slot(smollm):

@@ -707,8 +707,9 @@ struct IQ4_XS : Chunked<IQ4_XS> {
 // max|x| 2^-22: near the precision of float32 at the block's largest element (so results stay
 // within float32 tolerance, unlike the 8-bit activations of llama.cpp's q8_K). Base 128 keeps
 // x2 and x3 in [-64, 64]; with base 256 a remainder of exactly s / 2 needed 128, which int8
-// saturates (an error of 0.002 s per such element: x at half steps of s). The 16 sub-block sums of x are kept in float for the terms that do not
-// depend on the quants (Q2_K's minimums, Q3_K's offset of 4). A lane of vpdpbusd sums 4
+// saturates (an error of 0.002 s per such element: x at half steps of s). The 16 sub-block
+// sums of x are kept in float for the terms that do not depend on the quants (Q2_K's
+// minimums, Q3_K's offset of 4). A lane of vpdpbusd sums 4
 // neighbouring products, all of one sub-block of 16, so each lane is scaled by its
 // sub-block's scale after the three products (combined as ((p1 << 7) + p2 << 7) + p3: at
 // most 4 * 7 * 127 * 16513 < 2^26).
