@@ -81,7 +81,7 @@ def test_first_use_measures_records_and_drops_the_losers_copies(monkeypatch):
     """The first bind of a shape class times every candidate on it and stores the fastest in this
     machine's profile (file and memory); packed copies made only for the measurement are dropped;
     a later bind of the class reads the profile and measures nothing."""
-    monkeypatch.setattr(tuning, "unsteady_reason", lambda c: None)   # however busy the machine is
+    monkeypatch.setattr(tuning, "busy_reason", lambda: None)   # however busy the machine is
     g, ins = _graph(64, 52, 36, "float32", False)     # a shape class no other test measures
     w = ins[1]
     cpu_embed.mark_constant(w)
@@ -161,17 +161,10 @@ def test_tune_off_and_bad_values(monkeypatch):
         cpu_providers.choose(case, [x, w])
 
 
-def test_a_noisy_measurement_serves_the_process_but_is_not_saved(monkeypatch):
-    """A first-use measurement on a busy machine (load above the cores, or rounds spread wide)
-    decides for this process only; the next process measures again."""
-    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
-    clear = tuning.timing.Comparison([{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.1}, {"a": 1.0, "b": 1.9}],
-                                     {"a": 1, "b": 1})
-    assert tuning.unsteady_reason(clear) is None             # a won 2 of 3 rounds (one spike of its own)
-    close = tuning.timing.Comparison([{"a": 1.0, "b": 1.1}, {"a": 1.2, "b": 1.1}, {"a": 1.0, "b": 0.9},
-                                      {"a": 1.0, "b": 1.2}], {"a": 1, "b": 1})
-    assert tuning.unsteady_reason(close) == "a was faster than b in 2 of 4 rounds"
-    monkeypatch.setattr(tuning, "unsteady_reason", lambda c: "load average 9.0 on 2 cores")
+def test_a_busy_machines_measurement_serves_the_process_but_is_not_saved(monkeypatch):
+    """A first-use measurement on a busy machine (load above the cores) decides for this
+    process only; the next process measures again."""
+    monkeypatch.setattr(tuning, "busy_reason", lambda: "load average 9.0 on 2 cores")
     x, w = torch.randn(4, 16), torch.randn(72, 16)
     cpu_embed.mark_constant(w)
     case = cpu_providers.case_of("linear", [x, w], torch.empty(4, 72))
@@ -183,8 +176,40 @@ def test_a_noisy_measurement_serves_the_process_but_is_not_saved(monkeypatch):
     assert not path.exists() or case.key() not in json.loads(path.read_text())["entries"]
 
 
+def test_a_close_race_is_saved_as_such_and_not_measured_again(monkeypatch):
+    """A winner faster than the runner-up in fewer than 2/3 of the rounds won within noise:
+    the choice is saved, marked ``close``, and a later process reads it instead of measuring
+    (and packing every candidate's weights) again."""
+    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
+    clear = tuning.timing.Comparison([{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.1}, {"a": 1.0, "b": 1.9}],
+                                     {"a": 1, "b": 1})
+    assert tuning.close_race(clear) is None             # a won 2 of 3 rounds (one spike of its own)
+    close = tuning.timing.Comparison([{"a": 1.0, "b": 1.1}, {"a": 1.2, "b": 1.1}, {"a": 1.0, "b": 0.9},
+                                      {"a": 1.0, "b": 1.2}], {"a": 1, "b": 1})
+    assert tuning.close_race(close) == "a was faster than b in 2 of 4 rounds"
+    assert tuning.unsteady_reason(close) == "a was faster than b in 2 of 4 rounds"
+    monkeypatch.setattr(tuning, "measure", lambda thunks, budget_s, **kw: close)
+    key = "linear|float32|m4|n8|k8|t1"   # a class of this test's own
+    calls = []
+
+    def factory(name):
+        def make():
+            calls.append(name)
+            return lambda: None
+        return make
+    choice = tuning.choose(key, {"a": factory("a"), "b": factory("b")}, "a")
+    assert choice.provider == "a" and choice.source == "measured"
+    on_disk = json.loads(tuning.profile_path().read_text())["entries"][key]
+    assert on_disk["choice"] == "a" and on_disk["close"] == "a was faster than b in 2 of 4 rounds"
+    assert "noisy" not in on_disk
+    tuning.reload_profile()   # as a later process does
+    calls.clear()
+    assert tuning.choose(key, {"a": factory("a"), "b": factory("b")}, "a").source == "profile"
+    assert calls == []        # nothing bound, nothing measured
+
+
 def test_a_damaged_profile_is_measured_again(monkeypatch):
-    monkeypatch.setattr(tuning, "unsteady_reason", lambda c: None)
+    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
     path = tuning.profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("{not json")

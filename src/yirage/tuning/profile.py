@@ -260,8 +260,8 @@ def measure(candidates: Mapping[str, Callable[[], object]], budget_s: float = FI
                           deadline=time.perf_counter() + budget_s, min_rounds=3)
 
 
-#: a measurement is kept on disk only when the machine was not busy and the winner was faster
-#: than the runner-up in at least this share of the paired rounds
+#: a winner faster than the runner-up in fewer than this share of the paired rounds won a close
+#: race: within noise of it, so either serves (recorded as such, see ``record``)
 STEADY_SHARE = 2 / 3
 
 
@@ -276,13 +276,12 @@ def busy_reason() -> str | None:
     return f"load average {load:.1f} on {cores} cores" if load > cores else None
 
 
-def unsteady_reason(comparison: timing.Comparison) -> str | None:
-    """Why ``comparison``'s choice is not worth keeping, or None: a busy machine, or a winner
-    (lowest median) that was faster than the runner-up in fewer than ``STEADY_SHARE`` of the
-    rounds (its lead is noise; a one-off slow round of another candidate does not count)."""
-    busy = busy_reason()
-    if busy or len(comparison.names) < 2:
-        return busy
+def close_race(comparison: timing.Comparison) -> str | None:
+    """Why ``comparison``'s winner (lowest median) is within noise of the runner-up, or None:
+    it was faster in fewer than ``STEADY_SHARE`` of the rounds (a one-off slow round of another
+    candidate does not count)."""
+    if len(comparison.names) < 2:
+        return None
     best = comparison.fastest()
     runner_up = min((n for n in comparison.names if n != best), key=comparison.median)
     ratios = comparison.ratios(best, runner_up)
@@ -292,19 +291,29 @@ def unsteady_reason(comparison: timing.Comparison) -> str | None:
     return None
 
 
+def unsteady_reason(comparison: timing.Comparison) -> str | None:
+    """Why ``comparison``'s figures are not a clear verdict, or None: a busy machine
+    (``busy_reason``) or a close race (``close_race``)."""
+    return busy_reason() or close_race(comparison)
+
+
 def record(key: str, comparison: timing.Comparison, source: str, profile: Profile | None = None) -> Choice:
     """Store the fastest candidate of ``comparison`` (lowest median) for ``key`` in ``profile``
-    (default: this machine's); return it. The profile is saved to disk only when the figures
-    are steady (``unsteady_reason``): a choice made on a busy machine serves this process, and
-    the next one measures again."""
+    (default: this machine's); return it. The profile is saved to disk unless the machine was
+    busy (``busy_reason``: the figures are unreliable; the choice serves this process and the
+    next one measures again). A close race (``close_race``) is saved, marked ``close``: the
+    candidates are within noise of each other, so measuring them again in every process would
+    cost a measurement (packing every candidate's weights) for nothing."""
     best = comparison.fastest()
     medians = {n: comparison.median(n) for n in comparison.names}
     profile = profile if profile is not None else active_profile()
-    noisy = unsteady_reason(comparison)
+    busy = busy_reason()
+    close = close_race(comparison)
     profile.entries[key] = {"choice": best, "median_s": medians, "source": source,
-                            "when": datetime.date.today().isoformat(), **({"noisy": noisy} if noisy else {})}
-    if noisy:
-        logger.info("%s: %s chosen, but not saved to the profile (%s)", key, best, noisy)
+                            "when": datetime.date.today().isoformat(), **({"noisy": busy} if busy else {}),
+                            **({"close": close} if close else {})}
+    if busy:
+        logger.info("%s: %s chosen, but not saved to the profile (%s)", key, best, busy)
     elif profile.path is not None:
         profile.save()
     return Choice(best, "measured", medians)
