@@ -542,7 +542,8 @@ def _optimize_table(result: dict):
         table.add_column(col)
     for r in result["cases"]:
         times = [f"{r['median_s'][p] * 1e6:.0f} us" if p in r["median_s"] else "-" for p in providers]
-        choice = r["choice"] + (" (noisy)" if r.get("noisy") else "") + ("" if r["median_s"] else " (only one)")
+        choice = (r["choice"] + (" (noisy)" if r.get("noisy") else " (close)" if r.get("close") else "")
+                  + ("" if r["median_s"] else " (only one)"))
         table.add_row(r["workload"], r["op"], r["dtype"], f"{r['M']}x{r['N']}x{r['K']}", *times, choice)
     return table
 

@@ -50,6 +50,9 @@ def test_optimize_writes_a_profile_and_apply_makes_it_the_one_used(small):
     written = json.loads(open(result["profile"]).read())
     assert result["profile"].endswith(".optimize.json") and result["applied"] is None
     assert {r["key"] for r in rows if r["median_s"]} == set(written["entries"])
+    for r in rows:   # the table marks what the profile marks: a close race is saved and applied
+        if r["median_s"]:
+            assert r["close"] == written["entries"][r["key"]].get("close") and r["noisy"] is None
     assert written["machine"] == tuning.machine_identity()
     assert not set(written["entries"]) & set(tuning.reload_profile().entries)   # not applied yet
     applied = opt.optimize("cpu", budget_s=2.0, apply=True)

@@ -146,8 +146,9 @@ def _measure_cases(budget_s: float, say) -> tuple[tuning.Profile, list[dict]]:
         if len(cands) > 1 or case.dtype.endswith("/bfloat16"):
             comparison = cpu_providers.measure(case, args, per_case)
             tuning.record(case.key(), comparison, "yirage optimize", prof)
+            entry = prof.entries[case.key()]   # as record() marked it: busy (not applied) or a close race
             row.update(median_s={n: comparison.median(n) for n in comparison.names}, choice=comparison.fastest(),
-                       noisy=tuning.unsteady_reason(comparison))
+                       noisy=entry.get("noisy"), close=entry.get("close"))
         rows.append(row)
         say(row)
     return prof, rows
