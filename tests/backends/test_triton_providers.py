@@ -92,10 +92,6 @@ def measuring(monkeypatch):
     monkeypatch.setattr(TritonInterpreterBackend, "measures_vendor", True)
 
 
-def _outputs(out, want):
-    return (list(out), list(want.values())) if isinstance(want, dict) else ([out[0]], [want])
-
-
 PINNED = [(c, p) for c in CASES for p in ("yirage", "torch")] + [("linear-nk-bias", "torch-mm"),
                                                                    ("linear-kn-bias", "torch-mm")]
 
@@ -119,10 +115,9 @@ def test_each_provider_computes_what_torch_eager_does(case, provider, measuring,
         assert {k.split("|")[1] for k in chosen} == {"cpu/float32/permute/0213", "cpu/float32/cat", "cpu/float32/pad"}
     picked = [t.provider for t in plan.thunks if hasattr(t, "provider")]
     assert picked and set(picked) == {f"{provider} (pinned)"}
-    got, expected = _outputs(plan.run(), want)
-    if isinstance(want, dict):
-        got = [got[i] for i in want]
-    for o, w in zip(got, expected):
+    out = plan.run()
+    pairs = [(out[i], w) for i, w in want.items()] if isinstance(want, dict) else [(out[0], want)]
+    for o, w in pairs:
         torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-4)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ..tuning import profile as tuning
 from ..dtypes import DType
-from ..ir.conv import ConvInputs, bn_scale_shift, conv_inputs
+from ..ir.conv import ACTIVATIONS_INPLACE, ConvInputs, bn_scale_shift, conv_class, conv_inputs
 from ..runtime.toolchain import kernel_source, load_library
 from . import cpu_embed
 
@@ -65,9 +65,6 @@ def _typed(node, graph) -> bool:
 
 
 #: the same activations in place on torch tensors
-_INPLACE = {"relu": lambda y, a: torch.relu_(y), "hardtanh": lambda y, a: y.clamp_(a[0], a[1]),
-            "silu": lambda y, a: torch.nn.functional.silu(y, inplace=True), "sigmoid": lambda y, a: y.sigmoid_(),
-            "tanh": lambda y, a: y.tanh_()}
 
 
 def _bn_scale_shift(c: ConvInputs, eps: float):
@@ -125,7 +122,7 @@ def _conv_aten(c: ConvInputs, x, y, r, attrs, via_nchw: bool = False):
         if r is not None:
             y.add_(r)
         if act:
-            _INPLACE[act](y, act_args)
+            ACTIVATIONS_INPLACE[act](y, act_args)
     return run
 
 
@@ -172,7 +169,7 @@ def _conv_onednn(c: ConvInputs, x, y, r, attrs, copy: bool = False):
             y.copy_(r)
         conv(y, x, wp, b, padding, stride, dilation, groups, "add", None, unary, [], None)
         if act and unary is None:
-            _INPLACE[act](y, act_args)
+            ACTIVATIONS_INPLACE[act](y, act_args)
     return run
 
 
@@ -323,8 +320,7 @@ def _conv2d(node, graph, args, out, status):
                     cands[f"yirage-igemm/{mc}x{kc}"] = functools.partial(_conv_igemm, mc=mc, kc=kc)
     O, cg, kh, kw = c.weight.shape
     N, _, Ho, Wo = y.shape
-    what = (f"{x.dtype}".removeprefix("torch.") + f"/{a.get('layout', 'nchw')}/{kh}x{kw}/s{a['stride'][0]}"
-            f"/g{'dw' if a['groups'] == O and cg == 1 else a['groups']}" + ("/res" if c.residual is not None else ""))
+    what = f"{x.dtype}".removeprefix("torch.") + conv_class(c, a)
     key = tuning.shape_class("conv2d", what, N * Ho * Wo, O, cg * kh * kw, torch.get_num_threads())
 
     def factory(bind):

@@ -9,7 +9,7 @@ chooses among its providers (``cpu_providers.py``, ``cpu_conv.py``):
 |-----------|---------------------------------------------|-----------------------------------------------|
 | ``linear``  | GEMV / tiled GEMM (``linear.py``, ``matmul.py`` for [K, N] weights) | ``torch.addmm`` (cuBLASLt, hipBLASLt), or ``torch.mm`` then the bias (``torch-mm``) |
 | ``matmul``  | batched tiled GEMM (``matmul.py``)          | ``torch.matmul`` (cuBLAS, hipBLAS)            |
-| ``conv2d``  | implicit GEMM / direct depthwise with the fused epilogue (``conv.py``) | ``F.conv2d`` (cuDNN, MIOpen) with the BatchNorm folded in, then the residual and activation as torch ops |
+| ``conv2d``  | implicit GEMM / direct depthwise with the fused epilogue (``conv.py``) | ``aten.convolution.out`` (cuDNN, MIOpen) with the BatchNorm folded in, then the residual and activation in place |
 | ``sdpa``    | FlashAttention forward (``sdpa.py``)        | ``F.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN attention) |
 | layout ops (``permute``, ``expand``, ``slice``, ``select``, ``cat``, ``pad``) | strided copies (``strided.py``) | ``Tensor.copy_`` between strided views |
 
@@ -36,10 +36,9 @@ import functools
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from ..ir.conv import ACTIVATIONS, bn_scale_shift, conv_inputs
-from ..ir.ops import OPS
+from ..ir.conv import ACTIVATIONS_INPLACE, bn_scale_shift, conv_class, conv_inputs
+from ..ir.ops import OPS, linear_nk
 from ..tuning import profile as tuning
 from .strided_views import copies
 
@@ -71,7 +70,7 @@ def _linear_torch(node, graph, args, out, status, split_bias: bool = False):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
     kn = node.attrs.get("weight_layout") == "kn"
-    K, N = (w.shape[0], w.shape[1]) if kn else (w.shape[1], w.shape[0])
+    N, K = linear_nk(w.shape, node.attrs)
     o2 = out.view(-1, N)
     x2 = x.view(-1, K) if x.is_contiguous() else None   # else reshaped at each call (reads x then)
 
@@ -154,8 +153,9 @@ class BatchNormFold:
 
 
 def _conv_torch(node, graph, args, out, status):
-    """``F.conv2d`` (cuDNN) with a BatchNorm folded into its weight and bias, then the residual
-    and the activation in place, copied into ``out`` (NHWC buffers as channels-last views)."""
+    """torch's convolution (``aten.convolution.out``: cuDNN) into ``out`` with a BatchNorm folded
+    into its weight and bias, then the residual and the activation in place (NHWC buffers as
+    channels-last views)."""
     a = node.attrs
     c = conv_inputs(list(args), a)
     nhwc = a.get("layout", "nchw") == "nhwc"
@@ -164,15 +164,17 @@ def _conv_torch(node, graph, args, out, status):
         return None if t is None else t.permute(0, 3, 1, 2) if nhwc else t
     x, y, r = nchw(c.x), nchw(out), nchw(c.residual)
     bn = BatchNormFold.of(c, a)
-    geometry = (tuple(a["stride"]), tuple(a["padding"]), tuple(a["dilation"]), a["groups"])
-    act, act_args = ACTIVATIONS.get(a.get("activation")), a.get("act_args") or []
+    conv, stride, padding, dilation = (torch.ops.aten.convolution.out, list(a["stride"]), list(a["padding"]),
+                                       list(a["dilation"]))
+    act, act_args = ACTIVATIONS_INPLACE.get(a.get("activation")), a.get("act_args") or []
 
     def run():
         w, b = bn.folded() if bn else (c.weight, c.bias)
-        z = F.conv2d(x, w, b, *geometry)
+        conv(x, w, b, stride, padding, dilation, False, [0, 0], a["groups"], out=y)
         if r is not None:
-            z.add_(r)
-        y.copy_(act(z, act_args) if act else z)
+            y.add_(r)
+        if act:
+            act(y, act_args)
     return run
 
 
@@ -243,10 +245,8 @@ def shape_key(node, graph, args, out) -> str:
         what += f"/{node.op}" + ("/" + "".join(map(str, a["dims"])) if node.op == "permute" else "")
         return tuning.shape_class("layout", what, out.numel(), len(node.inputs), out.dim(), 0)
     if node.op == "linear":
-        w = args[1]
-        kn = a.get("weight_layout") == "kn"
-        K, N = (w.shape[0], w.shape[1]) if kn else (w.shape[1], w.shape[0])
-        what += ("/kn" if kn else "") + ("/bias" if len(args) == 3 else "")
+        N, K = linear_nk(args[1].shape, a)
+        what += ("/kn" if a.get("weight_layout") == "kn" else "") + ("/bias" if len(args) == 3 else "")
         return tuning.shape_class("linear", what, x.numel() // max(1, K), N, K, 0)
     if node.op == "matmul":
         M, K, N = x.shape[-2], x.shape[-1], args[1].shape[-1]
@@ -255,9 +255,7 @@ def shape_key(node, graph, args, out) -> str:
         c = conv_inputs(list(args), a)
         O, cg, kh, kw = c.weight.shape
         rows = out.numel() // max(1, O)
-        what += (f"/{a.get('layout', 'nchw')}/{kh}x{kw}/s{a['stride'][0]}"
-                 f"/g{'dw' if a['groups'] == O and cg == 1 else a['groups']}"
-                 + ("/bn" if a.get("bn") else "") + ("/res" if c.residual is not None else ""))
+        what += conv_class(c, a) + ("/bn" if a.get("bn") else "")
         return tuning.shape_class("conv2d", what, rows, O, cg * kh * kw, 0)
     B, H, S, D = x.shape
     k = args[1]

@@ -63,6 +63,14 @@ ACTIVATIONS = {
     "sigmoid": lambda y, a: torch.sigmoid(y),
     "tanh": lambda y, a: torch.tanh(y),
 }
+#: the same activations applied in place (the kernels' torch-op epilogues)
+ACTIVATIONS_INPLACE = {
+    "relu": lambda y, a: torch.relu_(y),
+    "hardtanh": lambda y, a: y.clamp_(a[0], a[1]),
+    "silu": lambda y, a: F.silu(y, inplace=True),
+    "sigmoid": lambda y, a: y.sigmoid_(),
+    "tanh": lambda y, a: y.tanh_(),
+}
 
 
 @dataclass
@@ -162,6 +170,15 @@ def bn_scale_shift(mean, var, weight, bias, eps: float):
     if bias is not None:
         shift = shift + bias.float()
     return scale, shift
+
+
+def conv_class(c: "ConvInputs", attrs: dict) -> str:
+    """The geometry part of a ``conv2d``'s shape class for kernel choice (``tuning``): layout,
+    kernel size, stride, groups ('dw': depthwise) and a residual, e.g. ``/nhwc/3x3/s2/g1/res``."""
+    O, cg, kh, kw = c.weight.shape
+    return (f"/{attrs.get('layout', 'nchw')}/{kh}x{kw}/s{attrs['stride'][0]}"
+            f"/g{'dw' if attrs['groups'] == O and cg == 1 else attrs['groups']}"
+            + ("/res" if c.residual is not None else ""))
 
 
 def conv2d_epilogue(y, c: ConvInputs, attrs: dict):
