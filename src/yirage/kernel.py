@@ -28,7 +28,7 @@ from .ir.graph import KernelGraph
 from .ir.serialize import from_json, to_json
 from .runtime.executor import CompiledGraph
 from .transforms.conv import optimize_convolutions
-from .transforms.parallel import merge_parallel_linears
+from .transforms.parallel import merge_parallel_convs, merge_parallel_linears
 
 
 class KNGraph(KernelGraph):
@@ -39,13 +39,15 @@ class KNGraph(KernelGraph):
             the default backend at call time, see ``yr.set_backend``).
     """
 
-    #: run transforms/parallel.py (linear layers of one input as one ``linear_stack``, where
-    #: the backend's measurement says so) before compiling; set by front ends that want it
-    merge_parallel_linears: bool = False
+    #: run transforms/parallel.py (linear layers of one input as one ``linear_stack``, and
+    #: convolutions of one input as one ``conv2d_stack``, where the backend's measurement says
+    #: so) when compiling; set by front ends that want it
+    merge_parallel_ops: bool = False
 
     def compile(self, backend: str | None = None) -> CompiledGraph:
         """Fuse and compile for ``backend`` (default: the graph's, else ``yr.get_backend()``),
-        after the graph passes: parallel linears (``merge_parallel_linears``) and convolutions.
+        after the graph passes: parallel linears, convolutions, then parallel convolutions (the
+        last and the first with ``merge_parallel_ops``).
 
         Returns a ``runtime.executor.CompiledGraph``, cached per backend until the graph changes.
 
@@ -56,8 +58,11 @@ class KNGraph(KernelGraph):
         name = resolve_backend(backend or self.backend)
         if name not in self._compiled:
             impl = get_backend_impl(name)
-            graph = merge_parallel_linears(self, impl.merge_linears) if self.merge_parallel_linears else self
-            self._compiled[name] = CompiledGraph(optimize_convolutions(graph, impl.channels_last), impl)
+            graph = merge_parallel_linears(self, impl.merge_linears) if self.merge_parallel_ops else self
+            graph = optimize_convolutions(graph, impl.channels_last)
+            if self.merge_parallel_ops:
+                graph = merge_parallel_convs(graph, impl.merge_convs)
+            self._compiled[name] = CompiledGraph(graph, impl)
         return self._compiled[name]
 
     def __call__(self, inputs: Sequence[torch.Tensor], backend: str | None = None) -> list[torch.Tensor]:

@@ -160,3 +160,47 @@ def test_new_shapes():
     (report,) = be.reports
     (part,) = report.partitions
     assert part.runs_in == "yirage" and part.symbolic and part.variants == 2
+
+
+class Inception(nn.Module):
+    """A stem convolution, then an Inception-style module: three 1x1 branches of one input
+    (conv -> BatchNorm -> ReLU each, different widths), one of them followed by a 3x3, a max-pool
+    branch, all concatenated along the channels."""
+
+    def __init__(self, c=24):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+
+        def branch(o):
+            return nn.Sequential(nn.Conv2d(c, o, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+        self.b1, self.b2, self.b3 = branch(16), branch(48), branch(8)
+        self.b2b = nn.Conv2d(48, 32, 3, padding=1)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        return torch.cat([self.b1(x), self.b2b(self.b2(x)), self.b3(x), F.max_pool2d(x, 3, 1, 1)], dim=1)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "measured"])
+def test_inception_branches_match_eager(monkeypatch, merge):
+    """An Inception module's 1x1 branches through torch.compile: with the CPU's merge forced on
+    they run as one ``conv2d_stack`` GEMM (counted); with it measured, whichever is chosen;
+    both equal eager. The BatchNorms are calibrated so that they matter."""
+    from yirage.backends import cpu_conv
+    from yirage.backends.cpu import CPUBackend
+    model = Inception()
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 3, 9, 11))
+    model.eval()
+    calls = []
+    if merge:
+        monkeypatch.setattr(CPUBackend, "merge_convs", lambda self, case: True)
+        real = cpu_conv._conv_stack_gemm
+        monkeypatch.setattr(cpu_conv, "_conv_stack_gemm", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 3, 9, 11)
+    out, ref, be = _compiled_run(model, x)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert _yirage_partitions(be) and not any(t for r in be.reports for t in r.torch_ops)
+    assert calls == ([1] if merge else [])

@@ -1,15 +1,17 @@
-"""Merging parallel linear layers (transforms/parallel.py): which groups merge, the graph made
-of them, and that it computes what the original graph computes (the reference interpreter, and
-the CPU and Triton kernels with the merge forced on)."""
+"""Merging parallel linear layers and convolutions (transforms/parallel.py): which groups merge,
+the graph made of them, and that it computes what the original graph computes (the reference
+interpreter, and the CPU and Triton kernels with the merge forced on)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import yirage as yr
 from yirage.backends import cpu_embed, get_backend_impl
 from yirage.ir.interpret import interpret
 from yirage.runtime.executor import CompiledGraph
 from yirage.tools import conformance
-from yirage.transforms.parallel import LinearGroup, merge_parallel_linears
+from yirage.transforms.conv import optimize_convolutions
+from yirage.transforms.parallel import LinearGroup, merge_parallel_convs, merge_parallel_linears
 
 
 def _ops(g):
@@ -85,3 +87,73 @@ def test_linears_of_separate_reshapes_of_one_tensor_merge():
     inputs = [torch.randn(2, 5, 32)] + [torch.randn(32, 32) for _ in range(3)]
     for a, b in zip(interpret(ng, inputs), interpret(g, inputs)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---- parallel convolutions -------------------------------------------------------------------
+
+def _branches(widths=(48, 16, 64), k=1):
+    g, inputs, want = conformance._parallel_convs(2, 40, 5, 7, widths, k, stacked=False)
+    return optimize_convolutions(g, channels_last=True), inputs, want
+
+
+def test_branches_of_one_x_become_one_conv2d_stack_with_a_view_per_branch():
+    """Three 1x1 branches with different widths and epilogues (BatchNorm + ReLU, bias + ReLU6,
+    BatchNorm alone): ``decide`` gets their shapes and epilogues, the graph one
+    ``conv2d_stack`` whose slices are the branches' outputs, and it computes what the original
+    does (the reference interpreter) and what torch does."""
+    g, inputs, want = _branches()
+    seen = []
+    ng = merge_parallel_convs(g, lambda case: seen.append(case) or True)
+    (case,) = seen
+    assert case.x_shape == (2, 5, 7, 40) and case.dtype == "float32"
+    assert case.weights == ((48, 40, 1, 1), (16, 40, 1, 1), (64, 40, 1, 1))
+    assert [(p.get("activation"), bool(p.get("bn")), p["bias"]) for p in case.parts] == [
+        ("relu", True, False), ("hardtanh", False, True), (None, True, False)]
+    assert _ops(ng).count("conv2d_stack") == 1 and "conv2d" not in _ops(ng)
+    assert _ops(ng).count("slice_rows") == 3
+    got = interpret(ng, inputs)
+    for a, b in zip(got, interpret(g, inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for i, w in want.items():
+        torch.testing.assert_close(got[i], w, rtol=1e-4, atol=1e-4)
+
+
+def test_convolutions_that_cannot_merge_stay_apart():
+    """Different strides or windows, a residual (computed after the branches), a weight
+    computed in the graph, or different inputs: nothing to merge (``decide`` is never asked),
+    and a refusal keeps the graph."""
+    g = yr.new_kernel_graph()
+    x, x2 = g.new_input((1, 8, 6, 6)), g.new_input((1, 8, 6, 6))
+    w = [g.new_input((4, 8, 1, 1)) for _ in range(4)]
+    g.mark_output(g.conv2d(x, w[0]))
+    g.mark_output(g.conv2d(x, w[1], stride=2))
+    g.mark_output(g.conv2d(x, g.new_input((4, 8, 3, 3)), padding=1))
+    g.mark_output(g.conv2d(x, g.relu(w[2])))
+    g.mark_output(g.conv2d(x2, w[3]))
+    g.mark_output(g.add(g.conv2d(x, w[0]), g.new_input((1, 4, 6, 6))))   # a residual
+    opt = optimize_convolutions(g, channels_last=True)
+    asked = []
+    assert merge_parallel_convs(opt, lambda case: asked.append(case) or True) is opt and not asked
+    g2, _, _ = _branches()
+    assert merge_parallel_convs(g2, lambda case: False) is g2
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=["1x1", "3x3"])
+def test_a_forced_conv_merge_computes_the_graph_on_the_kernels(backend, k):
+    """The stacked graph on every backend's kernels (the CPU's one GEMM for 1x1 branches, each
+    part as its conv2d otherwise) equals torch; with constant weights as torch.compile makes
+    them, and after a BatchNorm statistic is written (the CPU repacks its folded weights)."""
+    g, inputs, want = _branches(k=k)
+    for t in inputs[1:]:
+        cpu_embed.mark_constant(t)
+    ng = merge_parallel_convs(g, lambda case: True)
+    impl = get_backend_impl(backend)
+    dev = [t.to(impl.torch_device) for t in inputs]
+    compiled = CompiledGraph(ng, impl)
+    for i, w in want.items():
+        torch.testing.assert_close(compiled(dev)[i].cpu(), w, rtol=1e-4, atol=1e-4)
+    dev[2].mul_(2.0)   # the first branch's BatchNorm running mean
+    mean, var, bw, bb = (t.cpu() for t in dev[2:6])
+    ref = F.batch_norm(F.conv2d(inputs[0], inputs[1], None, 1, k // 2), mean, var, bw, bb, training=False,
+                       eps=1e-3).relu()
+    torch.testing.assert_close(compiled(dev)[0].cpu(), ref, rtol=1e-4, atol=1e-4)

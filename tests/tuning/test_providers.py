@@ -541,6 +541,55 @@ def test_parallel_linears_merge_by_measurement(monkeypatch, tmp_path):
     assert not cpu_library.merge_linears(LinearGroup(16, 4096, 4096, 3, "float32", "nk", True))   # 192 MiB
 
 
+def test_parts_gemm_writes_each_part_and_refuses_sizes_that_do_not_fit():
+    """The merged GEMM of parallel 1x1 convolutions (parts of different widths, each padded to
+    whole panels in the pack, each written to its own rows) against F.linear per part; an
+    output too short for the parts, a width of 0 or more than 64 parts: a clear error, no write."""
+    import torch.nn.functional as F
+
+    M, K, widths = 11, 24, [33, 7, 64]
+    x = torch.randn(M, K)
+    ws, bs = [torch.randn(w, K) for w in widths], [torch.randn(w) for w in widths]
+    P = torch.cat([cpu_embed.pack_f32(w).view(-1) for w in ws])
+    bias = torch.cat([torch.cat([b, torch.zeros(-w % 32)]) for b, w in zip(bs, widths)])
+    out = torch.full((M * sum(widths),), float("nan"))
+    cpu_embed.bind_gemm_f32_parts(x, out, widths, lambda: (P, bias))()
+    off = 0
+    for w, b, n in zip(ws, bs, widths):
+        torch.testing.assert_close(out[off:off + M * n].view(M, n), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        off += M * n
+    for bad_out, bad_widths in [(torch.full((M * sum(widths) - 1,), float("nan")), widths),
+                                (torch.full((M * 64,), float("nan")), [32, 0, 32]),
+                                (torch.full((M * 65,), float("nan")), [1] * 65)]:
+        with pytest.raises(YirageError, match="conv2d_stack"):
+            cpu_embed.bind_gemm_f32_parts(x, bad_out, bad_widths, lambda: (P, bias))()
+        assert bad_out.isnan().all()
+
+
+def test_parallel_convs_merge_by_measurement(monkeypatch, tmp_path):
+    """The CPU's answer for a group of parallel 1x1 convolutions is a measured choice between
+    the convolutions apart and the one GEMM, recorded under its shape class; groups the GEMM
+    does not take (3x3, NCHW, bfloat16) are never merged."""
+    from yirage.backends import cpu_conv
+    from yirage.transforms.parallel import ConvGroup
+
+    monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
+    tuning.reload_profile()
+    monkeypatch.setattr(tuning, "matching_template", lambda: None)
+    part = {"stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "groups": 1, "layout": "nhwc", "bias": False,
+            "bn": {"eps": 1e-5, "affine": True}, "activation": "relu"}
+    case = ConvGroup((1, 6, 5, 16), "float32", ((32, 16, 1, 1), (8, 16, 1, 1)), (part, dict(part, activation=None)))
+    merged = cpu_conv.merge_convs(case)
+    entries = tuning.active_profile().entries
+    (key, entry), = [(k, e) for k, e in entries.items() if k.startswith("conv2d_stack|float32/nhwc/1x1/w32+8/")]
+    assert "bn+relu;bn+id" in key
+    assert set(entry["median_s"]) == {"separate", "stacked"} and merged == (entry["choice"] == "stacked")
+    assert not cpu_conv.merge_convs(ConvGroup((1, 6, 5, 16), "float32", ((32, 16, 3, 3),) * 2, (part, part)))
+    nchw = dict(part, layout="nchw")
+    assert not cpu_conv.merge_convs(ConvGroup((1, 16, 6, 5), "float32", case.weights, (nchw, nchw)))
+    assert not cpu_conv.merge_convs(ConvGroup((1, 6, 5, 16), "bfloat16", case.weights, case.parts))
+
+
 def test_sdpa_kernel_refuses_a_geometry_that_does_not_fit():
     """yirage's attention kernel checks what it is handed (query heads not a multiple of the
     key heads, a mask shorter than its strides reach): a clear error, the output untouched."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import platform
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Protocol
@@ -119,6 +120,29 @@ def bind_linear_stack_parts(node, graph, args, out, status, bind_linear: Callabl
     return run
 
 
+def bind_conv2d_stack_parts(node, graph, args, out, status, bind_conv: Callable) -> Thunk:
+    """A ``conv2d_stack`` as the ``conv2d`` ops it stands for, each bound by the backend's
+    ``bind_conv(node, graph, args, out, status)`` into its view of the flat ``out`` (part i's
+    output shape, at element offset sum(numel[:i])); one thunk running them in order."""
+    from yirage.ir.conv import conv2d_stack_parts
+    from yirage.ir.graph import OpNode
+    from yirage.ir.ops import OPS
+
+    thunks, off = [], 0
+    for (attrs, ids), (_, ins) in zip(conv2d_stack_parts(node.inputs, node.attrs),
+                                      conv2d_stack_parts(list(args), node.attrs)):
+        shape = OPS["conv2d"].infer([graph.tensors[t] for t in ids], attrs).shape
+        n = math.prod(shape)
+        thunks.append(bind_conv(OpNode("conv2d", ids, attrs, node.output), graph, ins, out[off:off + n].view(shape),
+                                status))
+        off += n
+
+    def run():
+        for t in thunks:
+            t()
+    return run
+
+
 def base_versions() -> dict[str, str]:
     """Versions every backend reports: torch and python."""
     return {"torch": torch.__version__, "python": platform.python_version()}
@@ -165,7 +189,8 @@ class BackendImpl(ABC):
       transforms/conv.py's layout pass before compiling);
     - ``merge_linears(case)``: whether parallel linear layers of one input
       (transforms.parallel.LinearGroup) should run as one ``linear_stack`` (kernel.py applies
-      transforms/parallel.py before compiling). The default says no.
+      transforms/parallel.py before compiling), and ``merge_convs(case)`` the same for parallel
+      convolutions (``ConvGroup``, one ``conv2d_stack``). The defaults say no.
 
     Subclasses set ``name``, ``device_type`` (the torch device type) and ``codegen`` (the
     language fused kernels are compiled to: 'cpp', 'triton', or None when they run as torch
@@ -305,6 +330,12 @@ class BackendImpl(ABC):
         in cache). None (the default) binds the two apart. Only asked for ops without a
         status slot."""
         return None
+
+    def merge_convs(self, case) -> bool:
+        """Should the parallel convolutions ``case`` (transforms.parallel.ConvGroup: k conv2d of
+        one input and one geometry) run as one ``conv2d_stack``? The default, False, keeps them
+        apart; a backend answers by measurement once it has a kernel worth it."""
+        return False
 
     def merge_linears(self, case) -> bool:
         """Should the parallel linear layers ``case`` (transforms.parallel.LinearGroup: k linears

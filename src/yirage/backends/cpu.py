@@ -13,7 +13,7 @@ import platform
 
 import torch
 
-from yirage.backends import cpu_embed, cpu_library
+from yirage.backends import cpu_conv, cpu_embed, cpu_library
 from yirage.backends.base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from yirage.runtime.cpp_kernels import compile_cpp
 from yirage.runtime.machine import (  # noqa: F401  (re-exported: the CPU's identity lives in runtime)
@@ -79,6 +79,11 @@ class CPUBackend(BackendImpl):
         """Parallel float32 linears as one stacked GEMM where measurement says it is faster
         (``cpu_library.merge_linears``)."""
         return cpu_library.merge_linears(case)
+
+    def merge_convs(self, case) -> bool:
+        """Parallel float32 NHWC 1x1 convolutions as one GEMM where measurement says it is
+        faster (``cpu_conv.merge_convs``)."""
+        return cpu_conv.merge_convs(case)
 
     def declare_constant(self, tensors):
         """float32/bfloat16 weights become candidates for the packed providers

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import struct
 from typing import Callable
 
@@ -39,6 +40,7 @@ SIGNATURES: dict[str, tuple] = {
     # x, y, mean, var, weight|None, bias|None, N, C, S, eps, dtype
     "yr_batch_norm": (_P, _P, _P, _P, _P, _P, _I, _I, _I, _F, _I),
     "yr_conv_epilogue": (_P, _I, _I),   # args {y, r, rows, cols, act, lo, hi}, rows lo..hi (a GEMM's row epilogue)
+    "yr_conv_epilogue_parts": (_P, _I, _I),   # args {count, then yr_conv_epilogue's 7 words per part}, lo, hi
     # x, wt [kh*kw, C], bias|None, res|None, y, N, H, W, C, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, act, lo, hi
     "yr_depthwise_nhwc_f32": (_P, _P, _P, _P, _P, *([_I] * 15), _F, _F),
 }
@@ -405,9 +407,137 @@ def _batch_norm(node, graph, args, out, status):
     return run
 
 
+# ---- conv2d_stack: parallel 1x1 convolutions of one x as one GEMM --------------------------
+
+def _stack_gemm_ok(parts: list[tuple[dict, ConvInputs]]) -> bool:
+    """Can the parts (``(attrs, ConvInputs)`` each) run as one GEMM (``_conv_stack_gemm``)? All
+    float32 NHWC 1x1 stride-1 unpadded ungrouped convolutions without a residual."""
+    return all(a.get("layout") == "nhwc" and c.x.dtype == torch.float32 and c.x.dim() == 4
+               and c.weight.dtype == torch.float32 and tuple(c.weight.shape[1:]) == (c.x.shape[3], 1, 1)
+               and list(a["stride"]) == [1, 1] and list(a["padding"]) == [0, 0] and list(a["dilation"]) == [1, 1]
+               and a["groups"] == 1 and c.residual is None for a, c in parts)
+
+
+def _conv_stack_gemm(parts: list[tuple[dict, ConvInputs]], out: torch.Tensor):
+    """The parallel 1x1 convolutions ``parts`` of one NHWC x as one packed float32 GEMM
+    (embed_kernels.h ``yr_emb_gemm_f32_parts``): x [N*H*W, C] read once for every part, each
+    part's folded weight packed and the packs concatenated once (again when any of their
+    tensors is written), part i's rows written to its own contiguous [N*H*W, O_i] stretch of
+    the flat ``out``, and each part's activation as the GEMM's row epilogue
+    (``yr_conv_epilogue_parts``). ``_stack_gemm_ok(parts)`` must hold."""
+    x = parts[0][1].x
+    C = x.shape[3]
+    M = x.numel() // C
+    widths = [c.weight.shape[0] for _, c in parts]
+    first = parts[0][1].weight
+    deps = tuple(t for _, c in parts for t in (c.weight, *_deps(c)) if t is not first)
+    kind = "yirage-gemm-stack/" + "/".join(str(id(t)) for t in deps)
+
+    def pack(_):
+        Ps, biases = [], []
+        for a, c in parts:
+            wf, bf = _folded(c, a)
+            O = wf.shape[0]
+            Ps.append(cpu_embed.pack_f32(wf.float().reshape(O, C).contiguous()).view(-1))
+            b = torch.zeros(-(-O // cpu_embed._PANEL) * cpu_embed._PANEL)
+            if bf is not None:
+                b[:O] = bf.float()
+            biases.append(b)
+        has_bias = any(a.get("bias") or a.get("bn") for a, _ in parts)
+        return torch.cat(Ps), torch.cat(biases) if has_bias else None
+    cpu_embed._cached(first, kind, pack, deps)   # folded and packed now, once
+    words, offset = [], 0
+    for (a, _), O in zip(parts, widths):
+        act, act_args = a.get("activation"), list(a.get("act_args") or [0.0, 0.0])
+        if act:
+            words += [out.data_ptr() + 4 * offset, 0, M, O, _EPILOGUE_ACT[act], _f32_bits(act_args[0]),
+                      _f32_bits(act_args[1])]
+        offset += M * O
+    epilogue, ptrs = None, None
+    if words:
+        ptrs = (ctypes.c_int64 * (1 + len(words)))(len(words) // 7, *words)
+        epilogue = (ctypes.cast(library().yr_conv_epilogue_parts, ctypes.c_void_p).value, ctypes.addressof(ptrs))
+    run = cpu_embed.bind_gemm_f32_parts(x.view(M, C), out, widths,
+                                        lambda: cpu_embed._cached(first, kind, pack, deps), epilogue)
+    run.epilogue_args = ptrs   # the kernel reads them through a raw pointer
+    return run
+
+
+def _conv2d_stack(node, graph, args, out, status):
+    """``conv2d_stack``: parallel float32 NHWC 1x1 convolutions as one GEMM (``_conv_stack_gemm``;
+    transforms/parallel.py merged them because ``merge_convs`` measured it faster), any other
+    stack as its ``conv2d`` parts, each on its own chosen provider, into its view of ``out``."""
+    from ..ir.conv import conv2d_stack_parts
+    parts = [(a, conv_inputs(ins, a)) for a, ins in conv2d_stack_parts(list(args), node.attrs)]
+    if _stack_gemm_ok(parts):
+        return _conv_stack_gemm(parts, out)
+    from .base import bind_conv2d_stack_parts
+    return bind_conv2d_stack_parts(node, graph, args, out, status, _conv2d)
+
+
+def merge_convs(case) -> bool:
+    """Should the parallel convolutions ``case`` (transforms.parallel.ConvGroup) run as one
+    ``conv2d_stack``? Chosen by measurement per shape class (``tuning.choose``, cached in the
+    profile): the convolutions apart, each on the provider chosen for it, against the one GEMM
+    (``_conv_stack_gemm``), on random constant weights of the case's shapes. Only groups the
+    GEMM takes (float32 NHWC 1x1 stride 1, ``_stack_gemm_ok``) with at most
+    ``cpu_library.MERGE_MAX_WEIGHT_BYTES`` of weights are measured; others: False."""
+    from ..ir.graph import OpNode
+    from .cpu_library import MERGE_MAX_WEIGHT_BYTES
+    if (case.dtype != "float32" or len(case.x_shape) != 4 or math.prod(case.x_shape) == 0
+            or sum(math.prod(w) for w in case.weights) * 4 > MERGE_MAX_WEIGHT_BYTES):
+        return False
+
+    def sample():
+        x = torch.randn(case.x_shape)
+        parts, outs = [], []
+        for a, shape in zip(case.parts, case.weights):
+            O = shape[0]
+            ins = [x, torch.randn(shape) * (2.0 / math.prod(shape[1:])) ** 0.5]
+            if a.get("bias"):
+                ins.append(torch.randn(O))
+            if a.get("bn"):
+                ins += [torch.randn(O), torch.rand(O) + 0.5] + ([torch.randn(O), torch.randn(O)] if a["bn"]["affine"] else [])
+            for t in ins[1:]:
+                cpu_embed.mark_constant(t)
+            parts.append((a, conv_inputs(ins, a)))
+            outs.append(torch.empty(*case.x_shape[:3], O))
+        return parts, outs
+
+    probe, _ = sample()
+    if not _stack_gemm_ok(probe):
+        return False
+    epilogues = ";".join("+".join([k for k in ("bias", "bn") if a.get(k)] + [a.get("activation") or "id"])
+                         for a in case.parts)
+    widths = "+".join(str(w[0]) for w in case.weights)
+    M, C = math.prod(case.x_shape[:3]), case.x_shape[3]
+    key = tuning.shape_class("conv2d_stack", f"float32/nhwc/1x1/w{widths}/{epilogues}", M,
+                             sum(w[0] for w in case.weights), C, torch.get_num_threads())
+
+    def separate():
+        parts, outs = sample()
+        runs = [_conv2d(OpNode("conv2d", [], a, 0), None, [c.x, *(t for t in (c.weight, c.bias, c.mean, c.var,
+                                                                           c.bn_weight, c.bn_bias) if t is not None)],
+                        y, None) for (a, c), y in zip(parts, outs)]
+
+        def run_all():
+            for r in runs:
+                r()
+        run_all.samples = (parts, outs)   # the kernels hold raw pointers into them
+        return run_all
+
+    def stacked():
+        parts, outs = sample()
+        run = _conv_stack_gemm(parts, torch.empty(sum(y.numel() for y in outs)))
+        run.samples = parts
+        return run
+    return tuning.choose(key, {"separate": separate, "stacked": stacked}, "separate").provider == "stacked"
+
+
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status))
 OPS: dict[str, tuple[Callable, Callable]] = {
     "conv2d": (_typed, _conv2d),
+    "conv2d_stack": (_typed, _conv2d_stack),
     "max_pool2d": (_typed, _max_pool2d),
     "avg_pool2d": (_typed, _avg_pool2d),
     "adaptive_avg_pool2d": (_typed, _adaptive_avg_pool2d),

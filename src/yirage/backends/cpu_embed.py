@@ -330,6 +330,31 @@ def bind_gemm_f32(x2: torch.Tensor, o2: torch.Tensor, weights, epilogue: tuple[i
     return run
 
 
+def bind_gemm_f32_parts(x2: torch.Tensor, out: torch.Tensor, widths: list[int], weights,
+                        epilogue: tuple[int, int] | None = None):
+    """Thunk of one GEMM over parts of different widths that share x (parallel 1x1 convolutions
+    merged, backends/cpu_conv.py): part i is ``x2 @ W_i^T + b_i`` [M, widths[i]], its rows
+    contiguous at element offset ``M * sum(widths[:i])`` of the flat ``out``
+    (``yr_emb_gemm_f32_parts``). ``x2`` float32 [M, K] and ``out`` float32 [M * sum(widths)],
+    contiguous; ``weights()`` returns ``(P, bias)`` at every run: P the concatenation of each
+    W_i's ``pack_f32``, bias None or each b_i zero-padded to a multiple of 32 and
+    concatenated. ``epilogue`` as ``bind_linear_f32_packed``'s. Raises YirageError (at run
+    time) when a size does not fit (the kernel checks)."""
+    (M, K), parts = x2.shape, len(widths)
+    wt = torch.tensor(widths, dtype=torch.int64)
+    lib, st = _lib(), _status()
+    epi_fn, epi_args = epilogue if epilogue is not None else (None, None)
+
+    def run():
+        P, bias = weights()
+        lib.yr_emb_gemm_f32_parts(x2.data_ptr(), P.data_ptr(), _ptr(bias), out.data_ptr(), M, K, parts,
+                                  wt.data_ptr(), x2.numel(), P.numel(), out.numel(), epi_fn, epi_args, st.data_ptr())
+        if st[0]:
+            _raise_status(st, "conv2d_stack (packed float32)")
+    run.widths = wt   # the kernel reads it through a raw pointer
+    return run
+
+
 def bind_linear_stack_f32(x2: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
                           out: torch.Tensor, weight_layout: str = "nk"):
     """Thunk of ``linear_stack`` on the packed float32 GEMM: ``out[i]`` = ``x2`` @ W_i^T + b_i for

@@ -69,6 +69,8 @@ SIGNATURES: dict[str, tuple] = {
     "yr_emb_gemm_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
     # x, P, bias, y [planes, M, Np], M, planes, Np, K, x/p/y lengths, status
     "yr_emb_gemm_f32_planes": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P),
+    # x, P, bias, y, M, K, parts, widths [parts], x/p/y lengths, row epilogue fn (or NULL) and its args, status
+    "yr_emb_gemm_f32_parts": (_P, _P, _P, _P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P),
     "yr_emb_pack_bf16": (_P, _P, _I, _I, _I, _P),      # w [N, K] bf16 bits, P, N, K, p_len, status
     # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
     "yr_emb_gemm_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),

@@ -27,7 +27,8 @@ from typing import Callable
 from ..dtypes import DType
 from ..transforms.parallel import linear_stack_parts
 from .strided_views import contiguous_strides, copies, mid_view, reduced_dims
-from .base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk, bind_linear_stack_parts
+from .base import (Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk, bind_conv2d_stack_parts,
+                   bind_linear_stack_parts)
 from .triton_threadblock import bind_customized, customized_ok
 
 
@@ -266,6 +267,11 @@ def _conv2d(node, graph, args, out, status):
     return run
 
 
+def _conv2d_stack(node, graph, args, out, status):
+    """``conv2d_stack``: each part as the ``conv2d`` it stands for, into its view of ``out``."""
+    return bind_conv2d_stack_parts(node, graph, args, out, status, _conv2d)
+
+
 def _pool(node, graph, args, out, status):
     """max_pool2d / avg_pool2d (kernels/triton/conv.py)."""
     a, fn = node.attrs, _lib().pool2d
@@ -297,6 +303,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "log_softmax": (_float_first, _softmax_mid),
     **{op: (_always, _layout) for op in ("permute", "expand", "slice", "select", "cat", "pad")},
     "conv2d": (_float_first, _conv2d),   # kernels/triton/conv.py
+    "conv2d_stack": (_float_first, _conv2d_stack),
     "max_pool2d": (_float_first, _pool),
     "avg_pool2d": (_float_first, _pool),
     "index_select": (_index_ok, _index_copy),  # kernels/triton/indexing.py
@@ -335,6 +342,10 @@ class TritonBackend(BackendImpl):
             def bind_part(n, g, a, o, s):
                 return triton_providers.bind(n, g, a, o, s, _linear, self.synchronize)
             return bind_linear_stack_parts(node, graph, args, out, status, bind_part)
+        if node.op == "conv2d_stack":   # each part chooses as the conv2d it stands for
+            def bind_conv(n, g, a, o, s):
+                return triton_providers.bind(n, g, a, o, s, _conv2d, self.synchronize)
+            return bind_conv2d_stack_parts(node, graph, args, out, status, bind_conv)
         return triton_providers.bind(node, graph, args, out, status, bind, self.synchronize)
 
     def bind_customized_group(self, nodes, graph, args, outs):

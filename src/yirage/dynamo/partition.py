@@ -354,7 +354,7 @@ class YiragePartition(torch.nn.Module):
         g.runtime_row_width = self.symbolic   # transforms/fusion.py: C++ takes D at run time
         # transforms/parallel.py on static shapes only: a measured choice per size would give a
         # symbolic partition a new structure (and C++ builds) at some sizes
-        g.merge_parallel_linears = not self.symbolic
+        g.merge_parallel_ops = not self.symbolic
         return g
 
     def _from_entry(self, entry: cache.Entry, tensor_inputs: list[int]) -> _Variant:

@@ -4,6 +4,8 @@
 ``conv2d`` and the window pools take ``layout="nhwc"`` too (x and output [N, H, W, C]; the
 channels-last pass, transforms/conv.py, makes them), and ``conv2d`` an epilogue: inference
 batch norm folded in (``bn``), a residual added, then an activation (``conv2d_epilogue``).
+``conv2d_stack`` is several ``conv2d`` of one x as one op (transforms/parallel.py makes it):
+its output is the parts' outputs flattened one after another, each taken as a free view.
 
 Each has a shape rule (``infer``, a GraphError naming the op, the shapes and the rule broken)
 and a torch reference (``torch.nn.functional``, computed in float32 and cast back to the
@@ -16,6 +18,7 @@ This module must never depend on a backend.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -89,13 +92,19 @@ class ConvInputs:
     residual: object = None
 
 
+def conv_arity(attrs: dict, has_bias: bool) -> int:
+    """How many inputs a ``conv2d`` with these attrs takes (x and weight included)."""
+    bn = attrs.get("bn")
+    return 2 + has_bias + (0 if not bn else 4 if bn["affine"] else 2) + bool(attrs.get("residual"))
+
+
 def conv_inputs(items: list, attrs: dict) -> ConvInputs:
     """Split ``conv2d``'s inputs by role (see ``ConvInputs``); ValueError when their number does
     not match the attrs. Graphs without the epilogue attrs (``bias`` absent) have a bias iff
     they have three inputs."""
     has_bias = attrs.get("bias", len(items) == 3)
     bn = attrs.get("bn")
-    want = 2 + has_bias + (0 if not bn else 4 if bn["affine"] else 2) + bool(attrs.get("residual"))
+    want = conv_arity(attrs, has_bias)
     if len(items) != want:
         raise ValueError(f"conv2d: {len(items)} inputs, but its attributes (bias={has_bias}, bn={bn}, "
                          f"residual={bool(attrs.get('residual'))}) need {want}")
@@ -212,6 +221,42 @@ def conv2d_reference(args, attrs):
     return y.permute(0, 2, 3, 1).contiguous() if nhwc else y
 
 
+# ---- conv2d_stack: parallel convolutions of one input ---------------------------------------
+
+def conv2d_stack_parts(items: list, attrs: dict) -> list[tuple[dict, list]]:
+    """The ``conv2d`` ops a ``conv2d_stack`` stands for, as ``(attrs, inputs)`` per part: the
+    stack's inputs are x, then each part's ``conv2d`` inputs after x in part order (each
+    part's attrs, in ``attrs["parts"]``, give its count: ``bias`` is explicit). ValueError when
+    the inputs do not add up to what the parts take."""
+    parts, pos = [], 1
+    for a in attrs["parts"]:
+        n = conv_arity(a, bool(a["bias"])) - 1
+        parts.append((a, [items[0], *items[pos:pos + n]]))
+        pos += n
+    if pos != len(items):
+        raise ValueError(f"conv2d_stack: {len(items)} inputs, but its {len(attrs['parts'])} parts take {pos}")
+    return parts
+
+
+def _conv2d_stack_infer(ts, attrs):
+    if not attrs.get("parts"):
+        _fail("conv2d_stack", ts, "needs one or more parts")
+    try:
+        parts = conv2d_stack_parts(ts, attrs)
+    except (ValueError, KeyError) as e:
+        _fail("conv2d_stack", ts, str(e))
+    outs = [_conv2d_infer(ins, a) for a, ins in parts]
+    if any(a.get("residual") for a, _ in parts):
+        _fail("conv2d_stack", ts, "a part with a residual cannot be stacked (its residual comes later)")
+    return TensorType((sum(math.prod(o.shape) for o in outs),), ts[0].dtype)
+
+
+def conv2d_stack_reference(args, attrs):
+    """The parts' ``conv2d`` outputs (``conv2d_reference`` each), flattened and concatenated:
+    part i's output is the elements ``[sum(numel[:i]), sum(numel[:i + 1]))`` of the result."""
+    return torch.cat([conv2d_reference(ins, a).reshape(-1) for a, ins in conv2d_stack_parts(list(args), attrs)])
+
+
 # ---- pooling ------------------------------------------------------------------------------
 
 def _pool_infer(op):
@@ -294,10 +339,11 @@ def batch_norm_reference(args, attrs):
 
 
 _register("conv2d", "library", -1, _conv2d_infer, conv2d_reference)
+_register("conv2d_stack", "library", -1, _conv2d_stack_infer, conv2d_stack_reference)
 _register("max_pool2d", "library", 1, _pool_infer("max_pool2d"), max_pool2d_reference)
 _register("avg_pool2d", "library", 1, _pool_infer("avg_pool2d"), avg_pool2d_reference)
 _register("adaptive_avg_pool2d", "library", 1, _adaptive_infer, adaptive_avg_pool2d_reference)
 _register("batch_norm", "library", -1, _batch_norm_infer, batch_norm_reference)
 
-__all__ = ["out_size", "bn_scale_shift", "conv2d_reference", "max_pool2d_reference", "avg_pool2d_reference",
+__all__ = ["out_size", "bn_scale_shift", "conv2d_reference", "conv2d_stack_parts", "conv2d_stack_reference", "max_pool2d_reference", "avg_pool2d_reference",
            "adaptive_avg_pool2d_reference", "batch_norm_reference"]

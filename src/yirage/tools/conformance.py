@@ -921,7 +921,7 @@ def _parallel_linears(M: int, D: int) -> Built:
     x = g.new_input((1, M, D))
     ws, bs = [g.new_input((D, D)) for _ in range(3)], [g.new_input((D,)) for _ in range(3)]
     q, k, v = (g.linear(x, w, b) for w, b in zip(ws, bs))
-    g.merge_parallel_linears = True   # as torch.compile's partitions are: the backend decides
+    g.merge_parallel_ops = True   # as torch.compile's partitions are: the backend decides
     g.mark_output(g.add(g.mul(q, k), v))
     g.mark_output(g.relu(k))
     data = [torch.randn(1, M, D)] + [torch.randn(D, D) / D ** 0.5 for _ in range(3)] + [torch.randn(D) for _ in range(3)]
@@ -1254,6 +1254,53 @@ def _conv_block(N, C, H, W, O, k, stride, groups, shortcut, act, dtype) -> Built
     return g, ins, {0: want, 1: pooled}
 
 
+#: the branches _parallel_convs builds, in turn: (BatchNorm, bias, activation)
+_BRANCHES = ((True, False, "relu"), (False, True, "relu6"), (True, False, None), (False, False, "silu"))
+
+
+def _parallel_convs(N, C, H, W, widths, k, stacked) -> Built:
+    """Branches of one x, as an Inception module's (or a ResNet stage's first 1x1 convolution and
+    its projection shortcut): ``len(widths)`` k x k convolutions (padding k // 2) each with its
+    own epilogue (``_BRANCHES``: BatchNorm then ReLU, a bias then ReLU6, BatchNorm alone, SiLU).
+    ``stacked``: the convolution passes applied and the branches merged into one
+    ``conv2d_stack`` whatever the backend would measure (``merge_parallel_convs`` forced on);
+    else the plain graph with ``merge_parallel_ops`` set, as torch.compile's partitions are (the
+    backend decides). float32; the expected outputs are torch.nn.functional's."""
+    from ..transforms.conv import optimize_convolutions
+    from ..transforms.parallel import merge_parallel_convs
+    g = new_kernel_graph()
+    x = g.new_input((N, C, H, W))
+    xs = torch.randn(N, C, H, W)
+    data, want = [xs], {}
+    for i, O in enumerate(widths):
+        bn, bias, act = _BRANCHES[i % len(_BRANCHES)]
+        ws = torch.randn(O, C, k, k) / (C * k * k) ** 0.5
+        data.append(ws)
+        y = g.conv2d(x, g.new_input(tuple(ws.shape)), g.new_input((O,)) if bias else None, 1, k // 2)
+        bs = torch.randn(O) if bias else None
+        data += [bs] if bias else []
+        ref = F.conv2d(xs, ws, bs, 1, k // 2)
+        if bn:
+            stats = [torch.randn(O), torch.rand(O) + 0.5, torch.randn(O), torch.randn(O)]
+            data += stats
+            y = g.batch_norm(y, *(g.new_input((O,)) for _ in range(4)), eps=1e-3)
+            ref = F.batch_norm(ref, *stats, training=False, eps=1e-3)
+        if act == "relu":
+            y, ref = g.relu(y), ref.relu()
+        elif act == "relu6":
+            y, ref = g.clamp(y, 0.0, 6.0), ref.clamp(0, 6)
+        elif act == "silu":
+            y, ref = g.silu(y), F.silu(ref)
+        g.mark_output(y)
+        want[i] = ref
+    if stacked:
+        g = merge_parallel_convs(optimize_convolutions(g, channels_last=True), lambda case: True)
+        assert [n.op for n in g.ops].count("conv2d_stack") == 1, "the branches did not stack"
+    else:
+        g.merge_parallel_ops = True
+    return g, data, want
+
+
 def _conv_net_cases() -> list[Case]:
     """The conv-net ops at odd sizes: 1x1, 3x3 stride 2 with padding, 7x7 stride 2, depthwise,
     grouped and dilated convolutions, batch 1 and 3, non-square images; pooling windows that
@@ -1296,6 +1343,15 @@ def _conv_net_cases() -> list[Case]:
                    tol=(1e-4, 1e-4) if d == f32 else (5e-2, 5e-2)) for name, args in blocks for d in (f32,)]
     cases += [Case("conv2d", f"block 3x3 + identity, relu {d.value}", part(_conv_block, *blocks[0][1], d),
                    tol=(5e-2, 5e-2)) for d in (bf16,)]
+    stacks = [  # (N, C, H, W, widths, k)
+        ("1x1 x3 widths 48/16/64", (2, 40, 5, 7, (48, 16, 64), 1)),
+        ("1x1 x2 widths 64/256", (1, 64, 9, 6, (64, 256), 1)),
+        ("1x1 x4 widths 33/32/7/70", (3, 24, 4, 5, (33, 32, 7, 70), 1)),
+        ("3x3 x2 widths 12/20", (2, 8, 7, 9, (12, 20), 3)),
+    ]
+    cases += [Case("conv2d_stack", name, part(_parallel_convs, *args, True), tol=(1e-4, 1e-4)) for name, args in stacks]
+    cases += [Case("conv2d", f"branches of one x {name}", part(_parallel_convs, *args, False), tol=(1e-4, 1e-4))
+              for name, args in stacks[:2]]
     return cases
 
 

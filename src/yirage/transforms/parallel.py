@@ -1,11 +1,14 @@
-"""Merging parallel linear layers: the k ``linear`` ops that read the same input (a transformer's
-q/k/v projections, an MLP's gate and up projections) become one ``linear_stack`` (one GEMM
-over the stacked weights) whose output planes are the old outputs, taken as free views
-(``slice_rows`` then ``reshape``, both aliases of the stacked buffer).
+"""Merging parallel linear layers and convolutions: the k ``linear`` ops that read the same input
+(a transformer's q/k/v projections, an MLP's gate and up projections) become one
+``linear_stack`` (one GEMM over the stacked weights) whose output planes are the old outputs,
+taken as free views (``slice_rows`` then ``reshape``, both aliases of the stacked buffer);
+the k ``conv2d`` ops of one input and one geometry (an Inception module's 1x1 branches, a
+ResNet stage's first 1x1 convolution and its projection shortcut) become one
+``conv2d_stack`` (``merge_parallel_convs``, below).
 
 ``merge_parallel_linears(graph, decide)`` returns a new graph computing the same outputs from
 the same inputs (or ``graph`` itself when nothing merges). ``KNGraph.compile`` runs it on graphs
-that set ``merge_parallel_linears`` (torch.compile's static-shape partitions do; the LLM engines'
+that set ``merge_parallel_ops`` (torch.compile's static-shape partitions do; the LLM engines'
 decode graphs do not: their persistent kernel schedules each linear as tasks of its own, and a
 symbolic partition would change structure between sizes). A group merges when:
 - each op is a plain float ``linear`` (no GGUF-block weight, no ``compute_dtype``) with a
@@ -22,6 +25,15 @@ because every input of the group exists by then.
 Source: the "batch optimization" of the YiRage/Mirage documents and the horizontal fusion of
 TensorRT and TorchInductor's ``concat_linear`` (vLLM's ``QKVParallelLinear`` does it by hand).
 
+``merge_parallel_convs(graph, decide)`` does the same for convolutions, after the convolution
+passes (transforms/conv.py: epilogues fused, NHWC chosen), on the graphs that set
+``merge_parallel_ops``. A group merges when its ``conv2d`` ops read the same x with the
+same window, stride, padding, dilation, groups and layout, none has a residual (it would be
+computed later), every weight, bias and batch-norm tensor is a graph input, and ``decide(case)``
+(a ``ConvGroup``) says so. Each part keeps its own epilogue (batch norm, activation); the
+widths may differ. The ``conv2d_stack``'s output is the parts' outputs one after another,
+each a free view (``slice_rows`` of the flat buffer, then ``reshape``).
+
 This module must never run a graph or depend on a backend.
 """
 from __future__ import annotations
@@ -30,6 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ..ir.conv import conv_inputs
 from ..ir.graph import KernelGraph, OpNode
 from ..ir.ops import OPS, linear_nk
 
@@ -86,32 +99,112 @@ def merge_parallel_linears(graph: KernelGraph, decide: Callable[[LinearGroup], b
             merged[idx[0]] = idx
     if not merged:
         return graph
+
+    def stack(g: KernelGraph, n: OpNode, parts: list[OpNode]) -> None:
+        bias = len(n.inputs) == 3
+        attrs = {"parts": len(parts), "bias": bias, **({"weight_layout": n.attrs["weight_layout"]}
+                                                      if "weight_layout" in n.attrs else {})}
+        ins = [n.inputs[0]] + [p.inputs[1] for p in parts] + ([p.inputs[2] for p in parts] if bias else [])
+        stacked = _append(g, "linear_stack", ins, attrs)
+        for k, p in enumerate(parts):
+            plane = _append(g, "slice_rows", [stacked], {"start": k, "end": k + 1})
+            _append(g, "reshape", [plane], {"shape": list(graph.tensors[p.output].shape)}, out=p.output)
+    return _rebuild(graph, merged, stack)
+
+
+def _append(g: KernelGraph, op: str, ins: list[int], attrs: dict, out: int | None = None) -> int:
+    """Append ``op`` to ``g`` (its output a new tensor, or the existing ``out``); its output id."""
+    if out is None:
+        g.tensors.append(OPS[op].infer([g.tensors[t] for t in ins], attrs))
+        out = len(g.tensors) - 1
+    g.ops.append(OpNode(op, ins, attrs, out))
+    return out
+
+
+def _rebuild(graph: KernelGraph, merged: dict[int, list[int]], stack) -> KernelGraph:
+    """``graph`` with each group ``merged[first] = [op indices]`` replaced, at its first op, by
+    what ``stack(g, first_op, parts)`` appends (the stacked op and the views that give each
+    part's old output id)."""
     absorbed = {i for idx in merged.values() for i in idx}
     g = graph.blank_like()
     g.tensors, g.names = list(graph.tensors), dict(graph.names)
     g.inputs, g.outputs = list(graph.inputs), list(graph.outputs)
-
-    def add(op: str, ins: list[int], attrs: dict, out: int | None = None) -> int:
-        if out is None:
-            g.tensors.append(OPS[op].infer([g.tensors[t] for t in ins], attrs))
-            out = len(g.tensors) - 1
-        g.ops.append(OpNode(op, ins, attrs, out))
-        return out
-
     for i, n in enumerate(graph.ops):
         if i in merged:
-            parts = [graph.ops[j] for j in merged[i]]
-            bias = len(n.inputs) == 3
-            attrs = {"parts": len(parts), "bias": bias, **({"weight_layout": n.attrs["weight_layout"]}
-                                                          if "weight_layout" in n.attrs else {})}
-            ins = [n.inputs[0]] + [p.inputs[1] for p in parts] + ([p.inputs[2] for p in parts] if bias else [])
-            stacked = add("linear_stack", ins, attrs)
-            for k, p in enumerate(parts):
-                plane = add("slice_rows", [stacked], {"start": k, "end": k + 1})
-                add("reshape", [plane], {"shape": list(graph.tensors[p.output].shape)}, out=p.output)
+            stack(g, n, [graph.ops[j] for j in merged[i]])
         elif i not in absorbed:
             g.ops.append(n)
     return g
+
+
+@dataclass(frozen=True)
+class ConvGroup:
+    """k ``conv2d`` ops of one x: ``x_shape`` as the ops take it (NCHW, or NHWC with layout
+    'nhwc'), ``dtype`` the IR dtype name, ``weights`` each part's weight shape [O_i, C / groups,
+    kh, kw], ``parts`` each part's conv2d attrs (stride, padding, dilation, groups, layout,
+    ``bias``, and its epilogue: ``bn``, ``activation``, ``act_args``)."""
+
+    x_shape: tuple
+    dtype: str
+    weights: tuple
+    parts: tuple
+
+
+#: the attrs that must agree for convolutions to merge
+_CONV_GEOMETRY = ("stride", "padding", "dilation", "groups", "layout")
+
+
+def _conv_candidate(graph: KernelGraph, node: OpNode, inputs: set[int]):
+    """The grouping key of a conv2d that may merge, or None."""
+    if node.op != "conv2d" or node.attrs.get("residual"):
+        return None
+    x, w = graph.tensors[node.inputs[0]], graph.tensors[node.inputs[1]]
+    if not x.dtype.is_float or any(t not in inputs for t in node.inputs[1:]):
+        return None
+    geometry = tuple(str(node.attrs.get(k, "nchw" if k == "layout" else None)) for k in _CONV_GEOMETRY)
+    return node.inputs[0], tuple(w.shape[1:]), geometry
+
+
+def merge_parallel_convs(graph: KernelGraph, decide: Callable[[ConvGroup], bool]) -> KernelGraph:
+    """The graph with each group of parallel convolutions that ``decide`` accepts merged into
+    one ``conv2d_stack`` (see the module docstring); ``graph`` itself when none is, or when the
+    graph holds threadblock ``customized`` ops."""
+    if not any(n.op == "conv2d" for n in graph.ops) or any(n.op == "customized" for n in graph.ops):
+        return graph
+    inputs = set(graph.inputs)
+    groups: dict[tuple, list[int]] = {}
+    for i, n in enumerate(graph.ops):
+        key = _conv_candidate(graph, n, inputs)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    merged: dict[int, list[int]] = {}   # first op index -> the group's op indices
+    part_attrs: dict[int, dict] = {}     # op index -> its attrs as a part (``bias`` explicit)
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        for j in idx:
+            n = graph.ops[j]
+            part_attrs[j] = dict(n.attrs, bias=conv_inputs(n.inputs, n.attrs).bias is not None)
+        x = graph.tensors[graph.ops[idx[0]].inputs[0]]
+        case = ConvGroup(tuple(x.shape), x.dtype.value,
+                         tuple(tuple(graph.tensors[graph.ops[j].inputs[1]].shape) for j in idx),
+                         tuple(part_attrs[j] for j in idx))
+        if decide(case):
+            merged[idx[0]] = idx
+    if not merged:
+        return graph
+    index = {id(n): i for i, n in enumerate(graph.ops)}
+
+    def stack(g: KernelGraph, n: OpNode, parts: list[OpNode]) -> None:
+        ins = [n.inputs[0]] + [t for p in parts for t in p.inputs[1:]]
+        stacked = _append(g, "conv2d_stack", ins, {"parts": [part_attrs[index[id(p)]] for p in parts]})
+        off = 0
+        for p in parts:
+            shape = list(graph.tensors[p.output].shape)
+            view = _append(g, "slice_rows", [stacked], {"start": off, "end": off + math.prod(shape)})
+            _append(g, "reshape", [view], {"shape": shape}, out=p.output)
+            off += math.prod(shape)
+    return _rebuild(graph, merged, stack)
 
 
 def linear_stack_parts(node: OpNode) -> list[tuple[OpNode, list[int]]]:
@@ -127,4 +220,4 @@ def linear_stack_parts(node: OpNode) -> list[tuple[OpNode, list[int]]]:
     return parts
 
 
-__all__ = ["LinearGroup", "linear_stack_parts", "merge_parallel_linears"]
+__all__ = ["ConvGroup", "LinearGroup", "linear_stack_parts", "merge_parallel_convs", "merge_parallel_linears"]

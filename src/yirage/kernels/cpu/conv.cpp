@@ -300,4 +300,13 @@ void yr_conv_epilogue(const int64_t* args, int64_t lo, int64_t hi) {
     dispatch_act(act, [&](auto A) { epilogue_rows<decltype(A)::value>(y, r, cols, lo, hi, a, b); });
 }
 
+// The row epilogues of a merged GEMM's parts (yr_emb_gemm_f32_parts): args = {count, then
+// yr_conv_epilogue's 7 words for each part}, each run on rows [lo, hi) of its part; count
+// outside [0, 64] runs none.
+void yr_conv_epilogue_parts(const int64_t* args, int64_t lo, int64_t hi) {
+    const int64_t count = args[0];
+    if (count < 0 || count > 64) return;
+    for (int64_t i = 0; i < count; ++i) yr_conv_epilogue(args + 1 + 7 * i, lo, hi);
+}
+
 }  // extern "C"

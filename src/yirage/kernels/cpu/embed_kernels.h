@@ -816,11 +816,20 @@ void yr_emb_pack_f32(const float* w, float* P, int64_t N, int64_t K, int64_t p_l
 }  // extern "C"
 
 namespace {
-// The float32 GEMM of yr_emb_gemm_f32 and yr_emb_gemm_f32_planes: output column n of row m at
-// y[(n / Np) * M * Np + m * Np + n % Np] (Np == N: the plain [M, N] layout; Np a multiple of
-// the 32-column panel otherwise, so no panel straddles two planes). Sizes checked by the caller.
-void emb_gemm_f32(const float* x, const float* P, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-                  int64_t Np, EmbEpilogue epi, const int64_t* epi_args) {
+// Where a panel's columns go: column n0's place in row 0 (yp), the row stride (ld) and the
+// panel's real columns (nr <= EMB_NR).
+struct EmbPanelOut {
+    float* yp;
+    int64_t ld;
+    int nr;
+};
+
+// The float32 GEMM of yr_emb_gemm_f32, yr_emb_gemm_f32_planes and yr_emb_gemm_f32_parts: y = x
+// @ W^T + bias over N packed columns, panel n0's output placed by out(n0) (EmbPanelOut). Sizes
+// checked by the caller.
+template <typename Out>
+void emb_gemm_f32_to(const float* x, const float* P, const float* bias, int64_t M, int64_t N, int64_t K,
+                     const Out& out, EmbEpilogue epi, const int64_t* epi_args) {
     const EmbTiles t = emb_tiles(M, N);
     int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
 #pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
@@ -828,21 +837,31 @@ void emb_gemm_f32(const float* x, const float* P, const float* bias, float* y, i
         for (int64_t k0 = 0; k0 < K; k0 += EMB_KC) {
             const int64_t kc = std::min(EMB_KC, K - k0);
             for (int64_t p = p0; p < p1; ++p) {
-                const int64_t n0 = p * EMB_NR, plane = n0 / Np;
-                float* yp = y + plane * M * Np + (n0 - plane * Np);   // column n0's place in its plane
-                const int nr = (int)std::min<int64_t>(EMB_NR, N - n0);
+                const int64_t n0 = p * EMB_NR;
+                const EmbPanelOut o = out(n0);
+                if (o.nr <= 0) continue;   // a padding panel of yr_emb_gemm_f32_parts (none are made)
                 const float* B = P + (p * K + k0) * EMB_NR;
-                const float* bp = (bias && k0 == 0 && nr == EMB_NR) ? bias + n0 : nullptr;
+                const float* bp = (bias && k0 == 0 && o.nr == EMB_NR) ? bias + n0 : nullptr;
                 for (int64_t m = m0; m < m1; m += EMB_MR) {
                     const int mr = (int)std::min<int64_t>(EMB_MR, m1 - m);
-                    emb_f32_rows<EMB_MR>(mr, x + m * K + k0, K, B, kc, yp + m * Np, Np, bp, k0 > 0, nr);
+                    emb_f32_rows<EMB_MR>(mr, x + m * K + k0, K, B, kc, o.yp + m * o.ld, o.ld, bp, k0 > 0, o.nr);
                 }
-                if (bias && k0 == 0 && nr < EMB_NR)   // last partial panel: bias added here
+                if (bias && k0 == 0 && o.nr < EMB_NR)   // partial panel: bias added here
                     for (int64_t m = m0; m < m1; ++m)
-                        for (int j = 0; j < nr; ++j) yp[m * Np + j] += bias[n0 + j];
+                        for (int j = 0; j < o.nr; ++j) o.yp[m * o.ld + j] += bias[n0 + j];
             }
         }
     });
+}
+
+// Output column n of row m at y[(n / Np) * M * Np + m * Np + n % Np] (Np == N: the plain [M, N]
+// layout; Np a multiple of the 32-column panel otherwise, so no panel straddles two planes).
+void emb_gemm_f32(const float* x, const float* P, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                  int64_t Np, EmbEpilogue epi, const int64_t* epi_args) {
+    emb_gemm_f32_to(x, P, bias, M, N, K, [&](int64_t n0) {
+        const int64_t plane = n0 / Np;
+        return EmbPanelOut{y + plane * M * Np + (n0 - plane * Np), Np, (int)std::min<int64_t>(EMB_NR, N - n0)};
+    }, epi, epi_args);
 }
 }  // namespace
 
@@ -880,6 +899,42 @@ void yr_emb_gemm_f32_planes(const float* x, const float* P, const float* bias, f
         !emb_check(status, emb_mul(M, N), 0, y_len + 1) || !emb_check(status, emb_mul(N, K), 0, p_len + 1)) return;
     if (M == 0) return;
     emb_gemm_f32(x, P, bias, y, M, N, K, Np, nullptr, nullptr);
+}
+
+// The GEMM of `parts` layers of the same x with different widths (parallel 1x1 convolutions'
+// merged GEMM, backends/cpu_conv.py): widths[i] output columns each, every part's weight packed
+// by yr_emb_pack_f32 into ceil(widths[i] / 32) panels and the packs concatenated (P, p_len
+// floats), bias null or the parts' biases each zero-padded to its panels (the same column
+// index as P). Part i's output is y[M, widths[i]] at element offset M * sum(widths[:i]) of y
+// (its own contiguous rows, ld widths[i]). epi, epi_args: a row epilogue as in
+// yr_emb_gemm_f32 (yr_conv_epilogue_parts runs one per part). status: as in yr_emb_gemm_f32,
+// or a part count outside [1, 64] or a width < 1.
+void yr_emb_gemm_f32_parts(const float* x, const float* P, const float* bias, float* y, int64_t M, int64_t K,
+                           int64_t parts, const int64_t* widths, int64_t x_len, int64_t p_len, int64_t y_len,
+                           EmbEpilogue epi, const int64_t* epi_args, int64_t* status) {
+    constexpr int64_t MAX_PARTS = 64;
+    if (!emb_check(status, M, 0, INT64_MAX) || !emb_check(status, K, 1, INT64_MAX) ||
+        !emb_check(status, parts, 1, MAX_PARTS + 1)) return;
+    int64_t first_panel[MAX_PARTS + 1], y_off[MAX_PARTS + 1];   // per part: its first panel, its output offset
+    first_panel[0] = y_off[0] = 0;
+    for (int64_t i = 0; i < parts; ++i) {
+        if (!emb_check(status, widths[i], 1, INT64_MAX / EMB_NR)) return;
+        first_panel[i + 1] = first_panel[i] + (widths[i] + EMB_NR - 1) / EMB_NR;
+        y_off[i + 1] = y_off[i] + emb_mul(M, widths[i]);
+        if (!emb_check(status, first_panel[i + 1], 1, INT64_MAX / EMB_NR) || !emb_check(status, y_off[i + 1], 0, INT64_MAX))
+            return;
+    }
+    const int64_t N = first_panel[parts] * EMB_NR;
+    if (!emb_check(status, emb_mul(M, K), 0, x_len + 1) || !emb_check(status, y_off[parts], 0, y_len + 1) ||
+        !emb_check(status, emb_mul(N, K), 0, p_len + 1)) return;
+    if (M == 0) return;
+    emb_gemm_f32_to(x, P, bias, M, N, K, [&](int64_t n0) {
+        const int64_t p = n0 / EMB_NR;
+        int64_t i = 0;
+        while (first_panel[i + 1] <= p) ++i;   // parts are few: a scan
+        const int64_t col = n0 - first_panel[i] * EMB_NR;
+        return EmbPanelOut{y + y_off[i] + col, widths[i], (int)std::min<int64_t>(EMB_NR, widths[i] - col)};
+    }, epi, epi_args);
 }
 
 // Packs W [N, K] bfloat16 (uint16 bits, row-major: out x in features) into P for
