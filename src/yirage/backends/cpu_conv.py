@@ -475,18 +475,17 @@ def _conv2d_stack(node, graph, args, out, status):
     return bind_conv2d_stack_parts(node, graph, args, out, status, _conv2d)
 
 
-def merge_convs(case) -> bool:
-    """Should the parallel convolutions ``case`` (transforms.parallel.ConvGroup) run as one
-    ``conv2d_stack``? Chosen by measurement per shape class (``tuning.choose``, cached in the
-    profile): the convolutions apart, each on the provider chosen for it, against the one GEMM
-    (``_conv_stack_gemm``), on random constant weights of the case's shapes. Only groups the
-    GEMM takes (float32 NHWC 1x1 stride 1, ``_stack_gemm_ok``) with at most
-    ``cpu_library.MERGE_MAX_WEIGHT_BYTES`` of weights are measured; others: False."""
+def stack_candidates(case) -> dict[str, Callable] | None:
+    """The two ways to run the parallel convolutions ``case`` (transforms.parallel.ConvGroup), as
+    ``tuning.choose`` candidates on random constant weights of the case's shapes: "separate"
+    (each convolution on the provider chosen for it) and "stacked" (the one GEMM,
+    ``_conv_stack_gemm``); None for groups the GEMM does not take (``_stack_gemm_ok``: float32
+    NHWC 1x1 stride 1) or whose weights exceed ``cpu_library.MERGE_MAX_WEIGHT_BYTES``."""
     from ..ir.graph import OpNode
     from .cpu_library import MERGE_MAX_WEIGHT_BYTES
     if (case.dtype != "float32" or len(case.x_shape) != 4 or math.prod(case.x_shape) == 0
             or sum(math.prod(w) for w in case.weights) * 4 > MERGE_MAX_WEIGHT_BYTES):
-        return False
+        return None
 
     def sample():
         x = torch.randn(case.x_shape)
@@ -504,15 +503,8 @@ def merge_convs(case) -> bool:
             outs.append(torch.empty(*case.x_shape[:3], O))
         return parts, outs
 
-    probe, _ = sample()
-    if not _stack_gemm_ok(probe):
-        return False
-    epilogues = ";".join("+".join([k for k in ("bias", "bn") if a.get(k)] + [a.get("activation") or "id"])
-                         for a in case.parts)
-    widths = "+".join(str(w[0]) for w in case.weights)
-    M, C = math.prod(case.x_shape[:3]), case.x_shape[3]
-    key = tuning.shape_class("conv2d_stack", f"float32/nhwc/1x1/w{widths}/{epilogues}", M,
-                             sum(w[0] for w in case.weights), C, torch.get_num_threads())
+    if not _stack_gemm_ok(sample()[0]):
+        return None
 
     def separate():
         parts, outs = sample()
@@ -531,7 +523,24 @@ def merge_convs(case) -> bool:
         run = _conv_stack_gemm(parts, torch.empty(sum(y.numel() for y in outs)))
         run.samples = parts
         return run
-    return tuning.choose(key, {"separate": separate, "stacked": stacked}, "separate").provider == "stacked"
+    return {"separate": separate, "stacked": stacked}
+
+
+def merge_convs(case) -> bool:
+    """Should the parallel convolutions ``case`` (transforms.parallel.ConvGroup) run as one
+    ``conv2d_stack``? Chosen by measurement per shape class (``tuning.choose``, cached in the
+    profile) between ``stack_candidates(case)``: the convolutions apart, each on the provider
+    chosen for it, and the one GEMM. Groups without candidates: False."""
+    cands = stack_candidates(case)
+    if cands is None:
+        return False
+    epilogues = ";".join("+".join([k for k in ("bias", "bn") if a.get(k)] + [a.get("activation") or "id"])
+                         for a in case.parts)
+    widths = "+".join(str(w[0]) for w in case.weights)
+    M, C = math.prod(case.x_shape[:3]), case.x_shape[3]
+    key = tuning.shape_class("conv2d_stack", f"float32/nhwc/1x1/w{widths}/{epilogues}", M,
+                             sum(w[0] for w in case.weights), C, torch.get_num_threads())
+    return tuning.choose(key, cands, "separate").provider == "stacked"
 
 
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status))
