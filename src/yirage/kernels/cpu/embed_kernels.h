@@ -919,10 +919,10 @@ void yr_emb_gemm_f32_parts(const float* x, const float* P, const float* bias, fl
     first_panel[0] = y_off[0] = 0;
     for (int64_t i = 0; i < parts; ++i) {
         if (!emb_check(status, widths[i], 1, INT64_MAX / EMB_NR)) return;
-        first_panel[i + 1] = first_panel[i] + (widths[i] + EMB_NR - 1) / EMB_NR;
-        y_off[i + 1] = y_off[i] + emb_mul(M, widths[i]);
-        if (!emb_check(status, first_panel[i + 1], 1, INT64_MAX / EMB_NR) || !emb_check(status, y_off[i + 1], 0, INT64_MAX))
-            return;
+        const int64_t rows = emb_mul(M, widths[i]);   // part i's output elements, saturated
+        if (!emb_check(status, rows, 0, INT64_MAX - y_off[i])) return;
+        first_panel[i + 1] = first_panel[i] + (widths[i] + EMB_NR - 1) / EMB_NR;   // < 64 * INT64_MAX / 1024
+        y_off[i + 1] = y_off[i] + rows;
     }
     const int64_t N = first_panel[parts] * EMB_NR;
     if (!emb_check(status, emb_mul(M, K), 0, x_len + 1) || !emb_check(status, y_off[parts], 0, y_len + 1) ||
