@@ -522,6 +522,37 @@ def test_linear_stack_kernel_refuses_planes_that_split_a_panel():
     assert out.isnan().all()
 
 
+def test_prefetch_level_is_measured_and_either_level_computes_the_same_gemv(monkeypatch, tmp_path):
+    """The machine's prefetch level (L1 or L2) is a measured choice recorded in its profile; the
+    q4_1 GEMV gives torch's result on the dequantized weight at both levels (the level is only
+    a hint), and the library is left at the chosen one."""
+    import gguf
+    import torch.nn.functional as F
+    from yirage.backends import cpu_library
+
+    monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
+    tuning.reload_profile()
+    monkeypatch.setattr(tuning, "matching_template", lambda: None)
+    monkeypatch.setattr(cpu_library, "PREFETCH_SWEEP_BYTES", 8 << 20)   # a quick sweep: what is recorded matters here
+    lib = cpu_library.library()
+    level = cpu_library.prefetch_level(lib)
+    (key, entry), = [(k, e) for k, e in tuning.active_profile().entries.items() if k.startswith("gemv_prefetch|")]
+    assert set(entry["median_s"]) == set(cpu_library.PREFETCH_LEVELS)
+    assert level == cpu_library.PREFETCH_LEVELS[entry["choice"]]
+    w = torch.randn(96, 256).numpy()
+    blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1))
+    ref = F.linear(x := torch.randn(1, 256), torch.from_numpy(gguf.quants.dequantize(blocks.numpy(),
+                                                                                     gguf.GGMLQuantizationType.Q4_1)))
+    try:
+        for lv in (1, 0):
+            y = torch.full((1, 96), float("nan"))
+            lib.yr_set_prefetch_level(lv)
+            lib.yr_linear_q4_1(x.data_ptr(), blocks.data_ptr(), None, y.data_ptr(), 1, 96, 256)
+            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    finally:
+        lib.yr_set_prefetch_level(level)
+
+
 def test_parallel_linears_merge_by_measurement(monkeypatch, tmp_path):
     """The CPU's answer for a group of parallel linears is a measured choice between the
     separate linears and the stacked GEMM, recorded in the machine's profile under its shape class."""

@@ -392,10 +392,29 @@ inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, in
 #endif
 }
 
-// Software prefetch of [p, p + bytes) into L1.
+// Where the software prefetches of streamed weights and caches go: 0 L1 (prefetcht0), 1 L2
+// (prefetcht2). Chosen per machine by measurement (backends/cpu_library.py
+// prefetch_level): on a Zen 4 (EPYC, KVM guest) prefetcht0 stalls the core once L1's miss
+// buffers are full (a quarter of a decode step's samples sat on it) and L2 gave 1.4x the decode
+// tokens/s; other cores may differ. Set by yr_set_prefetch_level before kernels run.
+static int g_prefetch_level = 0;
+
+// Software prefetch of [p, p + bytes) into the level g_prefetch_level says. On x86 the
+// instructions are volatile asm: GCC treats __builtin_prefetch as free of side effects and,
+// with the level test around it, deleted whole prefetch loops as dead code.
 inline void prefetch_bytes(const void* p, int64_t bytes) {
-#if defined(__GNUC__)
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+#if defined(__GNUC__) && defined(__x86_64__)
+    const char* c = static_cast<const char*>(p);
+    if (g_prefetch_level == 1)
+        for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht2 %0" : : "m"(c[off]));
+    else
+        for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(c[off]));
+#elif defined(__GNUC__)
+    const char* c = static_cast<const char*>(p);
+    if (g_prefetch_level == 1)
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+    else
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 #else
     (void)p; (void)bytes;
 #endif
@@ -955,6 +974,12 @@ extern "C" {
 // Linear layers: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); bias may be null.
 // Quantized W: N rows of K/32 blocks (K % 32 == 0).
 // =================================================================================
+
+// Sets where prefetch_bytes prefetches: 0 L1, 1 L2; other values leave it unchanged. Not
+// to be called while kernels run.
+void yr_set_prefetch_level(int64_t level) {
+    if (level == 0 || level == 1) g_prefetch_level = (int)level;
+}
 
 void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* y,
                     int64_t M, int64_t N, int64_t K) {
