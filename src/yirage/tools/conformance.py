@@ -1214,6 +1214,18 @@ def _batch_norm(shape, affine, dtype, stats_in_x_dtype=False) -> Built:
     return g, [xs, *stats], {0: want.to(dtype.torch_dtype)}
 
 
+def _activation(g, y, ref, act):
+    """``act`` (None, "relu", "relu6" or "silu") applied to the graph value ``y`` and to its
+    expected tensor ``ref``: the pair after it."""
+    if act == "relu":
+        return g.relu(y), ref.relu()
+    if act == "relu6":
+        return g.clamp(y, 0.0, 6.0), ref.clamp(0, 6)
+    if act == "silu":
+        return g.silu(y), F.silu(ref)
+    return y, ref
+
+
 def _conv_block(N, C, H, W, O, k, stride, groups, shortcut, act, dtype) -> Built:
     """A residual block as conv nets write it: conv -> BatchNorm -> + shortcut -> activation,
     where the shortcut is x itself (``shortcut="identity"``), a strided 1x1 conv -> BatchNorm
@@ -1241,12 +1253,7 @@ def _conv_block(N, C, H, W, O, k, stride, groups, shortcut, act, dtype) -> Built
         y = g.add(y, g.batch_norm(g.conv2d(x, w2, None, stride), *b2, eps=1e-3))
         want = want + F.batch_norm(F.conv2d(xs.float(), ws2.float(), None, stride), *stats2, training=False,
                                    eps=1e-3)
-    if act == "relu":
-        y, want = g.relu(y), want.relu()
-    elif act == "relu6":
-        y, want = g.clamp(y, 0.0, 6.0), want.clamp(0, 6)
-    elif act == "silu":
-        y, want = g.silu(y), F.silu(want)
+    y, want = _activation(g, y, want, act)
     g.mark_output(y)
     g.mark_output(g.mean(g.max_pool2d(y, 3, 2, 1), dim=(2, 3)))
     want = want.to(dtype.torch_dtype)
@@ -1285,12 +1292,7 @@ def _parallel_convs(N, C, H, W, widths, k, stacked) -> Built:
             data += stats
             y = g.batch_norm(y, *(g.new_input((O,)) for _ in range(4)), eps=1e-3)
             ref = F.batch_norm(ref, *stats, training=False, eps=1e-3)
-        if act == "relu":
-            y, ref = g.relu(y), ref.relu()
-        elif act == "relu6":
-            y, ref = g.clamp(y, 0.0, 6.0), ref.clamp(0, 6)
-        elif act == "silu":
-            y, ref = g.silu(y), F.silu(ref)
+        y, ref = _activation(g, y, ref, act)
         g.mark_output(y)
         want[i] = ref
     if stacked:
