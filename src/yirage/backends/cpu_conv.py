@@ -184,13 +184,19 @@ def _row_epilogue(y2, r2, attrs):
     epilogue (conv.cpp ``yr_conv_epilogue`` over the output rows ``y2`` [M, O], ``r2`` the
     residual rows or None): ``((fn, args), keep)`` with ``keep`` what must live as long as the
     thunk (the argument array and the buffers its pointers point at), or ``(None, ())``."""
-    act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
-    if not act and r2 is None:
+    if not attrs.get("activation") and r2 is None:
         return None, ()
-    words = [y2.data_ptr(), 0 if r2 is None else r2.data_ptr(), y2.shape[0], y2.shape[1], _EPILOGUE_ACT[act],
-             _f32_bits(act_args[0]), _f32_bits(act_args[1])]
+    words = _epilogue_words(y2, r2, attrs)
     ptrs = (ctypes.c_int64 * len(words))(*words)
     return (ctypes.cast(library().yr_conv_epilogue, ctypes.c_void_p).value, ctypes.addressof(ptrs)), (ptrs, y2, r2)
+
+
+def _epilogue_words(y2, r2, attrs) -> list[int]:
+    """``yr_conv_epilogue``'s 7 argument words for the rows ``y2`` [M, O] (``r2``: the residual
+    rows or None) and the activation in ``attrs``."""
+    act, act_args = attrs.get("activation"), list(attrs.get("act_args") or [0.0, 0.0])
+    return [y2.data_ptr(), 0 if r2 is None else r2.data_ptr(), y2.shape[0], y2.shape[1], _EPILOGUE_ACT[act],
+            _f32_bits(act_args[0]), _f32_bits(act_args[1])]
 
 
 def _nhwc_rows(t, cols: int):
@@ -409,13 +415,21 @@ def _batch_norm(node, graph, args, out, status):
 
 # ---- conv2d_stack: parallel 1x1 convolutions of one x as one GEMM --------------------------
 
+def _stack_gemm_takes(x_shape, float32: bool, parts) -> bool:
+    """Can convolutions of an x of ``x_shape`` (all float32: ``float32``), ``parts`` their
+    ``(attrs, weight shape)``, run as one GEMM (``_conv_stack_gemm``)? All NHWC 1x1 stride-1
+    unpadded ungrouped convolutions without a residual."""
+    return float32 and len(x_shape) == 4 and all(
+        a.get("layout") == "nhwc" and tuple(w[1:]) == (x_shape[3], 1, 1) and list(a["stride"]) == [1, 1]
+        and list(a["padding"]) == [0, 0] and list(a["dilation"]) == [1, 1] and a["groups"] == 1
+        and not a.get("residual") for a, w in parts)
+
+
 def _stack_gemm_ok(parts: list[tuple[dict, ConvInputs]]) -> bool:
-    """Can the parts (``(attrs, ConvInputs)`` each) run as one GEMM (``_conv_stack_gemm``)? All
-    float32 NHWC 1x1 stride-1 unpadded ungrouped convolutions without a residual."""
-    return all(a.get("layout") == "nhwc" and c.x.dtype == torch.float32 and c.x.dim() == 4
-               and c.weight.dtype == torch.float32 and tuple(c.weight.shape[1:]) == (c.x.shape[3], 1, 1)
-               and list(a["stride"]) == [1, 1] and list(a["padding"]) == [0, 0] and list(a["dilation"]) == [1, 1]
-               and a["groups"] == 1 and c.residual is None for a, c in parts)
+    """``_stack_gemm_takes`` for bound parts (``(attrs, ConvInputs)`` each)."""
+    x = parts[0][1].x
+    return _stack_gemm_takes(tuple(x.shape), all(c.x.dtype == c.weight.dtype == torch.float32 for _, c in parts),
+                             [(a, tuple(c.weight.shape)) for a, c in parts])
 
 
 def _conv_stack_gemm(parts: list[tuple[dict, ConvInputs]], out: torch.Tensor):
@@ -448,10 +462,8 @@ def _conv_stack_gemm(parts: list[tuple[dict, ConvInputs]], out: torch.Tensor):
     cpu_embed._cached(first, kind, pack, deps)   # folded and packed now, once
     words, offset = [], 0
     for (a, _), O in zip(parts, widths):
-        act, act_args = a.get("activation"), list(a.get("act_args") or [0.0, 0.0])
-        if act:
-            words += [out.data_ptr() + 4 * offset, 0, M, O, _EPILOGUE_ACT[act], _f32_bits(act_args[0]),
-                      _f32_bits(act_args[1])]
+        if a.get("activation"):
+            words += _epilogue_words(out[offset:offset + M * O].view(M, O), None, a)
         offset += M * O
     epilogue, ptrs = None, None
     if words:
@@ -479,12 +491,12 @@ def stack_candidates(case) -> dict[str, Callable] | None:
     """The two ways to run the parallel convolutions ``case`` (transforms.parallel.ConvGroup), as
     ``tuning.choose`` candidates on random constant weights of the case's shapes: "separate"
     (each convolution on the provider chosen for it) and "stacked" (the one GEMM,
-    ``_conv_stack_gemm``); None for groups the GEMM does not take (``_stack_gemm_ok``: float32
-    NHWC 1x1 stride 1) or whose weights exceed ``cpu_library.MERGE_MAX_WEIGHT_BYTES``."""
+    ``_conv_stack_gemm``); None for groups the GEMM does not take (``_stack_gemm_takes``:
+    float32 NHWC 1x1 stride 1) or whose weights exceed ``cpu_library.MERGE_MAX_WEIGHT_BYTES``."""
     from ..ir.graph import OpNode
     from .cpu_library import MERGE_MAX_WEIGHT_BYTES
-    if (case.dtype != "float32" or len(case.x_shape) != 4 or math.prod(case.x_shape) == 0
-            or sum(math.prod(w) for w in case.weights) * 4 > MERGE_MAX_WEIGHT_BYTES):
+    if (not _stack_gemm_takes(case.x_shape, case.dtype == "float32", list(zip(case.parts, case.weights)))
+            or math.prod(case.x_shape) == 0 or sum(math.prod(w) for w in case.weights) * 4 > MERGE_MAX_WEIGHT_BYTES):
         return None
 
     def sample():
@@ -502,9 +514,6 @@ def stack_candidates(case) -> dict[str, Callable] | None:
             parts.append((a, conv_inputs(ins, a)))
             outs.append(torch.empty(*case.x_shape[:3], O))
         return parts, outs
-
-    if not _stack_gemm_ok(sample()[0]):
-        return None
 
     def separate():
         parts, outs = sample()
