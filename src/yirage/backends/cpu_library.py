@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 import struct
 from typing import Callable
 
@@ -130,7 +131,10 @@ def prefetch_level(lib: ctypes.CDLL) -> int:
     machine, cached in its profile; L1 with ``YIRAGE_TUNE=off``): q4_1 GEMVs of SmolLM2's MLP
     shape (1 x 576 -> 1536) over ``PREFETCH_SWEEP_BYTES`` of weights, as a decode step reads
     them, with each level. On the Zen 4 EPYC of the README, L2 decoded 1.4x faster: with L1,
-    the core stalls on the prefetch instructions once L1's miss buffers are full."""
+    the core stalls on the prefetch instructions once L1's miss buffers are full. Only x86-64
+    builds have the L2 variant (library.cpp ``prefetch_bytes``); elsewhere: 0, unmeasured."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return 0
     rows, K = 1536, 576
     per = rows * (K // 32) * 20   # q4_1: 20 bytes per block of 32
     count = max(2, PREFETCH_SWEEP_BYTES // per)

@@ -399,24 +399,22 @@ inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, in
 // tokens/s; other cores may differ. Set by yr_set_prefetch_level before kernels run.
 static int g_prefetch_level = 0;
 
-// Software prefetch of [p, p + bytes) into the level g_prefetch_level says. On x86 the
+// Software prefetch of [p, p + bytes) into the level g_prefetch_level says. On x86-64 the
 // instructions are volatile asm: GCC treats __builtin_prefetch as free of side effects and,
-// with the level test around it, deleted whole prefetch loops as dead code.
+// with the level test around it, deleted whole prefetch loops as dead code. Elsewhere the
+// level is ignored: an unconditioned __builtin_prefetch to L1, as before the level existed
+// (an L2 variant for AArch64 has not been built or measured).
 inline void prefetch_bytes(const void* p, int64_t bytes) {
-#if defined(__GNUC__) && defined(__x86_64__)
     const char* c = static_cast<const char*>(p);
+#if defined(__GNUC__) && defined(__x86_64__)
     if (g_prefetch_level == 1)
         for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht2 %0" : : "m"(c[off]));
     else
         for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(c[off]));
 #elif defined(__GNUC__)
-    const char* c = static_cast<const char*>(p);
-    if (g_prefetch_level == 1)
-        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
-    else
-        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 #else
-    (void)p; (void)bytes;
+    (void)c; (void)bytes;
 #endif
 }
 
