@@ -839,7 +839,6 @@ void emb_gemm_f32_to(const float* x, const float* P, const float* bias, int64_t 
             for (int64_t p = p0; p < p1; ++p) {
                 const int64_t n0 = p * EMB_NR;
                 const EmbPanelOut o = out(n0);
-                if (o.nr <= 0) continue;   // a padding panel of yr_emb_gemm_f32_parts (none are made)
                 const float* B = P + (p * K + k0) * EMB_NR;
                 const float* bp = (bias && k0 == 0 && o.nr == EMB_NR) ? bias + n0 : nullptr;
                 for (int64_t m = m0; m < m1; m += EMB_MR) {
@@ -922,6 +921,7 @@ void yr_emb_gemm_f32_parts(const float* x, const float* P, const float* bias, fl
         const int64_t rows = emb_mul(M, widths[i]);   // part i's output elements, saturated
         if (!emb_check(status, rows, 0, INT64_MAX - y_off[i])) return;
         first_panel[i + 1] = first_panel[i] + (widths[i] + EMB_NR - 1) / EMB_NR;   // < 64 * INT64_MAX / 1024
+        if (!emb_check(status, first_panel[i + 1], 1, INT64_MAX / EMB_NR)) return;   // N below fits
         y_off[i + 1] = y_off[i] + rows;
     }
     const int64_t N = first_panel[parts] * EMB_NR;
