@@ -47,6 +47,21 @@ def _own_machine_profile(tmp_path_factory):
         os.environ[profile.PROFILE_DIR_ENV] = before
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_library(_own_machine_profile):
+    """The CPU kernel library loaded once up front: loading it measures the machine's prefetch
+    level (``cpu_library.prefetch_level``, a ``tuning.choose``), which must not happen inside a
+    test that pins ``tuning.choose`` to one op's provider. A machine without a C++ compiler
+    leaves it to the tests that need it (they report the ToolchainError)."""
+    from yirage.backends import cpu_library
+    from yirage.errors import ToolchainError
+
+    try:
+        cpu_library.library()
+    except ToolchainError:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test starts from the same torch seed, so random inputs repeat run to run."""
