@@ -44,8 +44,9 @@ yirage with one worker on the idle machine runs just before, and the ratio of ea
 is reported (their median is issue 7's busy-core figure).
 
 If ``yr.LLM`` takes a ``persistent`` keyword, yirage is measured with persistent=True and
-persistent=False (and, if it takes ``prefill_dtype``, persistent=True with bfloat16 prefill GEMMs:
-its greedy tokens may differ from float32's); if it takes a thread-count keyword (num_threads, threads, num_workers), it
+persistent=False (and, if it takes ``prefill_dtype``, persistent=True with bfloat16 prefill GEMMs;
+if it takes ``decode_dtype``, persistent=True with int8 decode activations, llama.cpp's decode
+numerics: the greedy tokens of either may differ from float32's); if it takes a thread-count keyword (num_threads, threads, num_workers), it
 gets --threads. ``machine`` is ``yirage.runtime.machine.machine_record()``.
 The machine may be shared with other jobs: figures are noisy; compare within one run.
 """
@@ -164,13 +165,16 @@ def _llm_params() -> set[str]:
 
 def yirage_configs() -> dict[str, dict]:
     """The yr.LLM keyword sets to measure: both persistent modes if LLM takes ``persistent``, and
-    the persistent one with bfloat16 prefill GEMMs if it takes ``prefill_dtype``."""
+    the persistent one with bfloat16 prefill GEMMs if it takes ``prefill_dtype`` and with int8
+    decode activations if it takes ``decode_dtype``."""
     params = _llm_params()
     if "persistent" not in params:
         return {"default": {}}
     configs = {"persistent=True": {"persistent": True}, "persistent=False": {"persistent": False}}
     if "prefill_dtype" in params:
         configs["persistent=True prefill_dtype=bfloat16"] = {"persistent": True, "prefill_dtype": "bfloat16"}
+    if "decode_dtype" in params:   # llama.cpp's decode numerics (int8 activations)
+        configs["persistent=True decode_dtype=int8"] = {"persistent": True, "decode_dtype": "int8"}
     return configs
 
 

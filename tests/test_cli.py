@@ -48,6 +48,18 @@ def test_generate_streams_text():
     assert p.stdout.strip()
 
 
+@pytest.mark.slow
+def test_generate_int8_decode():
+    """--decode-dtype int8 (llama.cpp's decode numerics) still answers the question; with
+    bfloat16 activations it is one clear error."""
+    p = yirage("generate", "--max-new-tokens", "8", "--json", "--decode-dtype", "int8",
+               "What is the capital of France?")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in json.loads(p.stdout)["text"]
+    assert_one_line_error(yirage("generate", "--decode-dtype", "int8", "--dtype", "bfloat16", "hi"),
+                          "decode_dtype='int8'", "float32 activations")
+
+
 @pytest.mark.parametrize("args,fragments", [
     (["-m", "no-such-model", "hi"], ["no-such-model"]),
     (["-m", "/nonexistent/model.gguf", "hi"], ["no such file"]),

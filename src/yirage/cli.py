@@ -281,6 +281,9 @@ def set_default_backend(backend, unset) -> None:
 @click.option("--prefill-dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
               help="bfloat16: prompts of 16+ tokens run their quantized projections as bfloat16 GEMMs "
                    "(CPU; faster where the CPU has AMX or AVX512-BF16, at bfloat16 precision).")
+@click.option("--decode-dtype", type=click.Choice(["float32", "int8"]), default=None,
+              help="int8: decode steps quantize the inputs of q4_1/q8_0 projections to int8 per block of 32 "
+                   "(CPU; llama.cpp's decode numerics: greedy tokens may differ from float32's).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; a finite number >= 0.")
 @click.option("--top-k", type=int, default=None, help="A positive integer.")
@@ -297,7 +300,7 @@ def set_default_backend(backend, unset) -> None:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the decode tasks as a Chrome/Perfetto trace (JSON) to this file.")
 def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allow_nonfinite_weights, prefill_dtype,
-             temperature, top_k, top_p, seed, system, no_chat, as_json, persistent, workers, trace_path) -> None:
+             decode_dtype, temperature, top_k, top_p, seed, system, no_chat, as_json, persistent, workers, trace_path) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from .engines.generate import LLM, check_generation_args
 
@@ -314,7 +317,8 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
         profile = _trace_buffer(max_new_tokens) if trace_path is not None else None
         llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True,
                   allow_nonfinite_weights=allow_nonfinite_weights, persistent=True if profile is not None else persistent,
-                  num_workers=workers, profiler_tensor=profile, prefill_dtype=prefill_dtype)
+                  num_workers=workers, profiler_tensor=profile, prefill_dtype=prefill_dtype,
+                  decode_dtype=decode_dtype)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
         has_template = bool(getattr(llm.tokenizer, "chat_template", None))

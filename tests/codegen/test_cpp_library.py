@@ -382,3 +382,57 @@ def test_argmax_special_values(lib):
     out = torch.empty(5, dtype=torch.int64)
     lib.yr_argmax(_ptr(x), _ptr(out), 5, 3)
     assert out.tolist() == torch.argmax(x, dim=-1).tolist()
+
+
+# ---------------------------------------------------------------------------------------
+# int8-activation GEMV (linear's compute_dtype='int8')
+# ---------------------------------------------------------------------------------------
+
+def _int8_case(M: int, N: int, K: int, fmt: str, seed: int):
+    """x (with a zero block and a block of large values), the raw weight, its decoded values and a bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    x[0, :32] = 0.0                     # amax == 0: a zero scale, quants 0
+    if K >= 64:
+        x[-1, 32:64] *= 1e4
+    w = torch.randn(N, K, generator=g) * 0.1 + 0.02
+    raw, ref_w = _quantize(w, fmt)
+    return x, raw, ref_w, torch.randn(N, generator=g)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("M,N,K", [(1, 37, 64), (1, 1536, 576), (3, 576, 1536), (2, 9, 32)])
+def test_linear_int8_activations_match_the_quantized_reference(lib_vnni, fmt, M, N, K):
+    """yr_linear_T_q8 computes x quantized per block of 32 (ir.ops.quantize_blocks_int8) times
+    the decoded weight, on every build (VNNI, AVX-VNNI, AVX2 vpmaddubsw / int16, scalar); it
+    differs from the float32 product by the quantization error, which the reference has too."""
+    from yirage.ir.ops import quantize_blocks_int8
+    x, raw, ref_w, bias = _int8_case(M, N, K, fmt, M * 31 + N + K)
+    xq = quantize_blocks_int8(x)
+    for b in (None, bias):
+        y = torch.full((M, N), float("nan"))
+        getattr(lib_vnni, f"yr_linear_{fmt}_q8")(_ptr(x), _ptr(raw), _ptr(b), _ptr(y), M, N, K)
+        _assert_linear_close(y, xq, ref_w, b)
+    exact = F.linear(x.double(), ref_w.double(), bias.double())
+    assert (y.double() - exact).abs().max() > 10 * (F.linear(xq.double(), ref_w.double(), bias.double())
+                                                    - y.double()).abs().max()   # x was quantized
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_linear_int8_task_writes_its_rows_only(lib_vnni, fmt):
+    """yr_task_linear_T_q8 over row slices equals the launch, and writes nothing outside [lo, hi)."""
+    import ctypes
+    M, N, K = 2, 41, 96
+    x, raw, ref_w, bias = _int8_case(M, N, K, fmt, 5)
+    full = torch.empty(M, N)
+    getattr(lib_vnni, f"yr_linear_{fmt}_q8")(_ptr(x), _ptr(raw), _ptr(bias), _ptr(full), M, N, K)
+    fn = getattr(lib_vnni, f"yr_task_linear_{fmt}_q8")
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
+    y = torch.full((M, N), float("nan"))
+    args = (ctypes.c_int64 * 7)(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K)
+    fn(args, 8, 24)
+    assert torch.equal(y[:, 8:24], full[:, 8:24])
+    assert y[:, :8].isnan().all() and y[:, 24:].isnan().all()
+    fn(args, 0, 8)
+    fn(args, 24, N)
+    assert torch.equal(y, full)

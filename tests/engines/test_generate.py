@@ -195,6 +195,47 @@ def test_bad_prefill_dtype_is_one_clear_error(tmp_path, save_tiny_model):
 
 
 @pytest.mark.slow
+def test_int8_decode_stays_close_to_transformers(hf_smollm):
+    """decode_dtype='int8': every q4_1/q8_0 linear of the decode step (both forms: the graph and
+    the persistent kernel) and only those quantize x per block of 32; the prompt keeps float32.
+    Each decode step's logits stay within int8 activations' error of transformers' float32
+    logits for the same tokens, and pick the same token wherever the top two are apart."""
+    llm = yr.LLM(decode_dtype="int8", max_seq_length=256)
+    ids = llm.encode_prompt(PROMPTS[1])
+    step, _ = llm.model.build_graph(1)
+    linears = [op for op in step.ops if op.op == "linear"]
+    assert linears and all(op.attrs.get("compute_dtype") == "int8" for op in linears)
+    pk = llm.model.decode_kernel(num_workers=1).kn_graph
+    assert all(op.attrs.get("compute_dtype") == "int8" for op in pk.ops if op.op == "linear")
+    prompt, _ = llm.model.build_graph(len(ids))
+    assert not any(op.attrs.get("compute_dtype") for op in prompt.ops)
+    out = llm.generate(ids, max_new_tokens=12, chat=False)
+    seq = ids + out.token_ids
+    with torch.inference_mode():
+        ref = hf_smollm(torch.tensor([seq])).logits[0, len(ids):len(seq) - 1]   # the decode steps' positions
+    llm.steps.run(ids, 0)
+    for i, token in enumerate(out.token_ids[:-1]):
+        logits, _ = llm.steps.run([token], len(ids) + i)
+        # llama.cpp's own logits for these tokens (q8 activations too): cosine 0.9984-0.9997 with
+        # transformers', largest error 0.48-0.89 (this kernel: 0.9985-0.9999, 0.37-0.76)
+        assert torch.nn.functional.cosine_similarity(logits[0], ref[i], dim=0) > 0.998
+        assert (logits[0] - ref[i]).abs().max() < 1.5
+        top2 = ref[i].topk(2).values
+        if top2[0] - top2[1] > 3.0:
+            assert int(logits[0].argmax()) == int(ref[i].argmax())
+
+
+def test_bad_decode_dtype_is_one_clear_error(tmp_path, save_tiny_model):
+    save_tiny_model("llama", tmp_path)
+    with pytest.raises(yr.GenerationError, match="decode_dtype must be None, 'float32' or 'int8'"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, decode_dtype="bfloat16")
+    with pytest.raises(yr.GenerationError, match="has none: leave decode_dtype at None"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, decode_dtype="int8")
+    with pytest.raises(yr.GenerationError, match="CPU backend with float32 activations"):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, dtype="bfloat16", decode_dtype="int8")
+
+
+@pytest.mark.slow
 def test_threads_get_the_answers_they_would_get_alone(smollm):
     """8 threads on one yr.LLM (greedy and seeded sampling, some streaming): each result equals
     the same call made alone, one after another."""

@@ -45,6 +45,8 @@ SIGNATURES: dict[str, tuple] = {
     "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
     "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
     "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
+    "yr_linear_q4_1_q8": (_P, _P, _P, _P, _I, _I, _I),   # the same, x quantized to int8 (compute_dtype='int8')
+    "yr_linear_q8_0_q8": (_P, _P, _P, _P, _I, _I, _I),
     "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
     "yr_embedding_q4_1": (_P, _P, _P, _I, _I, _I, _P),
     "yr_embedding_f32": (_P, _P, _P, _I, _I, _I, _P),
@@ -89,7 +91,8 @@ SIGNATURES: dict[str, tuple] = {
     "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
 }
 #: task entry points (address taken, called by the persistent kernel scheduler only)
-TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_f32", "yr_task_embedding",
+TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_q4_1_q8", "yr_task_linear_q8_0_q8",
+                "yr_task_linear_f32", "yr_task_embedding",
                 "yr_task_rope", "yr_task_rope_rows", "yr_task_attention_rows_append", "yr_task_attention_rows",
                 "yr_task_attention_append", "yr_task_attention_partial",
                 "yr_task_attention_combine", "yr_task_argmax_partial", "yr_task_argmax_reduce",
@@ -195,6 +198,10 @@ def _linear(node, graph, args, out, status):
     layout = node.attrs.get("weight_layout", "nk")
     N, K = linear_nk(wt.shape, node.attrs)
     M = x.numel() // K
+    if node.attrs.get("compute_dtype") == "int8":   # q4_1/q8_0 with x quantized: yirage's kernel only
+        fn, xp, wp, bp, op = (getattr(library(), f"yr_linear_{wt.dtype.value}_q8"), x.data_ptr(), w.data_ptr(),
+                              _ptr(bias), out.data_ptr())
+        return lambda: fn(xp, wp, bp, op, M, N, K)
     quant = (wt.dtype.value, N, K) if wt.dtype.is_quantized else None
     # float32 x: the provider chosen by measurement (float32, bfloat16 or GGUF-block weights)
     thunk = cpu_providers.bind_linear("linear", args, out, quant=quant,
@@ -510,10 +517,15 @@ def _linear_task(node, graph, args, out, status, num_workers):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
     wt = graph.tensors[node.inputs[1]]
+    compute = node.attrs.get("compute_dtype")
     if (x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32)
-            or node.attrs.get("weight_layout", "nk") != "nk" or node.attrs.get("compute_dtype")):
+            or node.attrs.get("weight_layout", "nk") != "nk" or compute not in (None, "int8")):
         return None
-    if wt.dtype.is_quantized:
+    N, K = wt.shape
+    M = x.numel() // K
+    if compute == "int8":   # x quantized per task (library.cpp gemv_q8_act), a GEMV per x row
+        fn = f"yr_task_linear_{wt.dtype.value}_q8"
+    elif wt.dtype.is_quantized:
         if wt.dtype not in _QUANT:
             return None
         fn = f"yr_task_linear_{wt.dtype.value}"
@@ -521,11 +533,9 @@ def _linear_task(node, graph, args, out, status, num_workers):
         fn = "yr_task_linear_f32"
     else:
         return None
-    N, K = wt.shape
-    M = x.numel() // K
-    if M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0) else 1]:
+    if compute is None and M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0) else 1]:
         return None   # launched: its packed GEMM beats a GEMV per row
-    if wt.dtype.is_quantized and M >= cpu_providers.VENDOR_QUANT_MIN_M:
+    if compute is None and wt.dtype.is_quantized and M >= cpu_providers.VENDOR_QUANT_MIN_M:
         # a vendor GEMM competes for this shape class: tasks only where yirage's kernel won
         # (the launch would run the same row tiles); else the launch with the measured winner
         case = cpu_providers.case_of("linear", list(args), out, quant=(wt.dtype.value, N, K))

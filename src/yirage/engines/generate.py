@@ -24,6 +24,7 @@ from ..backends import Backend, get_backend_impl, resolve_backend
 from ..dtypes import DType, as_dtype
 from ..config import logger
 from ..errors import GenerationError
+from ..ir.ops import INT8_COMPUTE_WEIGHTS
 from ..models.llama import LlamaModel, StepRunner
 from ..models.loading import load_model
 
@@ -154,6 +155,24 @@ def _prefill_dtype(prefill_dtype, backend, dtype: DType) -> DType | None:
     return d
 
 
+def _decode_dtype(decode_dtype, backend, dtype: DType) -> DType | None:
+    """The LLM's decode GEMV activation dtype: None (float32) or DType.int8 (see ``LLM``)."""
+    if decode_dtype is None:
+        return None
+    try:
+        d = as_dtype(decode_dtype)
+    except ValueError:
+        d = None
+    if d == DType.float32:
+        return None
+    if d != DType.int8:
+        raise GenerationError(f"decode_dtype must be None, 'float32' or 'int8', got {decode_dtype!r}")
+    if backend != Backend.CPU or dtype != DType.float32:
+        raise GenerationError("decode_dtype='int8' applies to the CPU backend with float32 activations "
+                              f"(this LLM: backend {backend.value}, dtype {dtype.value})")
+    return d
+
+
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes seeds up to this
 # Below this a positive temperature makes float32 logits / temperature overflow to inf (and
 # the softmax NaN); its limit, greedy decoding, is what such a temperature gets.
@@ -256,6 +275,14 @@ class LLM:
             CPU has them). Faster prefill where the CPU has bfloat16 units, at bfloat16's
             precision (logits then differ from float32 by about 1e-2, as llama.cpp's 8-bit
             activations do); decode steps stay float32. ``yirage optimize`` measures it.
+        decode_dtype: None (the default: float32 GEMVs on the exact decoded weights) or 'int8':
+            on the CPU, single-sequence decode steps quantize each projection's and the LM
+            head's input to int8 per block of 32 values (scale max|x| / 127) where the weight is
+            q4_1 or q8_0, and sum the products in integers (AVX512-VNNI / AVX-VNNI vpdpbusd where
+            the CPU has it): llama.cpp's decode numerics, so greedy tokens can differ from
+            float32's (and from transformers'). Faster where the float32 GEMV is bound by its
+            own instructions rather than memory. Weights of other formats, prefill and
+            ``generate([...])`` batches keep float32.
         max_batch: the most sequences ``generate([p1, p2, ...])`` runs together (slots of its
             continuous-batching KV cache, allocated on the first batch call: 2 * layers *
             (max_batch + 1) * max_seq_length * kv_heads * head_dim elements); more prompts wait
@@ -271,14 +298,17 @@ class LLM:
             integer, dtype is not one of
             float32, float16, bfloat16, or prefill_dtype is not None/'float32'/'bfloat16', is
             'bfloat16' off the CPU backend, with non-float32 activations, or for a model
-            without block-quantized weights.
+            without block-quantized weights; decode_dtype is not None/'float32'/'int8', is
+            'int8' off the CPU backend, with non-float32 activations, or for a model without
+            q4_1/q8_0 weights.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
                  max_seq_length: int = 2048, dtype=None, progress: bool = False,
                  allow_nonfinite_weights: bool = False, persistent: bool | None = None,
                  num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
-                 prefill_dtype=None, max_batch: int = 8, max_batch_tokens: int | None = None):
+                 prefill_dtype=None, max_batch: int = 8, max_batch_tokens: int | None = None,
+                 decode_dtype=None):
         max_seq_length = _positive_int("max_seq_length", max_seq_length)
         self.max_batch = _positive_int("max_batch", max_batch)
         if max_batch_tokens is not None:
@@ -286,6 +316,7 @@ class LLM:
         self.backend = resolve_backend(backend)
         self.dtype = _activation_dtype(dtype, self.backend)
         self.prefill_dtype = _prefill_dtype(prefill_dtype, self.backend, self.dtype)
+        self.decode_dtype = _decode_dtype(decode_dtype, self.backend, self.dtype)
         loaded = load_model(model, progress=progress, allow_nonfinite=bool(allow_nonfinite_weights))
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -300,7 +331,11 @@ class LLM:
         if self.prefill_dtype is not None and not any(w.dtype.is_quantized for w in loaded.weights.values()):
             raise GenerationError(f"prefill_dtype='bfloat16' computes the GEMMs of GGUF block-quantized weights in "
                                   f"bfloat16; {self.name} has float weights: load it with dtype='bfloat16' instead")
-        self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype, self.prefill_dtype)
+        if self.decode_dtype is not None and not any(w.dtype in INT8_COMPUTE_WEIGHTS for w in loaded.weights.values()):
+            raise GenerationError(f"decode_dtype='int8' quantizes the inputs of GEMVs on q4_1/q8_0 weights; "
+                                  f"{self.name} has none: leave decode_dtype at None")
+        self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype, self.prefill_dtype,
+                                self.decode_dtype)
         if persistent is None:
             persistent = self.backend == Backend.CPU
         if profiler_tensor is not None and not persistent:

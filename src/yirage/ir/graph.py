@@ -541,7 +541,10 @@ class KernelGraph:
         bias [N]. A bfloat16 ``w`` with float32 ``x`` is a bfloat16 GEMM with float32 accumulation
         and float32 output (``ir.ops`` ``_linear_ref`` gives the rounding). ``compute_dtype``
         'bfloat16' (float32 or GGUF-block ``w`` with float32 ``x``) computes the same way on the
-        (decoded) weight rounded to bfloat16. ``weight_layout`` 'kn': ``w`` is stored [K, N] and the op is
+        (decoded) weight rounded to bfloat16; 'int8' (q4_1/q8_0 ``w``, float32 ``x``) quantizes x to
+        int8 per block of 32 values (scale amax / 127: ``ir.ops.quantize_blocks_int8``) and sums
+        the blocks' products in integers, as llama.cpp's quantized GEMVs do (the CPU backend's
+        kernels; others refuse it). ``weight_layout`` 'kn': ``w`` is stored [K, N] and the op is
         ``x @ w (+ bias)`` (float weights only; GPT-2's Conv1D, ``torch.addmm``), read in place.
         GraphError for bad shapes, dtypes, compute_dtype or weight_layout."""
         self._check_tensors("linear", [x, w] + ([bias] if bias is not None else []))

@@ -406,11 +406,29 @@ def _linear_infer(ts, attrs):
     if len(ts) == 3 and (tuple(ts[2].shape) != (N,) or ts[2].dtype != x.dtype):
         _fail("linear", ts, f"bias must have shape ({N},) and x's dtype {x.dtype.value}")
     compute = attrs.get("compute_dtype")
-    if compute is not None and (compute != "bfloat16" or x.dtype != DType.float32
-                                or not (w.dtype.is_quantized or w.dtype == DType.float32)):
-        _fail("linear", ts, f"compute_dtype={compute!r}: only 'bfloat16', with float32 x and a float32 or "
-                            "block-quantized weight (a bfloat16 weight computes in bfloat16 already)")
+    if compute == "int8":
+        if x.dtype != DType.float32 or w.dtype not in INT8_COMPUTE_WEIGHTS or layout != "nk":
+            _fail("linear", ts, "compute_dtype='int8' needs float32 x and a q4_1 or q8_0 weight "
+                                f"([out_features, in_features]), got {x.dtype.value} and {w.dtype.value}")
+    elif compute is not None and (compute != "bfloat16" or x.dtype != DType.float32
+                                  or not (w.dtype.is_quantized or w.dtype == DType.float32)):
+        _fail("linear", ts, f"compute_dtype={compute!r}: 'bfloat16', with float32 x and a float32 or "
+                            "block-quantized weight (a bfloat16 weight computes in bfloat16 already), or 'int8' "
+                            "with a q4_1 or q8_0 weight")
     return TensorType((*x.shape[:-1], N), x.dtype)
+
+
+#: the weight formats whose ``linear`` may take ``compute_dtype='int8'``
+INT8_COMPUTE_WEIGHTS = (DType.q4_1, DType.q8_0)
+
+
+def quantize_blocks_int8(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` [..., K] (K a multiple of 32) as ``linear``'s ``compute_dtype='int8'`` sees
+    it: each block of 32 consecutive values quantized to int8 with its own scale amax / 127
+    (``quantize_rows_int8`` per block: round-half-even, a zero block stays zero) and decoded
+    back to float32 (q * scale). llama.cpp's q8 activations of its quantized GEMVs."""
+    q, s = quantize_rows_int8(x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32))
+    return (q.float() * s).reshape(x.shape)
 
 
 def _linear_ref(args, attrs):
@@ -421,8 +439,12 @@ def _linear_ref(args, attrs):
     autocast computes a linear layer), then the float32 bias added; float32 out. A float32 or
     block-quantized W with ``compute_dtype='bfloat16'`` is decoded, rounded to bfloat16, and then
     the same.
-    ``weight_layout='kn'``: W is stored [K, N] (x @ W)."""
+    ``weight_layout='kn'``: W is stored [K, N] (x @ W). ``compute_dtype='int8'`` (q4_1/q8_0 W):
+    x quantized per block of 32 first (``quantize_blocks_int8``), then the float32 product
+    (the kernels' integer block sums are exact; only their float combination rounds)."""
     x, w = args[0], args[1]
+    if attrs.get("compute_dtype") == "int8":
+        x = quantize_blocks_int8(x)
     if attrs.get("weight_layout") == "kn":
         w = w.t()
     if attrs.get("w_dtype"):

@@ -51,6 +51,7 @@ import torch
 from ..backends import Backend, get_backend_impl
 from ..dtypes import DType, as_dtype
 from ..errors import GenerationError
+from ..ir.ops import INT8_COMPUTE_WEIGHTS, OPS
 from ..kernel import KNGraph
 from ..persistent_kernel import PersistentKernel
 
@@ -83,6 +84,10 @@ class LlamaModel:
             at least ``PREFILL_BF16_MIN_T`` tokens compute as bfloat16 GEMMs (``linear``'s
             ``compute_dtype``: x and the decoded weights rounded to bfloat16); decode steps and
             the LM head keep float32.
+        decode_dtype: None, or int8: every projection and the LM head of a decode step (T = 1:
+            ``build_graph(1)``, ``decode_kernel``) on q4_1/q8_0 weights quantizes its input to
+            int8 per block of 32 values (``linear``'s ``compute_dtype='int8'``: llama.cpp's
+            decode numerics; other weight formats keep float32). CPU backend only.
 
     Block-quantized weights (q4_1, q8_0) stay in their blocks and are decoded inside the
     GEMV/GEMM kernels; RoPE tables stay float32 ([max_seq_length, head_dim / 2]: ``cos``/``sin``,
@@ -93,13 +98,14 @@ class LlamaModel:
     """
 
     def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32,
-                 prefill_dtype: DType | None = None):
+                 prefill_dtype: DType | None = None, decode_dtype: DType | None = None):
         cfg = loaded.config
         self.cfg = cfg
         self.backend = backend
         self.max_seq_length = max_seq_length
         self.dtype = dtype
         self.prefill_dtype = prefill_dtype
+        self.decode_dtype = decode_dtype
         self.device = get_backend_impl(backend).torch_device
         self.weights: dict[str, tuple[torch.Tensor, DType, tuple]] = {}
         offset = cfg.norm_weight_offset
@@ -160,6 +166,8 @@ class LlamaModel:
             lambda i, q, k, v, kc, vc: g.attention(q, k, v, kc, vc, start, scale, window=self.layer_window(i)),
             self.k_cache, self.v_cache)
         self._head(g, weight, h if T == 1 else g.slice_rows(h, T - 1, T))
+        if T == 1 and self.decode_dtype == DType.int8:
+            _int8_activations(g)
         return g, tensors
 
     def new_batch_cache(self, slots: int) -> "BatchKVCache":
@@ -363,8 +371,22 @@ class LlamaModel:
         partial = (act("argmax_values", 1), act("argmax_indices", 1, DType.int64))
         mpk.argmax_partial_layer(logits, partial)
         mpk.argmax_reduce_layer(partial, mpk.new_tensor((1,), DType.int64, "next_token"))
+        if self.decode_dtype == DType.int8:
+            _int8_activations(mpk.kn_graph)
         mpk.compile()
         return mpk
+
+
+def _int8_activations(g: KNGraph) -> None:
+    """Gives every ``linear`` of ``g`` on a q4_1/q8_0 weight with float32 x
+    ``compute_dtype='int8'`` (``decode_dtype``); the op's shape rule checks the result."""
+    for node in g.ops:
+        if node.op != "linear" or node.attrs.get("compute_dtype"):
+            continue
+        types = [g.tensors[i] for i in node.inputs]
+        if types[0].dtype == DType.float32 and types[1].dtype in INT8_COMPUTE_WEIGHTS:
+            node.attrs["compute_dtype"] = "int8"
+            OPS["linear"].infer(types, node.attrs)
 
 
 class StepRunner:

@@ -883,6 +883,22 @@ def _linear_quant_bf16(M: int, N: int, K: int, dtype: DType) -> Built:
     return g, [xs, storage, bias], {0: F.linear(xs.to(torch.bfloat16), wf.to(torch.bfloat16)).float() + bias}
 
 
+def _linear_quant_int8(M: int, N: int, K: int, dtype: DType) -> Built:
+    """A q4_1/q8_0 weight with compute_dtype='int8': x quantized per block of 32 values (scale
+    amax / 127, round half to even; llama.cpp's decode activations) times the decoded weight,
+    float32 bias. x holds a zero block and blocks of very different magnitudes."""
+    storage, wf = _weight((N, K), dtype)
+    g = new_kernel_graph()
+    x, w, b = g.new_input((M, K)), g.new_input((N, K), dtype), g.new_input((N,))
+    g.mark_output(g.linear(x, w, b, compute_dtype="int8"))
+    xs, bias = torch.randn(M, K) * torch.logspace(-1, 1, K // 32).repeat_interleave(32), torch.randn(N)
+    xs[0, :32] = 0.0
+    blocks = xs.reshape(M, K // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(scale > 0, torch.round(blocks / scale), 0.0) * scale
+    return g, [xs, storage, bias], {0: F.linear(xq.reshape(M, K).double(), wf.double()).float() + bias}
+
+
 def _linear_f32_bf16_compute(M: int, N: int, K: int, layout: str) -> Built:
     """A float32 weight ([N, K] or [K, N]) with compute_dtype='bfloat16' (torch.compile's
     ``dtype='bfloat16'`` option): x and the weight rounded to bfloat16, float32 sums rounded to
@@ -955,6 +971,9 @@ def _weight_cases() -> list[Case]:
     cases += [Case("linear", f"{d.value} weight, bfloat16 compute M={M}",
                    functools.partial(_linear_quant_bf16, M, 40, 256, d), tol=(8e-3, 8e-3))
               for d in (DType.q4_1, DType.q4_k) for M in (3, 20)]
+    cases += [Case("linear", f"{d.value} weight, int8 activations M={M}",
+                   functools.partial(_linear_quant_int8, M, 40, 256, d), tol=(1e-4, 1e-4))
+              for d in (DType.q4_1, DType.q8_0) for M in (1, 3)]
     cases += [Case("linear", f"float32 {layout} weight, bfloat16 compute M={M}",
                    functools.partial(_linear_f32_bf16_compute, M, 40, 96, layout), tol=(8e-3, 8e-3))
               for layout in ("nk", "kn") for M in (3, 20)]
