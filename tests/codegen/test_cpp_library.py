@@ -420,7 +420,8 @@ def test_linear_int8_activations_match_the_quantized_reference(lib_vnni, fmt, M,
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_linear_int8_task_writes_its_rows_only(lib_vnni, fmt):
-    """yr_task_linear_T_q8 over row slices equals the launch, and writes nothing outside [lo, hi)."""
+    """yr_task_linear_T_q8 over row slices equals the launch, and writes nothing outside [lo, hi),
+    whatever slice its argument block says comes next."""
     import ctypes
     M, N, K = 2, 41, 96
     x, raw, ref_w, bias = _int8_case(M, N, K, fmt, 5)
@@ -428,11 +429,12 @@ def test_linear_int8_task_writes_its_rows_only(lib_vnni, fmt):
     getattr(lib_vnni, f"yr_linear_{fmt}_q8")(_ptr(x), _ptr(raw), _ptr(bias), _ptr(full), M, N, K)
     fn = getattr(lib_vnni, f"yr_task_linear_{fmt}_q8")
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
-    y = torch.full((M, N), float("nan"))
-    args = (ctypes.c_int64 * 7)(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K)
-    fn(args, 8, 24)
-    assert torch.equal(y[:, 8:24], full[:, 8:24])
-    assert y[:, :8].isnan().all() and y[:, 24:].isnan().all()
-    fn(args, 0, 8)
-    fn(args, 24, N)
-    assert torch.equal(y, full)
+    for stride in (0, 16, 40, 2**62):   # the next slice's rows only steer prefetches (clipped to N)
+        y = torch.full((M, N), float("nan"))
+        args = (ctypes.c_int64 * 8)(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K, stride)
+        fn(args, 8, 24)
+        assert torch.equal(y[:, 8:24], full[:, 8:24])
+        assert y[:, :8].isnan().all() and y[:, 24:].isnan().all()
+        fn(args, 0, 8)
+        fn(args, 24, N)
+        assert torch.equal(y, full)

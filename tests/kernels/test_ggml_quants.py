@@ -283,7 +283,7 @@ def test_task_linear_over_a_row_range(lib, fmt):
     x, bias = torch.randn(M, K), torch.randn(N)
     y = torch.full((M, N), float("nan"))
     lo, hi = 5, 19
-    _task_fn(lib, f"yr_task_linear_{fmt}")(_task_args(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K), lo, hi)
+    _task_fn(lib, f"yr_task_linear_{fmt}")(_task_args(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K, 0), lo, hi)
     assert torch.isnan(y[:, :lo]).all() and torch.isnan(y[:, hi:]).all()
     assert_linear_close(y[:, lo:hi].contiguous(), x, w[lo:hi], bias[lo:hi])
 

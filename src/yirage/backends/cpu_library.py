@@ -542,10 +542,14 @@ def _linear_task(node, graph, args, out, status, num_workers):
         if case is None or cpu_providers.choose(case, list(args))[0].name != "yirage":
             return None
     tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
+    ranges = split_range(N, tasks, _GEMV_ROWS)
+    # a task's GEMV prefetches on into the slice num_workers on (library.cpp YR_TASK_GROUPS), the
+    # one its worker likely takes next
+    stride = num_workers * (ranges[0][1] - ranges[0][0]) if len(ranges) > num_workers else 0
     # One token (a GEMV): each task writes y[lo:hi] only, so it may be redone elsewhere.
     return [task_op(f"linear {wt.dtype.value} {N}x{K}", _fn(fn),
-                    (x.data_ptr(), w.data_ptr(), _ptr(bias) or 0, out.data_ptr(), M, N, K),
-                    split_range(N, tasks, _GEMV_ROWS), redo_arg=3 if M == 1 else -1, elem=4)]
+                    (x.data_ptr(), w.data_ptr(), _ptr(bias) or 0, out.data_ptr(), M, N, K, stride),
+                    ranges, redo_arg=3 if M == 1 else -1, elem=4)]
 
 
 def _embedding_task(node, graph, args, out, status, num_workers):

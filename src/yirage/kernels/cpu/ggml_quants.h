@@ -11,7 +11,7 @@
 // q4_k q5_k q6_k iq4_nl iq4_xs, with the argument lists of their q4_1 counterparts:
 //   yr_linear_T(x, w, bias|0, y, M, N, K)          y[M, N] = x[M, K] @ W[N, K]^T (+ bias)
 //   yr_embedding_T(ids, table, out, T, D, V, status)
-//   yr_task_linear_T(a = {x, w, bias|0, y, M, N, K}, lo, hi)        weight rows [lo, hi)
+//   yr_task_linear_T(a = {x, w, bias|0, y, M, N, K, stride}, lo, hi)  weight rows [lo, hi)
 //   yr_task_embedding_T(a = {ids, table, out, T, D, V, status, *}, lo, hi)   tokens [lo, hi)
 //   yr_dequant_T(src, dst, nblocks)                 nblocks blocks -> nblocks * QB floats
 // K (and D) must be a whole number of blocks (the IR's storage_shape checks it).
@@ -1523,7 +1523,8 @@ void linear_fmt(const float* x, const uint8_t* w, const float* bias, float* y, i
     gemv_fmt<F>(x, w, bias, y, M, N, K, YR_ALL_GROUPS);
 }
 
-// a = {x, w, bias|0, y, M, N, K}; [lo, hi): weight rows (the persistent kernel's GEMV task).
+// a = {x, w, bias|0, y, M, N, K, stride}; [lo, hi): weight rows (the persistent kernel's GEMV task;
+// stride: library.cpp YR_TASK_GROUPS).
 template <class F>
 void task_linear_fmt(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
