@@ -586,7 +586,8 @@ def _attention_task(node, graph, args, out, status, num_workers):
     slices, each a task computing a partial softmax for the head's query group; a second op
     merges the slices. Splits are sized for the longest range of keys a step can attend (the
     cache's length, or ``window + T - 1`` keys with a sliding window: only those are split and
-    read) at >= 256 keys each, and so that every worker gets about 4 tasks."""
+    read) at >= 256 keys each, and so that every worker gets about 4 tasks (the same number each
+    where splits of >= 64 keys allow it)."""
     q, k, v, kc, vc, pos = args
     if q.dtype != torch.float32:
         return None
@@ -595,6 +596,10 @@ def _attention_task(node, graph, args, out, status, num_workers):
     window = node.attrs.get("window", 0)
     keys = min(S, window + T - 1) if window else S
     splits = max(1, min(-(-keys // 256), -(-4 * num_workers // Hkv)))
+    # a multiple of the workers in all (while splits keep >= 64 keys): 9 tasks on 2 workers left
+    # one worker a whole task behind at every layer's combine (Hkv = 3; 1.02x at 785 tokens)
+    while (Hkv * splits) % num_workers and splits < keys // 64:
+        splits += 1
     part = torch.empty((T, Hq, splits, Dh + 2), dtype=torch.float32)
     append = task_op("attention append", _fn("yr_task_attention_append"),
                      (k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), T, Hkv, Dh, S,
