@@ -54,10 +54,10 @@ def test_linear_rmsnorm_argmax_match_the_reference(workers, quant):
 @pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("pos", [0, 5, 300, 700])
 @pytest.mark.parametrize("Dh", [16, 24, 32, 64, 128])  # AVX-512: scalar-loop paths (16, 24), 2, 4, 8 registers
-def test_flash_decoding_attention_matches_the_reference(workers, pos, Dh):
+def test_flash_decoding_attention_matches_the_reference(workers, pos, Dh, Hq=6, Hkv=2):
     """Decode attention split over the KV length (several splits at max_seq 1024) with GQA."""
     torch.manual_seed(pos)
-    S, Hq, Hkv = 1024, 6, 2
+    S = 1024
     g = yr.new_kernel_graph()
     q, k, v = g.new_input((1, Hq, Dh)), g.new_input((1, Hkv, Dh)), g.new_input((1, Hkv, Dh))
     kc, vc = g.new_input((S, Hkv, Dh)), g.new_input((S, Hkv, Dh))
@@ -73,6 +73,14 @@ def test_flash_decoding_attention_matches_the_reference(workers, pos, Dh):
     got = _task_plan(g, tensors, workers).run()[0]
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(tensors[3], ref_inputs[3])  # the cache row was written the same way
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (8, 2), (3, 3), (8, 1)])
+@pytest.mark.parametrize("Dh", [64, 128])
+def test_flash_decoding_attention_query_groups(Dh, Hq, Hkv):
+    """Groups of 2, 4, 1 and 8 query heads per KV head (with AVX-512 the groups of 2 to 4 at Dh 64
+    and of 2 at Dh 128 run all their heads in one pass over the keys, the others head by head)."""
+    test_flash_decoding_attention_matches_the_reference(2, 300, Dh, Hq, Hkv)
 
 
 def test_out_of_range_token_and_position_raise(tmp_path):

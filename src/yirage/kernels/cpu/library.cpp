@@ -1506,6 +1506,53 @@ inline void weighted_rows_acc(const float* p, const float* v, int64_t ld, int64_
     for (int i = 0; i < NV; ++i) vstore(o + i * VL, acc[i]);
 }
 
+// The G query heads of one KV head at once (GQA decode): s[g * ss + j] = scale * (q_g . k_j)
+// for the G heads q_g = q + g * NV*VL, each key row loaded once for all of them (the per-head
+// loop read every row G times).
+template <int NV, int G>
+inline void group_dots(const float* q, const float* k, int64_t ld, int64_t n, float scale, float* s, int64_t ss) {
+    vf qr[G][NV];
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < NV; ++i) qr[g][i] = vload(q + g * NV * VL + i * VL);
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * 4);
+        const float* kj = k + j * ld;
+        vf kr[NV];
+        for (int i = 0; i < NV; ++i) kr[i] = vload(kj + i * VL);
+        for (int g = 0; g < G; ++g) {
+            vf acc = vmul(qr[g][0], kr[0]);
+            for (int i = 1; i < NV; ++i) acc = vfma(qr[g][i], kr[i], acc);
+            s[g * ss + j] = scale * vsum(acc);
+        }
+    }
+}
+
+// o_g = sum_j p[g * ps + j] * v_j for the G heads (o_g = o + g * os), each value row loaded once.
+template <int NV, int G>
+inline void group_weighted(const float* p, int64_t ps, const float* v, int64_t ld, int64_t n, float* o, int64_t os) {
+    vf acc[G][NV];
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < NV; ++i) acc[g][i] = vzero();
+    for (int64_t j = 0; j < n; ++j) {
+        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * 4);
+        const float* vj = v + j * ld;
+        vf vr[NV];
+        for (int i = 0; i < NV; ++i) vr[i] = vload(vj + i * VL);
+        for (int g = 0; g < G; ++g) {
+            const vf pj = vbroadcast(p + g * ps + j);
+            for (int i = 0; i < NV; ++i) acc[g][i] = vfma(pj, vr[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < NV; ++i) vstore(o + g * os + i * VL, acc[g][i]);
+}
+
+// Runs CALL(NV, G) for the (register width, group) pairs group_dots/group_weighted take (at most
+// 16 accumulators); false for others.
+#define YR_GROUP_CASES(nv, G, CALL)                                                        \
+    ((nv) == 4 && (G) == 2 ? (CALL(4, 2), true) : (nv) == 4 && (G) == 3 ? (CALL(4, 3), true) : \
+     (nv) == 4 && (G) == 4 ? (CALL(4, 4), true) : (nv) == 8 && (G) == 2 ? (CALL(8, 2), true) : false)
+
 // Register width of a head of Dh floats for row_dots / weighted_rows (0: no register path).
 inline int head_vectors(int64_t Dh) { return Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0; }
 
@@ -1797,10 +1844,16 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
             if (n <= 0) continue;
             const float* kbase = k_cache + kvh * Dh;
             const float* vbase = v_cache + kvh * Dh;
+            const int nv = head_vectors(Dh);
+            const float* q0 = q + (t * Hq + h0) * Dh;
+            // the group's heads together where their accumulators fit in registers
+#define YR_DOTS(NV, G) group_dots<NV, G>(q0, kbase + j0 * kv_row, kv_row, n, scale, sc, stride)
+            const bool grouped = YR_GROUP_CASES(nv, group, YR_DOTS);
+#undef YR_DOTS
             for (int64_t g = 0; g < group; ++g) {
                 const float* qv = q + (t * Hq + h0 + g) * Dh;
                 float* sg = sc + g * stride;
-                head_dots(head_vectors(Dh), qv, kbase + j0 * kv_row, kv_row, n, Dh, scale, sg);
+                if (!grouped) head_dots(nv, qv, kbase + j0 * kv_row, kv_row, n, Dh, scale, sg);
                 float mx = -INFINITY;
                 for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
                 const float sum = exp_shifted_sum(sg, n, mx);
@@ -1808,11 +1861,15 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
                 pr[0] = mx;
                 pr[1] = sum;
             }
-            for (int64_t g = 0; g < group; ++g) {
-                float* o = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2) + 2;
-                const float* pg = sc + g * stride;
-                head_weighted(head_vectors(Dh), pg, vbase + j0 * kv_row, kv_row, n, Dh, 0.0f, o);  // o is zero
-            }
+            float* o0 = part + ((t * Hq + h0) * S + s) * (Dh + 2) + 2;
+#define YR_WEIGHTED(NV, G) group_weighted<NV, G>(sc, stride, vbase + j0 * kv_row, kv_row, n, o0, S * (Dh + 2))
+            if (!(grouped && YR_GROUP_CASES(nv, group, YR_WEIGHTED)))
+#undef YR_WEIGHTED
+                for (int64_t g = 0; g < group; ++g) {
+                    float* o = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2) + 2;
+                    const float* pg = sc + g * stride;
+                    head_weighted(nv, pg, vbase + j0 * kv_row, kv_row, n, Dh, 0.0f, o);  // o is zero
+                }
         }
     }
 }
