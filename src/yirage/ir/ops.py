@@ -412,9 +412,9 @@ def _linear_infer(ts, attrs):
                                 f"([out_features, in_features]), got {x.dtype.value} and {w.dtype.value}")
     elif compute is not None and (compute != "bfloat16" or x.dtype != DType.float32
                                   or not (w.dtype.is_quantized or w.dtype == DType.float32)):
-        _fail("linear", ts, f"compute_dtype={compute!r}: 'bfloat16', with float32 x and a float32 or "
-                            "block-quantized weight (a bfloat16 weight computes in bfloat16 already), or 'int8' "
-                            "with a q4_1 or q8_0 weight")
+        _fail("linear", ts, f"compute_dtype={compute!r}: only 'bfloat16', with float32 x and a float32 or "
+                            "block-quantized weight (a bfloat16 weight computes in bfloat16 already), or 'int8', "
+                            "with float32 x and a q4_1 or q8_0 weight")
     return TensorType((*x.shape[:-1], N), x.dtype)
 
 
