@@ -184,14 +184,20 @@ def test_bfloat16_prefill_stays_close_to_transformers(hf_smollm):
     assert not any(op.attrs.get("compute_dtype") for op in short.ops)
 
 
-def test_bad_prefill_dtype_is_one_clear_error(tmp_path, save_tiny_model):
-    save_tiny_model("llama", tmp_path)
-    with pytest.raises(yr.GenerationError, match="prefill_dtype must be None, 'float32' or 'bfloat16'"):
-        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, prefill_dtype="int8")
-    with pytest.raises(yr.GenerationError, match="has float weights: load it with dtype='bfloat16'"):
-        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, prefill_dtype="bfloat16")
-    with pytest.raises(yr.GenerationError, match="CPU backend with float32 activations"):
-        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, dtype="bfloat16", prefill_dtype="bfloat16")
+@pytest.mark.parametrize("kwargs,message", [
+    ({"prefill_dtype": "int8"}, "prefill_dtype must be None, 'float32' or 'bfloat16'"),
+    ({"prefill_dtype": "bfloat16"}, "has float weights: load it with dtype='bfloat16'"),
+    ({"prefill_dtype": "bfloat16", "dtype": "bfloat16"}, "prefill_dtype='bfloat16' applies to the CPU backend with "
+                                                         "float32 activations"),
+    ({"decode_dtype": "bfloat16"}, "decode_dtype must be None, 'float32' or 'int8'"),
+    ({"decode_dtype": "int8"}, "has none: leave decode_dtype at None"),
+    ({"decode_dtype": "int8", "dtype": "bfloat16"}, "decode_dtype='int8' applies to the CPU backend with float32 "
+                                                    "activations"),
+])
+def test_bad_prefill_or_decode_dtype_is_one_clear_error(tmp_path, save_tiny_model, kwargs, message):
+    save_tiny_model("llama", tmp_path)   # float weights only
+    with pytest.raises(yr.GenerationError, match=message):
+        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, **kwargs)
 
 
 @pytest.mark.slow
@@ -227,16 +233,6 @@ def test_int8_decode_stays_close_to_transformers(hf_smollm):
     # rounding (which kernels the prefill chose): this kernel gave 0.9979-0.9999 across runs.
     # float32 decode: above 0.99999
     assert min(cosines) > 0.995 and sorted(cosines)[len(cosines) // 2] > 0.999
-
-
-def test_bad_decode_dtype_is_one_clear_error(tmp_path, save_tiny_model):
-    save_tiny_model("llama", tmp_path)
-    with pytest.raises(yr.GenerationError, match="decode_dtype must be None, 'float32' or 'int8'"):
-        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, decode_dtype="bfloat16")
-    with pytest.raises(yr.GenerationError, match="has none: leave decode_dtype at None"):
-        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, decode_dtype="int8")
-    with pytest.raises(yr.GenerationError, match="CPU backend with float32 activations"):
-        yr.LLM(str(tmp_path), backend="cpu", max_seq_length=16, dtype="bfloat16", decode_dtype="int8")
 
 
 @pytest.mark.slow

@@ -136,40 +136,23 @@ def _activation_dtype(dtype, backend) -> DType:
     return d
 
 
-def _prefill_dtype(prefill_dtype, backend, dtype: DType) -> DType | None:
-    """The LLM's prefill GEMM dtype: None (float32) or DType.bfloat16 (see ``LLM``)."""
-    if prefill_dtype is None:
+def _cpu_compute_dtype(option: str, value, allowed: DType, backend, dtype: DType, hint: str = "") -> DType | None:
+    """The LLM's ``option`` (prefill_dtype, decode_dtype): None for None or float32 (the
+    default), else ``allowed``, which applies to the CPU backend with float32 activations only
+    (see ``LLM``). GenerationError for anything else; ``hint`` ends that message."""
+    if value is None:
         return None
     try:
-        d = as_dtype(prefill_dtype)
+        d = as_dtype(value)
     except ValueError:
         d = None
     if d == DType.float32:
         return None
-    if d != DType.bfloat16:
-        raise GenerationError(f"prefill_dtype must be None, 'float32' or 'bfloat16', got {prefill_dtype!r}")
+    if d != allowed:
+        raise GenerationError(f"{option} must be None, 'float32' or '{allowed.value}', got {value!r}")
     if backend != Backend.CPU or dtype != DType.float32:
-        raise GenerationError("prefill_dtype='bfloat16' applies to the CPU backend with float32 activations "
-                              f"(this LLM: backend {backend.value}, dtype {dtype.value}); on a GPU use "
-                              "dtype='bfloat16'")
-    return d
-
-
-def _decode_dtype(decode_dtype, backend, dtype: DType) -> DType | None:
-    """The LLM's decode GEMV activation dtype: None (float32) or DType.int8 (see ``LLM``)."""
-    if decode_dtype is None:
-        return None
-    try:
-        d = as_dtype(decode_dtype)
-    except ValueError:
-        d = None
-    if d == DType.float32:
-        return None
-    if d != DType.int8:
-        raise GenerationError(f"decode_dtype must be None, 'float32' or 'int8', got {decode_dtype!r}")
-    if backend != Backend.CPU or dtype != DType.float32:
-        raise GenerationError("decode_dtype='int8' applies to the CPU backend with float32 activations "
-                              f"(this LLM: backend {backend.value}, dtype {dtype.value})")
+        raise GenerationError(f"{option}='{allowed.value}' applies to the CPU backend with float32 activations "
+                              f"(this LLM: backend {backend.value}, dtype {dtype.value}){hint}")
     return d
 
 
@@ -315,8 +298,9 @@ class LLM:
             max_batch_tokens = _positive_int("max_batch_tokens", max_batch_tokens)
         self.backend = resolve_backend(backend)
         self.dtype = _activation_dtype(dtype, self.backend)
-        self.prefill_dtype = _prefill_dtype(prefill_dtype, self.backend, self.dtype)
-        self.decode_dtype = _decode_dtype(decode_dtype, self.backend, self.dtype)
+        self.prefill_dtype = _cpu_compute_dtype("prefill_dtype", prefill_dtype, DType.bfloat16, self.backend,
+                                                self.dtype, "; on a GPU use dtype='bfloat16'")
+        self.decode_dtype = _cpu_compute_dtype("decode_dtype", decode_dtype, DType.int8, self.backend, self.dtype)
         loaded = load_model(model, progress=progress, allow_nonfinite=bool(allow_nonfinite_weights))
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
