@@ -122,6 +122,16 @@ float* scratch(std::vector<float>& buf, size_t n) {
 // Float vectors: vf holds VL floats (AVX-512: 16, AVX2: 8, scalar: 1)
 // =================================================================================
 
+#if defined(YR_AVX512) || defined(YR_AVX2)
+// The sum of the 8 floats of a ymm register.
+inline float hsum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(YR_AVX512)
 typedef __m512 vf;
 constexpr int VL = 16;
@@ -145,12 +155,7 @@ inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vf a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+inline float vsum(vf a) { return hsum8(a); }
 #else
 typedef float vf;
 constexpr int VL = 1;
@@ -942,12 +947,6 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm25
 #define YR_Q8_VNNI 1
 inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
 #endif
-
-inline float hsum8(__m256 a) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 #endif
 
 // q4_1 x int8: R weight rows; xq/dx/sxq: one x row quantized (quantize_blocks_q8).
