@@ -354,6 +354,73 @@ def test_attention_extreme_scores(lib):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, equal_nan=True)
 
 
+def _f16_edge_values() -> torch.Tensor:
+    """float32 values around every float16 rounding edge: random bit patterns over the whole
+    range, the halfway points between neighbouring halves (ties to even both ways) and one ulp
+    either side of them, the overflow edge (65504, 65519.99, 65520), subnormal halves, values
+    that round to zero or to the smallest subnormal, signed zeros, infinities and NaN."""
+    g = torch.Generator().manual_seed(16)
+    bits = torch.randint(-2**31, 2**31 - 1, (60000,), generator=g, dtype=torch.int64).to(torch.int32)
+    rand = bits.view(torch.float32)
+    halves = torch.arange(0, 0x7c00, 7, dtype=torch.int16).view(torch.float16).float()
+    mids = (halves[:-1].double() + halves[1:].double()) / 2    # exact in float32: the ties
+    mids = mids.float()
+    up, down = torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf))
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e5, 6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8,
+                            2.9802322e-08, 2.9802326e-08, 1e-9, math.inf, -math.inf, math.nan])
+    vals = torch.cat([rand, halves, mids, up, down, special])
+    return torch.cat([vals, -vals])
+
+
+def test_float16_kv_cache_appends_round_as_torch(lib):
+    """yr_attention_window_f16kv and yr_attention_rows_f16kv write k, v into float16 caches
+    exactly as torch's ``.half()`` rounds them (F16C in the SIMD builds, bit manipulation in the
+    scalar one), for every float16 rounding edge and special value."""
+    vals = _f16_edge_values()
+    n = vals.numel() // 2 * 2
+    k, v = vals[:n // 2].reshape(1, 1, -1).contiguous(), vals[n // 2:n].reshape(1, 1, -1).contiguous()
+    Dh = k.shape[-1]
+    want_k, want_v = k.half().view(torch.int16), v.half().view(torch.int16)
+    q, out = torch.zeros(1, 1, Dh), torch.empty(1, 1, Dh)
+    kc, vc = torch.zeros(2, 1, Dh, dtype=torch.float16), torch.zeros(2, 1, Dh, dtype=torch.float16)
+    sp = torch.tensor([1], dtype=torch.int64)
+    lib.yr_attention_window_f16kv(_ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(sp), _ptr(out),
+                                  1, 1, 1, Dh, 2, 1.0, 0, _ptr(_status()))
+    assert torch.equal(kc[1].view(torch.int16), want_k[0]) and torch.equal(vc[1].view(torch.int16), want_v[0])
+    assert torch.equal(kc[0], torch.zeros_like(kc[0]))   # only row start_pos written
+    kc2, vc2 = torch.zeros(3, 2, 1, Dh, dtype=torch.float16), torch.zeros(3, 2, 1, Dh, dtype=torch.float16)
+    slots, pos = torch.tensor([2], dtype=torch.int64), torch.tensor([1], dtype=torch.int64)
+    lib.yr_attention_rows_f16kv(_ptr(q), _ptr(k), _ptr(v), _ptr(kc2), _ptr(vc2), _ptr(slots), _ptr(pos), _ptr(out),
+                                1, 1, 1, Dh, 3, 2, 1.0, 0, _ptr(_status()))
+    assert torch.equal(kc2[2, 1].view(torch.int16), want_k[0]) and torch.equal(vc2[2, 1].view(torch.int16), want_v[0])
+    assert int((kc2 != 0).sum()) == int((kc2[2, 1] != 0).sum())   # nothing else written
+
+
+@pytest.mark.parametrize("Hq,Hkv,Dh", [(6, 2, 16), (9, 3, 64), (2, 1, 7)])
+def test_float16_kv_cache_attention_prefill_then_decode(lib, Hq, Hkv, Dh):
+    """Attention over float16 caches (prefill in tiles, decode, chunks) equals float64 SDPA over
+    the rounded keys and values, and the caches hold k, v rounded as torch rounds them."""
+    max_seq, scale = 120, 1.0 / math.sqrt(Dh)
+    g = torch.Generator().manual_seed(Hq * 10 + Dh)
+    kc = torch.zeros(max_seq, Hkv, Dh, dtype=torch.float16)
+    vc = torch.zeros(max_seq, Hkv, Dh, dtype=torch.float16)
+    ks, vs, p0 = [], [], 0
+    for T in (70, 1, 3, 1):
+        q = torch.randn(T, Hq, Dh, generator=g) * 2
+        k = torch.randn(T, Hkv, Dh, generator=g) * 2
+        v = torch.randn(T, Hkv, Dh, generator=g)
+        ks.append(k.half().float())
+        vs.append(v.half().float())
+        out = torch.full((T, Hq, Dh), float("nan"))
+        sp = torch.tensor([p0], dtype=torch.int64)
+        lib.yr_attention_window_f16kv(_ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(sp), _ptr(out),
+                                      T, Hq, Hkv, Dh, max_seq, scale, 0, _ptr(_status()))
+        k_all, v_all = torch.cat(ks), torch.cat(vs)
+        assert torch.equal(kc[:p0 + T].float(), k_all) and torch.equal(vc[:p0 + T].float(), v_all)
+        torch.testing.assert_close(out, _attention_ref(q, k_all, v_all, p0, scale), atol=2e-5, rtol=1e-4)
+        p0 += T
+
+
 # ---------------------------------------------------------------------------------------
 # argmax
 # ---------------------------------------------------------------------------------------

@@ -318,10 +318,10 @@ def test_tiled_prefill_attention_matches_the_reference(T, pos, Dh):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-def _window_attention_graph(T, S, Hq, Hkv, Dh, window):
+def _window_attention_graph(T, S, Hq, Hkv, Dh, window, cache=yr.float32):
     g = yr.new_kernel_graph()
     q, k, v = g.new_input((T, Hq, Dh)), g.new_input((T, Hkv, Dh)), g.new_input((T, Hkv, Dh))
-    kc, vc = g.new_input((S, Hkv, Dh)), g.new_input((S, Hkv, Dh))
+    kc, vc = g.new_input((S, Hkv, Dh), cache), g.new_input((S, Hkv, Dh), cache)
     start = g.new_input((1,), yr.int64)
     g.mark_output(g.attention(q, k, v, kc, vc, start, window=window))
     return g
@@ -400,6 +400,32 @@ def test_sliding_window_tiled_prefill_matches_the_reference(T, pos, Dh, window):
     torch.testing.assert_close(ref, _window_reference(tensors, window), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(g.compile("cpu")([t.clone() for t in tensors])[0], ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(_task_plan(g, [t.clone() for t in tensors], 2).run()[0], ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("T,pos", [(1, 0), (1, 300), (1, 700), (70, 200)])
+@pytest.mark.parametrize("Dh,Hq,Hkv", [(16, 6, 2), (64, 9, 3), (64, 4, 1), (128, 4, 2)])
+def test_float16_kv_cache_tasks_and_launch_match_the_reference(T, pos, window, Dh, Hq, Hkv):
+    """A float16 KV cache (float32 q, k, v): the decode tasks (append, partial: the grouped GQA
+    pass for 3 and 4 query heads per KV head at Dh 64, 2 at Dh 128, the per-head loops at Dh 16;
+    combine), the tiled prefill and the launch form write k, v rounded as torch's ``.half()``
+    and equal the op's reference, which reads the float16 keys back as float32; and a hand-written
+    masked SDPA over the rounded cache."""
+    torch.manual_seed(pos + T + Dh)
+    S = 1024
+    g = _window_attention_graph(T, S, Hq, Hkv, Dh, window, cache=yr.float16)
+    tensors = [torch.randn(T, Hq, Dh) * 2, torch.randn(T, Hkv, Dh) * 2, torch.randn(T, Hkv, Dh),
+               torch.randn(S, Hkv, Dh).half(), torch.randn(S, Hkv, Dh).half(), torch.tensor([pos])]
+    ref_inputs = [t.clone() for t in tensors]
+    ref = g.interpret(ref_inputs)[0]
+    by_hand = [t.float() if t.dtype == torch.float16 else t for t in tensors]
+    by_hand[1], by_hand[2] = tensors[1].half().float(), tensors[2].half().float()
+    torch.testing.assert_close(ref, _window_reference(by_hand, window), atol=2e-5, rtol=1e-4)
+    for run in ("tasks", "launch"):
+        ts = [t.clone() for t in tensors]
+        got = (_task_plan(g, ts, 3) if run == "tasks" else g.compile("cpu").plan(ts)).run()[0]
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+        assert torch.equal(ts[3], ref_inputs[3]) and torch.equal(ts[4], ref_inputs[4]), run   # the same roundings
 
 
 @pytest.mark.parametrize("window", [3, None])

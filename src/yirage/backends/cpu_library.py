@@ -59,11 +59,14 @@ SIGNATURES: dict[str, tuple] = {
     "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P),
     # the same with the sliding window (0: full causal; W >= 1: keys p - W < j <= p) before status
     "yr_attention_window": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
+    # the same over float16 caches (a float16 KV cache; q, k, v, out float32)
+    "yr_attention_window_f16kv": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     # x, cos, sin, positions [T], out, T, H, Dh, S (table rows), status
     "yr_rope_rows": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
     "yr_linear_task_rows": (_P,),   # out int64 [2]: the most rows of the q4_1/q8_0 and other linear tasks
     # q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale, window, status
     "yr_attention_rows": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
+    "yr_attention_rows_f16kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
     "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
     "yr_rows_parallel": (_P, _P, _I, _I, _I, _I, _P),   # row task fn, its args, lo, hi, rows, min_rows, status
     # embedding encoder (kernels/cpu/embed_kernels.h); the trailing _I are buffer lengths, then status
@@ -95,6 +98,7 @@ TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_q4
                 "yr_task_linear_f32", "yr_task_embedding",
                 "yr_task_rope", "yr_task_rope_rows", "yr_task_attention_rows_append", "yr_task_attention_rows",
                 "yr_task_attention_append", "yr_task_attention_partial",
+                *(f"yr_task_attention_{t}_f16kv" for t in ("rows_append", "rows", "append", "partial")),
                 "yr_task_attention_combine", "yr_task_argmax_partial", "yr_task_argmax_reduce",
                 *(f"yr_task_{op}_{t}" for op in ("linear", "embedding") for t in GGML_FORMATS))
 
@@ -328,11 +332,17 @@ def _rope(node, graph, args, out, status):
     return lambda: fn(*p)
 
 
+def _kv_suffix(cache: torch.Tensor) -> str:
+    """The attention kernels' name suffix for a KV cache: '' (float32) or '_f16kv' (float16)."""
+    return "_f16kv" if cache.dtype == torch.float16 else ""
+
+
 def _attention(node, graph, args, out, status):
-    """yr_attention_window: full causal (attrs window 0) or sliding-window GQA attention."""
+    """yr_attention_window: full causal (attrs window 0) or sliding-window GQA attention, over
+    float32 or float16 (``_f16kv``) caches."""
     q, k, v, kc, vc, pos = args
     T, Hq, Dh = q.shape
-    fn = library().yr_attention_window
+    fn = getattr(library(), "yr_attention_window" + _kv_suffix(kc))
     p = (*map(_ptr, (q, k, v, kc, vc, pos, out)), T, Hq, k.shape[1], Dh, kc.shape[0], node.attrs["scale"],
          node.attrs.get("window", 0), _ptr(status))
     return lambda: fn(*p)
@@ -348,10 +358,11 @@ def _rope_rows(node, graph, args, out, status):
 
 
 def _attention_rows(node, graph, args, out, status):
-    """yr_attention_rows: each row over its own slot of the KV caches (continuous batching)."""
+    """yr_attention_rows: each row over its own slot of the KV caches (continuous batching),
+    float32 or float16 (``_f16kv``)."""
     q, k, v, kc, vc, slots, pos = args
     T, Hq, Dh = q.shape
-    fn = library().yr_attention_rows
+    fn = getattr(library(), "yr_attention_rows" + _kv_suffix(kc))
     p = (*map(_ptr, (q, k, v, kc, vc, slots, pos, out)), T, Hq, k.shape[1], Dh, kc.shape[0], kc.shape[1],
          node.attrs["scale"], node.attrs.get("window", 0), _ptr(status))
     return lambda: fn(*p)
@@ -601,10 +612,11 @@ def _attention_task(node, graph, args, out, status, num_workers):
     while (Hkv * splits) % num_workers and splits < keys // 64:
         splits += 1
     part = torch.empty((T, Hq, splits, Dh + 2), dtype=torch.float32)
-    append = task_op("attention append", _fn("yr_task_attention_append"),
+    kv = _kv_suffix(kc)
+    append = task_op("attention append", _fn("yr_task_attention_append" + kv),
                      (k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), T, Hkv, Dh, S,
                       _ptr(status)), [(0, 1)])
-    partial = task_op(f"attention {Hkv} kv heads x {splits} splits", _fn("yr_task_attention_partial"),
+    partial = task_op(f"attention {Hkv} kv heads x {splits} splits", _fn("yr_task_attention_partial" + kv),
                       (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), part.data_ptr(), T, Hq, Hkv,
                        Dh, S, _float_bits(node.attrs["scale"]), splits, window),
                       [(i, i + 1) for i in range(Hkv * splits)], keep=[part])
@@ -623,10 +635,11 @@ def _attention_rows_task(node, graph, args, out, status, num_workers):
         return None
     T, Hq, Dh = q.shape
     Hkv, (num_slots, max_seq) = k.shape[1], kc.shape[:2]
-    append = task_op("attention rows append", _fn("yr_task_attention_rows_append"),
+    kv = _kv_suffix(kc)
+    append = task_op("attention rows append", _fn("yr_task_attention_rows_append" + kv),
                      (k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), pos.data_ptr(),
                       T, Hkv, Dh, num_slots, max_seq, _ptr(status)), [(0, 1)])
-    attend = task_op(f"attention rows {T}x{Hq}", _fn("yr_task_attention_rows"),
+    attend = task_op(f"attention rows {T}x{Hq}", _fn("yr_task_attention_rows" + kv),
                      (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), pos.data_ptr(), out.data_ptr(),
                       T, Hq, Hkv, Dh, num_slots, max_seq, _float_bits(node.attrs["scale"]),
                       node.attrs.get("window", 0)),

@@ -591,6 +591,19 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+#: the dtypes attention and attention_rows take (a float16 KV cache: kv_cache_dtype='float16')
+KV_DTYPES_RULE = ("q, k, v and the KV caches must share one floating-point dtype, or the caches be float16 "
+                  "with float32 q, k, v (a float16 KV cache)")
+
+
+def _kv_dtypes_ok(ts) -> bool:
+    """q, k, v and the two caches: one float dtype, or float32 q, k, v with float16 caches."""
+    q, k, v, kc, vc = (t.dtype for t in ts)
+    if not q.is_float or k != q or v != q or kc != vc:
+        return False
+    return kc == q or (q == DType.float32 and kc == DType.float16)
+
+
 def _attention_infer(ts, attrs):
     q, k, v, kc, vc, pos = ts
     if len(q.shape) != 3 or len(k.shape) != 3 or k.shape != v.shape:
@@ -602,8 +615,8 @@ def _attention_infer(ts, attrs):
         _fail("attention", ts, "KV caches must both be [max_seq, Hkv, Dh]")
     if pos.shape != (1,) or pos.dtype != DType.int64:
         _fail("attention", ts, "start_pos must be an int64 tensor of shape (1,)")
-    if not q.dtype.is_float or len({t.dtype for t in ts[:5]}) != 1:
-        _fail("attention", ts, "q, k, v and the KV caches must share one floating-point dtype")
+    if not _kv_dtypes_ok(ts[:5]):
+        _fail("attention", ts, KV_DTYPES_RULE)
     window = attrs.get("window", 0)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise GraphError(f"attention: window must be 0 (full causal) or a positive integer, got {window!r}")
@@ -613,8 +626,9 @@ def _attention_infer(ts, attrs):
 def attention_reference(q, k, v, k_cache, v_cache, start: int, scale: float, window: int = 0) -> torch.Tensor:
     """Causal GQA attention over a KV cache; writes k, v into the caches at ``start``.
 
-    Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [max_seq, Hkv, Dh], one float dtype
-    (computed in float32, returned in q's dtype); returns [T, Hq, Dh]. Query head h reads KV
+    Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [max_seq, Hkv, Dh], one float dtype, or
+    float16 caches with float32 q, k, v (k, v rounded to float16 as they are written); computed
+    in float32, returned in q's dtype; returns [T, Hq, Dh]. Query head h reads KV
     head ``h // (Hq // Hkv)``. The query at position ``p = start + t`` attends keys ``j`` with
     ``j <= p`` (``window`` 0 or None: full causal) and, for ``window = W >= 1``, also
     ``j > p - W`` (transformers' ``masking_utils.sliding_window_causal_mask_function``).
@@ -683,8 +697,8 @@ def _attention_rows_infer(ts, attrs):
     for name, t in (("slots", slots), ("positions", pos)):
         if t.shape != (T,) or t.dtype != DType.int64:
             _fail("attention_rows", ts, f"{name} must be an int64 tensor of shape ({T},): one per row")
-    if not q.dtype.is_float or len({t.dtype for t in ts[:5]}) != 1:
-        _fail("attention_rows", ts, "q, k, v and the KV caches must share one floating-point dtype")
+    if not _kv_dtypes_ok(ts[:5]):
+        _fail("attention_rows", ts, KV_DTYPES_RULE)
     window = attrs.get("window", 0)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise GraphError(f"attention_rows: window must be 0 (full causal) or a positive integer, got {window!r}")
@@ -697,7 +711,8 @@ def attention_rows_reference(q, k, v, k_cache, v_cache, slots, positions, scale:
     (continuous batching: decode rows and prefill chunks in one batch).
 
     Shapes: q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [num_slots, max_seq, Hkv, Dh], one float dtype
-    (computed in float32, returned in q's dtype); slots, positions int64 [T]. First every row t
+    or float16 caches with float32 q, k, v (as ``attention_reference``); computed in float32,
+    returned in q's dtype; slots, positions int64 [T]. First every row t
     writes k[t], v[t] at ``cache[slots[t], positions[t]]`` (rows in order: if two rows name the
     same place the later one's write lands); then row t, query head h, attends the keys ``j`` of
     its slot with ``j <= positions[t]`` (and ``j > positions[t] - window`` for ``window >= 1``),

@@ -1009,18 +1009,20 @@ def _rope(T: int, start: int) -> Built:
     return g, [torch.randn(T, H, Dh), freqs.cos(), freqs.sin(), torch.tensor([start])], {}
 
 
-def _attention(T: int, start: int, window: int, dtype: DType = DType.float32) -> Built:
+def _attention(T: int, start: int, window: int, dtype: DType = DType.float32, cache: DType | None = None) -> Built:
     """GQA (4 query heads, 2 KV heads) over a KV cache of 32 rows whose first ``start`` rows hold
-    earlier keys and values; the graph appends T rows and attends."""
+    earlier keys and values; the graph appends T rows and attends. ``cache``: the caches' dtype
+    (default ``dtype``; float16 with float32 activations is a float16 KV cache)."""
     Hq, Hkv, Dh, S = 4, 2, 16, 32
+    cache = cache or dtype
     g = new_kernel_graph()
     q, k, v = g.new_input((T, Hq, Dh), dtype), g.new_input((T, Hkv, Dh), dtype), g.new_input((T, Hkv, Dh), dtype)
-    kc, vc = g.new_input((S, Hkv, Dh), dtype), g.new_input((S, Hkv, Dh), dtype)
+    kc, vc = g.new_input((S, Hkv, Dh), cache), g.new_input((S, Hkv, Dh), cache)
     g.mark_output(g.attention(q, k, v, kc, vc, g.new_input((1,), DType.int64), window=window))
     td = dtype.torch_dtype
-    caches = [torch.zeros(S, Hkv, Dh, dtype=td) for _ in range(2)]
+    caches = [torch.zeros(S, Hkv, Dh, dtype=cache.torch_dtype) for _ in range(2)]
     for c in caches:
-        c[:start] = torch.randn(start, Hkv, Dh).to(td)
+        c[:start] = torch.randn(start, Hkv, Dh).to(c.dtype)
     qkv = [torch.randn(T, h, Dh).to(td) for h in (Hq, Hkv, Hkv)]
     return g, [*qkv, *caches, torch.tensor([start])], {}
 
@@ -1039,18 +1041,21 @@ def _rope_rows(positions: list[int]) -> Built:
     return g, [data, freqs.cos(), freqs.sin(), pos], {0: want}
 
 
-def _attention_rows(rows: list[tuple[int, int]], window: int, dtype: DType = DType.float32) -> Built:
+def _attention_rows(rows: list[tuple[int, int]], window: int, dtype: DType = DType.float32,
+                    cache: DType | None = None) -> Built:
     """GQA (6 query heads, 2 KV heads, Dh 12) over caches of 4 slots x 17 positions holding earlier
-    keys and values; ``rows`` are (slot, position): decode rows, prefill chunks, a padding row."""
+    keys and values; ``rows`` are (slot, position): decode rows, prefill chunks, a padding row.
+    ``cache``: the caches' dtype, as in ``_attention``."""
     Hq, Hkv, Dh, N, S = 6, 2, 12, 4, 17
     T = len(rows)
+    cache = cache or dtype
     g = new_kernel_graph()
     q, k, v = g.new_input((T, Hq, Dh), dtype), g.new_input((T, Hkv, Dh), dtype), g.new_input((T, Hkv, Dh), dtype)
-    kc, vc = g.new_input((N, S, Hkv, Dh), dtype), g.new_input((N, S, Hkv, Dh), dtype)
+    kc, vc = g.new_input((N, S, Hkv, Dh), cache), g.new_input((N, S, Hkv, Dh), cache)
     slots, pos = g.new_input((T,), DType.int64), g.new_input((T,), DType.int64)
     g.mark_output(g.attention_rows(q, k, v, kc, vc, slots, pos, window=window))
     td = dtype.torch_dtype
-    caches = [torch.randn(N, S, Hkv, Dh).to(td) for _ in range(2)]
+    caches = [torch.randn(N, S, Hkv, Dh).to(cache.torch_dtype) for _ in range(2)]
     qkv = [torch.randn(T, h, Dh).to(td) for h in (Hq, Hkv, Hkv)]
     return g, [*qkv, *caches, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])], {}
 
@@ -1175,12 +1180,16 @@ def _library_cases() -> list[Case]:
         Case("attention", "chunk T=3 start=5", part(_attention, 3, 5, 0)),
         Case("attention", "window=3 T=4 start=6", part(_attention, 4, 6, 3)),
         Case("attention", "bfloat16 decode start=9", part(_attention, 1, 9, 0, DType.bfloat16)),
+        Case("attention", "float16 KV cache prefill T=7", part(_attention, 7, 0, 0, cache=DType.float16)),
+        Case("attention", "float16 KV cache decode start=9", part(_attention, 1, 9, 0, cache=DType.float16)),
+        Case("attention", "float16 KV cache window=3 T=4 start=6", part(_attention, 4, 6, 3, cache=DType.float16)),
         Case("rope_rows", "T=5 positions 3,0,12,4,4", part(_rope_rows, [3, 0, 12, 4, 4])),
         Case("rope_rows", "T=1 position 7", part(_rope_rows, [7])),
         Case("attention_rows", "decode + prefill chunk + pad", part(_attention_rows, _BATCH_ROWS, 0)),
         Case("attention_rows", "window=3", part(_attention_rows, _BATCH_ROWS, 3)),
         Case("attention_rows", "one decode row", part(_attention_rows, [(1, 9)], 0)),
         Case("attention_rows", "bfloat16", part(_attention_rows, _BATCH_ROWS, 0, DType.bfloat16)),
+        Case("attention_rows", "float16 KV cache", part(_attention_rows, _BATCH_ROWS, 0, cache=DType.float16)),
         *(Case("fused: q8_0 linear, rope, attention", d.value, part(_llm_layer, d)) for d in (DType.float16,
                                                                                             DType.bfloat16)),
         Case("attention_varlen", "3,0,5 pad 2", part(_attention_varlen, [3, 0, 5], 2), tol=(1e-5, 1e-4)),

@@ -93,6 +93,35 @@ inline float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
+// float -> IEEE half, rounded to nearest even as torch's .half() rounds (overflow gives inf,
+// tiny values subnormals or zero, NaN a quiet NaN with the top bits of its payload, as F16C).
+inline uint16_t fp32_to_fp16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((ax >> 13) & 0x3ffu);   // nan
+    if (ax == 0x7f800000u) return sign | 0x7c00u;                                     // inf
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;   // rounds to >= 65520: inf
+    if (ax < 0x38800000u) {                          // below 2^-14: a subnormal half (or zero)
+        if (ax < 0x33000000u) return sign;           // at most 2^-25: rounds to zero
+        const uint32_t e = ax >> 23, mant = (ax & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126u - e;             // 14..24: mant * 2^(e - 150) in units of 2^-24
+        uint32_t h = mant >> shift;
+        const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (h & 1u))) ++h;
+        return sign | (uint16_t)h;
+    }
+    uint32_t h = ((ax >> 13) - (112u << 10));       // rebias 127 -> 15, keep 10 mantissa bits
+    const uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;   // a carry into the exponent is right
+    return sign | (uint16_t)h;
+#endif
+}
+
 #if defined(YR_AVX512) || defined(YR_AVX2)
 // fp16 -> fp32 of all 65536 bit patterns (256 KiB, filled when the library loads). The
 // SIMD kernels read block scales from it: a scalar load that feeds a memory-broadcast
@@ -170,6 +199,35 @@ inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline float vsum(vf a) { return a; }
 #endif
 
+// A float16 KV cache (kv_cache_dtype float16) holds IEEE half bits; the attention kernels take
+// either element type as KV and load VL of them as floats.
+typedef uint16_t f16;
+inline float to_f32(float x) { return x; }
+inline float to_f32(f16 h) { return fp16_to_fp32(h); }
+#if defined(YR_AVX512)
+inline vf vload(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#elif defined(YR_AVX2)
+inline vf vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#else
+inline vf vload(const f16* p) { return fp16_to_fp32(*p); }
+#endif
+
+// dst[0 : n] = src[0 : n] in the cache's element type (float16: rounded to nearest even).
+inline void store_kv(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, (size_t)n * sizeof(float)); }
+inline void store_kv(f16* dst, const float* src, int64_t n) {
+    int64_t i = 0;
+#if defined(YR_AVX512)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i*)(dst + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT |
+                                                                                            _MM_FROUND_NO_EXC));
+#elif defined(YR_AVX2)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT |
+                                                                                         _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+}
+
 // exp(x) of VL floats: Cephes expf (range reduction by ln 2, degree-6 polynomial),
 // about 1 ulp. x is clamped to [-87.3, 88] (below: ~1e-38 instead of a subnormal or 0;
 // softmax only passes x <= 0); NaN stays NaN.
@@ -207,7 +265,8 @@ inline vf vexp(vf x) {
 }
 
 // sum_k a[k] * b[k]
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t n) {
     vf acc0 = vzero(), acc1 = vzero();
     int64_t k = 0;
     for (; k + 2 * VL <= n; k += 2 * VL) {
@@ -215,16 +274,17 @@ inline float dot(const float* a, const float* b, int64_t n) {
         acc1 = vfma(vload(a + k + VL), vload(b + k + VL), acc1);
     }
     float s = vsum(vadd(acc0, acc1));
-    for (; k < n; ++k) s += a[k] * b[k];
+    for (; k < n; ++k) s += a[k] * to_f32(b[k]);
     return s;
 }
 
 // y[k] += alpha * x[k]
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+template <typename KV>
+inline void axpy(float alpha, const KV* x, float* y, int64_t n) {
     const vf a = vbroadcast(&alpha);
     int64_t k = 0;
     for (; k + VL <= n; k += VL) vstore(y + k, vfma(a, vload(x + k), vload(y + k)));
-    for (; k < n; ++k) y[k] += alpha * x[k];
+    for (; k < n; ++k) y[k] += alpha * to_f32(x[k]);
 }
 
 // s[j] = exp(s[j] - mx) for j < n (vectorized); returns their sum (the softmax denominator).
@@ -246,9 +306,10 @@ inline float exp_shifted_sum(float* s, int64_t n, float mx) {
     return sum;
 }
 
-// One query's attention over L cached keys (rows kv_row floats apart from kc, vc):
+// One query's attention over L cached keys (rows kv_row elements apart from kc, vc):
 // o = softmax(scale * q.k) @ v, the max subtracted first; s: scratch of >= L + VL floats.
-inline void attend_keys(const float* qv, const float* kc, const float* vc, int64_t kv_row, int64_t L, int64_t Dh,
+template <typename KV>
+inline void attend_keys(const float* qv, const KV* kc, const KV* vc, int64_t kv_row, int64_t L, int64_t Dh,
                         float scale, float* s, float* o) {
     float mx = -INFINITY;
     for (int64_t j = 0; j < L; ++j) {
@@ -829,7 +890,8 @@ namespace {
 // (masking_utils.sliding_window_causal_mask_function: kv_idx > q_idx - W and kv_idx <= q_idx).
 inline int64_t first_key(int64_t p, int64_t W) { return W > 0 ? std::max<int64_t>(0, p - W + 1) : 0; }
 // Defined with the task kernels below (it shares their register-tiled helpers).
-void attention_prefill_tiled(const float* q, const float* k_cache, const float* v_cache, int64_t p0,
+template <typename KV>
+void attention_prefill_tiled(const float* q, const KV* k_cache, const KV* v_cache, int64_t p0,
                              float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale,
                              int64_t window);
 // GEMV (M < GEMM_MIN_M rows of x) for each weight format: y[m, n] for the weight rows that
@@ -1328,20 +1390,26 @@ void yr_rope(const float* x, const float* cos_table, const float* sin_table, con
 // query t (position p = p0+t) of head h attends keys first_key(p, window) .. p of kv head
 // h / (Hq / Hkv) (window 0: keys 0 .. p; window W >= 1: p - W < j <= p):
 // out = softmax(scale * q.k) @ v, max subtracted first. Work is O(min(p, window)) per query.
-// yr_attention is yr_attention_window with window 0.
+// yr_attention is yr_attention_window with window 0. The _f16kv forms take float16 caches
+// (IEEE half bits): k, v are rounded to nearest even as they are appended, and the keys and
+// values are read back as floats; everything else is computed in float32 as above.
 // =================================================================================
 
-void yr_attention_window(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
-                         const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
-                         int64_t max_seq, float scale, int64_t window, int64_t* status) {
+}  // extern "C"
+
+namespace {
+template <typename KV>
+void attention_window(const float* q, const float* k, const float* v, KV* k_cache, KV* v_cache,
+                      const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
+                      int64_t max_seq, float scale, int64_t window, int64_t* status) {
     const int64_t p0 = start_pos[0];
     if (p0 < 0 || p0 > max_seq - T) {
         report(status, p0, 0, max_seq - T + 1);
         return;
     }
-    const int64_t kv_row = Hkv * Dh;   // floats per cache position
-    std::memcpy(k_cache + p0 * kv_row, k, (size_t)(T * kv_row) * sizeof(float));
-    std::memcpy(v_cache + p0 * kv_row, v, (size_t)(T * kv_row) * sizeof(float));
+    const int64_t kv_row = Hkv * Dh;   // elements per cache position
+    store_kv(k_cache + p0 * kv_row, k, T * kv_row);
+    store_kv(v_cache + p0 * kv_row, v, T * kv_row);
     if (T > 1) {   // prefill: in tiles
         attention_prefill_tiled(q, k_cache, v_cache, p0, out, T, Hq, Hkv, Dh, scale, window);
         return;
@@ -1359,6 +1427,22 @@ void yr_attention_window(const float* q, const float* k, const float* v, float* 
         attend_keys(q + th * Dh, k_cache + kvh * Dh + j0 * kv_row, v_cache + kvh * Dh + j0 * kv_row, kv_row, L, Dh,
                     scale, s, out + th * Dh);
     }
+}
+}  // namespace
+
+extern "C" {
+
+void yr_attention_window(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
+                         const int64_t* start_pos, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh,
+                         int64_t max_seq, float scale, int64_t window, int64_t* status) {
+    attention_window(q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, window, status);
+}
+
+void yr_attention_window_f16kv(const float* q, const float* k, const float* v, uint16_t* k_cache,
+                               uint16_t* v_cache, const int64_t* start_pos, float* out, int64_t T, int64_t Hq,
+                               int64_t Hkv, int64_t Dh, int64_t max_seq, float scale, int64_t window,
+                               int64_t* status) {
+    attention_window(q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, window, status);
 }
 
 void yr_attention(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
@@ -1393,19 +1477,21 @@ namespace {
 
 // attention_rows' two halves (yr_attention_rows and its task form): the rows' k, v written at
 // cache[slots[t], positions[t]] in row order (slots and positions already checked) ...
-inline void attention_rows_append(const float* k, const float* v, float* k_cache, float* v_cache,
+template <typename KV>
+inline void attention_rows_append(const float* k, const float* v, KV* k_cache, KV* v_cache,
                                   const int64_t* slots, const int64_t* positions, int64_t T, int64_t kv_row,
                                   int64_t slot_len) {
     for (int64_t t = 0; t < T; ++t) {
         const int64_t at = slots[t] * slot_len + positions[t] * kv_row;
-        std::memcpy(k_cache + at, k + t * kv_row, (size_t)kv_row * sizeof(float));
-        std::memcpy(v_cache + at, v + t * kv_row, (size_t)kv_row * sizeof(float));
+        store_kv(k_cache + at, k + t * kv_row, kv_row);
+        store_kv(v_cache + at, v + t * kv_row, kv_row);
     }
 }
 
 // ... and query head h of row t (th = t * Hq + h) over keys first_key(p, window) .. p of its
 // slot, kv head h / group: out = softmax(scale * q.k) @ v, the max subtracted first.
-inline void attention_row_head(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
+template <typename KV>
+inline void attention_row_head(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* slots,
                                const int64_t* positions, float* out, int64_t th, int64_t Hq, int64_t group,
                                int64_t Dh, int64_t kv_row, int64_t slot_len, float scale, int64_t window) {
     static thread_local std::vector<float> score_buf;
@@ -1429,10 +1515,15 @@ extern "C" {
 // (in row order), and query head h of row t (p = positions[t]) attends keys
 // first_key(p, window) .. p of its slot, kv head h / (Hq / Hkv): out = softmax(scale * q.k) @ v,
 // max subtracted first. One (row, head) per work item, OpenMP dynamic schedule.
-void yr_attention_rows(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
-                       const int64_t* slots, const int64_t* positions, float* out, int64_t T, int64_t Hq,
-                       int64_t Hkv, int64_t Dh, int64_t num_slots, int64_t max_seq, float scale, int64_t window,
-                       int64_t* status) {
+// yr_attention_rows_f16kv: the same over float16 caches (as yr_attention_window_f16kv).
+}  // extern "C"
+
+namespace {
+template <typename KV>
+void attention_rows(const float* q, const float* k, const float* v, KV* k_cache, KV* v_cache,
+                    const int64_t* slots, const int64_t* positions, float* out, int64_t T, int64_t Hq,
+                    int64_t Hkv, int64_t Dh, int64_t num_slots, int64_t max_seq, float scale, int64_t window,
+                    int64_t* status) {
     if (T <= 0) return;
     if (!rows_in_range(slots, T, num_slots, status) || !rows_in_range(positions, T, max_seq, status)) return;
     const int64_t kv_row = Hkv * Dh;            // floats per cache position
@@ -1446,6 +1537,25 @@ void yr_attention_rows(const float* q, const float* k, const float* v, float* k_
     for (int64_t th = 0; th < T * Hq; ++th)
         attention_row_head(q, k_cache, v_cache, slots, positions, out, th, Hq, group, Dh, kv_row, slot_len, scale,
                            window);
+}
+}  // namespace
+
+extern "C" {
+
+void yr_attention_rows(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
+                       const int64_t* slots, const int64_t* positions, float* out, int64_t T, int64_t Hq,
+                       int64_t Hkv, int64_t Dh, int64_t num_slots, int64_t max_seq, float scale, int64_t window,
+                       int64_t* status) {
+    attention_rows(q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale,
+                   window, status);
+}
+
+void yr_attention_rows_f16kv(const float* q, const float* k, const float* v, uint16_t* k_cache, uint16_t* v_cache,
+                             const int64_t* slots, const int64_t* positions, float* out, int64_t T, int64_t Hq,
+                             int64_t Hkv, int64_t Dh, int64_t num_slots, int64_t max_seq, float scale,
+                             int64_t window, int64_t* status) {
+    attention_rows(q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale,
+                   window, status);
 }
 
 // =================================================================================
@@ -1475,13 +1585,13 @@ namespace {
 
 // s[j] = scale * (q . k[j * ld + 0 : NV*VL]) for j < n, q kept in NV registers, the rows 16
 // ahead prefetched.
-template <int NV>
-inline void row_dots(const float* q, const float* k, int64_t ld, int64_t n, float scale, float* s) {
+template <int NV, typename KV>
+inline void row_dots(const float* q, const KV* k, int64_t ld, int64_t n, float scale, float* s) {
     vf qr[NV];
     for (int i = 0; i < NV; ++i) qr[i] = vload(q + i * VL);
     for (int64_t j = 0; j < n; ++j) {
-        if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * 4);
-        const float* kj = k + j * ld;
+        if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * sizeof(KV));
+        const KV* kj = k + j * ld;
         vf acc = vmul(qr[0], vload(kj));
         for (int i = 1; i < NV; ++i) acc = vfma(qr[i], vload(kj + i * VL), acc);
         s[j] = scale * vsum(acc);
@@ -1491,15 +1601,15 @@ inline void row_dots(const float* q, const float* k, int64_t ld, int64_t n, floa
 // o = c * o + sum_j p[j] * v[j * ld + 0 : NV*VL] (the online-softmax update; c = 0 with o
 // zeroed for a plain weighted sum), the accumulator kept in NV registers (accumulating in
 // memory serializes the rows on store-to-load forwarding), the rows 16 ahead prefetched.
-template <int NV>
-inline void weighted_rows_acc(const float* p, const float* v, int64_t ld, int64_t n, float c, float* o) {
+template <int NV, typename KV>
+inline void weighted_rows_acc(const float* p, const KV* v, int64_t ld, int64_t n, float c, float* o) {
     vf acc[NV];
     const vf cv = vbroadcast(&c);
     for (int i = 0; i < NV; ++i) acc[i] = vmul(cv, vload(o + i * VL));
     for (int64_t j = 0; j < n; ++j) {
-        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * 4);
+        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * sizeof(KV));
         const vf pj = vbroadcast(p + j);
-        const float* vj = v + j * ld;
+        const KV* vj = v + j * ld;
         for (int i = 0; i < NV; ++i) acc[i] = vfma(pj, vload(vj + i * VL), acc[i]);
     }
     for (int i = 0; i < NV; ++i) vstore(o + i * VL, acc[i]);
@@ -1508,14 +1618,14 @@ inline void weighted_rows_acc(const float* p, const float* v, int64_t ld, int64_
 // The G query heads of one KV head at once (GQA decode): s[g * ss + j] = scale * (q_g . k_j)
 // for the G heads q_g = q + g * NV*VL, each key row loaded once for all of them (the per-head
 // loop read every row G times).
-template <int NV, int G>
-inline void group_dots(const float* q, const float* k, int64_t ld, int64_t n, float scale, float* s, int64_t ss) {
+template <int NV, int G, typename KV>
+inline void group_dots(const float* q, const KV* k, int64_t ld, int64_t n, float scale, float* s, int64_t ss) {
     vf qr[G][NV];
     for (int g = 0; g < G; ++g)
         for (int i = 0; i < NV; ++i) qr[g][i] = vload(q + g * NV * VL + i * VL);
     for (int64_t j = 0; j < n; ++j) {
-        if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * 4);
-        const float* kj = k + j * ld;
+        if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * sizeof(KV));
+        const KV* kj = k + j * ld;
         vf kr[NV];
         for (int i = 0; i < NV; ++i) kr[i] = vload(kj + i * VL);
         for (int g = 0; g < G; ++g) {
@@ -1527,14 +1637,14 @@ inline void group_dots(const float* q, const float* k, int64_t ld, int64_t n, fl
 }
 
 // o_g = sum_j p[g * ps + j] * v_j for the G heads (o_g = o + g * os), each value row loaded once.
-template <int NV, int G>
-inline void group_weighted(const float* p, int64_t ps, const float* v, int64_t ld, int64_t n, float* o, int64_t os) {
+template <int NV, int G, typename KV>
+inline void group_weighted(const float* p, int64_t ps, const KV* v, int64_t ld, int64_t n, float* o, int64_t os) {
     vf acc[G][NV];
     for (int g = 0; g < G; ++g)
         for (int i = 0; i < NV; ++i) acc[g][i] = vzero();
     for (int64_t j = 0; j < n; ++j) {
-        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * 4);
-        const float* vj = v + j * ld;
+        if (j + 16 < n) prefetch_bytes(v + (j + 16) * ld, NV * VL * sizeof(KV));
+        const KV* vj = v + j * ld;
         vf vr[NV];
         for (int i = 0; i < NV; ++i) vr[i] = vload(vj + i * VL);
         for (int g = 0; g < G; ++g) {
@@ -1556,27 +1666,49 @@ inline void group_weighted(const float* p, int64_t ps, const float* v, int64_t l
 inline int head_vectors(int64_t Dh) { return Dh == VL * 8 ? 8 : Dh == VL * 4 ? 4 : Dh == VL * 2 ? 2 : 0; }
 
 // row_dots with the register width nv = head_vectors(Dh), or the plain loop.
-inline void head_dots(int nv, const float* q, const float* k, int64_t ld, int64_t n, int64_t Dh, float scale,
+template <typename KV>
+inline void head_dots(int nv, const float* q, const KV* k, int64_t ld, int64_t n, int64_t Dh, float scale,
                       float* s) {
     switch (nv) {
-        case 8: row_dots<8>(q, k, ld, n, scale, s); break;
-        case 4: row_dots<4>(q, k, ld, n, scale, s); break;
-        case 2: row_dots<2>(q, k, ld, n, scale, s); break;
+        case 8: row_dots<8, KV>(q, k, ld, n, scale, s); break;
+        case 4: row_dots<4, KV>(q, k, ld, n, scale, s); break;
+        case 2: row_dots<2, KV>(q, k, ld, n, scale, s); break;
         default: for (int64_t j = 0; j < n; ++j) s[j] = scale * dot(q, k + j * ld, Dh);
     }
 }
 
 // o = c * o + sum_j p[j] * v[j * ld : +Dh], with the register width nv = head_vectors(Dh).
-inline void head_weighted(int nv, const float* p, const float* v, int64_t ld, int64_t n, int64_t Dh, float c,
+template <typename KV>
+inline void head_weighted(int nv, const float* p, const KV* v, int64_t ld, int64_t n, int64_t Dh, float c,
                           float* o) {
     switch (nv) {
-        case 8: weighted_rows_acc<8>(p, v, ld, n, c, o); break;
-        case 4: weighted_rows_acc<4>(p, v, ld, n, c, o); break;
-        case 2: weighted_rows_acc<2>(p, v, ld, n, c, o); break;
+        case 8: weighted_rows_acc<8, KV>(p, v, ld, n, c, o); break;
+        case 4: weighted_rows_acc<4, KV>(p, v, ld, n, c, o); break;
+        case 2: weighted_rows_acc<2, KV>(p, v, ld, n, c, o); break;
         default:
             for (int64_t d = 0; d < Dh; ++d) o[d] *= c;
             for (int64_t j = 0; j < n; ++j) axpy(p[j], v + j * ld, o, Dh);
     }
+}
+
+// n cache rows (ld elements apart) as floats, with ld set to their row stride: a float cache's
+// own memory (ld unchanged) ...
+inline const float* tile_floats(const float* c, int64_t cache_ld, int64_t, int64_t, float*, int64_t& ld) {
+    ld = cache_ld;
+    return c;
+}
+
+// ... or a float16 cache's rows converted into buf [n, Dh] (ld = Dh).
+inline const float* tile_floats(const f16* c, int64_t cache_ld, int64_t n, int64_t Dh, float* buf, int64_t& ld) {
+    for (int64_t j = 0; j < n; ++j) {
+        const f16* src = c + j * cache_ld;
+        float* dst = buf + j * Dh;
+        int64_t d = 0;
+        for (; d + VL <= Dh; d += VL) vstore(dst + d, vload(src + d));
+        for (; d < Dh; ++d) dst[d] = fp16_to_fp32(src[d]);
+    }
+    ld = Dh;
+    return buf;
 }
 
 // Causal GQA prefill attention in tiles (FlashAttention's online softmax, Dao et al. 2022):
@@ -1586,8 +1718,11 @@ inline void head_weighted(int nv, const float* p, const float* v, int64_t ld, in
 // output per query row; query t sees keys first_key(p0+t, window) .. p0+t (causal, and in a
 // sliding window of `window` positions when window > 0: the key tiles then start at the
 // tile's first visible key, so a task reads about window + PQ keys, not p0 + t). The caches
-// already hold the new keys and values (yr_attention_window appends them first).
-void attention_prefill_tiled(const float* q, const float* k_cache, const float* v_cache, int64_t p0,
+// already hold the new keys and values (yr_attention_window appends them first). With a
+// float16 cache each tile's keys and values are converted to floats once per task (tile_floats)
+// and every row reads the floats.
+template <typename KV>
+void attention_prefill_tiled(const float* q, const KV* k_cache, const KV* v_cache, int64_t p0,
                              float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale,
                              int64_t window) {
     constexpr int64_t PQ = 16, PK = 64;
@@ -1598,16 +1733,22 @@ void attention_prefill_tiled(const float* q, const float* k_cache, const float* 
         const int64_t qt = qtiles - 1 - task / Hkv, kvh = task % Hkv;   // longest (last) tiles first
         const int64_t t0 = qt * PQ, t1 = std::min(T, t0 + PQ), rows = (t1 - t0) * group;
         static thread_local std::vector<float> buf;
-        float* S = scratch(buf, (size_t)(rows * (PK + VL) + rows * Dh + 2 * rows));
+        float* S = scratch(buf, (size_t)(rows * (PK + VL) + rows * Dh + 2 * rows + 2 * PK * Dh));
         float* O = S + rows * (PK + VL);
         float* M = O + rows * Dh;
         float* L = M + rows;
+        float* KT = L + rows;        // a float16 cache's tile as floats: PK x Dh keys ...
+        float* VT = KT + PK * Dh;    // ... and values
         std::fill(O, O + rows * Dh, 0.0f);
         std::fill(M, M + rows, -INFINITY);
         std::fill(L, L + rows, 0.0f);
-        const float* kb = k_cache + kvh * Dh;
-        const float* vb = v_cache + kvh * Dh;
+        const KV* kb = k_cache + kvh * Dh;
+        const KV* vb = v_cache + kvh * Dh;
         for (int64_t j0 = first_key(p0 + t0, window); j0 < p0 + t1; j0 += PK) {
+            const int64_t tile = std::min(PK, p0 + t1 - j0);   // keys of the tile any row sees
+            int64_t ld;   // elements between the tile's rows
+            const float* ktile = tile_floats(kb + j0 * kv_row, kv_row, tile, Dh, KT, ld);
+            const float* vtile = tile_floats(vb + j0 * kv_row, kv_row, tile, Dh, VT, ld);
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t t = t0 + r / group, h = kvh * group + r % group;
                 const int64_t a = std::max(j0, first_key(p0 + t, window));   // sliding window
@@ -1616,15 +1757,15 @@ void attention_prefill_tiled(const float* q, const float* k_cache, const float* 
                 const float* qv = q + (t * Hq + h) * Dh;
                 float* sr = S + r * (PK + VL);
                 float* o = O + r * Dh;
-                const float* k0 = kb + a * kv_row;
-                const float* v0 = vb + a * kv_row;
-                head_dots(nv, qv, k0, kv_row, n, Dh, scale, sr);
+                const float* k0 = ktile + (a - j0) * ld;
+                const float* v0 = vtile + (a - j0) * ld;
+                head_dots(nv, qv, k0, ld, n, Dh, scale, sr);
                 float mx = M[r];
                 for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sr[j]);
                 const float c = M[r] == -INFINITY ? 0.0f : std::exp(M[r] - mx);
                 L[r] = L[r] * c + exp_shifted_sum(sr, n, mx);
                 M[r] = mx;
-                head_weighted(nv, sr, v0, kv_row, n, Dh, c, o);
+                head_weighted(nv, sr, v0, ld, n, Dh, c, o);
             }
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -1729,31 +1870,46 @@ void yr_task_rope_rows(const int64_t* a, int64_t lo, int64_t hi) {
 // a = {k, v, k_cache, v_cache, slots, positions, T, Hkv, Dh, num_slots, max_seq, status}; one task:
 // yr_attention_rows' checks (slots, then positions: the first bad one reported, nothing written)
 // and its writes of the rows' k, v into their slots.
-void yr_task_attention_rows_append(const int64_t* a, int64_t, int64_t) {
+// The _f16kv task forms below take float16 caches, as yr_attention_window_f16kv does.
+}  // extern "C"
+
+namespace {
+template <typename KV>
+void task_attention_rows_append(const int64_t* a) {
     const int64_t* slots = YR_ARG(4, const int64_t*);
     const int64_t* positions = YR_ARG(5, const int64_t*);
     const int64_t T = a[6], kv_row = a[7] * a[8], num_slots = a[9], max_seq = a[10];
     int64_t* status = YR_ARG(11, int64_t*);
     if (!rows_in_range(slots, T, num_slots, status) || !rows_in_range(positions, T, max_seq, status)) return;
-    attention_rows_append(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, float*), YR_ARG(3, float*),
+    attention_rows_append(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, KV*), YR_ARG(3, KV*),
                           slots, positions, T, kv_row, max_seq * kv_row);
 }
 
-// a = {q, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale bits, window};
-// [lo, hi): (row, query head) pairs t * Hq + h, as yr_attention_rows computes them (after the
-// append task). With a slot or position out of range (reported by the append task) nothing is
-// read or written.
-void yr_task_attention_rows(const int64_t* a, int64_t lo, int64_t hi) {
+template <typename KV>
+void task_attention_rows(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t* slots = YR_ARG(3, const int64_t*);
     const int64_t* positions = YR_ARG(4, const int64_t*);
     const int64_t T = a[6], Hq = a[7], Hkv = a[8], Dh = a[9], num_slots = a[10], max_seq = a[11];
     if (!rows_in_range(slots, T, num_slots, nullptr) || !rows_in_range(positions, T, max_seq, nullptr)) return;
     const int64_t kv_row = Hkv * Dh;
     for (int64_t th = lo; th < hi; ++th)
-        attention_row_head(YR_ARG(0, const float*), YR_ARG(1, const float*), YR_ARG(2, const float*), slots,
+        attention_row_head(YR_ARG(0, const float*), YR_ARG(1, const KV*), YR_ARG(2, const KV*), slots,
                            positions, YR_ARG(5, float*), th, Hq, Hq / Hkv, Dh, kv_row, max_seq * kv_row,
                            float_arg(a[12]), a[13]);
 }
+}  // namespace
+
+extern "C" {
+
+void yr_task_attention_rows_append(const int64_t* a, int64_t, int64_t) { task_attention_rows_append<float>(a); }
+void yr_task_attention_rows_append_f16kv(const int64_t* a, int64_t, int64_t) { task_attention_rows_append<f16>(a); }
+
+// a = {q, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale bits, window};
+// [lo, hi): (row, query head) pairs t * Hq + h, as yr_attention_rows computes them (after the
+// append task). With a slot or position out of range (reported by the append task) nothing is
+// read or written.
+void yr_task_attention_rows(const int64_t* a, int64_t lo, int64_t hi) { task_attention_rows<float>(a, lo, hi); }
+void yr_task_attention_rows_f16kv(const int64_t* a, int64_t lo, int64_t hi) { task_attention_rows<f16>(a, lo, hi); }
 
 // a = {ids, table, out, T, D, V, status, format (0 f32, 1 q8_0, 2 q4_1)}; [lo, hi): tokens.
 void yr_task_embedding(const int64_t* a, int64_t lo, int64_t hi) {
@@ -1795,14 +1951,19 @@ void yr_task_rope(const int64_t* a, int64_t lo, int64_t hi) {
 // The part buffer holds, per (t, q head, split), {max score, sum of exp, Dh weighted values}.
 
 // a = {k, v, k_cache, v_cache, start_pos, T, Hkv, Dh, max_seq, status}; one task.
-void yr_task_attention_append(const int64_t* a, int64_t, int64_t) {
+// The _f16kv forms take float16 caches, as yr_attention_window_f16kv does.
+}  // extern "C"
+
+namespace {
+template <typename KV>
+void task_attention_append(const int64_t* a) {
     const int64_t p0 = YR_ARG(4, const int64_t*)[0], T = a[5], row = a[6] * a[7], max_seq = a[8];
     if (p0 < 0 || p0 > max_seq - T) {
         report(YR_ARG(9, int64_t*), p0, 0, max_seq - T + 1);
         return;
     }
-    std::memcpy(YR_ARG(2, float*) + p0 * row, YR_ARG(0, const float*), (size_t)(T * row) * sizeof(float));
-    std::memcpy(YR_ARG(3, float*) + p0 * row, YR_ARG(1, const float*), (size_t)(T * row) * sizeof(float));
+    store_kv(YR_ARG(2, KV*) + p0 * row, YR_ARG(0, const float*), T * row);
+    store_kv(YR_ARG(3, KV*) + p0 * row, YR_ARG(1, const float*), T * row);
 }
 
 // a = {q, k_cache, v_cache, start_pos, part, T, Hq, Hkv, Dh, max_seq, scale bits, splits, window};
@@ -1813,10 +1974,11 @@ void yr_task_attention_append(const int64_t* a, int64_t, int64_t) {
 // first_key(p0+t, window) .. p0+t.
 // Per (t, group): the scores of the group's heads over the split's keys, one vectorized
 // exp pass per head (max subtracted), then each value row read once for all the heads.
-void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
+template <typename KV>
+void task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
     const float* q = YR_ARG(0, const float*);
-    const float* k_cache = YR_ARG(1, const float*);
-    const float* v_cache = YR_ARG(2, const float*);
+    const KV* k_cache = YR_ARG(1, const KV*);
+    const KV* v_cache = YR_ARG(2, const KV*);
     const int64_t p0 = YR_ARG(3, const int64_t*)[0];
     float* part = YR_ARG(4, float*);
     const int64_t T = a[5], Hq = a[6], Hkv = a[7], Dh = a[8], max_seq = a[9], S = a[11], window = a[12];
@@ -1841,8 +2003,8 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
                 pr[1] = 0.0f;
             }
             if (n <= 0) continue;
-            const float* kbase = k_cache + kvh * Dh;
-            const float* vbase = v_cache + kvh * Dh;
+            const KV* kbase = k_cache + kvh * Dh;
+            const KV* vbase = v_cache + kvh * Dh;
             const int nv = head_vectors(Dh);
             const float* q0 = q + (t * Hq + h0) * Dh;
             // the group's heads together where their accumulators fit in registers
@@ -1871,6 +2033,16 @@ void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
                 }
         }
     }
+}
+}  // namespace
+
+extern "C" {
+
+void yr_task_attention_append(const int64_t* a, int64_t, int64_t) { task_attention_append<float>(a); }
+void yr_task_attention_append_f16kv(const int64_t* a, int64_t, int64_t) { task_attention_append<f16>(a); }
+void yr_task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) { task_attention_partial<float>(a, lo, hi); }
+void yr_task_attention_partial_f16kv(const int64_t* a, int64_t lo, int64_t hi) {
+    task_attention_partial<f16>(a, lo, hi);
 }
 
 // a = {part, out, T, Hq, Dh, splits}; [lo, hi): rows t * Hq + h of out [T, Hq, Dh].

@@ -26,7 +26,9 @@ Every call first copies this step's k, v into the caches at rows ``start_pos .. 
 
 Scores and softmax are fp32 (max subtracted; exp2 with log2(e) folded into the scale);
 ``q @ k^T`` and ``p @ v`` use ``tl.dot`` with fp32 accumulation (IEEE products for fp32, p
-rounded to the cache dtype for fp16/bf16 as in FlashAttention).
+rounded to q's dtype for fp16/bf16 as in FlashAttention). A float16 KV cache under float32
+q, k, v: k, v are rounded to float16 as they are written, and keys and values are read back as
+float32 (then everything runs as in float32).
 
 ``start_pos`` is checked on the device: every kernel computes ``ok = 0 <= start_pos <=
 max_seq - T`` (int64) from the same value and masks all its cache and output accesses with it,
@@ -64,6 +66,14 @@ class AttentionWorkspace:
     def num_chunks(self) -> int:
         """Chunks the decode grid has per kv head (``cdiv(max_seq, chunk)``)."""
         return self.m.shape[1]
+
+
+def kv_dtypes_ok(q, k, v, k_cache, v_cache, out) -> bool:
+    """One float dtype for all, or float16 caches with the rest float32 (a float16 KV cache:
+    the kernels read keys and values in q's dtype and write k, v rounded to the caches')."""
+    if q.dtype not in _FLOATS or any(t.dtype != q.dtype for t in (k, v, out)) or k_cache.dtype != v_cache.dtype:
+        return False
+    return k_cache.dtype == q.dtype or (q.dtype == torch.float32 and k_cache.dtype == torch.float16)
 
 
 def _default_chunk(max_seq: int) -> int:
@@ -152,7 +162,7 @@ def attend_key_range(q, kc_base, vc_base, row, lo, hi, qk_scale, offs_d, d_mask,
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_mask = offs_s < hi
         k = tl.load(kc_base + offs_s[None, :] * row + offs_d[:, None], mask=d_mask[:, None] & s_mask[None, :],
-                    other=0.0)                                                     # [BLOCK_D, BLOCK_S]
+                    other=0.0).to(q.dtype)                                         # [BLOCK_D, BLOCK_S]
         qk = mma(q, k, tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32), UPCAST) * qk_scale
         qk = tl.where(s_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -160,8 +170,8 @@ def attend_key_range(q, kc_base, vc_base, row, lo, hi, qk_scale, offs_d, d_mask,
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_base + offs_s[:, None] * row + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                    other=0.0)                                                     # [BLOCK_S, BLOCK_D]
-        acc = mma(cast_rtne(p, vc_base.dtype.element_ty), v, acc * alpha[:, None], UPCAST)
+                    other=0.0).to(q.dtype)                                         # [BLOCK_S, BLOCK_D]
+        acc = mma(cast_rtne(p, q.dtype), v, acc * alpha[:, None], UPCAST)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -296,7 +306,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY,
         offs_s = s0 + tl.arange(0, BLOCK_N)
         s_mask = offs_s < hi
         k = tl.load(kc_base + offs_s.to(tl.int64)[None, :] * row + offs_d[:, None],
-                    mask=d_mask[:, None] & s_mask[None, :], other=0.0)             # [BLOCK_D, BLOCK_N]
+                    mask=d_mask[:, None] & s_mask[None, :], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
         qk = mma(q, k, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST) * qk_scale
         visible = (s_mask[None, :] & (offs_s[None, :] <= q_pos[:, None])
                    & (offs_s[None, :] > q_pos[:, None] - WINDOW))
@@ -307,8 +317,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, qk_scale, T, T_KEY,
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_base + offs_s.to(tl.int64)[:, None] * row + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)             # [BLOCK_N, BLOCK_D]
-        acc = mma(cast_rtne(p, vc_ptr.dtype.element_ty), v, acc * alpha[:, None], UPCAST)
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        acc = mma(cast_rtne(p, q.dtype), v, acc * alpha[:, None], UPCAST)
         m_i = m_new
     l_i = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_i[:, None]
@@ -364,10 +374,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or tuple(k_cache.shape[1:]) != (hkv, dh):
         raise ValueError(f"attention: caches must both be [max_seq, {hkv}, {dh}], got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
-    dtypes = {t.dtype for t in (q, k, v, k_cache, v_cache, out)}
-    if len(dtypes) != 1 or q.dtype not in _FLOATS:
-        raise ValueError(f"attention: q, k, v, caches and out must share one float dtype, "
-                         f"got {sorted(map(str, dtypes))}")
+    if not kv_dtypes_ok(q, k, v, k_cache, v_cache, out):
+        raise ValueError(f"attention: q, k, v, caches and out must share one float dtype (or the caches be "
+                         f"float16 with float32 q, k, v, out), got {sorted({str(t.dtype) for t in (q, k, v, k_cache, v_cache, out)})}")
     if start_pos.shape != (1,) or start_pos.dtype != torch.int64:
         raise ValueError(f"attention: start_pos must be an int64 tensor of shape (1,), got {start_pos.dtype} "
                          f"{tuple(start_pos.shape)}")

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_tensors, dot_upcast, report_violation, status_arg, to_out
-from .attention import attend_key_range
+from .attention import attend_key_range, kv_dtypes_ok
 
 
 @triton.jit
@@ -92,7 +92,8 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
 
     Args:
         q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; k_cache, v_cache: [num_slots, max_seq, Hkv, Dh]; one
-            float dtype, contiguous, Hkv dividing Hq.
+            float dtype, or float16 caches with float32 q, k, v (a float16 KV cache: k, v rounded
+            as they are written); contiguous, Hkv dividing Hq.
         slots, positions: int64 [T] on the device, read inside the kernels. A slot outside
             [0, num_slots) or a position outside [0, max_seq) anywhere: nothing is written (caches
             and out as they were) and, with ``status``, the first one in row order is recorded
@@ -110,11 +111,12 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     Hkv = k.shape[1]
     if (k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or Hq % Hkv or k_cache.shape != v_cache.shape
             or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (Hkv, D) or out.shape != q.shape
-            or len({t.dtype for t in (q, k, v, k_cache, v_cache, out)}) != 1
+            or not kv_dtypes_ok(q, k, v, k_cache, v_cache, out)
             or slots.shape != (T,) or positions.shape != (T,)
             or slots.dtype != torch.int64 or positions.dtype != torch.int64):
         raise ValueError(f"attention_rows: needs q [T, Hq, Dh], k/v [T, Hkv, Dh], caches [slots, max_seq, Hkv, Dh] "
-                         f"of one dtype and int64 slots/positions [T]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"of one float dtype (or float16 caches with the rest float32) and int64 slots/positions "
+                         f"[T]; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
                          f"caches {tuple(k_cache.shape)}")
     if T == 0:
         return
