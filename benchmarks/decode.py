@@ -46,7 +46,9 @@ is reported (their median is issue 7's busy-core figure).
 If ``yr.LLM`` takes a ``persistent`` keyword, yirage is measured with persistent=True and
 persistent=False (and, if it takes ``prefill_dtype``, persistent=True with bfloat16 prefill GEMMs;
 if it takes ``decode_dtype``, persistent=True with int8 decode activations, llama.cpp's decode
-numerics: the greedy tokens of either may differ from float32's); if it takes a thread-count keyword (num_threads, threads, num_workers), it
+numerics; if it takes ``kv_cache_dtype``, persistent=True with a float16 KV cache, llama.cpp's
+default cache type, alone and with int8 decode activations: the greedy tokens of each may differ
+from float32's); if it takes a thread-count keyword (num_threads, threads, num_workers), it
 gets --threads. ``machine`` is ``yirage.runtime.machine.machine_record()``.
 The machine may be shared with other jobs: figures are noisy; compare within one run.
 """
@@ -165,8 +167,9 @@ def _llm_params() -> set[str]:
 
 def yirage_configs() -> dict[str, dict]:
     """The yr.LLM keyword sets to measure: both persistent modes if LLM takes ``persistent``, and
-    the persistent one with bfloat16 prefill GEMMs if it takes ``prefill_dtype`` and with int8
-    decode activations if it takes ``decode_dtype``."""
+    the persistent one with bfloat16 prefill GEMMs if it takes ``prefill_dtype``, with int8
+    decode activations if it takes ``decode_dtype``, with a float16 KV cache if it takes
+    ``kv_cache_dtype``, and with both of the last two (llama.cpp's numerics)."""
     params = _llm_params()
     if "persistent" not in params:
         return {"default": {}}
@@ -175,6 +178,11 @@ def yirage_configs() -> dict[str, dict]:
         configs["persistent=True prefill_dtype=bfloat16"] = {"persistent": True, "prefill_dtype": "bfloat16"}
     if "decode_dtype" in params:   # llama.cpp's decode numerics (int8 activations)
         configs["persistent=True decode_dtype=int8"] = {"persistent": True, "decode_dtype": "int8"}
+    if "kv_cache_dtype" in params:   # llama.cpp's default cache type (float16 keys and values)
+        configs["persistent=True kv_cache_dtype=float16"] = {"persistent": True, "kv_cache_dtype": "float16"}
+        if "decode_dtype" in params:   # both: llama.cpp's numerics
+            configs["persistent=True decode_dtype=int8 kv_cache_dtype=float16"] = {
+                "persistent": True, "decode_dtype": "int8", "kv_cache_dtype": "float16"}
     return configs
 
 

@@ -60,6 +60,18 @@ def test_generate_int8_decode():
                           "decode_dtype='int8'", "float32 activations")
 
 
+@pytest.mark.slow
+def test_generate_float16_kv_cache():
+    """--kv-cache-dtype float16 answers the question; with float16 activations (whose cache is
+    float16 already) it is one clear error."""
+    p = yirage("generate", "--max-new-tokens", "8", "--json", "--kv-cache-dtype", "float16",
+               "What is the capital of France?")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in json.loads(p.stdout)["text"]
+    assert_one_line_error(yirage("generate", "--kv-cache-dtype", "float16", "--dtype", "float16", "hi"),
+                          "kv_cache_dtype='float16'", "float32 activations")
+
+
 @pytest.mark.parametrize("args,fragments", [
     (["-m", "no-such-model", "hi"], ["no-such-model"]),
     (["-m", "/nonexistent/model.gguf", "hi"], ["no such file"]),

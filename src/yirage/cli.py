@@ -284,6 +284,9 @@ def set_default_backend(backend, unset) -> None:
 @click.option("--decode-dtype", type=click.Choice(["float32", "int8"]), default=None,
               help="int8: decode steps quantize the inputs of q4_1/q8_0 projections to int8 per block of 32 "
                    "(CPU; llama.cpp's decode numerics: greedy tokens may differ from float32's).")
+@click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16"]), default=None,
+              help="float16: keep the KV cache as float16 (CPU, float32 activations; llama.cpp's default): "
+                   "half its memory and of what long-context decode steps read from it.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; a finite number >= 0.")
 @click.option("--top-k", type=int, default=None, help="A positive integer.")
@@ -300,7 +303,8 @@ def set_default_backend(backend, unset) -> None:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the decode tasks as a Chrome/Perfetto trace (JSON) to this file.")
 def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allow_nonfinite_weights, prefill_dtype,
-             decode_dtype, temperature, top_k, top_p, seed, system, no_chat, as_json, persistent, workers, trace_path) -> None:
+             decode_dtype, kv_cache_dtype, temperature, top_k, top_p, seed, system, no_chat, as_json, persistent,
+             workers, trace_path) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from .engines.generate import LLM, check_generation_args
 
@@ -318,7 +322,7 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
         llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True,
                   allow_nonfinite_weights=allow_nonfinite_weights, persistent=True if profile is not None else persistent,
                   num_workers=workers, profiler_tensor=profile, prefill_dtype=prefill_dtype,
-                  decode_dtype=decode_dtype)
+                  decode_dtype=decode_dtype, kv_cache_dtype=kv_cache_dtype)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
         has_template = bool(getattr(llm.tokenizer, "chat_template", None))
@@ -449,8 +453,11 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
               help="Generation requests that may wait for the engine; more get HTTP 503 with Retry-After.")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds a request may take, waiting included; then HTTP 504.")
+@click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16"]), default=None,
+              help="float16: keep the slots' KV cache as float16 (CPU, float32 activations; llama-server's "
+                   "default): half its memory.")
 def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_batch_tokens, api_key, api_key_file,
-          max_queue, timeout) -> None:
+          max_queue, timeout, kv_cache_dtype) -> None:
     """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
     /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
     try:
@@ -488,7 +495,7 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         from .serve import ServeOptions, run_server
 
         options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel,
-                               max_batch_tokens)
+                               max_batch_tokens, kv_cache_dtype)
         click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
                    "GET /health answers 200 when ready)", err=True)
         error = run_server(options, host, port)

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import yirage as yr
 
@@ -340,6 +341,33 @@ def test_a_small_step_budget_gives_the_same_answers(smollm):
                                                   max_tokens=8, temperature=0).choices[0].message.content
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             assert list(pool.map(ask, prompts)) == alone
+
+
+@pytest.mark.slow
+def test_a_float16_kv_cache_server_answers_as_its_model_alone():
+    """ServeOptions(kv_cache_dtype='float16') (``--kv-cache-dtype float16``) loads the LLM with a
+    float16 KV cache, the batching slots included; concurrent greedy chats get what that model
+    gives each prompt alone."""
+    from yirage.serve import load_models
+    prompts = ["Name three fruits.", "What is 2 + 2?", "Say hello in French."]
+    app = create_app(ServeOptions(LLM_NAME, max_queue=8, timeout_s=120, parallel=4, kv_cache_dtype="float16"),
+                     load=load_models)
+    with running(app) as base:
+        deadline = time.monotonic() + 120
+        while not app.state.yirage.ready:
+            assert time.monotonic() < deadline and app.state.yirage.load_error is None, app.state.yirage.load_error
+            time.sleep(0.1)
+        llm = app.state.yirage.llm
+        assert llm.model.k_cache[0].dtype == torch.float16
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+        def ask(p):
+            return client.chat.completions.create(model=LLM_NAME, messages=[{"role": "user", "content": p}],
+                                                  max_tokens=10, temperature=0).choices[0].message.content
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(ask, prompts))
+        assert app.state.yirage.engine.engine.cache.k[0].dtype == torch.float16
+    assert together == [llm.generate(p, max_new_tokens=10).text for p in prompts]
 
 
 @pytest.mark.slow

@@ -137,7 +137,7 @@ def _activation_dtype(dtype, backend) -> DType:
 
 
 def _cpu_compute_dtype(option: str, value, allowed: DType, backend, dtype: DType, hint: str = "") -> DType | None:
-    """The LLM's ``option`` (prefill_dtype, decode_dtype): None for None or float32 (the
+    """The LLM's ``option`` (prefill_dtype, decode_dtype, kv_cache_dtype): None for None or float32 (the
     default), else ``allowed``, which applies to the CPU backend with float32 activations only
     (see ``LLM``). GenerationError for anything else; ``hint`` ends that message."""
     if value is None:
@@ -266,6 +266,12 @@ class LLM:
             float32's (and from transformers'). Faster where the float32 GEMV is bound by its
             own instructions rather than memory. Weights of other formats, prefill and
             ``generate([...])`` batches keep float32.
+        kv_cache_dtype: None (the default: the KV cache in the activation dtype) or 'float16':
+            on the CPU with float32 activations, keys and values are stored as float16 (rounded
+            to nearest even as they are written, read back as float32; llama.cpp's default
+            cache type). It halves the cache's memory and the bytes a decode step reads from it,
+            which grow with the context; logits then differ from float32's by about float16's
+            rounding of k and v (greedy tokens can differ).
         max_batch: the most sequences ``generate([p1, p2, ...])`` runs together (slots of its
             continuous-batching KV cache, allocated on the first batch call: 2 * layers *
             (max_batch + 1) * max_seq_length * kv_heads * head_dim elements); more prompts wait
@@ -283,7 +289,8 @@ class LLM:
             'bfloat16' off the CPU backend, with non-float32 activations, or for a model
             without block-quantized weights; decode_dtype is not None/'float32'/'int8', is
             'int8' off the CPU backend, with non-float32 activations, or for a model without
-            q4_1/q8_0 weights.
+            q4_1/q8_0 weights; kv_cache_dtype is not None/'float32'/'float16', or is 'float16'
+            off the CPU backend or with non-float32 activations.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
@@ -291,7 +298,7 @@ class LLM:
                  allow_nonfinite_weights: bool = False, persistent: bool | None = None,
                  num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
                  prefill_dtype=None, max_batch: int = 8, max_batch_tokens: int | None = None,
-                 decode_dtype=None):
+                 decode_dtype=None, kv_cache_dtype=None):
         max_seq_length = _positive_int("max_seq_length", max_seq_length)
         self.max_batch = _positive_int("max_batch", max_batch)
         if max_batch_tokens is not None:
@@ -301,6 +308,8 @@ class LLM:
         self.prefill_dtype = _cpu_compute_dtype("prefill_dtype", prefill_dtype, DType.bfloat16, self.backend,
                                                 self.dtype, "; on a GPU use dtype='bfloat16'")
         self.decode_dtype = _cpu_compute_dtype("decode_dtype", decode_dtype, DType.int8, self.backend, self.dtype)
+        self.kv_cache_dtype = _cpu_compute_dtype("kv_cache_dtype", kv_cache_dtype, DType.float16, self.backend,
+                                                 self.dtype, "; with dtype='float16' the cache is float16 already")
         loaded = load_model(model, progress=progress, allow_nonfinite=bool(allow_nonfinite_weights))
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -319,7 +328,7 @@ class LLM:
             raise GenerationError(f"decode_dtype='int8' quantizes the inputs of GEMVs on q4_1/q8_0 weights; "
                                   f"{self.name} has none: leave decode_dtype at None")
         self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype, self.prefill_dtype,
-                                self.decode_dtype)
+                                self.decode_dtype, self.kv_cache_dtype)
         if persistent is None:
             persistent = self.backend == Backend.CPU
         if profiler_tensor is not None and not persistent:

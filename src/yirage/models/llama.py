@@ -88,6 +88,11 @@ class LlamaModel:
             ``build_graph(1)``, ``decode_kernel``) on q4_1/q8_0 weights quantizes its input to
             int8 per block of 32 values (``linear``'s ``compute_dtype='int8'``: llama.cpp's
             decode numerics; other weight formats keep float32). CPU backend only.
+        kv_cache_dtype: None (the KV cache in ``dtype``) or float16 with float32 activations:
+            the model's cache, ``new_batch_cache``'s slots and the decode kernel's keep keys
+            and values as float16 (rounded to nearest even as they are written, read back as
+            float32), half the bytes a long-context decode step reads (llama.cpp's default
+            cache type).
 
     Block-quantized weights (q4_1, q8_0) stay in their blocks and are decoded inside the
     GEMV/GEMM kernels; RoPE tables stay float32 ([max_seq_length, head_dim / 2]: ``cos``/``sin``,
@@ -98,7 +103,8 @@ class LlamaModel:
     """
 
     def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32,
-                 prefill_dtype: DType | None = None, decode_dtype: DType | None = None):
+                 prefill_dtype: DType | None = None, decode_dtype: DType | None = None,
+                 kv_cache_dtype: DType | None = None):
         cfg = loaded.config
         self.cfg = cfg
         self.backend = backend
@@ -106,6 +112,7 @@ class LlamaModel:
         self.dtype = dtype
         self.prefill_dtype = prefill_dtype
         self.decode_dtype = decode_dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.device = get_backend_impl(backend).torch_device
         self.weights: dict[str, tuple[torch.Tensor, DType, tuple]] = {}
         offset = cfg.norm_weight_offset
@@ -125,9 +132,9 @@ class LlamaModel:
         self.embed_scale = (float(torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype.torch_dtype))
                             if cfg.embed_scale is not None else None)
         shape = (max_seq_length, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype.torch_dtype, device=self.device)
+        self.k_cache = [torch.zeros(shape, dtype=self.kv_cache_dtype.torch_dtype, device=self.device)
                         for _ in range(cfg.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype.torch_dtype, device=self.device)
+        self.v_cache = [torch.zeros(shape, dtype=self.kv_cache_dtype.torch_dtype, device=self.device)
                         for _ in range(cfg.num_layers)]
 
     def _rope_cos_sin(self, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +179,7 @@ class LlamaModel:
 
     def new_batch_cache(self, slots: int) -> "BatchKVCache":
         """A zeroed KV cache for continuous batching (``build_batch_graph``): per layer
-        [slots + 1, max_seq_length, Hkv, Dh] keys and values in the activation dtype, on the
+        [slots + 1, max_seq_length, Hkv, Dh] keys and values in ``kv_cache_dtype``, on the
         device. Slot ``slots`` is the scratch slot that padding rows write. Costs
         2 * layers * (slots + 1) * max_seq_length * Hkv * Dh elements. GenerationError unless
         ``slots`` is a positive integer."""
@@ -182,7 +189,7 @@ class LlamaModel:
         shape = (slots + 1, self.max_seq_length, cfg.num_kv_heads, cfg.head_dim)
 
         def zeros():
-            return [torch.zeros(shape, dtype=self.dtype.torch_dtype, device=self.device)
+            return [torch.zeros(shape, dtype=self.kv_cache_dtype.torch_dtype, device=self.device)
                     for _ in range(cfg.num_layers)]
         return BatchKVCache(slots, zeros(), zeros())
 
@@ -299,7 +306,7 @@ class LlamaModel:
         the same computation as ``build_graph(1)`` (``run_step(token, pos)`` returns the
         logits [1, vocab] and the argmax [1]); on the CPU one task graph per step. It reads and
         writes the model's own KV cache, or ``k_cache``/``v_cache``: one [max_seq_length, Hkv,
-        Dh] tensor per layer in the activation dtype (a slot of a ``BatchKVCache``). Qwen3's
+        Dh] tensor per layer in ``kv_cache_dtype`` (a slot of a ``BatchKVCache``). Qwen3's
         and Gemma 3's per-head q/k RMSNorm is ``attention_layer``'s ``q_norm``/``k_norm``; Gemma 3's
         post-attention / post-feedforward norms are the ``post_norm`` of
         ``linear_with_residual_layer`` / ``gelu_mul_linear_with_residual_layer`` (fused with the

@@ -60,7 +60,7 @@ class ServeOptions:
     ``max_queue`` (waiting generation requests), ``timeout_s`` (seconds per request),
     ``parallel`` (sequences decoded together by continuous batching; 1: one at a time on the
     persistent decode kernel), ``max_batch_tokens`` (rows per batching step; None:
-    ``BatchingEngine``'s default)."""
+    ``BatchingEngine``'s default), ``kv_cache_dtype`` (the LLM's: None or 'float16')."""
 
     model: str | None = None
     embedding_model: str | None = None
@@ -71,6 +71,7 @@ class ServeOptions:
     timeout_s: float = 600.0
     parallel: int = 4
     max_batch_tokens: int | None = None
+    kv_cache_dtype: str | None = None
 
 
 @dataclass
