@@ -421,6 +421,42 @@ def test_float16_kv_cache_attention_prefill_then_decode(lib, Hq, Hkv, Dh):
         p0 += T
 
 
+def _task_fn(lib, name):
+    """A ``yr_task_*`` entry point of ``lib``: fn(int64 args [n], lo, hi)."""
+    import ctypes
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
+    return fn
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv,Dh", [(4, 2, 64), (9, 3, 64), (8, 2, 64), (4, 2, 128), (6, 2, 16)])
+def test_decode_attention_tasks_every_build(lib, cache, Hq, Hkv, Dh):
+    """The flash-decoding task pair (partial over KV splits, then combine) in every build: the
+    grouped GQA pass (group_dots / group_weighted, four rows' sums reduced together in the SIMD
+    builds) and the per-head loops, splits with key counts that are not multiples of 4, against
+    float64 SDPA over the cache."""
+    import struct
+    suffix = "_f16kv" if cache == torch.float16 else ""
+    partial, combine = _task_fn(lib, "yr_task_attention_partial" + suffix), _task_fn(lib, "yr_task_attention_combine")
+    g = torch.Generator().manual_seed(Hq + Dh)
+    max_seq, p0, splits, scale = 160, 150, 3, 1.0 / math.sqrt(Dh)
+    kc, vc = torch.randn(max_seq, Hkv, Dh, generator=g).to(cache), torch.randn(max_seq, Hkv, Dh, generator=g).to(cache)
+    q = torch.randn(1, Hq, Dh, generator=g) * 2
+    part = torch.full((1, Hq, splits, Dh + 2), float("nan"))
+    out = torch.full((1, Hq, Dh), float("nan"))
+    sp = torch.tensor([p0], dtype=torch.int64)
+    bits = struct.unpack("<I", struct.pack("<f", scale))[0]
+    a = torch.tensor([q.data_ptr(), kc.data_ptr(), vc.data_ptr(), sp.data_ptr(), part.data_ptr(), 1, Hq, Hkv, Dh,
+                      max_seq, bits, splits, 0], dtype=torch.int64)
+    for pair in range(Hkv * splits):
+        partial(a.data_ptr(), pair, pair + 1)
+    b = torch.tensor([part.data_ptr(), out.data_ptr(), 1, Hq, Dh, splits], dtype=torch.int64)
+    combine(b.data_ptr(), 0, Hq)
+    ref = _attention_ref(q, kc[:p0 + 1].float(), vc[:p0 + 1].float(), p0, scale)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------
 # argmax
 # ---------------------------------------------------------------------------------------

@@ -588,22 +588,7 @@ void emb_s8_rows(int mr, const uint8_t* q, int64_t ldq, const float* sx, const E
     }
 }
 
-// ---- attention over packed sentences --------------------------------------------------
-#if defined(YR_AVX512)
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
-#elif defined(YR_AVX2)
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-inline float vhmax(vf a) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-#else
-inline vf vmax(vf a, vf b) { return std::max(a, b); }
-inline float vhmax(vf a) { return a; }
-#endif
+// ---- attention over packed sentences (vmax, vhmax: library.cpp's vector helpers) ---------------
 
 // One head of attention: O[i] = softmax(scale * Q[i] . K^T + bias[i]) V for the queries i < Tq
 // over the keys j < Tk, the rows of Q, K, V, O at strides ldq, ldk, ldv, ldo floats (head dim

@@ -173,6 +173,16 @@ inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+// [vsum(a0), vsum(a1), vsum(a2), vsum(a3)]: the four halved to ymm, then three hadds.
+inline __m128 vsum4(vf a0, vf a1, vf a2, vf a3) {
+    const auto half = [](__m512 a) {
+        return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    };
+    const __m256 d = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }   // b where either is NaN
+inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
 #elif defined(YR_AVX2)
 typedef __m256 vf;
 constexpr int VL = 8;
@@ -185,6 +195,17 @@ inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(vf a) { return hsum8(a); }
+// [vsum(a0), vsum(a1), vsum(a2), vsum(a3)] by three hadds.
+inline __m128 vsum4(vf a0, vf a1, vf a2, vf a3) {
+    const __m256 d = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }   // b where either is NaN
+inline float vhmax(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 #else
 typedef float vf;
 constexpr int VL = 1;
@@ -197,6 +218,8 @@ inline vf vadd(vf a, vf b) { return a + b; }
 inline vf vmul(vf a, vf b) { return a * b; }
 inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline float vsum(vf a) { return a; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }   // b where either is NaN
+inline float vhmax(vf a) { return a; }
 #endif
 
 // A float16 KV cache (kv_cache_dtype float16) holds IEEE half bits; the attention kernels take
@@ -287,6 +310,18 @@ inline void axpy(float alpha, const KV* x, float* y, int64_t n) {
     for (; k < n; ++k) y[k] += alpha * to_f32(x[k]);
 }
 
+// max(mx, s[0], ..., s[n-1]), NaNs skipped (as std::max(mx, s[j]) in a loop): VL lanes at a time,
+// where the scalar loop was one dependent vmaxss per score (80% of a decode attention task's
+// own time at 785 keys).
+inline float max_scores(const float* s, int64_t n, float mx) {
+    vf m = vbroadcast(&mx);
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) m = vmax(vload(s + j), m);
+    mx = vhmax(m);
+    for (; j < n; ++j) mx = std::max(mx, s[j]);
+    return mx;
+}
+
 // s[j] = exp(s[j] - mx) for j < n (vectorized); returns their sum (the softmax denominator).
 inline float exp_shifted_sum(float* s, int64_t n, float mx) {
     const float neg_mx = -mx;
@@ -311,12 +346,8 @@ inline float exp_shifted_sum(float* s, int64_t n, float mx) {
 template <typename KV>
 inline void attend_keys(const float* qv, const KV* kc, const KV* vc, int64_t kv_row, int64_t L, int64_t Dh,
                         float scale, float* s, float* o) {
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) {
-        s[j] = scale * dot(qv, kc + j * kv_row, Dh);
-        mx = std::max(mx, s[j]);
-    }
-    const float sum = exp_shifted_sum(s, L, mx);
+    for (int64_t j = 0; j < L; ++j) s[j] = scale * dot(qv, kc + j * kv_row, Dh);
+    const float sum = exp_shifted_sum(s, L, max_scores(s, L, -INFINITY));
     std::fill(o, o + Dh, 0.0f);
     for (int64_t j = 0; j < L; ++j) axpy(s[j], vc + j * kv_row, o, Dh);
     const float inv = 1.0f / sum;
@@ -1589,7 +1620,20 @@ template <int NV, typename KV>
 inline void row_dots(const float* q, const KV* k, int64_t ld, int64_t n, float scale, float* s) {
     vf qr[NV];
     for (int i = 0; i < NV; ++i) qr[i] = vload(q + i * VL);
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+#if defined(YR_AVX512) || defined(YR_AVX2)
+    const __m128 vscale = _mm_set1_ps(scale);
+    for (; j + 4 <= n; j += 4) {   // four rows' sums reduced together (vsum4), as group_dots
+        for (int r = 0; r < 4; ++r)
+            if (j + 16 + r < n) prefetch_bytes(k + (j + 16 + r) * ld, NV * VL * sizeof(KV));
+        vf acc[4];
+        for (int r = 0; r < 4; ++r) acc[r] = vmul(qr[0], vload(k + (j + r) * ld));
+        for (int i = 1; i < NV; ++i)
+            for (int r = 0; r < 4; ++r) acc[r] = vfma(qr[i], vload(k + (j + r) * ld + i * VL), acc[r]);
+        _mm_storeu_ps(s + j, _mm_mul_ps(vscale, vsum4(acc[0], acc[1], acc[2], acc[3])));
+    }
+#endif
+    for (; j < n; ++j) {
         if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * sizeof(KV));
         const KV* kj = k + j * ld;
         vf acc = vmul(qr[0], vload(kj));
@@ -1618,12 +1662,31 @@ inline void weighted_rows_acc(const float* p, const KV* v, int64_t ld, int64_t n
 // The G query heads of one KV head at once (GQA decode): s[g * ss + j] = scale * (q_g . k_j)
 // for the G heads q_g = q + g * NV*VL, each key row loaded once for all of them (the per-head
 // loop read every row G times).
+// Four rows at a time (SIMD builds), their G x 4 sums reduced together (vsum4): one horizontal
+// sum per score cost more than the dot product itself (2 of 3 of this loop's samples).
 template <int NV, int G, typename KV>
 inline void group_dots(const float* q, const KV* k, int64_t ld, int64_t n, float scale, float* s, int64_t ss) {
     vf qr[G][NV];
     for (int g = 0; g < G; ++g)
         for (int i = 0; i < NV; ++i) qr[g][i] = vload(q + g * NV * VL + i * VL);
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+#if defined(YR_AVX512) || defined(YR_AVX2)
+    const __m128 vscale = _mm_set1_ps(scale);
+    for (; j + 4 <= n; j += 4) {
+        for (int r = 0; r < 4; ++r)
+            if (j + 16 + r < n) prefetch_bytes(k + (j + 16 + r) * ld, NV * VL * sizeof(KV));
+        vf acc[G][4];
+        for (int i = 0; i < NV; ++i) {
+            vf kr[4];
+            for (int r = 0; r < 4; ++r) kr[r] = vload(k + (j + r) * ld + i * VL);
+            for (int g = 0; g < G; ++g)
+                for (int r = 0; r < 4; ++r) acc[g][r] = i ? vfma(qr[g][i], kr[r], acc[g][r]) : vmul(qr[g][0], kr[r]);
+        }
+        for (int g = 0; g < G; ++g)
+            _mm_storeu_ps(s + g * ss + j, _mm_mul_ps(vscale, vsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3])));
+    }
+#endif
+    for (; j < n; ++j) {
         if (j + 16 < n) prefetch_bytes(k + (j + 16) * ld, NV * VL * sizeof(KV));
         const KV* kj = k + j * ld;
         vf kr[NV];
@@ -1761,7 +1824,7 @@ void attention_prefill_tiled(const float* q, const KV* k_cache, const KV* v_cach
                 const float* v0 = vtile + (a - j0) * ld;
                 head_dots(nv, qv, k0, ld, n, Dh, scale, sr);
                 float mx = M[r];
-                for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sr[j]);
+                mx = max_scores(sr, n, mx);
                 const float c = M[r] == -INFINITY ? 0.0f : std::exp(M[r] - mx);
                 L[r] = L[r] * c + exp_shifted_sum(sr, n, mx);
                 M[r] = mx;
@@ -2015,8 +2078,7 @@ void task_attention_partial(const int64_t* a, int64_t lo, int64_t hi) {
                 const float* qv = q + (t * Hq + h0 + g) * Dh;
                 float* sg = sc + g * stride;
                 if (!grouped) head_dots(nv, qv, kbase + j0 * kv_row, kv_row, n, Dh, scale, sg);
-                float mx = -INFINITY;
-                for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+                const float mx = max_scores(sg, n, -INFINITY);
                 const float sum = exp_shifted_sum(sg, n, mx);
                 float* pr = part + ((t * Hq + h0 + g) * S + s) * (Dh + 2);
                 pr[0] = mx;
