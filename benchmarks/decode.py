@@ -36,7 +36,10 @@ The first yirage side tokenizes the prompts; the other sides get its token ids.
 
 llama.cpp comes from llama-cpp-python (the optional ``bench`` extra: ``make bench`` installs it,
 built for this CPU without its AMX kernels; it compiles llama.cpp for about 10 minutes).
-Without it the llama.cpp side is skipped.
+Without it the llama.cpp sides are skipped. It runs twice: ``llamacpp`` with llama-cpp-python's
+default (flash attention off) and ``llamacpp_flash_attn`` with flash attention on, the default of
+llama.cpp's own tools (``-fa auto``); ``ratios_yirage_over_llamacpp_best`` takes each figure
+against whichever of the two was faster there, and the targets use it.
 
 ``--scenario busy``: a separate process spins on one core (the last one this process may use)
 while yirage (its default engine) and llama.cpp decode with --threads threads; run by run,
@@ -259,13 +262,14 @@ class LlamaCppSide:
     as given (no tokenization), then greedy tokens one per step; generation stops at
     ``eos_ids`` like yirage's. Load: a first, then two timed warm ones (the second is kept)."""
 
-    def __init__(self, gguf_path: str, threads: int, prompts: dict[str, list[int]], eos_ids=()):
+    def __init__(self, gguf_path: str, threads: int, prompts: dict[str, list[int]], eos_ids=(),
+                 flash_attn: bool = False):
         import llama_cpp
 
         def make():
             t0 = time.perf_counter()
             llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=MAX_SEQ, n_threads=threads,
-                                  n_threads_batch=threads, n_batch=MAX_SEQ, verbose=False)
+                                  n_threads_batch=threads, n_batch=MAX_SEQ, verbose=False, flash_attn=flash_attn)
             return llm, time.perf_counter() - t0
 
         llm, first_s = make()
@@ -275,7 +279,7 @@ class LlamaCppSide:
         self.llm, warm2 = make()
         self.eos_ids = set(eos_ids)
         self.prompts = prompts
-        self.info = {"version": llama_cpp.__version__, "threads": threads, "n_ctx": MAX_SEQ,
+        self.info = {"version": llama_cpp.__version__, "threads": threads, "n_ctx": MAX_SEQ, "flash_attn": flash_attn,
                      "n_batch": self.llm.n_batch, "n_ubatch": self.llm.context_params.n_ubatch,
                      "system_info": llama_cpp.llama_print_system_info().decode().strip(),
                      "load": {"first_s": first_s, "warm_s": statistics.median([warm1, warm2]),
@@ -417,10 +421,16 @@ def _targets(y: dict, ratios: dict | None) -> dict:
     return t
 
 
-def start_sides(sides: Sides, args, gguf_path: str, configs: dict[str, dict], with_transformers: bool):
-    """Start the yirage configs (the first one tokenizes the prompts), llama.cpp and
-    transformers; returns the prompts {name: (text, ids)}, or None if no yirage side started
-    (then nothing else can run: the prompts are yirage's)."""
+#: llama.cpp's sides: llama-cpp-python's default (flash attention off) and with flash attention,
+#: the default of llama.cpp's own tools (llama-cli, llama-server: -fa auto)
+LLAMACPP_SIDES = {"llamacpp": False, "llamacpp_flash_attn": True}
+
+
+def start_sides(sides: Sides, args, gguf_path: str, configs: dict[str, dict], with_transformers: bool,
+                llamacpp_sides: tuple[str, ...] = tuple(LLAMACPP_SIDES)):
+    """Start the yirage configs (the first one tokenizes the prompts), llama.cpp (``llamacpp_sides``
+    of ``LLAMACPP_SIDES``) and transformers; returns the prompts {name: (text, ids)}, or None if
+    no yirage side started (then nothing else can run: the prompts are yirage's)."""
     prompts, eos = None, []
     for name, extra in configs.items():
         kw = {"model": args.model, "threads": args.threads, "extra": extra}
@@ -432,14 +442,16 @@ def start_sides(sides: Sides, args, gguf_path: str, configs: dict[str, dict], wi
     if prompts is None:
         return None
     ids = {k: list(v[1]) for k, v in prompts.items()}
-    if args.no_llamacpp:
-        sides.skip("llamacpp", "--no-llamacpp" if args.gguf_format == "gguf" else "the model is not a GGUF file")
-    elif importlib.util.find_spec("llama_cpp") is None:
-        sides.skip("llamacpp", LLAMACPP_MISSING)
-    else:
-        sides.start("llamacpp", SideSpec("decode:LlamaCppSide", {"gguf_path": gguf_path, "threads": args.threads,
-                                                                  "prompts": ids, "eos_ids": eos},
-                                         threads=args.threads))
+    for name in llamacpp_sides:
+        if args.no_llamacpp:
+            sides.skip(name, "--no-llamacpp" if args.gguf_format == "gguf" else "the model is not a GGUF file")
+        elif importlib.util.find_spec("llama_cpp") is None:
+            sides.skip(name, LLAMACPP_MISSING)
+        else:
+            sides.start(name, SideSpec("decode:LlamaCppSide", {"gguf_path": gguf_path, "threads": args.threads,
+                                                                "prompts": ids, "eos_ids": eos,
+                                                                "flash_attn": LLAMACPP_SIDES[name]},
+                                       threads=args.threads))
     if not with_transformers:
         sides.skip("transformers", "--no-transformers")
     else:
@@ -463,26 +475,34 @@ def idle_report(args, gguf_path: str, report: dict) -> None:
     report["prompts"] = {k: {"tokens": len(v[1])} for k, v in (prompts or {}).items()}
     report["loadavg_after"] = os.getloadavg()[0]
     figures, tokens = {}, {}
-    for side in [*configs, "llamacpp", "transformers"]:
+    for side in [*configs, *LLAMACPP_SIDES, "transformers"]:
         figures[side], toks = side_entry(sides, rounds, prompts, side)
         if toks is not None:
             tokens[side] = toks
     ys = {c: figures[c] for c in configs}
     ref = next((tokens[c] for c in configs if c in tokens), None)  # yirage's greedy tokens
-    for peer in ("llamacpp", "transformers"):
+    for peer in (*LLAMACPP_SIDES, "transformers"):
         if peer in tokens and ref is not None:
             for p in prompts:
                 figures[peer][p]["vs_yirage_greedy_tokens"] = _compare(tokens[peer][p], ref[p])
     report["yirage"] = ys
-    report["llamacpp"] = figures["llamacpp"]
+    for peer in LLAMACPP_SIDES:
+        report[peer] = figures[peer]
     report["transformers_eager"] = figures["transformers"]
     ok = [c for c in configs if c in tokens]
-    if "llamacpp" in tokens:
-        report["ratios_yirage_over_llamacpp"] = {
-            c: paired_ratios(rounds, c, "llamacpp") | _load_ratios(ys[c], figures["llamacpp"]) for c in ok}
+    for peer in LLAMACPP_SIDES:
+        if peer in tokens:
+            report[f"ratios_yirage_over_{peer}"] = {
+                c: paired_ratios(rounds, c, peer) | _load_ratios(ys[c], figures[peer]) for c in ok}
+    both = [report.get(f"ratios_yirage_over_{peer}") for peer in LLAMACPP_SIDES]
+    if all(both):   # each figure against whichever llama.cpp config was faster there (the smaller ratio)
+        report["ratios_yirage_over_llamacpp_best"] = {
+            c: {k: min(r[c][k] for r in both) for k in both[0][c] if k.startswith(("decode", "prefill"))}
+            for c in ok}
     if "transformers" in tokens:
         report["ratios_yirage_over_transformers"] = {c: paired_ratios(rounds, c, "transformers") for c in ok}
-    report["targets"] = {c: _targets(ys[c], report.get("ratios_yirage_over_llamacpp", {}).get(c)) for c in ok}
+    best = report.get("ratios_yirage_over_llamacpp_best") or report.get("ratios_yirage_over_llamacpp", {})
+    report["targets"] = {c: _targets(ys[c], best.get(c)) for c in ok}
 
 
 def busy_report(args, gguf_path: str, report: dict) -> None:
@@ -495,7 +515,8 @@ def busy_report(args, gguf_path: str, report: dict) -> None:
     name, extra = next(iter(yirage_configs().items()))
     idle = "yirage_1thread_idle"
     with Sides(timeout_s=args.timeout) as sides:
-        prompts = start_sides(sides, args, gguf_path, {name: extra}, with_transformers=False)
+        prompts = start_sides(sides, args, gguf_path, {name: extra}, with_transformers=False,
+                              llamacpp_sides=("llamacpp",))
         if prompts is not None:
             sides.start(idle, SideSpec("decode:YirageSide", {"model": args.model, "threads": 1, "extra": extra,
                                                              "prompts": prompts}, threads=1))
