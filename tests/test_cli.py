@@ -49,27 +49,18 @@ def test_generate_streams_text():
 
 
 @pytest.mark.slow
-def test_generate_int8_decode():
-    """--decode-dtype int8 (llama.cpp's decode numerics) still answers the question; with
-    bfloat16 activations it is one clear error."""
-    p = yirage("generate", "--max-new-tokens", "8", "--json", "--decode-dtype", "int8",
-               "What is the capital of France?")
+@pytest.mark.parametrize("option,value,bad_dtype", [("--decode-dtype", "int8", "bfloat16"),
+                                                    ("--kv-cache-dtype", "float16", "float16")])
+def test_generate_llamacpp_numerics_options(option, value, bad_dtype):
+    """--decode-dtype int8 (int8 decode activations) and --kv-cache-dtype float16 (a float16 KV
+    cache), llama.cpp's numerics, still answer the question; with non-float32 activations each is
+    one clear error."""
+    p = yirage("generate", "--max-new-tokens", "8", "--json", option, value, "What is the capital of France?")
     assert p.returncode == 0, p.stderr
     assert "Paris" in json.loads(p.stdout)["text"]
-    assert_one_line_error(yirage("generate", "--decode-dtype", "int8", "--dtype", "bfloat16", "hi"),
-                          "decode_dtype='int8'", "float32 activations")
-
-
-@pytest.mark.slow
-def test_generate_float16_kv_cache():
-    """--kv-cache-dtype float16 answers the question; with float16 activations (whose cache is
-    float16 already) it is one clear error."""
-    p = yirage("generate", "--max-new-tokens", "8", "--json", "--kv-cache-dtype", "float16",
-               "What is the capital of France?")
-    assert p.returncode == 0, p.stderr
-    assert "Paris" in json.loads(p.stdout)["text"]
-    assert_one_line_error(yirage("generate", "--kv-cache-dtype", "float16", "--dtype", "float16", "hi"),
-                          "kv_cache_dtype='float16'", "float32 activations")
+    name = option[2:].replace("-", "_")
+    assert_one_line_error(yirage("generate", option, value, "--dtype", bad_dtype, "hi"),
+                          f"{name}='{value}'", "float32 activations")
 
 
 @pytest.mark.parametrize("args,fragments", [
