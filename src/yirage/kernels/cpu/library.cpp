@@ -341,15 +341,23 @@ inline float exp_shifted_sum(float* s, int64_t n, float mx) {
     return sum;
 }
 
+// Register-tiled score and weighted-sum loops of one head (defined with the task kernels below).
+inline int head_vectors(int64_t Dh);
+template <typename KV>
+inline void head_dots(int nv, const float* q, const KV* k, int64_t ld, int64_t n, int64_t Dh, float scale, float* s);
+template <typename KV>
+inline void head_weighted(int nv, const float* p, const KV* v, int64_t ld, int64_t n, int64_t Dh, float c, float* o);
+
 // One query's attention over L cached keys (rows kv_row elements apart from kc, vc):
 // o = softmax(scale * q.k) @ v, the max subtracted first; s: scratch of >= L + VL floats.
 template <typename KV>
 inline void attend_keys(const float* qv, const KV* kc, const KV* vc, int64_t kv_row, int64_t L, int64_t Dh,
                         float scale, float* s, float* o) {
-    for (int64_t j = 0; j < L; ++j) s[j] = scale * dot(qv, kc + j * kv_row, Dh);
+    const int nv = head_vectors(Dh);
+    head_dots(nv, qv, kc, kv_row, L, Dh, scale, s);
     const float sum = exp_shifted_sum(s, L, max_scores(s, L, -INFINITY));
     std::fill(o, o + Dh, 0.0f);
-    for (int64_t j = 0; j < L; ++j) axpy(s[j], vc + j * kv_row, o, Dh);
+    head_weighted(nv, s, vc, kv_row, L, Dh, 0.0f, o);
     const float inv = 1.0f / sum;
     for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
 }
