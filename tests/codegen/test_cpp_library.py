@@ -541,3 +541,70 @@ def test_linear_int8_task_writes_its_rows_only(lib_vnni, fmt):
         fn(args, 0, 8)
         fn(args, 24, N)
         assert torch.equal(y, full)
+
+
+# ---------------------------------------------------------------------------------------
+# q4_1 rows in groups of 16 (kernels/cpu/row_groups.h, DType q4_1r16)
+# ---------------------------------------------------------------------------------------
+
+def _row_groups_case(M: int, N: int, K: int, seed: int):
+    """_int8_case with the weight also repacked (ir.ops.to_row_groups)."""
+    from yirage.ir.ops import to_row_groups
+    x, raw, ref_w, bias = _int8_case(M, N, K, "q4_1", seed)
+    return x, to_row_groups(raw), ref_w, bias
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 48, 96), (1, 1536, 576), (3, 32, 64), (8, 48, 32), (9, 16, 96),
+                                   (16, 64, 96), (17, 48, 64), (40, 80, 96)])
+def test_row_groups_linear_matches_the_reference(lib, M, N, K):
+    """yr_linear_q4_1r16 (float32 x: the group GEMV up to 16 rows, the packed GEMM beyond) equals
+    x @ W^T of the decoded q4_1 weight (gguf-py) within float32 rounding, on every build; its int8
+    form (yr_linear_q4_1r16_q8) equals the product of x quantized per block of 32, as q4_1's does."""
+    from yirage.ir.ops import quantize_blocks_int8
+    x, rg, ref_w, bias = _row_groups_case(M, N, K, M * 7 + N + K)
+    for b in (None, bias):
+        y = torch.full((M, N), float("nan"))
+        lib.yr_linear_q4_1r16(_ptr(x), _ptr(rg), _ptr(b), _ptr(y), M, N, K)
+        _assert_linear_close(y, x, ref_w, b)
+        y = torch.full((M, N), float("nan"))
+        lib.yr_linear_q4_1r16_q8(_ptr(x), _ptr(rg), _ptr(b), _ptr(y), M, N, K)
+        _assert_linear_close(y, quantize_blocks_int8(x), ref_w, b)
+
+
+@pytest.mark.parametrize("suffix", ["", "_q8"])
+def test_row_groups_task_writes_its_groups_only(lib, suffix):
+    """yr_task_linear_q4_1r16[_q8] over slices of whole groups equals the launch and writes
+    nothing outside [lo, hi); a slice that ends inside a group, or runs past N, computes only
+    the whole groups it holds inside N."""
+    import ctypes
+    M, N, K = 2, 64, 96
+    x, rg, _, bias = _row_groups_case(M, N, K, 11)
+    full = torch.empty(M, N)
+    getattr(lib, f"yr_linear_q4_1r16{suffix}")(_ptr(x), _ptr(rg), _ptr(bias), _ptr(full), M, N, K)
+    fn = getattr(lib, f"yr_task_linear_q4_1r16{suffix}")
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
+    y = torch.full((M, N), float("nan"))
+    args = (ctypes.c_int64 * 8)(_ptr(x), _ptr(rg), _ptr(bias), _ptr(y), M, N, K, 0)
+    fn(args, 16, 40)   # the group 16..31 only
+    assert torch.equal(y[:, 16:32], full[:, 16:32])
+    assert y[:, :16].isnan().all() and y[:, 32:].isnan().all()
+    fn(args, 48, 1 << 40)   # clipped to N
+    fn(args, 0, 16)
+    fn(args, 32, 48)
+    assert torch.equal(y, full)
+
+
+def test_row_groups_dequant_and_layout(lib):
+    """yr_dequant_q4_1r16 decodes whole groups to gguf-py's values; to_row_groups /
+    from_row_groups are inverse; ir.ops.dequantize reads q4_1r16 as the q4_1 it came from."""
+    from yirage.dtypes import DType
+    from yirage.ir.ops import dequantize, from_row_groups
+    N, K = 48, 96
+    _, rg, ref_w, _ = _row_groups_case(1, N, K, 3)
+    out = torch.full((N, K), float("nan"))
+    lib.yr_dequant_q4_1r16(_ptr(rg), _ptr(out), N * K // 32 - 5, K // 32)   # 2 whole groups and a part
+    assert torch.equal(out[:32], ref_w[:32]) and out[32:].isnan().all()
+    raw = from_row_groups(rg)
+    assert torch.equal(torch.from_numpy(quants.dequantize(raw.numpy(), QT.Q4_1)), ref_w)
+    assert torch.equal(dequantize(rg, DType.q4_1r16, (N, K)), ref_w)
+    assert not torch.equal(rg, raw)

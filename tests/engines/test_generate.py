@@ -241,6 +241,38 @@ def test_int8_decode_stays_close_to_transformers(hf_smollm):
 
 
 @pytest.mark.slow
+def test_int8_decode_keeps_its_projections_in_row_groups(hf_smollm):
+    """decode_dtype='int8' on a CPU with row_groups.h's AVX-512 kernels keeps every q4_1
+    projection as q4_1r16 (the embedding table, q8_0, as it is; float32 decode keeps q4_1); its
+    float32 forward passes on them (the prompt: the packed GEMM beyond 16 tokens, the group GEMV
+    below; a batch's steps) match transformers, and a batch of two gets transformers' greedy
+    tokens for each prompt."""
+    from yirage.backends.cpu_library import row_groups_native
+    llm = yr.LLM(decode_dtype="int8", max_seq_length=256)
+    kinds = {name: w[1] for name, w in llm.model.weights.items()}
+    want = yr.DType.q4_1r16 if row_groups_native() else yr.DType.q4_1
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == want
+    assert kinds["model.layers.29.self_attn.k_proj.weight"] == want
+    assert kinds["model.embed_tokens.weight"] == yr.DType.q8_0
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    for prompt in prompts:
+        ids = llm.encode_prompt(prompt)
+        for n in (len(ids), 9):   # the whole prompt (> 16 tokens), and 9 of its tokens
+            logits, _ = llm.steps.run(ids[:n], 0)
+            with torch.inference_mode():
+                ref = hf_smollm(torch.tensor([ids[:n]])).logits[0, -1]
+            assert (logits[-1] - ref).abs().max() < 1e-2
+    batch = llm.generate(prompts, max_new_tokens=8)
+    for prompt, result in zip(prompts, batch):
+        ids = llm.encode_prompt(prompt)
+        with torch.inference_mode():
+            ref = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                     pad_token_id=2)[0, len(ids):].tolist()
+        ref = ref[:next((i for i, t in enumerate(ref) if t in llm.eos_token_ids), len(ref))]
+        assert result.token_ids == ref
+
+
+@pytest.mark.slow
 def test_float16_kv_cache_stays_close_to_transformers(hf_smollm):
     """kv_cache_dtype='float16': the model's caches, the batch cache's slots and the decode
     kernel's are float16. Prefill and each decode step's logits match transformers' with a cache

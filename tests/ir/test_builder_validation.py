@@ -31,6 +31,10 @@ BAD_BUILDS = [
     (lambda g, x: g.new_input(None), r"new_input: dims must be a tuple of positive integers"),
     (lambda g, x: g.new_input((4, 8), "float8"), r"new_input: unknown dtype 'float8'"),
     (lambda g, x: g.new_input((4, 33), yr.q4_1), r"new_input: q4_1 needs a last dim divisible by 32"),
+    (lambda g, x: g.linear(g.new_input((2, 32)), g.new_input((40, 32), yr.DType.q4_1r16)),
+     r"linear: .*q4_1r16 weight needs out_features a multiple of 16, got 40"),
+    (lambda g, x: g.embedding(g.new_input((3,), yr.int64), g.new_input((48, 32), yr.DType.q4_1r16)),
+     r"embedding: .*q4_1r16 is a linear weight layout; keep an embedding table in q4_1"),
     (lambda g, x: g.new_input((4, 8), name=3), r"new_input: name must be a string"),
     # clamp: bounds never NaN, min <= max
     (lambda g, x: g.clamp(x, math.nan, math.nan), r"clamp: min_val must not be NaN"),

@@ -343,6 +343,14 @@ class BackendImpl(ABC):
         keeps them apart; a backend answers by measurement once it has a kernel worth it."""
         return False
 
+    def linear_weight_layout(self, data: torch.Tensor, dtype: DType, compute_dtype: str | None
+                             ) -> tuple[torch.Tensor, DType]:
+        """The storage and dtype in which a model keeps a ``linear`` weight (``data``: storage of
+        ``dtype``, [N, ...]) whose decode steps compute with ``compute_dtype``: a backend may
+        return the same values in a layout of its kernels (a new tensor; the caller drops the
+        old one). The default keeps ``(data, dtype)``."""
+        return data, dtype
+
     def declare_constant(self, tensors: list[torch.Tensor]) -> None:
         """Declare ``tensors`` (a model's parameters and buffers, on ``torch_device``) constant
         weights: kernels may then keep them in their own layout (a packed copy, made once and

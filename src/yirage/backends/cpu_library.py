@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import DType
-from ..ir.ops import linear_nk
+from ..ir.ops import ROW_GROUP, linear_nk
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
 from ..tuning import profile as tuning
@@ -46,6 +46,10 @@ SIGNATURES: dict[str, tuple] = {
     "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
     "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
     "yr_linear_q4_1_q8": (_P, _P, _P, _P, _I, _I, _I),   # the same, x quantized to int8 (compute_dtype='int8')
+    "yr_linear_q4_1r16": (_P, _P, _P, _P, _I, _I, _I),   # q4_1 rows in groups of 16 (row_groups.h)
+    "yr_linear_q4_1r16_q8": (_P, _P, _P, _P, _I, _I, _I),
+    "yr_dequant_q4_1r16": (_P, _P, _I, _I),              # src, dst floats, nblocks, blocks per row
+    "yr_row_groups_native": (_P,),   # out int64 [1]: 1 where row_groups.h has its AVX-512 kernels
     "yr_linear_q8_0_q8": (_P, _P, _P, _P, _I, _I, _I),
     "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
     "yr_embedding_q4_1": (_P, _P, _P, _I, _I, _I, _P),
@@ -95,6 +99,7 @@ SIGNATURES: dict[str, tuple] = {
 }
 #: task entry points (address taken, called by the persistent kernel scheduler only)
 TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_q4_1_q8", "yr_task_linear_q8_0_q8",
+                "yr_task_linear_q4_1r16", "yr_task_linear_q4_1r16_q8",
                 "yr_task_linear_f32", "yr_task_embedding",
                 "yr_task_rope", "yr_task_rope_rows", "yr_task_attention_rows_append", "yr_task_attention_rows",
                 "yr_task_attention_append", "yr_task_attention_partial",
@@ -175,7 +180,7 @@ def _types(node, graph):
 
 
 # ---- which cases have a kernel here -------------------------------------------------------
-_QUANT = (DType.q4_1, DType.q8_0, *(DType(t) for t in GGML_FORMATS))
+_QUANT = (DType.q4_1, DType.q8_0, DType.q4_1r16, *(DType(t) for t in GGML_FORMATS))
 
 
 def _linear_ok(node, graph) -> bool:
@@ -185,7 +190,7 @@ def _linear_ok(node, graph) -> bool:
 
 def _embedding_ok(node, graph) -> bool:
     ids, table = _types(node, graph)
-    return ids.dtype == DType.int64 and table.dtype in (*_QUANT, DType.float32)
+    return ids.dtype == DType.int64 and table.dtype in (*_QUANT, DType.float32) and table.dtype != DType.q4_1r16
 
 
 def _float32_first(node, graph) -> bool:
@@ -524,6 +529,15 @@ def _task_linear_rows() -> tuple[int, int]:
     return int(out[0]), int(out[1])
 
 
+@functools.lru_cache(maxsize=1)
+def row_groups_native() -> bool:
+    """Whether this machine's library has the vector kernels of ``q4_1r16`` weights
+    (kernels/cpu/row_groups.h: AVX-512); elsewhere they run as scalar loops."""
+    out = torch.zeros(1, dtype=torch.int64)
+    library().yr_row_groups_native(out.data_ptr())
+    return bool(out[0])
+
+
 def _linear_task(node, graph, args, out, status, num_workers):
     x, w = args[0], args[1]
     bias = args[2] if len(args) == 3 else None
@@ -544,7 +558,7 @@ def _linear_task(node, graph, args, out, status, num_workers):
         fn = "yr_task_linear_f32"
     else:
         return None
-    if compute is None and M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0) else 1]:
+    if compute is None and M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0, DType.q4_1r16) else 1]:
         return None   # launched: its packed GEMM beats a GEMV per row
     if compute is None and wt.dtype.is_quantized and M >= cpu_providers.VENDOR_QUANT_MIN_M:
         # a vendor GEMM competes for this shape class: tasks only where yirage's kernel won
@@ -553,7 +567,7 @@ def _linear_task(node, graph, args, out, status, num_workers):
         if case is None or cpu_providers.choose(case, list(args))[0].name != "yirage":
             return None
     tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
-    ranges = split_range(N, tasks, _GEMV_ROWS)
+    ranges = split_range(N, tasks, ROW_GROUP if wt.dtype == DType.q4_1r16 else _GEMV_ROWS)
     # a task's GEMV prefetches on into the slice num_workers on (library.cpp YR_TASK_GROUPS), the
     # one its worker likely takes next
     stride = num_workers * (ranges[0][1] - ranges[0][0]) if len(ranges) > num_workers else 0

@@ -355,6 +355,8 @@ def dequantize(w: torch.Tensor, dtype: DType, shape: Shape) -> torch.Tensor:
     """
     if not dtype.is_quantized:
         return w.float()
+    if dtype == DType.q4_1r16:
+        return dequantize(from_row_groups(w.reshape(shape[0], -1)), DType.q4_1, shape)
     per, nbytes = dtype.block
     blocks = w.reshape(-1, nbytes)
     if dtype not in (DType.q8_0, DType.q4_1):
@@ -373,6 +375,38 @@ def dequantize(w: torch.Tensor, dtype: DType, shape: Shape) -> torch.Tensor:
         q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
         vals = d * q + m
     return vals.reshape(shape)
+
+
+#: rows per group of ``DType.q4_1r16`` (kernels/cpu/row_groups.h)
+ROW_GROUP = 16
+
+
+def to_row_groups(w: torch.Tensor) -> torch.Tensor:
+    """q4_1 storage [N, K/32*20] (uint8, N a multiple of 16) reordered as ``DType.q4_1r16``: rows
+    16g..16g+15 become group g, its blocks in order, each a 320-byte unit {d of the 16 rows (fp16),
+    m of the 16 rows, then for j = 0..3 the bytes qs[4j..4j+3] of the 16 rows} (the layout of
+    kernels/cpu/row_groups.h, where llama.cpp's ggml-cpu repack.cpp interleaves Q4_0 rows alike).
+    Same bytes, a new tensor. Raises ValueError for another shape."""
+    N, nbytes = w.shape
+    if w.dtype != torch.uint8 or N % ROW_GROUP or nbytes % 20:
+        raise ValueError(f"to_row_groups takes q4_1 storage [N, K/32*20] uint8 with N a multiple of {ROW_GROUP}, "
+                         f"got {tuple(w.shape)} {w.dtype}")
+    nb, G = nbytes // 20, N // ROW_GROUP
+    b = w.reshape(G, ROW_GROUP, nb, 20)
+    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(G, nb, 32)
+    m = b[..., 2:4].permute(0, 2, 1, 3).reshape(G, nb, 32)
+    qs = b[..., 4:].reshape(G, ROW_GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(G, nb, 256)
+    return torch.cat([d, m, qs], dim=2).reshape(N, nbytes)
+
+
+def from_row_groups(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``to_row_groups``: q4_1r16 storage back to q4_1 [N, K/32*20]."""
+    N, nbytes = w.shape
+    nb, G = nbytes // 20, N // ROW_GROUP
+    u = w.reshape(G, nb, 320)
+    d, m = u[..., 0:32].reshape(G, nb, ROW_GROUP, 2), u[..., 32:64].reshape(G, nb, ROW_GROUP, 2)
+    qs = u[..., 64:].reshape(G, nb, 4, ROW_GROUP, 4).permute(0, 1, 3, 2, 4).reshape(G, nb, ROW_GROUP, 16)
+    return torch.cat([d, m, qs], dim=3).permute(0, 2, 1, 3).reshape(N, nbytes)
 
 
 #: linear's ``weight_layout`` attr: "nk" (the default: [out_features, in_features], nn.Linear's)
@@ -405,6 +439,8 @@ def _linear_infer(ts, attrs):
                             f"and {w.dtype.value}")
     if len(ts) == 3 and (tuple(ts[2].shape) != (N,) or ts[2].dtype != x.dtype):
         _fail("linear", ts, f"bias must have shape ({N},) and x's dtype {x.dtype.value}")
+    if w.dtype == DType.q4_1r16 and N % ROW_GROUP:
+        _fail("linear", ts, f"a q4_1r16 weight needs out_features a multiple of {ROW_GROUP}, got {N}")
     compute = attrs.get("compute_dtype")
     if compute == "int8":
         if x.dtype != DType.float32 or w.dtype not in INT8_COMPUTE_WEIGHTS or layout != "nk":
@@ -419,7 +455,7 @@ def _linear_infer(ts, attrs):
 
 
 #: the weight formats whose ``linear`` may take ``compute_dtype='int8'``
-INT8_COMPUTE_WEIGHTS = (DType.q4_1, DType.q8_0)
+INT8_COMPUTE_WEIGHTS = (DType.q4_1, DType.q4_1r16, DType.q8_0)
 
 
 def quantize_blocks_int8(x: torch.Tensor) -> torch.Tensor:
@@ -551,6 +587,8 @@ def _embedding_infer(ts, attrs):
         _fail("embedding", ts, f"ids must be int32 or int64, got {ids.dtype.value}")
     if len(table.shape) != 2:
         _fail("embedding", ts, "table must be 2-d [vocab, dim]")
+    if table.dtype == DType.q4_1r16:
+        _fail("embedding", ts, "q4_1r16 is a linear weight layout; keep an embedding table in q4_1")
     out = DType.float32 if table.dtype.is_quantized else table.dtype
     return TensorType((*ids.shape, table.shape[1]), out)
 

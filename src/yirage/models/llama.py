@@ -123,6 +123,12 @@ class LlamaModel:
             if not wtype.is_quantized:
                 data, wtype = data.to(dtype.torch_dtype), dtype
             self.weights[name] = (data.contiguous().to(self.device), wtype, tuple(w.shape))
+        if decode_dtype is not None:   # the backend may keep the projections in its kernels' layout
+            impl = get_backend_impl(backend)
+            for name, (data, wtype, shape) in self.weights.items():
+                if wtype.is_quantized and len(shape) == 2 and name != "model.embed_tokens.weight":
+                    data, wtype = impl.linear_weight_layout(data, wtype, decode_dtype.value)
+                    self.weights[name] = (data, wtype, shape)
         self.cos, self.sin = self._rope_cos_sin(cfg.inv_freq, cfg.attention_scaling)
         self.local_cos = self.local_sin = None  # Gemma 3's sliding layers: their own RoPE base
         if cfg.local_inv_freq is not None:

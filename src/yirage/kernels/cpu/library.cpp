@@ -637,7 +637,8 @@ inline void prefetch_span(const void* w, int64_t a, int64_t b, int64_t end) {
 // (the slice this thread will likely take next, empty by default), so that its first bytes
 // are on their way when it starts: a task slice of a decode GEMV is tens of KB, and starting
 // each one cold cost ~15% of the GB/s on the Zen 4 (8 slices of a 553 KB q4_1 weight).
-template <typename RowsFn>
+// STEP: rows per call of rows() (the 16-row groups of row_groups.h take 16).
+template <int STEP = GEMV_ROWS, typename RowsFn>
 inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn rows, int64_t next_lo = 0,
                        int64_t next_hi = 0) {
     const int64_t own = (hi - lo) * rb;
@@ -648,18 +649,18 @@ inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn
             prefetch_span(w, next_lo * rb + std::max<int64_t>(a - own, 0), next_lo * rb + (b - own), next_hi * rb);
     };
     ahead(0, PREFETCH_BYTES);
-    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) {
-        const int64_t r = std::min<int64_t>(GEMV_ROWS, hi - n0);
+    for (int64_t n0 = lo; n0 < hi; n0 += STEP) {
+        const int64_t r = std::min<int64_t>(STEP, hi - n0);
         ahead((n0 - lo) * rb + PREFETCH_BYTES, (n0 + r - lo) * rb + PREFETCH_BYTES);
         rows(n0, (int)r);
     }
 }
 
-// Runs rows(n0, r) over groups of GEMV_ROWS weight rows: each OpenMP thread takes one
+// Runs rows(n0, r) over groups of STEP weight rows: each OpenMP thread takes one
 // contiguous, equal slice of whole groups (gemv_range).
-template <typename RowsFn>
+template <int STEP = GEMV_ROWS, typename RowsFn>
 void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
-    const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+    const int64_t groups = (N + STEP - 1) / STEP;
 #pragma omp parallel if (macs >= PAR_MIN_MACS)
     {
 #if defined(_OPENMP)
@@ -668,7 +669,7 @@ void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows
         const int64_t nt = 1, t = 0;
 #endif
         const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-        gemv_range(g0 * GEMV_ROWS, std::min(N, g1 * GEMV_ROWS), w, rb, rows);
+        gemv_range<STEP>(g0 * STEP, std::min(N, g1 * STEP), w, rb, rows);
     }
 }
 
@@ -2198,6 +2199,8 @@ void yr_rows_parallel(void (*fn)(const int64_t*, int64_t, int64_t), const int64_
 // GGML's other block formats (Q4_0, Q5_0, Q5_1, Q2_K .. Q6_K): dequantization, GEMV and GEMM
 // read in place (see the header).
 #include "ggml_quants.h"
+// q4_1 repacked in groups of 16 rows (DType q4_1r16): the decode GEMVs without horizontal sums.
+#include "row_groups.h"
 // The embedding engine's encoder kernels (float32/int8 GEMM on packed weights, varlen attention).
 #include "embed_kernels.h"
 // Convolutions as implicit GEMMs on the same packed GEMM.
