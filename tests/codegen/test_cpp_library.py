@@ -608,3 +608,7 @@ def test_row_groups_dequant_and_layout(lib):
     assert torch.equal(torch.from_numpy(quants.dequantize(raw.numpy(), QT.Q4_1)), ref_w)
     assert torch.equal(dequantize(rg, DType.q4_1r16, (N, K)), ref_w)
     assert not torch.equal(rg, raw)
+    out = torch.zeros(N + 5, raw.shape[1], dtype=torch.uint8)   # the C++ repack; a partial group is left
+    src = torch.cat([raw, raw[:5]])
+    lib.yr_repack_q4_1r16(_ptr(src), _ptr(out), N + 5, K // 32)
+    assert torch.equal(out[:N], rg) and not out[N:].any()

@@ -16,7 +16,7 @@ import torch
 from yirage.backends import cpu_conv, cpu_embed, cpu_library
 from yirage.backends.base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from yirage.dtypes import DType
-from yirage.ir.ops import ROW_GROUP, to_row_groups
+from yirage.ir.ops import ROW_GROUP
 from yirage.runtime.cpp_kernels import compile_cpp
 from yirage.runtime.machine import (  # noqa: F401  (re-exported: the CPU's identity lives in runtime)
     KNOWN_ISA_FLAGS, _read_text, cpu_isa_flags, cpu_model_name, usable_cpu_count)
@@ -89,13 +89,13 @@ class CPUBackend(BackendImpl):
 
     def linear_weight_layout(self, data, dtype, compute_dtype):
         """q4_1 weights whose decode GEMVs take int8 x (``compute_dtype='int8'``) become
-        ``q4_1r16`` (rows in groups of 16, ``ir.ops.to_row_groups``) where the library has that
+        ``q4_1r16`` (rows in groups of 16, ``cpu_library.to_row_groups``) where the library has that
         layout's AVX-512 kernels and the out features are a multiple of 16: the int8 GEMV reads
         them at 2.1-2.4x the GB/s of q4_1's (kernels/cpu/row_groups.h). Its float32 GEMV is on
         par with q4_1's, so float32 decode keeps q4_1."""
         if (dtype == DType.q4_1 and compute_dtype == "int8" and data.dim() == 2
                 and data.shape[0] % ROW_GROUP == 0 and cpu_library.row_groups_native()):
-            return to_row_groups(data), DType.q4_1r16
+            return cpu_library.to_row_groups(data.contiguous()), DType.q4_1r16
         return data, dtype
 
     def declare_constant(self, tensors):

@@ -331,6 +331,24 @@ void yr_task_linear_q4_1r16_q8(const int64_t* a, int64_t lo, int64_t hi) {
                  reinterpret_cast<const float*>(a[2]), reinterpret_cast<float*>(a[3]), M, N, K, YR_RG_TASK_GROUPS);
 }
 
+// q4_1 storage [N, nb * 20] -> q4_1r16 (ir.ops.to_row_groups is the reference): whole groups of
+// rows only, the rest of dst not written; src and dst must not overlap.
+void yr_repack_q4_1r16(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
+    if (N <= 0 || nb <= 0) return;
+    const int64_t groups = N / RG_ROWS, rb = nb * Q4_1_BYTES;
+#pragma omp parallel for schedule(static) if (groups * rb * RG_ROWS >= (1 << 20))
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* u = dst + (g * nb + b) * RG_UNIT;
+            for (int r = 0; r < RG_ROWS; ++r) {
+                const uint8_t* blk = src + (g * RG_ROWS + r) * rb + b * Q4_1_BYTES;
+                std::memcpy(u + 2 * r, blk, 2);
+                std::memcpy(u + 32 + 2 * r, blk + 2, 2);
+                for (int j = 0; j < 4; ++j) std::memcpy(u + 64 + 64 * j + 4 * r, blk + 4 + 4 * j, 4);
+            }
+        }
+}
+
 // rows [0, R) of a q4_1r16 weight with nb blocks per row -> dst [R, nb * 32] floats; R = nblocks / nb,
 // whole groups only (the rest is not written).
 void yr_dequant_q4_1r16(const uint8_t* src, float* dst, int64_t nblocks, int64_t nb) {
