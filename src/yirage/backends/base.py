@@ -346,7 +346,8 @@ class BackendImpl(ABC):
     def linear_weight_layout(self, data: torch.Tensor, dtype: DType, compute_dtype: str | None
                              ) -> tuple[torch.Tensor, DType]:
         """The storage and dtype in which a model keeps a ``linear`` weight (``data``: storage of
-        ``dtype``, [N, ...]) whose decode steps compute with ``compute_dtype``: a backend may
+        ``dtype``, [N, ...]) whose decode steps compute with ``compute_dtype`` (the activation
+        dtype's name, or 'int8' for int8-quantized activations): a backend may
         return the same values in a layout of its kernels (a new tensor; the caller drops the
         old one). The default keeps ``(data, dtype)``."""
         return data, dtype

@@ -88,12 +88,11 @@ class CPUBackend(BackendImpl):
         return cpu_conv.merge_convs(case)
 
     def linear_weight_layout(self, data, dtype, compute_dtype):
-        """q4_1 weights whose decode GEMVs take int8 x (``compute_dtype='int8'``) become
-        ``q4_1r16`` (rows in groups of 16, ``cpu_library.to_row_groups``) where the library has that
-        layout's AVX-512 kernels and the out features are a multiple of 16: the int8 GEMV reads
-        them at 2.1-2.4x the GB/s of q4_1's (kernels/cpu/row_groups.h). Its float32 GEMV is on
-        par with q4_1's, so float32 decode keeps q4_1."""
-        if (dtype == DType.q4_1 and compute_dtype == "int8" and data.dim() == 2
+        """q4_1 weights whose decode GEMVs take float32 or int8 x become ``q4_1r16`` (rows in
+        groups of 16, ``cpu_library.to_row_groups``) where the library has that layout's
+        AVX-512 VNNI kernels and the out features are a multiple of 16: its GEMVs read
+        1.5x (float32 x) and 2.1-2.4x (int8 x) the GB/s of q4_1's (kernels/cpu/row_groups.h)."""
+        if (dtype == DType.q4_1 and compute_dtype in ("float32", "int8") and data.dim() == 2
                 and data.shape[0] % ROW_GROUP == 0 and cpu_library.row_groups_native()):
             return cpu_library.to_row_groups(data.contiguous()), DType.q4_1r16
         return data, dtype

@@ -265,7 +265,10 @@ class LLM:
             the CPU has it): llama.cpp's decode numerics, so greedy tokens can differ from
             float32's (and from transformers'). Faster where the float32 GEMV is bound by its
             own instructions rather than memory. Weights of other formats, prefill and
-            ``generate([...])`` batches keep float32.
+            ``generate([...])`` batches keep float32 activations. (On CPUs with AVX-512 VNNI
+            the q4_1 projections are kept repacked in groups of 16 rows, ``q4_1r16``, once at
+            load and in one copy, whatever decode_dtype: its GEMVs read 1.5x (float32) and
+            ~2x (int8) the GB/s of q4_1's.)
         kv_cache_dtype: None (the default: the KV cache in the activation dtype) or 'float16':
             on the CPU with float32 activations, keys and values are stored as float16 (rounded
             to nearest even as they are written, read back as float32; llama.cpp's default

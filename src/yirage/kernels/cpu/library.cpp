@@ -1158,19 +1158,32 @@ inline void gemv_q8_0_q8_rows(const int8_t* xq, const float* dx, const float*, c
 #endif
 }
 
+// x [M, K] quantized by quantize_blocks_q8 into the calling thread's scratch (valid until its
+// next call): xq [M * K], dx and sxq [M * K / 32].
+struct QuantizedRows {
+    const int8_t* xq;
+    const float* dx;
+    const float* sxq;
+};
+inline QuantizedRows quantize_rows_q8(const float* x, int64_t M, int64_t K) {
+    const int64_t nb = K / QK;
+    static thread_local std::vector<float> s_buf;
+    static thread_local std::vector<int8_t> q_buf;
+    float* dx = scratch(s_buf, (size_t)(2 * M * nb + 1));
+    if (q_buf.size() < (size_t)(M * K + 1)) q_buf.resize((size_t)(M * K + 1));
+    quantize_blocks_q8(x, M * nb, q_buf.data(), dx, dx + M * nb);
+    return {q_buf.data(), dx, dx + M * nb};
+}
+
 // The int8-activation GEMV of every x row (M of them) on the weight rows groups(...) hands
 // out (as gemv_q4_1): x quantized into the calling thread's scratch first.
 template <bool Q4_1, typename Groups>
 void gemv_q8_act(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                  Groups groups) {
     const int64_t nb = K / QK, rb = nb * (Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
-    static thread_local std::vector<float> s_buf;
-    static thread_local std::vector<int8_t> q_buf;
-    float* dx = scratch(s_buf, (size_t)(2 * M * nb + 1));
-    float* sxq = dx + M * nb;
-    if (q_buf.size() < (size_t)(M * K + 1)) q_buf.resize((size_t)(M * K + 1));
-    int8_t* xq = q_buf.data();
-    quantize_blocks_q8(x, M * nb, xq, dx, sxq);
+    const QuantizedRows q = quantize_rows_q8(x, M, K);
+    const int8_t* xq = q.xq;
+    const float *dx = q.dx, *sxq = q.sxq;
     groups(w, rb, [&](int64_t n0, int r) {
         for (int64_t m = 0; m < M; ++m) {
 #define YR_CALL(R) (Q4_1 ? gemv_q4_1_q8_rows<R>(xq + m * K, dx + m * nb, sxq + m * nb, w + n0 * rb, rb, nb, \

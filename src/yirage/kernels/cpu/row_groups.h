@@ -118,7 +118,7 @@ inline void rg_prescale(const float* x, int64_t K, float* xs, float* sx) {
             const float v = x[b * QK + k];
             s += v;
 #if defined(YR_AVX512)
-            xs[b * QK + k] = std::ldexp(v, -(8 * (k % 4) + 4 * (k >= 16)));
+            xs[b * QK + k] = v * (1.0f / (float)(1u << (8 * (k % 4) + 4 * (k >= 16))));   // an exact power of two
 #else
             xs[b * QK + k] = v;
 #endif
@@ -133,12 +133,16 @@ template <int MT>
 inline void rg_rows_f32(const float* xs, const float* sx, int64_t K, const uint8_t* u, int64_t nb,
                         const float* bias, float* y, int64_t ldy) {
 #if defined(YR_AVX512)
+    // C independent sums per x row and block (the 32 FMAs of a block are a dependent chain
+    // otherwise: 4 cycles each, which bound one x row to ~2.5 bytes per cycle)
+    constexpr int C = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
     __m512 tot[MT];
     for (int i = 0; i < MT; ++i) tot[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, u += RG_UNIT) {
         for (int l = 0; l < RG_UNIT; l += 64) _mm_prefetch(reinterpret_cast<const char*>(u) + RG_PREFETCH + l, _MM_HINT_T0);
-        __m512 acc[MT];
-        for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+        __m512 acc[MT][C];
+        for (int i = 0; i < MT; ++i)
+            for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
         const float* xb = xs + b * QK;
         for (int j = 0; j < 4; ++j) {
             const __m512i v = _mm512_loadu_si512(u + 64 + 64 * j);
@@ -146,15 +150,19 @@ inline void rg_rows_f32(const float* xs, const float* sx, int64_t K, const uint8
                 const __m512 wl = _mm512_cvtepu32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F << (8 * t))));
                 const __m512 wh = _mm512_cvtepu32_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)(0xF0u << (8 * t)))));
                 for (int i = 0; i < MT; ++i) {
-                    acc[i] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[i * K + 4 * j + t]), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[i * K + 16 + 4 * j + t]), acc[i]);
+                    __m512& a = acc[i][j % C];
+                    a = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[i * K + 4 * j + t]), a);
+                    a = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[i * K + 16 + 4 * j + t]), a);
                 }
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u)));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32)));
-        for (int i = 0; i < MT; ++i)
-            tot[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), _mm512_fmadd_ps(d, acc[i], tot[i]));
+        for (int i = 0; i < MT; ++i) {
+            __m512 a = acc[i][0];
+            for (int c = 1; c < C; ++c) a = _mm512_add_ps(a, acc[i][c]);
+            tot[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), _mm512_fmadd_ps(d, a, tot[i]));
+        }
     }
     for (int i = 0; i < MT; ++i) {
         __m512 s = tot[i];
@@ -215,17 +223,11 @@ template <typename Groups>
 void rg_linear_q8(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                   Groups groups) {
     const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
-    static thread_local std::vector<float> s_buf;
-    static thread_local std::vector<int8_t> q_buf;
-    float* dx = scratch(s_buf, (size_t)(2 * M * nb + 1));
-    float* sxq = dx + M * nb;
-    if (q_buf.size() < (size_t)(M * K + 1)) q_buf.resize((size_t)(M * K + 1));
-    int8_t* xq = q_buf.data();
-    quantize_blocks_q8(x, M * nb, xq, dx, sxq);
+    const QuantizedRows q = quantize_rows_q8(x, M, K);
     groups(w, rb, [&](int64_t n0, int r) {
         if (!rg_whole_group(n0, r)) return;
         for (int64_t m = 0; m < M; ++m)
-            rg_gemv_q8(xq + m * K, dx + m * nb, sxq + m * nb, w + n0 * rb, nb, bias ? bias + n0 : nullptr,
+            rg_gemv_q8(q.xq + m * K, q.dx + m * nb, q.sxq + m * nb, w + n0 * rb, nb, bias ? bias + n0 : nullptr,
                        y + m * N + n0);
     });
 }
