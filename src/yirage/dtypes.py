@@ -8,9 +8,10 @@ a tensor of logical shape ``(..., K)`` is stored as ``uint8`` of shape
 - ``q8_0`` (32 weights, 34 bytes): fp16 scale ``d`` then 32 int8 ``q``; w = d * q.
 - ``q4_1`` (32, 20): fp16 ``d``, fp16 ``m``, 16 bytes of nibbles (low nibbles are weights
   0..15, high nibbles 16..31); w = d * q + m.
-- ``q4_1r16`` (32, 20): q4_1's blocks with the rows reordered in groups of 16, for the CPU's
-  int8-activation GEMV (``kernels/cpu/row_groups.h`` gives the layout; ``ir.ops.to_row_groups``
-  makes it). A ``linear`` weight only, out features a multiple of 16.
+- ``q4_1r16`` (32, 20), ``q8_0r16`` (32, 34): q4_1's / q8_0's blocks with the rows reordered in
+  groups of 16, for the CPU's decode GEMVs (``kernels/cpu/row_groups.h`` gives the layout;
+  ``ir.ops.to_row_groups`` makes it). Rows a multiple of 16; q4_1r16 is a ``linear`` weight only,
+  q8_0r16 also an embedding table (a tied LM head's).
 - ``q4_0`` (32, 18): ``d``, nibbles as q4_1; w = d * (q - 8).
 - ``q5_0`` (32, 22): ``d``, 32 bits ``qh`` (the fifth bit of weight j is bit j), nibbles; w = d * (q - 16).
 - ``q5_1`` (32, 24): ``d``, ``m``, ``qh``, nibbles; w = d * q + m.
@@ -43,6 +44,7 @@ class DType(enum.Enum):
     q8_0 = "q8_0"
     q4_1 = "q4_1"
     q4_1r16 = "q4_1r16"  # q4_1 rows in groups of 16 (a CPU kernel layout, see the module docstring)
+    q8_0r16 = "q8_0r16"  # q8_0 rows in groups of 16
     q4_0 = "q4_0"
     q5_0 = "q5_0"
     q5_1 = "q5_1"
@@ -102,7 +104,7 @@ _TORCH = {
     DType.bool: torch.bool,
 }
 #: (weights per block, bytes per block) of each block-quantized type (llama.cpp ggml-common.h)
-_BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_1r16: (32, 20), DType.q4_0: (32, 18), DType.q5_0: (32, 22),
+_BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_1r16: (32, 20), DType.q8_0r16: (32, 34), DType.q4_0: (32, 18), DType.q5_0: (32, 22),
           DType.q5_1: (32, 24), DType.q2_k: (256, 84), DType.q3_k: (256, 110), DType.q4_k: (256, 144),
           DType.q5_k: (256, 176), DType.q6_k: (256, 210), DType.iq4_nl: (32, 18), DType.iq4_xs: (256, 136)}
 _TORCH.update(dict.fromkeys(_BLOCK, torch.uint8))

@@ -544,44 +544,53 @@ def test_linear_int8_task_writes_its_rows_only(lib_vnni, fmt):
 
 
 # ---------------------------------------------------------------------------------------
-# q4_1 rows in groups of 16 (kernels/cpu/row_groups.h, DType q4_1r16)
+# q4_1 / q8_0 rows in groups of 16 (kernels/cpu/row_groups.h, DTypes q4_1r16 / q8_0r16)
 # ---------------------------------------------------------------------------------------
 
-def _row_groups_case(M: int, N: int, K: int, seed: int):
+RG_LAYOUT = {"q4_1": "q4_1r16", "q8_0": "q8_0r16"}
+
+
+def _row_groups_case(M: int, N: int, K: int, fmt: str, seed: int):
     """_int8_case with the weight also repacked (ir.ops.to_row_groups)."""
+    from yirage.dtypes import DType
     from yirage.ir.ops import to_row_groups
-    x, raw, ref_w, bias = _int8_case(M, N, K, "q4_1", seed)
-    return x, to_row_groups(raw), ref_w, bias
+    x, raw, ref_w, bias = _int8_case(M, N, K, fmt, seed)
+    return x, to_row_groups(raw, DType(fmt)), ref_w, bias
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("M,N,K", [(1, 48, 96), (1, 1536, 576), (3, 32, 64), (8, 48, 32), (9, 16, 96),
                                    (16, 64, 96), (17, 48, 64), (40, 80, 96)])
-def test_row_groups_linear_matches_the_reference(lib, M, N, K):
-    """yr_linear_q4_1r16 (float32 x: the group GEMV up to 16 rows, the packed GEMM beyond) equals
-    x @ W^T of the decoded q4_1 weight (gguf-py) within float32 rounding, on every build; its int8
-    form (yr_linear_q4_1r16_q8) equals the product of x quantized per block of 32, as q4_1's does."""
+def test_row_groups_linear_matches_the_reference(lib, fmt, M, N, K):
+    """yr_linear_<layout> (float32 x: the group GEMV up to 16 rows, the packed GEMM beyond) equals
+    x @ W^T of the decoded weight (gguf-py) within float32 rounding, on every build; its int8 form
+    (yr_linear_<layout>_q8) equals the product of x quantized per block of 32, as the plain
+    format's does."""
     from yirage.ir.ops import quantize_blocks_int8
-    x, rg, ref_w, bias = _row_groups_case(M, N, K, M * 7 + N + K)
+    t = RG_LAYOUT[fmt]
+    x, rg, ref_w, bias = _row_groups_case(M, N, K, fmt, M * 7 + N + K)
     for b in (None, bias):
         y = torch.full((M, N), float("nan"))
-        lib.yr_linear_q4_1r16(_ptr(x), _ptr(rg), _ptr(b), _ptr(y), M, N, K)
+        getattr(lib, f"yr_linear_{t}")(_ptr(x), _ptr(rg), _ptr(b), _ptr(y), M, N, K)
         _assert_linear_close(y, x, ref_w, b)
         y = torch.full((M, N), float("nan"))
-        lib.yr_linear_q4_1r16_q8(_ptr(x), _ptr(rg), _ptr(b), _ptr(y), M, N, K)
+        getattr(lib, f"yr_linear_{t}_q8")(_ptr(x), _ptr(rg), _ptr(b), _ptr(y), M, N, K)
         _assert_linear_close(y, quantize_blocks_int8(x), ref_w, b)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("suffix", ["", "_q8"])
-def test_row_groups_task_writes_its_groups_only(lib, suffix):
-    """yr_task_linear_q4_1r16[_q8] over slices of whole groups equals the launch and writes
+def test_row_groups_task_writes_its_groups_only(lib, fmt, suffix):
+    """yr_task_linear_<layout>[_q8] over slices of whole groups equals the launch and writes
     nothing outside [lo, hi); a slice that ends inside a group, or runs past N, computes only
     the whole groups it holds inside N."""
     import ctypes
     M, N, K = 2, 64, 96
-    x, rg, _, bias = _row_groups_case(M, N, K, 11)
+    t = RG_LAYOUT[fmt]
+    x, rg, _, bias = _row_groups_case(M, N, K, fmt, 11)
     full = torch.empty(M, N)
-    getattr(lib, f"yr_linear_q4_1r16{suffix}")(_ptr(x), _ptr(rg), _ptr(bias), _ptr(full), M, N, K)
-    fn = getattr(lib, f"yr_task_linear_q4_1r16{suffix}")
+    getattr(lib, f"yr_linear_{t}{suffix}")(_ptr(x), _ptr(rg), _ptr(bias), _ptr(full), M, N, K)
+    fn = getattr(lib, f"yr_task_linear_{t}{suffix}")
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
     y = torch.full((M, N), float("nan"))
     args = (ctypes.c_int64 * 8)(_ptr(x), _ptr(rg), _ptr(bias), _ptr(y), M, N, K, 0)
@@ -594,21 +603,45 @@ def test_row_groups_task_writes_its_groups_only(lib, suffix):
     assert torch.equal(y, full)
 
 
-def test_row_groups_dequant_and_layout(lib):
-    """yr_dequant_q4_1r16 decodes whole groups to gguf-py's values; to_row_groups /
-    from_row_groups are inverse; ir.ops.dequantize reads q4_1r16 as the q4_1 it came from."""
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_row_groups_dequant_repack_and_layout(lib, fmt):
+    """yr_dequant_<layout> decodes whole groups to gguf-py's values; to_row_groups /
+    from_row_groups are inverse; ir.ops.dequantize reads the layout as the blocks it came from;
+    the C++ repack equals to_row_groups on whole groups and leaves a partial one."""
     from yirage.dtypes import DType
     from yirage.ir.ops import dequantize, from_row_groups
     N, K = 48, 96
-    _, rg, ref_w, _ = _row_groups_case(1, N, K, 3)
+    t = RG_LAYOUT[fmt]
+    _, rg, ref_w, _ = _row_groups_case(1, N, K, fmt, 3)
     out = torch.full((N, K), float("nan"))
-    lib.yr_dequant_q4_1r16(_ptr(rg), _ptr(out), N * K // 32 - 5, K // 32)   # 2 whole groups and a part
+    getattr(lib, f"yr_dequant_{t}")(_ptr(rg), _ptr(out), N * K // 32 - 5, K // 32)   # 2 whole groups and a part
     assert torch.equal(out[:32], ref_w[:32]) and out[32:].isnan().all()
-    raw = from_row_groups(rg)
-    assert torch.equal(torch.from_numpy(quants.dequantize(raw.numpy(), QT.Q4_1)), ref_w)
-    assert torch.equal(dequantize(rg, DType.q4_1r16, (N, K)), ref_w)
+    raw = from_row_groups(rg, DType(fmt))
+    assert torch.equal(torch.from_numpy(quants.dequantize(raw.numpy(), QUANT[fmt])), ref_w)
+    assert torch.equal(dequantize(rg, DType(t), (N, K)), ref_w)
     assert not torch.equal(rg, raw)
-    out = torch.zeros(N + 5, raw.shape[1], dtype=torch.uint8)   # the C++ repack; a partial group is left
+    out = torch.zeros(N + 5, raw.shape[1], dtype=torch.uint8)
     src = torch.cat([raw, raw[:5]])
-    lib.yr_repack_q4_1r16(_ptr(src), _ptr(out), N + 5, K // 32)
+    getattr(lib, f"yr_repack_{t}")(_ptr(src), _ptr(out), N + 5, K // 32)
     assert torch.equal(out[:N], rg) and not out[N:].any()
+
+
+def test_q8_0_row_groups_embedding(lib):
+    """yr_embedding_q8_0r16 and its task form give the table's rows (gguf-py's values); an id
+    outside the table gives zeros and is reported, by the launch and by the task that holds it."""
+    import ctypes
+    V, D = 48, 64
+    _, rg, ref_w, _ = _row_groups_case(1, V, D, "q8_0", 9)
+    ids = torch.tensor([0, 47, 17, 17, 31, 5])
+    out, status = torch.full((6, D), float("nan")), _status()
+    lib.yr_embedding_q8_0r16(_ptr(ids), _ptr(rg), _ptr(out), 6, D, V, _ptr(status))
+    assert torch.equal(out, ref_w[ids]) and status[0] == 0
+    fn = lib.yr_task_embedding_q8_0r16
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
+    bad = torch.tensor([3, 48, 9])
+    out, status = torch.full((3, D), float("nan")), _status()
+    args = (ctypes.c_int64 * 8)(_ptr(bad), _ptr(rg), _ptr(out), 3, D, V, _ptr(status), 0)
+    fn(args, 0, 1)
+    fn(args, 1, 3)
+    assert torch.equal(out[0], ref_w[3]) and torch.equal(out[2], ref_w[9]) and not out[1].any()
+    assert status.tolist() == [1, 48, 0, 48]

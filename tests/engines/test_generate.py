@@ -244,17 +244,18 @@ def test_int8_decode_stays_close_to_transformers(hf_smollm):
 @pytest.mark.parametrize("decode_dtype", [None, "int8"])
 def test_projections_are_kept_in_row_groups(hf_smollm, decode_dtype):
     """On a CPU with row_groups.h's AVX-512 VNNI kernels the model keeps every q4_1 projection
-    as q4_1r16, float32 or int8 decode alike (the embedding table, q8_0, as it is); its float32
+    as q4_1r16 and its q8_0 embedding table, the tied LM head, as q8_0r16 (the embedding reads
+    it too), float32 or int8 decode alike; its float32
     forward passes on them (the prompt: the packed GEMM beyond 16 tokens, the group GEMV below; a
     batch's steps) match transformers, and a batch of two gets transformers' greedy tokens for
     each prompt (float32 decode's own steps: test_greedy_matches_transformers_on_chat_prompts)."""
     from yirage.backends.cpu_library import row_groups_native
     llm = yr.LLM(decode_dtype=decode_dtype, max_seq_length=256)
     kinds = {name: w[1] for name, w in llm.model.weights.items()}
-    want = yr.DType.q4_1r16 if row_groups_native() else yr.DType.q4_1
-    assert kinds["model.layers.0.mlp.down_proj.weight"] == want
-    assert kinds["model.layers.29.self_attn.k_proj.weight"] == want
-    assert kinds["model.embed_tokens.weight"] == yr.DType.q8_0
+    native = row_groups_native()
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == (yr.DType.q4_1r16 if native else yr.DType.q4_1)
+    assert kinds["model.layers.29.self_attn.k_proj.weight"] == (yr.DType.q4_1r16 if native else yr.DType.q4_1)
+    assert kinds["model.embed_tokens.weight"] == (yr.DType.q8_0r16 if native else yr.DType.q8_0)
     prompts = [PROMPTS[1], PROMPTS[0]]
     for prompt in prompts:
         ids = llm.encode_prompt(prompt)

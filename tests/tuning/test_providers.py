@@ -227,22 +227,23 @@ def _quantized(N: int, K: int, fmt: str) -> torch.Tensor:
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    if fmt == "q4_1r16":   # q4_1's blocks, rows in groups of 16 (ir.ops.to_row_groups)
+    if fmt.endswith("r16"):   # a plain format's blocks, rows in groups of 16 (ir.ops.to_row_groups)
+        from yirage.dtypes import DType
         from yirage.ir.ops import to_row_groups
-        return to_row_groups(_quantized(N, K, "q4_1"))
+        return to_row_groups(_quantized(N, K, fmt[:-3]), DType(fmt[:-3]))
     w = (np.random.default_rng(0).standard_normal((N, K)) / K ** 0.5).astype(np.float32)
     blocks = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper()))
     return torch.from_numpy(np.ascontiguousarray(blocks)).reshape(N, -1)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_0", "q5_1", "q4_1r16"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_0", "q5_1", "q4_1r16", "q8_0r16"])
 @pytest.mark.parametrize("compute,provider", [(None, "yirage"), (None, "mkl"), ("bfloat16", "onednn")])
 @pytest.mark.parametrize("M", [1, 40])
 def test_quantized_weight_providers_compute_the_reference(fmt, compute, provider, M, monkeypatch):
     """The quantized prefill GEMM's providers, pinned, against the reference interpreter (the
     weights decoded by ir.ops.dequantize); a scratch smaller than the weight makes the vendor
-    providers dequantize it in three row blocks (q4_1r16: five blocks of 16 rows)."""
-    N, K = (80 if fmt == "q4_1r16" else 72), 256
+    providers dequantize it in three row blocks (the row-group layouts: five blocks of 16 rows)."""
+    N, K = (80 if fmt.endswith("r16") else 72), 256
     case = cpu_providers.Case("linear", f"{fmt}/bfloat16" if compute else fmt, M, N, K)
     if provider not in cpu_providers.candidates(case):
         assert provider == "mkl" and M < cpu_providers.VENDOR_QUANT_MIN_M   # a GEMV's rows

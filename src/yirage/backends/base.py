@@ -343,13 +343,14 @@ class BackendImpl(ABC):
         keeps them apart; a backend answers by measurement once it has a kernel worth it."""
         return False
 
-    def linear_weight_layout(self, data: torch.Tensor, dtype: DType, compute_dtype: str | None
-                             ) -> tuple[torch.Tensor, DType]:
+    def linear_weight_layout(self, data: torch.Tensor, dtype: DType, compute_dtype: str | None,
+                             embedding: bool = False) -> tuple[torch.Tensor, DType]:
         """The storage and dtype in which a model keeps a ``linear`` weight (``data``: storage of
         ``dtype``, [N, ...]) whose decode steps compute with ``compute_dtype`` (the activation
-        dtype's name, or 'int8' for int8-quantized activations): a backend may
-        return the same values in a layout of its kernels (a new tensor; the caller drops the
-        old one). The default keeps ``(data, dtype)``."""
+        dtype's name, or 'int8' for int8-quantized activations); ``embedding``: the ``embedding``
+        op reads it too (a tied LM head's table). A backend may return the same values in a layout
+        of its kernels (a new tensor; the caller drops the old one). The default keeps
+        ``(data, dtype)``."""
         return data, dtype
 
     def declare_constant(self, tensors: list[torch.Tensor]) -> None:

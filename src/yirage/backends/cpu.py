@@ -16,7 +16,7 @@ import torch
 from yirage.backends import cpu_conv, cpu_embed, cpu_library
 from yirage.backends.base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from yirage.dtypes import DType
-from yirage.ir.ops import ROW_GROUP
+from yirage.ir.ops import ROW_GROUP, ROW_GROUP_TYPES
 from yirage.runtime.cpp_kernels import compile_cpp
 from yirage.runtime.machine import (  # noqa: F401  (re-exported: the CPU's identity lives in runtime)
     KNOWN_ISA_FLAGS, _read_text, cpu_isa_flags, cpu_model_name, usable_cpu_count)
@@ -87,14 +87,16 @@ class CPUBackend(BackendImpl):
         faster (``cpu_conv.merge_convs``)."""
         return cpu_conv.merge_convs(case)
 
-    def linear_weight_layout(self, data, dtype, compute_dtype):
-        """q4_1 weights whose decode GEMVs take float32 or int8 x become ``q4_1r16`` (rows in
-        groups of 16, ``cpu_library.to_row_groups``) where the library has that layout's
-        AVX-512 VNNI kernels and the out features are a multiple of 16: its GEMVs read
-        1.5x (float32 x) and 2.1-2.4x (int8 x) the GB/s of q4_1's (kernels/cpu/row_groups.h)."""
-        if (dtype == DType.q4_1 and compute_dtype in ("float32", "int8") and data.dim() == 2
-                and data.shape[0] % ROW_GROUP == 0 and cpu_library.row_groups_native()):
-            return cpu_library.to_row_groups(data.contiguous()), DType.q4_1r16
+    def linear_weight_layout(self, data, dtype, compute_dtype, embedding=False):
+        """q4_1 and q8_0 weights whose decode GEMVs take float32 or int8 x become their row-group
+        layouts (``q4_1r16`` / ``q8_0r16``: rows in groups of 16, ``cpu_library.to_row_groups``)
+        where the library has those layouts' AVX-512 VNNI kernels and the rows are a multiple of
+        16: the q4_1 GEMVs read 1.5x (float32 x) and 2.1-2.4x (int8 x) the GB/s
+        (kernels/cpu/row_groups.h). A table the embedding op reads too: q8_0 only."""
+        if (dtype in ROW_GROUP_TYPES and compute_dtype in ("float32", "int8") and data.dim() == 2
+                and data.shape[0] % ROW_GROUP == 0 and not (embedding and dtype != DType.q8_0)
+                and cpu_library.row_groups_native()):
+            return cpu_library.to_row_groups(data.contiguous(), dtype), ROW_GROUP_TYPES[dtype]
         return data, dtype
 
     def declare_constant(self, tensors):

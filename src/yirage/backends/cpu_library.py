@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import DType
-from ..ir.ops import ROW_GROUP, linear_nk
+from ..ir.ops import PLAIN_TYPES, ROW_GROUP, ROW_GROUP_TYPES, linear_nk
 from ..runtime.task_graph import split_range, task_op
 from ..runtime.toolchain import kernel_source, load_library
 from ..tuning import profile as tuning
@@ -40,16 +40,20 @@ _F = ctypes.c_float
 #: yr_embedding_T, yr_task_linear_T) plus yr_task_embedding_T and yr_dequant_T.
 GGML_FORMATS = ("q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 
+#: the row-group layouts of kernels/cpu/row_groups.h (ir.ops.ROW_GROUP_TYPES)
+ROW_GROUP_FORMATS = ("q4_1r16", "q8_0r16")
+
 #: name -> ctypes argtypes of every entry point of library.cpp (restype is always None).
 SIGNATURES: dict[str, tuple] = {
     "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
     "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
     "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
     "yr_linear_q4_1_q8": (_P, _P, _P, _P, _I, _I, _I),   # the same, x quantized to int8 (compute_dtype='int8')
-    "yr_linear_q4_1r16": (_P, _P, _P, _P, _I, _I, _I),   # q4_1 rows in groups of 16 (row_groups.h)
-    "yr_linear_q4_1r16_q8": (_P, _P, _P, _P, _I, _I, _I),
-    "yr_dequant_q4_1r16": (_P, _P, _I, _I),              # src, dst floats, nblocks, blocks per row
-    "yr_repack_q4_1r16": (_P, _P, _I, _I),               # q4_1 src, q4_1r16 dst, N, blocks per row
+    # q4_1 / q8_0 rows in groups of 16 (row_groups.h)
+    **{f"yr_linear_{t}{q}": (_P, _P, _P, _P, _I, _I, _I) for t in ROW_GROUP_FORMATS for q in ("", "_q8")},
+    **{f"yr_dequant_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},   # src, dst floats, nblocks, blocks per row
+    **{f"yr_repack_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},    # plain src, dst, N, blocks per row
+    "yr_embedding_q8_0r16": (_P, _P, _P, _I, _I, _I, _P),
     "yr_row_groups_native": (_P,),   # out int64 [1]: 1 where row_groups.h has its AVX-512 kernels
     "yr_linear_q8_0_q8": (_P, _P, _P, _P, _I, _I, _I),
     "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
@@ -100,7 +104,8 @@ SIGNATURES: dict[str, tuple] = {
 }
 #: task entry points (address taken, called by the persistent kernel scheduler only)
 TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_q4_1_q8", "yr_task_linear_q8_0_q8",
-                "yr_task_linear_q4_1r16", "yr_task_linear_q4_1r16_q8",
+                *(f"yr_task_linear_{t}{q}" for t in ROW_GROUP_FORMATS for q in ("", "_q8")),
+                "yr_task_embedding_q8_0r16",
                 "yr_task_linear_f32", "yr_task_embedding",
                 "yr_task_rope", "yr_task_rope_rows", "yr_task_attention_rows_append", "yr_task_attention_rows",
                 "yr_task_attention_append", "yr_task_attention_partial",
@@ -181,7 +186,7 @@ def _types(node, graph):
 
 
 # ---- which cases have a kernel here -------------------------------------------------------
-_QUANT = (DType.q4_1, DType.q8_0, DType.q4_1r16, *(DType(t) for t in GGML_FORMATS))
+_QUANT = (DType.q4_1, DType.q8_0, DType.q4_1r16, DType.q8_0r16, *(DType(t) for t in GGML_FORMATS))
 
 
 def _linear_ok(node, graph) -> bool:
@@ -532,22 +537,24 @@ def _task_linear_rows() -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=1)
 def row_groups_native() -> bool:
-    """Whether this machine's library has the vector kernels of ``q4_1r16`` weights
+    """Whether this machine's library has the vector kernels of the row-group layouts
     (kernels/cpu/row_groups.h: AVX-512); elsewhere they run as scalar loops."""
     out = torch.zeros(1, dtype=torch.int64)
     library().yr_row_groups_native(out.data_ptr())
     return bool(out[0])
 
 
-def to_row_groups(w: torch.Tensor) -> torch.Tensor:
-    """``ir.ops.to_row_groups`` (its reference) in one pass of C++ (``yr_repack_q4_1r16``): a
+def to_row_groups(w: torch.Tensor, dtype: DType) -> torch.Tensor:
+    """``ir.ops.to_row_groups`` (its reference) in one pass of C++ (``yr_repack_<layout>``): a
     model's weights load ~10x faster. Raises ValueError as it does."""
     N, nbytes = w.shape
-    if w.dtype != torch.uint8 or N % ROW_GROUP or nbytes % 20 or not w.is_contiguous() or w.device.type != "cpu":
-        raise ValueError(f"to_row_groups takes contiguous q4_1 storage [N, K/32*20] uint8 on the CPU with N a "
-                         f"multiple of {ROW_GROUP}, got {tuple(w.shape)} {w.dtype}")
+    block = dtype.block[1] if dtype in ROW_GROUP_TYPES else 0
+    if (not block or w.dtype != torch.uint8 or N % ROW_GROUP or nbytes % block or not w.is_contiguous()
+            or w.device.type != "cpu"):
+        raise ValueError(f"to_row_groups takes contiguous q4_1 or q8_0 storage [N, K/32 * block bytes] uint8 on "
+                         f"the CPU with N a multiple of {ROW_GROUP}, got {tuple(w.shape)} {w.dtype} as {dtype.value}")
     out = torch.empty_like(w)
-    library().yr_repack_q4_1r16(w.data_ptr(), out.data_ptr(), N, nbytes // 20)
+    getattr(library(), f"yr_repack_{ROW_GROUP_TYPES[dtype].value}")(w.data_ptr(), out.data_ptr(), N, nbytes // block)
     return out
 
 
@@ -571,7 +578,7 @@ def _linear_task(node, graph, args, out, status, num_workers):
         fn = "yr_task_linear_f32"
     else:
         return None
-    if compute is None and M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0, DType.q4_1r16) else 1]:
+    if compute is None and M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0, *PLAIN_TYPES) else 1]:
         return None   # launched: its packed GEMM beats a GEMV per row
     if compute is None and wt.dtype.is_quantized and M >= cpu_providers.VENDOR_QUANT_MIN_M:
         # a vendor GEMM competes for this shape class: tasks only where yirage's kernel won
@@ -580,7 +587,7 @@ def _linear_task(node, graph, args, out, status, num_workers):
         if case is None or cpu_providers.choose(case, list(args))[0].name != "yirage":
             return None
     tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
-    ranges = split_range(N, tasks, ROW_GROUP if wt.dtype == DType.q4_1r16 else _GEMV_ROWS)
+    ranges = split_range(N, tasks, ROW_GROUP if wt.dtype in PLAIN_TYPES else _GEMV_ROWS)
     # a task's GEMV prefetches on into the slice num_workers on (library.cpp YR_TASK_GROUPS), the
     # one its worker likely takes next
     stride = num_workers * (ranges[0][1] - ranges[0][0]) if len(ranges) > num_workers else 0

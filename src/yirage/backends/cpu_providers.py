@@ -57,7 +57,7 @@ import torch
 
 from ..config import logger
 from ..dtypes import DType
-from ..ir.ops import ROW_GROUP, quantize_rows_int8
+from ..ir.ops import PLAIN_TYPES, ROW_GROUP, quantize_rows_int8
 from ..runtime import timing
 from ..tuning import profile as tuning
 from . import cpu_embed
@@ -329,7 +329,7 @@ class YirageQuant(Provider):
 
 
 def _with_blocks_per_row(deq, nb: int):
-    """``yr_dequant_q4_1r16`` (src, dst, nblocks, blocks per row) called as the other formats'
+    """``yr_dequant_<row-group layout>`` (src, dst, nblocks, blocks per row) called as the other formats'
     ``yr_dequant_<format>`` (src, dst, nblocks)."""
     return lambda src, dst, nblocks: deq(src, dst, nblocks, nb)
 
@@ -370,7 +370,7 @@ class VendorDequant(Provider):
         x2, o2, w, bias = args[0].view(M, K), out.view(M, N), args[1], _bias(args, 2)
         row_bytes = w.numel() * w.element_size() // N
         step = max(1, min(N, DEQUANT_SCRATCH_BYTES // (4 * K)))
-        if fmt == DType.q4_1r16.value:   # whole 16-row groups, and the dequant needs the row length
+        if DType(fmt) in PLAIN_TYPES:   # a row-group layout: whole 16-row groups, and the row length
             step = max(ROW_GROUP, step - step % ROW_GROUP)
             deq = _with_blocks_per_row(deq, K // qb)
         spans = [(n0, min(N, n0 + step)) for n0 in range(0, N, step)]

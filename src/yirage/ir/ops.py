@@ -355,8 +355,8 @@ def dequantize(w: torch.Tensor, dtype: DType, shape: Shape) -> torch.Tensor:
     """
     if not dtype.is_quantized:
         return w.float()
-    if dtype == DType.q4_1r16:
-        return dequantize(from_row_groups(w.reshape(shape[0], -1)), DType.q4_1, shape)
+    if dtype in PLAIN_TYPES:   # a row-group layout: its plain blocks
+        return dequantize(from_row_groups(w.reshape(shape[0], -1), PLAIN_TYPES[dtype]), PLAIN_TYPES[dtype], shape)
     per, nbytes = dtype.block
     blocks = w.reshape(-1, nbytes)
     if dtype not in (DType.q8_0, DType.q4_1):
@@ -377,36 +377,53 @@ def dequantize(w: torch.Tensor, dtype: DType, shape: Shape) -> torch.Tensor:
     return vals.reshape(shape)
 
 
-#: rows per group of ``DType.q4_1r16`` (kernels/cpu/row_groups.h)
+#: rows per group of the row-group layouts (kernels/cpu/row_groups.h)
 ROW_GROUP = 16
+#: each plain block format with a row-group layout, and that layout's dtype
+ROW_GROUP_TYPES = {DType.q4_1: DType.q4_1r16, DType.q8_0: DType.q8_0r16}
+#: the plain format of each row-group dtype
+PLAIN_TYPES = {v: k for k, v in ROW_GROUP_TYPES.items()}
 
 
-def to_row_groups(w: torch.Tensor) -> torch.Tensor:
-    """q4_1 storage [N, K/32*20] (uint8, N a multiple of 16) reordered as ``DType.q4_1r16``: rows
-    16g..16g+15 become group g, its blocks in order, each a 320-byte unit {d of the 16 rows (fp16),
-    m of the 16 rows, then for j = 0..3 the bytes qs[4j..4j+3] of the 16 rows} (the layout of
-    kernels/cpu/row_groups.h, where llama.cpp's ggml-cpu repack.cpp interleaves Q4_0 rows alike).
-    Same bytes, a new tensor. Raises ValueError for another shape."""
-    N, nbytes = w.shape
-    if w.dtype != torch.uint8 or N % ROW_GROUP or nbytes % 20:
-        raise ValueError(f"to_row_groups takes q4_1 storage [N, K/32*20] uint8 with N a multiple of {ROW_GROUP}, "
-                         f"got {tuple(w.shape)} {w.dtype}")
-    nb, G = nbytes // 20, N // ROW_GROUP
-    b = w.reshape(G, ROW_GROUP, nb, 20)
-    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(G, nb, 32)
-    m = b[..., 2:4].permute(0, 2, 1, 3).reshape(G, nb, 32)
-    qs = b[..., 4:].reshape(G, ROW_GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(G, nb, 256)
-    return torch.cat([d, m, qs], dim=2).reshape(N, nbytes)
+def _row_group_fields(dtype: DType) -> tuple[int, int, int]:
+    """(2-byte scale fields, quant bytes, block bytes) of a plain format with a row-group layout."""
+    nbytes = dtype.block[1]
+    fields = {DType.q4_1: 2, DType.q8_0: 1}[dtype]
+    return fields, nbytes - 2 * fields, nbytes
 
 
-def from_row_groups(w: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``to_row_groups``: q4_1r16 storage back to q4_1 [N, K/32*20]."""
-    N, nbytes = w.shape
-    nb, G = nbytes // 20, N // ROW_GROUP
-    u = w.reshape(G, nb, 320)
-    d, m = u[..., 0:32].reshape(G, nb, ROW_GROUP, 2), u[..., 32:64].reshape(G, nb, ROW_GROUP, 2)
-    qs = u[..., 64:].reshape(G, nb, 4, ROW_GROUP, 4).permute(0, 1, 3, 2, 4).reshape(G, nb, ROW_GROUP, 16)
-    return torch.cat([d, m, qs], dim=3).permute(0, 2, 1, 3).reshape(N, nbytes)
+def to_row_groups(w: torch.Tensor, dtype: DType = DType.q4_1) -> torch.Tensor:
+    """``dtype`` (q4_1 or q8_0) storage [N, K/32 * block bytes] (uint8, N a multiple of 16)
+    reordered as its row-group layout (``ROW_GROUP_TYPES``): rows 16g..16g+15 become group g, its
+    blocks in order, each a unit of 16 blocks {each 2-byte scale field of the 16 rows (d, and m for
+    q4_1), then for j = 0, 1, .. the quant bytes qs[4j..4j+3] of the 16 rows} (the layout of
+    kernels/cpu/row_groups.h; llama.cpp's ggml-cpu repack.cpp interleaves Q4_0 rows alike). Same
+    bytes, a new tensor. Raises ValueError for another shape or format."""
+    if dtype not in ROW_GROUP_TYPES:
+        raise ValueError(f"to_row_groups: no row-group layout for {dtype.value}; use one of "
+                         f"{[d.value for d in ROW_GROUP_TYPES]}")
+    fields, qbytes, nbytes = _row_group_fields(dtype)
+    N, rowbytes = w.shape
+    if w.dtype != torch.uint8 or N % ROW_GROUP or rowbytes % nbytes:
+        raise ValueError(f"to_row_groups takes {dtype.value} storage [N, K/32*{nbytes}] uint8 with N a multiple "
+                         f"of {ROW_GROUP}, got {tuple(w.shape)} {w.dtype}")
+    nb, G = rowbytes // nbytes, N // ROW_GROUP
+    b = w.reshape(G, ROW_GROUP, nb, nbytes)
+    scales = b[..., :2 * fields].reshape(G, ROW_GROUP, nb, fields, 2).permute(0, 2, 3, 1, 4)
+    qs = b[..., 2 * fields:].reshape(G, ROW_GROUP, nb, qbytes // 4, 4).permute(0, 2, 3, 1, 4)
+    return torch.cat([scales.reshape(G, nb, -1), qs.reshape(G, nb, -1)], dim=2).reshape(N, rowbytes)
+
+
+def from_row_groups(w: torch.Tensor, dtype: DType = DType.q4_1) -> torch.Tensor:
+    """The inverse of ``to_row_groups``: row-group storage back to plain ``dtype`` storage."""
+    fields, qbytes, nbytes = _row_group_fields(dtype)
+    N, rowbytes = w.shape
+    nb, G = rowbytes // nbytes, N // ROW_GROUP
+    u = w.reshape(G, nb, ROW_GROUP * nbytes)
+    scales = u[..., :32 * fields].reshape(G, nb, fields, ROW_GROUP, 2).permute(0, 1, 3, 2, 4)
+    qs = u[..., 32 * fields:].reshape(G, nb, qbytes // 4, ROW_GROUP, 4).permute(0, 1, 3, 2, 4)
+    blocks = torch.cat([scales.reshape(G, nb, ROW_GROUP, -1), qs.reshape(G, nb, ROW_GROUP, -1)], dim=3)
+    return blocks.permute(0, 2, 1, 3).reshape(N, rowbytes)
 
 
 #: linear's ``weight_layout`` attr: "nk" (the default: [out_features, in_features], nn.Linear's)
@@ -439,8 +456,8 @@ def _linear_infer(ts, attrs):
                             f"and {w.dtype.value}")
     if len(ts) == 3 and (tuple(ts[2].shape) != (N,) or ts[2].dtype != x.dtype):
         _fail("linear", ts, f"bias must have shape ({N},) and x's dtype {x.dtype.value}")
-    if w.dtype == DType.q4_1r16 and N % ROW_GROUP:
-        _fail("linear", ts, f"a q4_1r16 weight needs out_features a multiple of {ROW_GROUP}, got {N}")
+    if w.dtype in PLAIN_TYPES and N % ROW_GROUP:
+        _fail("linear", ts, f"a {w.dtype.value} weight needs out_features a multiple of {ROW_GROUP}, got {N}")
     compute = attrs.get("compute_dtype")
     if compute == "int8":
         if x.dtype != DType.float32 or w.dtype not in INT8_COMPUTE_WEIGHTS or layout != "nk":
@@ -455,7 +472,7 @@ def _linear_infer(ts, attrs):
 
 
 #: the weight formats whose ``linear`` may take ``compute_dtype='int8'``
-INT8_COMPUTE_WEIGHTS = (DType.q4_1, DType.q4_1r16, DType.q8_0)
+INT8_COMPUTE_WEIGHTS = (DType.q4_1, DType.q4_1r16, DType.q8_0, DType.q8_0r16)
 
 
 def quantize_blocks_int8(x: torch.Tensor) -> torch.Tensor:
@@ -589,6 +606,9 @@ def _embedding_infer(ts, attrs):
         _fail("embedding", ts, "table must be 2-d [vocab, dim]")
     if table.dtype == DType.q4_1r16:
         _fail("embedding", ts, "q4_1r16 is a linear weight layout; keep an embedding table in q4_1")
+    if table.dtype in PLAIN_TYPES and table.shape[0] % ROW_GROUP:
+        _fail("embedding", ts, f"a {table.dtype.value} table needs a vocabulary that is a multiple of {ROW_GROUP}, "
+                               f"got {table.shape[0]}")
     out = DType.float32 if table.dtype.is_quantized else table.dtype
     return TensorType((*ids.shape, table.shape[1]), out)
 

@@ -95,9 +95,9 @@ class LlamaModel:
             cache type).
 
     Block-quantized weights (q4_1, q8_0) stay in their blocks and are decoded inside the
-    GEMV/GEMM kernels; the backend may keep the projections (not the embedding table) in its
-    kernels' layout (``BackendImpl.linear_weight_layout``: q4_1 as q4_1r16 on AVX-512 VNNI
-    CPUs, for float32 or int8 decode activations); RoPE tables stay float32 ([max_seq_length, head_dim / 2]: ``cos``/``sin``,
+    GEMV/GEMM kernels; the backend may keep the projections and a tied embedding table in its
+    kernels' layout (``BackendImpl.linear_weight_layout``: q4_1 / q8_0 as q4_1r16 / q8_0r16 on
+    AVX-512 VNNI CPUs, for float32 or int8 decode activations); RoPE tables stay float32 ([max_seq_length, head_dim / 2]: ``cos``/``sin``,
     and Gemma 3's sliding layers' ``local_cos``/``local_sin``). Gemma's norm weights
     (``cfg.norm_weight_offset``) are stored as ``1 + w`` computed in float32, exactly as
     transformers' ``Gemma3RMSNorm`` computes ``1.0 + weight.float()``, then cast to ``dtype``
@@ -125,11 +125,14 @@ class LlamaModel:
             if not wtype.is_quantized:
                 data, wtype = data.to(dtype.torch_dtype), dtype
             self.weights[name] = (data.contiguous().to(self.device), wtype, tuple(w.shape))
-        # the backend may keep the projections (not the embedding table) in its kernels' layout
+        # the backend may keep the projections, and a table that is also the LM head, in its
+        # kernels' layout
         impl, compute = get_backend_impl(backend), (decode_dtype or dtype).value
+        tied = "lm_head.weight" not in self.weights
         for name, (data, wtype, shape) in self.weights.items():
-            if wtype.is_quantized and len(shape) == 2 and name != "model.embed_tokens.weight":
-                data, wtype = impl.linear_weight_layout(data, wtype, compute)
+            table = name == "model.embed_tokens.weight"
+            if wtype.is_quantized and len(shape) == 2 and (tied or not table):
+                data, wtype = impl.linear_weight_layout(data, wtype, compute, embedding=table)
                 self.weights[name] = (data, wtype, shape)
         self.cos, self.sin = self._rope_cos_sin(cfg.inv_freq, cfg.attention_scaling)
         self.local_cos = self.local_sin = None  # Gemma 3's sliding layers: their own RoPE base

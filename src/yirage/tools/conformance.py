@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..backends import Backend, get_available_backends, get_backend, get_backend_impl, resolve_backend
 from ..dtypes import DType
 from ..ir import threadblock  # noqa: F401  (registers the 'customized' op in OPS)
-from ..ir.ops import OPS, dequantize, to_row_groups
+from ..ir.ops import OPS, PLAIN_TYPES, dequantize, to_row_groups
 from ..kernel import KNGraph, new_kernel_graph
 from ..transforms.fusion import VIEW_OPS, LibraryStep
 
@@ -817,9 +817,9 @@ def quantized(shape, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
     import gguf
     import numpy as np
 
-    if dtype == DType.q4_1r16:   # q4_1's blocks, rows regrouped (a CPU kernel layout)
-        storage, values = quantized(shape, DType.q4_1)
-        return to_row_groups(storage), values
+    if dtype in PLAIN_TYPES:   # a plain format's blocks, rows regrouped (a CPU kernel layout)
+        storage, values = quantized(shape, PLAIN_TYPES[dtype])
+        return to_row_groups(storage, PLAIN_TYPES[dtype]), values
     rng = np.random.default_rng(0)
     per, nbytes = dtype.block
     kind = gguf.GGMLQuantizationType[dtype.value.upper()]
@@ -965,8 +965,8 @@ def _weight_cases() -> list[Case]:
              for d in (DType.q4_1, DType.q8_0, DType.float32) for M in (1, 7, 20)]
     cases += [Case("linear", f"{d.value} M=3", functools.partial(_linear, 3, 17, 256, d), tol=(1e-4, 1e-4))
               for d in _GGML_EXTRA]
-    cases += [Case("linear", f"q4_1r16 M={M}", functools.partial(_linear, M, 48, 96, DType.q4_1r16), tol=(1e-4, 1e-4))
-              for M in (1, 7, 20)]
+    cases += [Case("linear", f"{d.value} M={M}", functools.partial(_linear, M, 48, 96, d), tol=(1e-4, 1e-4))
+              for d in PLAIN_TYPES for M in (1, 7, 20)]
     cases += [Case("linear", f"[K, N] weight {d.value} M={M}", functools.partial(_linear_kn, M, 40, 72, d),
                    tol=(1e-4, 1e-4) if d == DType.float32 else (2e-2, 2e-2))
               for d in (DType.float32, DType.bfloat16) for M in (1, 20)]
@@ -979,8 +979,9 @@ def _weight_cases() -> list[Case]:
     cases += [Case("linear", f"{d.value} weight, int8 activations M={M}",
                    functools.partial(_linear_quant_int8, M, 40, 256, d), tol=(1e-4, 1e-4))
               for d in (DType.q4_1, DType.q8_0) for M in (1, 3)]
-    cases += [Case("linear", f"q4_1r16 weight, int8 activations M={M}",
-                   functools.partial(_linear_quant_int8, M, 48, 256, DType.q4_1r16), tol=(1e-4, 1e-4)) for M in (1, 3)]
+    cases += [Case("linear", f"{d.value} weight, int8 activations M={M}",
+                   functools.partial(_linear_quant_int8, M, 48, 256, d), tol=(1e-4, 1e-4))
+              for d in PLAIN_TYPES for M in (1, 3)]
     cases += [Case("linear", f"float32 {layout} weight, bfloat16 compute M={M}",
                    functools.partial(_linear_f32_bf16_compute, M, 40, 96, layout), tol=(8e-3, 8e-3))
               for layout in ("nk", "kn") for M in (3, 20)]
@@ -993,6 +994,7 @@ def _weight_cases() -> list[Case]:
               for M in (3, 17)]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 50, 64, d), tol=(0.0, 0.0))
               for d in (DType.q4_1, DType.q8_0, DType.float32)]
+    cases += [Case("embedding", "q8_0r16", functools.partial(_embedding, 48, 64, DType.q8_0r16), tol=(0.0, 0.0))]
     cases += [Case("embedding", d.value, functools.partial(_embedding, 9, 256, d), tol=(0.0, 0.0))
               for d in _GGML_EXTRA]
     return cases
