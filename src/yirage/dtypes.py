@@ -104,8 +104,8 @@ _TORCH = {
     DType.bool: torch.bool,
 }
 #: (weights per block, bytes per block) of each block-quantized type (llama.cpp ggml-common.h)
-_BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_1r16: (32, 20), DType.q8_0r16: (32, 34), DType.q4_0: (32, 18), DType.q5_0: (32, 22),
-          DType.q5_1: (32, 24), DType.q2_k: (256, 84), DType.q3_k: (256, 110), DType.q4_k: (256, 144),
+_BLOCK = {DType.q8_0: (32, 34), DType.q4_1: (32, 20), DType.q4_1r16: (32, 20), DType.q8_0r16: (32, 34),
+          DType.q4_0: (32, 18), DType.q5_0: (32, 22), DType.q5_1: (32, 24), DType.q2_k: (256, 84), DType.q3_k: (256, 110), DType.q4_k: (256, 144),
           DType.q5_k: (256, 176), DType.q6_k: (256, 210), DType.iq4_nl: (32, 18), DType.iq4_xs: (256, 136)}
 _TORCH.update(dict.fromkeys(_BLOCK, torch.uint8))
 _SCALES = {DType.q8_0: (0,), DType.q4_1: (0, 2), DType.q4_0: (0,), DType.q5_0: (0,), DType.q5_1: (0, 2),

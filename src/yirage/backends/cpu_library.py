@@ -54,7 +54,7 @@ SIGNATURES: dict[str, tuple] = {
     **{f"yr_dequant_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},   # src, dst floats, nblocks, blocks per row
     **{f"yr_repack_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},    # plain src, dst, N, blocks per row
     "yr_embedding_q8_0r16": (_P, _P, _P, _I, _I, _I, _P),
-    "yr_row_groups_native": (_P,),   # out int64 [1]: 1 where row_groups.h has its AVX-512 kernels
+    "yr_row_groups_native": (_P,),   # out int64 [1]: 1 where row_groups.h has its AVX-512 VNNI kernels
     "yr_linear_q8_0_q8": (_P, _P, _P, _P, _I, _I, _I),
     "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
     "yr_embedding_q4_1": (_P, _P, _P, _I, _I, _I, _P),
@@ -538,7 +538,7 @@ def _task_linear_rows() -> tuple[int, int]:
 @functools.lru_cache(maxsize=1)
 def row_groups_native() -> bool:
     """Whether this machine's library has the vector kernels of the row-group layouts
-    (kernels/cpu/row_groups.h: AVX-512); elsewhere they run as scalar loops."""
+    (kernels/cpu/row_groups.h: AVX-512 with VNNI); elsewhere they run as scalar loops."""
     out = torch.zeros(1, dtype=torch.int64)
     library().yr_row_groups_native(out.data_ptr())
     return bool(out[0])
