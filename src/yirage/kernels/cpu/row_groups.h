@@ -177,21 +177,28 @@ inline void rg_gemv_q8(const int8_t* xq, const float* dx, const float* sxq, cons
 // of a block stands above q (see the header); otherwise xs = x.
 template <class F>
 inline void rg_prescale(const float* x, int64_t K, float* xs, float* sx) {
+#if defined(YR_AVX512)
+    // 2^-s(k) for k = 0..31 (exact powers of two)
+    const auto scale = [](int k) { return F::FIELDS == 2 ? 1.0f / (float)(1u << (8 * (k % 4) + 4 * (k >= 16))) : 1.0f; };
+    alignas(64) float sc[QK];
+    for (int k = 0; k < QK; ++k) sc[k] = scale(k);
+    const __m512 s0 = _mm512_load_ps(sc), s1 = _mm512_load_ps(sc + 16);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        _mm512_storeu_ps(xs + b * QK, _mm512_mul_ps(v0, s0));
+        _mm512_storeu_ps(xs + b * QK + 16, _mm512_mul_ps(v1, s1));
+        sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+#else
     for (int64_t b = 0; b < K / QK; ++b) {
         float s = 0.0f;
         for (int k = 0; k < QK; ++k) {
-            const float v = x[b * QK + k];
-            s += v;
-#if defined(YR_AVX512)
-            if constexpr (F::FIELDS == 2) {
-                xs[b * QK + k] = v * (1.0f / (float)(1u << (8 * (k % 4) + 4 * (k >= 16))));   // an exact power of two
-                continue;
-            }
-#endif
-            xs[b * QK + k] = v;
+            xs[b * QK + k] = x[b * QK + k];
+            s += x[b * QK + k];
         }
         sx[b] = s;
     }
+#endif
 }
 
 #if defined(YR_AVX512)
