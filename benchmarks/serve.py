@@ -26,7 +26,7 @@ reported under its name with that status; the other server's figures still print
 
     python benchmarks/serve.py --llama-server PATH [-m smollm2-135m-instruct] [--threads 2]
         [--slots 16] [--concurrency 1 4 16] [--prompt-tokens 128 512] [--output-tokens 128]
-        [--requests 2] [--rounds 1] [--kv-cache-dtype float16] [--no-yirage] [-o out.json]
+        [--requests 2] [--rounds 1] [--kv-cache-dtype float16] [--decode-dtype int8] [--no-yirage] [-o out.json]
 
 ``make bench-serve`` builds llama-server (``benchmarks/build_llama_server.sh``: llama-cpp-python
 0.3.36's vendored llama.cpp, ~10+ minutes on 2 cores) and runs this. ``machine`` is
@@ -122,13 +122,15 @@ class ServerProcess:
 
 
 def yirage_server(model: str, port: int, threads: int, slots: int, ctx: int,
-                  batch_tokens: int | None = None, kv_cache_dtype: str | None = None) -> ServerProcess:
+                  batch_tokens: int | None = None, kv_cache_dtype: str | None = None,
+                  decode_dtype: str | None = None) -> ServerProcess:
     """``yirage serve`` (this Python, this checkout's yirage) with ``--parallel slots`` (and
-    ``--max-batch-tokens``, ``--kv-cache-dtype`` if given)."""
+    ``--max-batch-tokens``, ``--kv-cache-dtype``, ``--decode-dtype`` if given)."""
     cmd = [sys.executable, "-c", "import sys; from yirage.cli import main; sys.argv[0] = 'yirage'; main()",
            "serve", "-m", model, "--port", str(port), "--parallel", str(slots), "--ctx-size", str(ctx),
            "--max-queue", "1024", *(["--max-batch-tokens", str(batch_tokens)] if batch_tokens else []),
-           *(["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else [])]
+           *(["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else []),
+           *(["--decode-dtype", decode_dtype] if decode_dtype else [])]
     return ServerProcess("yirage", cmd, port, env={"OMP_NUM_THREADS": str(threads)})
 
 
@@ -276,6 +278,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024, help="tokens of KV cache per slot")
     ap.add_argument("--kv-cache-dtype", choices=("float32", "float16"), default=None,
                     help="yirage serve --kv-cache-dtype (llama-server keeps float16 by default)")
+    ap.add_argument("--decode-dtype", choices=("float32", "int8"), default=None,
+                    help="yirage serve --decode-dtype (int8: llama-server's 8-bit activations)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -305,6 +309,7 @@ def main() -> None:
         sides.append("llama-server")
     out: dict = {"model": args.model, "gguf": gguf, "threads": args.threads, "slots": args.slots,
                  "max_batch_tokens": args.max_batch_tokens, "yirage_kv_cache_dtype": args.kv_cache_dtype or "float32",
+                 "yirage_decode_dtype": args.decode_dtype or "float32",
                  "ctx_per_slot": args.ctx, "output_tokens": args.output_tokens, "machine": machine_record(args.threads),
                  "servers": {}, "rounds": []}
     if not args.llama_server:
@@ -314,7 +319,7 @@ def main() -> None:
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:
             port = free_port()
             server = (yirage_server(args.model, port, args.threads, args.slots, args.ctx, args.max_batch_tokens,
-                                    args.kv_cache_dtype)
+                                    args.kv_cache_dtype, args.decode_dtype)
                       if side == "yirage" else
                       llama_server(args.llama_server, gguf, port, args.threads, args.slots, args.ctx))
             got[side] = bench_server(server, args, args.model, scenarios)

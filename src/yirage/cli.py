@@ -456,8 +456,11 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
 @click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16"]), default=None,
               help="float16: keep the slots' KV cache as float16 (CPU, float32 activations; llama-server's "
                    "default): half its memory.")
+@click.option("--decode-dtype", type=click.Choice(["float32", "int8"]), default=None,
+              help="int8: quantize the inputs of q4_1/q8_0 projections to int8 per block of 32 (CPU; "
+                   "llama-server's numerics: replies may differ from float32's).")
 def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_batch_tokens, api_key, api_key_file,
-          max_queue, timeout, kv_cache_dtype) -> None:
+          max_queue, timeout, kv_cache_dtype, decode_dtype) -> None:
     """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
     /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
     try:
@@ -495,7 +498,7 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         from .serve import ServeOptions, run_server
 
         options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel,
-                               max_batch_tokens, kv_cache_dtype)
+                               max_batch_tokens, kv_cache_dtype, decode_dtype)
         click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
                    "GET /health answers 200 when ready)", err=True)
         error = run_server(options, host, port)

@@ -245,10 +245,11 @@ def test_int8_decode_stays_close_to_transformers(hf_smollm):
 def test_projections_are_kept_in_row_groups(hf_smollm, decode_dtype):
     """On a CPU with row_groups.h's AVX-512 VNNI kernels the model keeps every q4_1 projection
     as q4_1r16 and its q8_0 embedding table, the tied LM head, as q8_0r16 (the embedding reads
-    it too), float32 or int8 decode alike; its float32
-    forward passes on them (the prompt: the packed GEMM beyond 16 tokens, the group GEMV below; a
-    batch's steps) match transformers, and a batch of two gets transformers' greedy tokens for
-    each prompt (float32 decode's own steps: test_greedy_matches_transformers_on_chat_prompts)."""
+    it too), float32 or int8 decode alike; its float32 forward passes on them (the prompt: the
+    packed GEMM beyond 16 tokens, the group GEMV below) match transformers. In float32 a batch of
+    two gets transformers' greedy tokens for each prompt (float32 decode's own steps:
+    test_greedy_matches_transformers_on_chat_prompts); with int8 decode the batch steps quantize
+    x on those weights and each prompt of a batch gets what it gets alone."""
     from yirage.backends.cpu_library import row_groups_native
     llm = yr.LLM(decode_dtype=decode_dtype, max_seq_length=256)
     kinds = {name: w[1] for name, w in llm.model.weights.items()}
@@ -265,6 +266,12 @@ def test_projections_are_kept_in_row_groups(hf_smollm, decode_dtype):
                 ref = hf_smollm(torch.tensor([ids[:n]])).logits[0, -1]
             assert (logits[-1] - ref).abs().max() < 1e-2
     batch = llm.generate(prompts, max_new_tokens=8)
+    if decode_dtype == "int8":   # the batch steps quantize x on the row-group weights: each prompt gets
+        g, _ = llm.model.build_batch_graph(4, 2, llm.model.new_batch_cache(2))   # what it gets alone
+        assert all((op.attrs.get("compute_dtype") == "int8") == native for op in g.ops if op.op == "linear")
+        for prompt, result in zip(prompts, batch):
+            assert result.token_ids == llm.generate([prompt], max_new_tokens=8)[0].token_ids
+        return
     for prompt, result in zip(prompts, batch):
         ids = llm.encode_prompt(prompt)
         with torch.inference_mode():

@@ -344,14 +344,18 @@ def test_a_small_step_budget_gives_the_same_answers(smollm):
 
 
 @pytest.mark.slow
-def test_a_float16_kv_cache_server_answers_as_its_model_alone():
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "float16"},
+                                     {"kv_cache_dtype": "float16", "decode_dtype": "int8"}])
+def test_llamacpp_numerics_servers_answer_as_their_model_alone(options):
     """ServeOptions(kv_cache_dtype='float16') (``--kv-cache-dtype float16``) loads the LLM with a
-    float16 KV cache, the batching slots included; concurrent greedy chats get what that model
-    gives each prompt alone."""
+    float16 KV cache, the batching slots included; with decode_dtype='int8' (``--decode-dtype
+    int8``) too, the batching steps' projections on row-group weights take int8 x (where the CPU
+    keeps them so). Concurrent greedy chats get what that model's engine gives each prompt alone:
+    its single-sequence generation with float32 activations, its batch of one with int8."""
+    from yirage.backends.cpu_library import row_groups_native
     from yirage.serve import load_models
     prompts = ["Name three fruits.", "What is 2 + 2?", "Say hello in French."]
-    app = create_app(ServeOptions(LLM_NAME, max_queue=8, timeout_s=120, parallel=4, kv_cache_dtype="float16"),
-                     load=load_models)
+    app = create_app(ServeOptions(LLM_NAME, max_queue=8, timeout_s=120, parallel=4, **options), load=load_models)
     with running(app) as base:
         deadline = time.monotonic() + 120
         while not app.state.yirage.ready:
@@ -366,8 +370,15 @@ def test_a_float16_kv_cache_server_answers_as_its_model_alone():
                                                   max_tokens=10, temperature=0).choices[0].message.content
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             together = list(pool.map(ask, prompts))
-        assert app.state.yirage.engine.engine.cache.k[0].dtype == torch.float16
-    assert together == [llm.generate(p, max_new_tokens=10).text for p in prompts]
+        engine = app.state.yirage.engine.engine
+        assert engine.cache.k[0].dtype == torch.float16
+    if "decode_dtype" in options:
+        g, _ = llm.model.build_batch_graph(4, 2, engine.cache)
+        int8 = [op.attrs.get("compute_dtype") == "int8" for op in g.ops if op.op == "linear"]
+        assert all(int8) if row_groups_native() else not any(int8)
+        assert together == [llm.generate([p], max_new_tokens=10)[0].text for p in prompts]
+    else:
+        assert together == [llm.generate(p, max_new_tokens=10).text for p in prompts]
 
 
 @pytest.mark.slow

@@ -33,7 +33,12 @@ CPU): ``LlamaModel.decode_kernel`` bound to that row's KV-cache slot, the kernel
 ``LLM.generate`` decodes one sequence with, so it computes the same logits and keeps the
 same K/V rows. It is one task graph per step instead of a launch per op, whose OpenMP regions
 cost more than the GEMVs of one row (SmolLM2-135M on 2 cores: 17 ms a step against 12 ms). Up
-to ``MAX_SOLO_KERNELS`` such kernels are kept (one per slot; least recently used dropped).
+to ``MAX_SOLO_KERNELS`` such kernels are kept (one per slot; least recently used dropped). Not
+with ``decode_dtype='int8'``: there the batch graph quantizes the rows' activations
+(``LlamaModel.build_batch_graph``), and int8 rounding turns the decode kernel's last-bit
+differences from it (its attention splits the keys) into different tokens, so a sequence's
+answer would depend on whether it decoded alone; one-row steps stay on the batch graph's task
+graph, as fast as the decode kernel there (a 2-core Xeon: 306 against 302 tokens/s).
 
 Requests join between steps when a slot is free; a sequence leaves on EOS (unless
 ``ignore_eos``), a stop string, its token limit, the end of the KV cache or cancellation, and
@@ -351,7 +356,7 @@ class BatchEngine:
         """Run the rows (padded to their buckets) through the batch graph: logits [R, vocab]
         and argmax [R] of the sample rows, copied out of the plan."""
         T = len(rows)
-        if T == 1 and self.llm.persistent:
+        if T == 1 and self.llm.persistent and self.model.decode_dtype is None:
             return self._forward_solo(rows[0], R)
         Tb, Rb = _bucket(T, self.max_batch_tokens), _bucket(R, self.max_slots)
         plan, ids, positions, slots, sample = self._plan(Tb, Rb)

@@ -51,7 +51,7 @@ import torch
 from ..backends import Backend, get_backend_impl
 from ..dtypes import DType, as_dtype
 from ..errors import GenerationError
-from ..ir.ops import INT8_COMPUTE_WEIGHTS, OPS
+from ..ir.ops import INT8_COMPUTE_WEIGHTS, OPS, PLAIN_TYPES
 from ..kernel import KNGraph
 from ..persistent_kernel import PersistentKernel
 
@@ -217,7 +217,10 @@ class LlamaModel:
         Outputs: logits [R, vocab] (float32 with float32 activations, else the activation
         dtype) and their argmax [R] int64. Out-of-range ids, positions, slots or sample rows
         raise IndexOutOfRangeError when the plan runs. Projections compute in float32 whatever
-        ``prefill_dtype`` is."""
+        ``prefill_dtype`` is; with ``decode_dtype`` int8, those on a row-group weight
+        (``INT8_BATCH_WEIGHTS``: a multi-row int8 kernel, 2-2.5x the float32 one at 4-16 rows)
+        quantize every row's input, prompt chunks included (one GEMM over all the step's rows, as
+        llama.cpp's batches quantize theirs), so a row computes the same whatever shares its step."""
         g = KNGraph(self.backend.value)
         ids = g.new_input((T,), DType.int64, "ids")
         positions = g.new_input((T,), DType.int64, "positions")
@@ -230,6 +233,8 @@ class LlamaModel:
                                                         window=self.layer_window(i)),
             cache.k, cache.v)
         self._head(g, weight, g.embedding(sample_rows, h))  # the sampled rows of h [T, H] (checked ids)
+        if self.decode_dtype == DType.int8:
+            _int8_activations(g, INT8_BATCH_WEIGHTS)
         return g, tensors
 
     def _trunk(self, g: KNGraph, ids, T: int, bf16: bool, rope, attend, k_caches, v_caches):
@@ -395,14 +400,21 @@ class LlamaModel:
         return mpk
 
 
-def _int8_activations(g: KNGraph) -> None:
-    """Gives every ``linear`` of ``g`` on a q4_1/q8_0 weight with float32 x
-    ``compute_dtype='int8'`` (``decode_dtype``); the op's shape rule checks the result."""
+#: the weights whose batched steps (``build_batch_graph``) quantize x with ``decode_dtype`` int8:
+#: the row-group layouts, which have a multi-row int8 kernel (kernels/cpu/row_groups.h); the plain
+#: formats' int8 GEMV runs row by row, slower than their float32 row tiles
+INT8_BATCH_WEIGHTS = tuple(PLAIN_TYPES)
+
+
+def _int8_activations(g: KNGraph, weights=INT8_COMPUTE_WEIGHTS) -> None:
+    """Gives every ``linear`` of ``g`` on a weight of ``weights`` (default: every q4_1/q8_0
+    format) with float32 x ``compute_dtype='int8'`` (``decode_dtype``); the op's shape rule
+    checks the result."""
     for node in g.ops:
         if node.op != "linear" or node.attrs.get("compute_dtype"):
             continue
         types = [g.tensors[i] for i in node.inputs]
-        if types[0].dtype == DType.float32 and types[1].dtype in INT8_COMPUTE_WEIGHTS:
+        if types[0].dtype == DType.float32 and types[1].dtype in weights:
             node.attrs["compute_dtype"] = "int8"
             OPS["linear"].infer(types, node.attrs)
 

@@ -60,7 +60,8 @@ class ServeOptions:
     ``max_queue`` (waiting generation requests), ``timeout_s`` (seconds per request),
     ``parallel`` (sequences decoded together by continuous batching; 1: one at a time on the
     persistent decode kernel), ``max_batch_tokens`` (rows per batching step; None:
-    ``BatchingEngine``'s default), ``kv_cache_dtype`` (the LLM's: None or 'float16')."""
+    ``BatchingEngine``'s default), ``kv_cache_dtype`` (the LLM's: None or 'float16'),
+    ``decode_dtype`` (the LLM's: None or 'int8')."""
 
     model: str | None = None
     embedding_model: str | None = None
@@ -72,6 +73,7 @@ class ServeOptions:
     parallel: int = 4
     max_batch_tokens: int | None = None
     kv_cache_dtype: str | None = None
+    decode_dtype: str | None = None
 
 
 @dataclass

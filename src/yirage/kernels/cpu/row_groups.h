@@ -111,63 +111,79 @@ inline void rg_dequant_block(const uint8_t* unit, int r, float* out) {
 inline bool rg_whole_group(int64_t n0, int r) { return n0 % RG_ROWS == 0 && r == RG_ROWS; }
 
 // ---- int8 x -------------------------------------------------------------------------------
-// y[16 rows] (+ bias) of the group at u (its first unit) for one x row quantized by
-// quantize_blocks_q8 (xq: nb * 32 int8, dx, sxq: nb floats).
-template <class F>
-inline void rg_gemv_q8(const int8_t* xq, const float* dx, const float* sxq, const uint8_t* u, int64_t nb,
-                       const float* bias, float* y) {
+// y[i][16 rows] (+ bias) of the group at u (its first unit) for MT (<= 4) x rows quantized by
+// quantize_blocks_q8 (row i: xq + i * K, dx and sxq + i * nb): each unit's quants are loaded and
+// unpacked once for the MT rows (continuous batching's decode steps).
+template <class F, int MT>
+inline void rg_rows_q8(const int8_t* xq, const float* dx, const float* sxq, int64_t K, const uint8_t* u, int64_t nb,
+                       const float* bias, float* y, int64_t ldy) {
 #if defined(YR_RG_VNNI)
     const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
-    const int32_t* xd = reinterpret_cast<const int32_t*>(xq);
-    __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+    __m512 acc[MT], macc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = macc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, u += F::UNIT) {
         for (int l = 0; l < F::UNIT; l += 64) _mm_prefetch(reinterpret_cast<const char*>(u) + RG_PREFETCH + l, _MM_HINT_T0);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        int32_t xw[8];
-        std::memcpy(xw, xd + 8 * b, 32);
+        __m512i s0[MT], s1[MT];
+        int32_t xw[MT][8];
+        for (int i = 0; i < MT; ++i) {
+            s0[i] = s1[i] = _mm512_setzero_si512();
+            std::memcpy(xw[i], xq + i * K + b * QK, 32);
+        }
+        __m512i sq = _mm512_setzero_si512();   // q8_0: sum of each row's quants
         if constexpr (F::FIELDS == 2) {   // q4_1: unsigned nibbles times signed x
             for (int j = 0; j < 4; ++j) {
                 const __m512i v = _mm512_loadu_si512(u + rg_qs<F>(j, 0));
-                s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(v, low4), _mm512_set1_epi32(xw[j]));   // quants 4j..
-                s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                         _mm512_set1_epi32(xw[4 + j]));                            // 16+4j..
+                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int i = 0; i < MT; ++i) {
+                    s0[i] = _mm512_dpbusd_epi32(s0[i], lo, _mm512_set1_epi32(xw[i][j]));       // quants 4j..
+                    s1[i] = _mm512_dpbusd_epi32(s1[i], hi, _mm512_set1_epi32(xw[i][4 + j]));   // 16+4j..
+                }
             }
-        } else {   // q8_0: (x + 128) unsigned times signed q, and sum(q) in s1
+        } else {   // q8_0: (x + 128) unsigned times signed q, minus 128 * sum(q)
             for (int j = 0; j < 8; ++j) {
                 const __m512i v = _mm512_loadu_si512(u + rg_qs<F>(j, 0));
-                s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(xw[j] ^ (int32_t)0x80808080), v);
-                s1 = _mm512_dpbusd_epi32(s1, ones, v);
+                sq = _mm512_dpbusd_epi32(sq, ones, v);
+                for (int i = 0; i < MT; ++i)
+                    s0[i] = _mm512_dpbusd_epi32(s0[i], _mm512_set1_epi32(xw[i][j] ^ (int32_t)0x80808080), v);
             }
-            s1 = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s1, 7));
+            sq = _mm512_slli_epi32(sq, 7);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u)));
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[b])),
-                              _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);
-        if constexpr (F::FIELDS == 2) {
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32)));
-            macc = _mm512_fmadd_ps(m, _mm512_set1_ps(sxq[b]), macc);
-        }
-    }
-    __m512 s = _mm512_add_ps(acc, macc);
-    if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias));
-    _mm512_storeu_ps(y, s);
-#else
-    float s[RG_ROWS] = {};
-    for (int64_t b = 0; b < nb; ++b, u += F::UNIT)
-        for (int r = 0; r < RG_ROWS; ++r) {
-            uint8_t blk[F::BYTES];
-            rg_block<F>(u, r, blk);
-            const int8_t* xb = xq + b * QK;
-            int t = 0;
+        for (int i = 0; i < MT; ++i) {
+            const __m512i s = F::FIELDS == 2 ? _mm512_add_epi32(s0[i], s1[i]) : _mm512_sub_epi32(s0[i], sq);
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[i * nb + b])), _mm512_cvtepi32_ps(s), acc[i]);
             if constexpr (F::FIELDS == 2) {
-                for (int j = 0; j < 16; ++j) t += (blk[4 + j] & 15) * xb[j] + (blk[4 + j] >> 4) * xb[j + 16];
-                s[r] += fp16_to_fp32(load_u16(blk)) * dx[b] * (float)t + fp16_to_fp32(load_u16(blk + 2)) * sxq[b];
-            } else {
-                for (int j = 0; j < QK; ++j) t += (int8_t)blk[2 + j] * xb[j];
-                s[r] += fp16_to_fp32(load_u16(blk)) * dx[b] * (float)t;
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32)));
+                macc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxq[i * nb + b]), macc[i]);
             }
         }
-    for (int r = 0; r < RG_ROWS; ++r) y[r] = bias ? s[r] + bias[r] : s[r];
+    }
+    for (int i = 0; i < MT; ++i) {
+        __m512 s = _mm512_add_ps(acc[i], macc[i]);
+        if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias));
+        _mm512_storeu_ps(y + i * ldy, s);
+    }
+#else
+    for (int i = 0; i < MT; ++i) {
+        float s[RG_ROWS] = {};
+        const uint8_t* ub = u;
+        for (int64_t b = 0; b < nb; ++b, ub += F::UNIT)
+            for (int r = 0; r < RG_ROWS; ++r) {
+                uint8_t blk[F::BYTES];
+                rg_block<F>(ub, r, blk);
+                const int8_t* xb = xq + i * K + b * QK;
+                int t = 0;
+                if constexpr (F::FIELDS == 2) {
+                    for (int j = 0; j < 16; ++j) t += (blk[4 + j] & 15) * xb[j] + (blk[4 + j] >> 4) * xb[j + 16];
+                    s[r] += fp16_to_fp32(load_u16(blk)) * dx[i * nb + b] * (float)t
+                            + fp16_to_fp32(load_u16(blk + 2)) * sxq[i * nb + b];
+                } else {
+                    for (int j = 0; j < QK; ++j) t += (int8_t)blk[2 + j] * xb[j];
+                    s[r] += fp16_to_fp32(load_u16(blk)) * dx[i * nb + b] * (float)t;
+                }
+            }
+        for (int r = 0; r < RG_ROWS; ++r) y[i * ldy + r] = bias ? s[r] + bias[r] : s[r];
+    }
 #endif
 }
 
@@ -322,9 +338,17 @@ void rg_linear_q8(const float* x, const uint8_t* w, const float* bias, float* y,
     const QuantizedRows q = quantize_rows_q8(x, M, K);
     groups(w, rb, [&](int64_t n0, int r) {
         if (!rg_whole_group(n0, r)) return;
-        for (int64_t m = 0; m < M; ++m)
-            rg_gemv_q8<F>(q.xq + m * K, q.dx + m * nb, q.sxq + m * nb, w + n0 * rb, nb, bias ? bias + n0 : nullptr,
-                          y + m * N + n0);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {   // 4 x rows per pass over the group (in L1 after the first)
+#define YR_CALL(R) rg_rows_q8<F, R>(q.xq + m0 * K, q.dx + m0 * nb, q.sxq + m0 * nb, K, w + n0 * rb, nb, \
+                                    bias ? bias + n0 : nullptr, y + m0 * N + n0, N)
+            switch ((int)std::min<int64_t>(4, M - m0)) {
+                case 4: YR_CALL(4); break;
+                case 3: YR_CALL(3); break;
+                case 2: YR_CALL(2); break;
+                default: YR_CALL(1);
+            }
+#undef YR_CALL
+        }
     });
 }
 
