@@ -1546,21 +1546,9 @@ void embedding_fmt(const int64_t* ids, const uint8_t* table, float* out, int64_t
 // [0, V) is reported and gives a row of zeros (as library.cpp yr_task_embedding).
 template <class F>
 void task_embedding_fmt(const int64_t* a, int64_t lo, int64_t hi) {
-    const int64_t* ids = reinterpret_cast<const int64_t*>(a[0]);
     const uint8_t* table = reinterpret_cast<const uint8_t*>(a[1]);
-    float* out = reinterpret_cast<float*>(a[2]);
-    const int64_t D = a[4], V = a[5], rb = D / F::QB * F::BYTES;
-    int64_t* status = reinterpret_cast<int64_t*>(a[6]);
-    for (int64_t t = lo; t < hi; ++t) {
-        const int64_t id = ids[t];
-        float* dst = out + t * D;
-        if (id < 0 || id >= V) {
-            report(status, id, 0, V);
-            std::fill(dst, dst + D, 0.0f);
-        } else {
-            dequant_row_fmt<F>(table + id * rb, dst, D);
-        }
-    }
+    const int64_t D = a[4], rb = D / F::QB * F::BYTES;
+    task_embedding_rows(a, lo, hi, a[5], [&](int64_t id, float* dst) { dequant_row_fmt<F>(table + id * rb, dst, D); });
 }
 
 // dst[0 .. nblocks * QB) = nblocks consecutive blocks at src, dequantized.

@@ -637,8 +637,7 @@ inline void prefetch_span(const void* w, int64_t a, int64_t b, int64_t end) {
 // (the slice this thread will likely take next, empty by default), so that its first bytes
 // are on their way when it starts: a task slice of a decode GEMV is tens of KB, and starting
 // each one cold cost ~15% of the GB/s on the Zen 4 (8 slices of a 553 KB q4_1 weight).
-// STEP: rows per call of rows() (the 16-row groups of row_groups.h take 16).
-template <int STEP = GEMV_ROWS, typename RowsFn>
+template <typename RowsFn>
 inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn rows, int64_t next_lo = 0,
                        int64_t next_hi = 0) {
     const int64_t own = (hi - lo) * rb;
@@ -649,18 +648,17 @@ inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn
             prefetch_span(w, next_lo * rb + std::max<int64_t>(a - own, 0), next_lo * rb + (b - own), next_hi * rb);
     };
     ahead(0, PREFETCH_BYTES);
-    for (int64_t n0 = lo; n0 < hi; n0 += STEP) {
-        const int64_t r = std::min<int64_t>(STEP, hi - n0);
+    for (int64_t n0 = lo; n0 < hi; n0 += GEMV_ROWS) {
+        const int64_t r = std::min<int64_t>(GEMV_ROWS, hi - n0);
         ahead((n0 - lo) * rb + PREFETCH_BYTES, (n0 + r - lo) * rb + PREFETCH_BYTES);
         rows(n0, (int)r);
     }
 }
 
-// Runs rows(n0, r) over groups of STEP weight rows: each OpenMP thread takes one
-// contiguous, equal slice of whole groups (gemv_range).
-template <int STEP = GEMV_ROWS, typename RowsFn>
-void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
-    const int64_t groups = (N + STEP - 1) / STEP;
+// Runs fn(u0, u1) on each OpenMP thread's contiguous, equal slice [u0, u1) of [0, units) (on the
+// calling thread alone below PAR_MIN_MACS multiply-adds).
+template <typename Fn>
+void parallel_slices(int64_t units, int64_t macs, Fn fn) {
 #pragma omp parallel if (macs >= PAR_MIN_MACS)
     {
 #if defined(_OPENMP)
@@ -668,9 +666,17 @@ void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows
 #else
         const int64_t nt = 1, t = 0;
 #endif
-        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-        gemv_range<STEP>(g0 * STEP, std::min(N, g1 * STEP), w, rb, rows);
+        fn(units * t / nt, units * (t + 1) / nt);
     }
+}
+
+// Runs rows(n0, r) over groups of GEMV_ROWS weight rows: each OpenMP thread takes one
+// contiguous, equal slice of whole groups (gemv_range).
+template <typename RowsFn>
+void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
+    parallel_slices((N + GEMV_ROWS - 1) / GEMV_ROWS, macs, [&](int64_t g0, int64_t g1) {
+        gemv_range(g0 * GEMV_ROWS, std::min(N, g1 * GEMV_ROWS), w, rb, rows);
+    });
 }
 
 // Calls fn<R>() with R = r (1..8): turns the row count of a group into a template argument.
@@ -803,14 +809,15 @@ void pack_f32(const float* w, int64_t K, int nr, float* P) {
         for (int j = 0; j < PR; ++j) P[k * PR + j] = j < nr ? w[j * K + k] : 0.0f;
 }
 
-// Quantized rows: block b of the nr rows is dequantized into tmp[PR][32], then transposed.
-template <void (*deq)(const uint8_t*, float*), int64_t block_bytes>
-void pack_quant(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* P) {
+// Quantized rows: block b of the nr rows is dequantized into tmp[PR][32] (deq(j, b, out): the 32
+// weights of block b of the panel's row j), then transposed.
+template <typename Deq>
+void pack_blocks(int64_t K, int nr, float* P, Deq deq) {
     alignas(64) float tmp[PR][QK];
     for (int j = nr; j < PR; ++j)
         for (int t = 0; t < QK; ++t) tmp[j][t] = 0.0f;
     for (int64_t b = 0; b < K / QK; ++b) {
-        for (int j = 0; j < nr; ++j) deq(w + j * row_bytes + b * block_bytes, tmp[j]);
+        for (int j = 0; j < nr; ++j) deq(j, b, tmp[j]);
         for (int h = 0; h < 2; ++h)
             for (int t0 = 0; t0 < QK; t0 += VL) {
                 const float* src[VL];
@@ -818,6 +825,12 @@ void pack_quant(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* P
                 transpose_block(src, P + (b * QK + t0) * PR + h * VL, PR);
             }
     }
+}
+
+// The same for rows of a plain block format, row_bytes apart.
+template <void (*deq)(const uint8_t*, float*), int64_t block_bytes>
+void pack_quant(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* P) {
+    pack_blocks(K, nr, P, [&](int j, int64_t b, float* out) { deq(w + j * row_bytes + b * block_bytes, out); });
 }
 
 // y[M, N] = x[M, K] @ W^T (+ bias), one panel of PR weight rows per task;
@@ -871,6 +884,27 @@ void embedding_rows(const int64_t* ids, float* out, int64_t T, int64_t D, int64_
         const int64_t id = ids[t];
         if (!all_ok && (id < 0 || id >= V)) std::fill(out + t * D, out + (t + 1) * D, 0.0f);
         else row_fn(id, out + t * D);
+    }
+}
+
+// The embedding task of the block formats: a = {ids, table, out, T, D, V, status, *}; [lo, hi):
+// tokens; row_fn(id, dst) decodes row id. An id outside [0, V) is reported and gives a row of
+// zeros (as yr_task_embedding).
+template <typename RowFn>
+void task_embedding_rows(const int64_t* a, int64_t lo, int64_t hi, int64_t V, RowFn row_fn) {
+    const int64_t* ids = reinterpret_cast<const int64_t*>(a[0]);
+    float* out = reinterpret_cast<float*>(a[2]);
+    const int64_t D = a[4];
+    int64_t* status = reinterpret_cast<int64_t*>(a[6]);
+    for (int64_t t = lo; t < hi; ++t) {
+        const int64_t id = ids[t];
+        float* dst = out + t * D;
+        if (id < 0 || id >= V) {
+            report(status, id, 0, V);
+            std::fill(dst, dst + D, 0.0f);
+        } else {
+            row_fn(id, dst);
+        }
     }
 }
 
@@ -1998,25 +2032,13 @@ void yr_task_attention_rows_f16kv(const int64_t* a, int64_t lo, int64_t hi) { ta
 
 // a = {ids, table, out, T, D, V, status, format (0 f32, 1 q8_0, 2 q4_1)}; [lo, hi): tokens.
 void yr_task_embedding(const int64_t* a, int64_t lo, int64_t hi) {
-    const int64_t* ids = YR_ARG(0, const int64_t*);
     const uint8_t* table = YR_ARG(1, const uint8_t*);
-    float* out = YR_ARG(2, float*);
-    const int64_t D = a[4], V = a[5];
-    int64_t* status = YR_ARG(6, int64_t*);
-    for (int64_t t = lo; t < hi; ++t) {
-        const int64_t id = ids[t];
-        float* dst = out + t * D;
-        if (id < 0 || id >= V) {
-            report(status, id, 0, V);
-            std::fill(dst, dst + D, 0.0f);
-        } else if (a[7] == 1) {
-            dequant_row<dequant_block_q8_0, Q8_0_BYTES>(table + id * (D / QK * Q8_0_BYTES), dst, D);
-        } else if (a[7] == 2) {
-            dequant_row<dequant_block_q4_1, Q4_1_BYTES>(table + id * (D / QK * Q4_1_BYTES), dst, D);
-        } else {
-            std::memcpy(dst, reinterpret_cast<const float*>(table) + id * D, (size_t)D * sizeof(float));
-        }
-    }
+    const int64_t D = a[4];
+    task_embedding_rows(a, lo, hi, a[5], [&](int64_t id, float* dst) {
+        if (a[7] == 1) dequant_row<dequant_block_q8_0, Q8_0_BYTES>(table + id * (D / QK * Q8_0_BYTES), dst, D);
+        else if (a[7] == 2) dequant_row<dequant_block_q4_1, Q4_1_BYTES>(table + id * (D / QK * Q4_1_BYTES), dst, D);
+        else std::memcpy(dst, reinterpret_cast<const float*>(table) + id * D, (size_t)D * sizeof(float));
+    });
 }
 
 // a = {x, cos, sin, start_pos, out, T, H, Dh, S, status}; [lo, hi): rows t * H + h.

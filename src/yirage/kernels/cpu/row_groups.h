@@ -363,21 +363,10 @@ inline void rg_dequant_row(const uint8_t* w, int64_t nb, int64_t n, float* out) 
 template <class F>
 void rg_pack(const uint8_t* w, int64_t K, int64_t n0, int nr, float* P) {
     const int64_t nb = K / QK;
-    alignas(64) float tmp[PR][QK];
-    for (int j = nr; j < PR; ++j)
-        for (int t = 0; t < QK; ++t) tmp[j][t] = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-        for (int j = 0; j < nr; ++j) {
-            const int64_t n = n0 + j;
-            rg_dequant_block<F>(w + (n / RG_ROWS) * RG_ROWS * nb * F::BYTES + b * F::UNIT, (int)(n % RG_ROWS), tmp[j]);
-        }
-        for (int h = 0; h < 2; ++h)
-            for (int t0 = 0; t0 < QK; t0 += VL) {
-                const float* src[VL];
-                for (int l = 0; l < VL; ++l) src[l] = tmp[h * VL + l] + t0;
-                transpose_block(src, P + (b * QK + t0) * PR + h * VL, PR);
-            }
-    }
+    pack_blocks(K, nr, P, [&](int j, int64_t b, float* out) {
+        const int64_t n = n0 + j;
+        rg_dequant_block<F>(w + (n / RG_ROWS) * RG_ROWS * nb * F::BYTES + b * F::UNIT, (int)(n % RG_ROWS), out);
+    });
 }
 
 // Runs rows(n0, 16) over the groups of rows [lo, hi) (multiples of 16), the range's first
@@ -392,16 +381,7 @@ inline void rg_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn r
 // All of N's groups over the OpenMP threads, an equal contiguous slice each.
 template <typename RowsFn>
 void rg_all_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
-    const int64_t groups = N / RG_ROWS;
-#pragma omp parallel if (macs >= PAR_MIN_MACS)
-    {
-#if defined(_OPENMP)
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-        const int64_t nt = 1, t = 0;
-#endif
-        rg_range(groups * t / nt * RG_ROWS, groups * (t + 1) / nt * RG_ROWS, w, rb, rows);
-    }
+    parallel_slices(N / RG_ROWS, macs, [&](int64_t g0, int64_t g1) { rg_range(g0 * RG_ROWS, g1 * RG_ROWS, w, rb, rows); });
 }
 
 // Hands out whole 16-row groups: all of N over OpenMP threads, or one task's [lo, hi).
@@ -517,21 +497,10 @@ void yr_embedding_q8_0r16(const int64_t* ids, const uint8_t* table, float* out, 
 // a = {ids, table, out, T, D, V, status, (format: unused)}; [lo, hi): tokens. An id outside
 // [0, V - V % 16) is reported and gives zeros (as yr_task_embedding).
 void yr_task_embedding_q8_0r16(const int64_t* a, int64_t lo, int64_t hi) {
-    const int64_t* ids = reinterpret_cast<const int64_t*>(a[0]);
     const uint8_t* table = reinterpret_cast<const uint8_t*>(a[1]);
-    float* out = reinterpret_cast<float*>(a[2]);
-    const int64_t D = a[4], V = a[5] - a[5] % RG_ROWS;
-    int64_t* status = reinterpret_cast<int64_t*>(a[6]);
-    for (int64_t t = lo; t < hi; ++t) {
-        const int64_t id = ids[t];
-        float* dst = out + t * D;
-        if (id < 0 || id >= V) {
-            report(status, id, 0, V);
-            std::fill(dst, dst + D, 0.0f);
-        } else {
-            rg_dequant_row<RgQ8_0>(table, D / QK, id, dst);
-        }
-    }
+    const int64_t D = a[4];
+    task_embedding_rows(a, lo, hi, a[5] - a[5] % RG_ROWS,
+                        [&](int64_t id, float* dst) { rg_dequant_row<RgQ8_0>(table, D / QK, id, dst); });
 }
 
 }  // extern "C"
