@@ -270,7 +270,7 @@ class LLM:
             rows (``q4_1r16`` / ``q8_0r16``, once at load and in one copy, whatever decode_dtype:
             their GEMVs read 1.4-2.4x the GB/s of the plain formats'); there ``generate([...])``
             batches (and ``yirage serve``'s steps) quantize every row of those projections too,
-            prompt chunks included, as llama.cpp's batches do: 1.5x the float32 batch's
+            prompt chunks included, as llama.cpp's batches do: 1.4-1.5x the float32 batch's
             tokens/s at 16 sequences on a 2-core Xeon.
         kv_cache_dtype: None (the default: the KV cache in the activation dtype) or 'float16':
             on the CPU with float32 activations, keys and values are stored as float16 (rounded

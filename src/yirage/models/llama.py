@@ -99,9 +99,10 @@ class LlamaModel:
     kernels' layout (``BackendImpl.linear_weight_layout``: q4_1 / q8_0 as q4_1r16 / q8_0r16 on
     AVX-512 VNNI CPUs, for float32 or int8 decode activations); RoPE tables stay float32
     ([max_seq_length, head_dim / 2]: ``cos``/``sin``, and Gemma 3's sliding layers'
-    ``local_cos``/``local_sin``). Gemma's norm weights (``cfg.norm_weight_offset``) are stored as ``1 + w`` computed in float32, exactly as
-    transformers' ``Gemma3RMSNorm`` computes ``1.0 + weight.float()``, then cast to ``dtype``
-    (exact for float32; for float16/bfloat16 rounded like the activations).
+    ``local_cos``/``local_sin``). Gemma's norm weights (``cfg.norm_weight_offset``) are stored as
+    ``1 + w`` computed in float32, exactly as transformers' ``Gemma3RMSNorm`` computes
+    ``1.0 + weight.float()``, then cast to ``dtype`` (exact for float32; for float16/bfloat16
+    rounded like the activations).
     """
 
     def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32,
