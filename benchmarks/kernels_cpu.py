@@ -16,6 +16,12 @@ ggml_quants.h: q4_0, q5_0, q5_1, q2_k .. q6_k, iq4_nl, iq4_xs) in GB/s of weight
 and 2 threads, each beside q4_1 measured in the same rounds (``*_vs_q4_1``). Weights are
 random valid blocks (finite fp16 scales); K is a multiple of 256 (the K-quant block).
 
+``--row-groups``: the decode GEMVs of SmolLM2-135M's shapes (q4_1 projections, the q8_0 LM head)
+in their plain layout and in groups of 16 rows (``q4_1r16`` / ``q8_0r16``, kernels/cpu/row_groups.h),
+x of M = 1, 4 and 16 rows in float32 and int8 (``compute_dtype='int8'``), cold (copies cycled
+through), all four contenders of a shape and M in the same interleaved rounds; GB/s of weight
+bytes and each layout's ratio to the plain one.
+
 ``machine`` is ``yirage.runtime.machine.machine_record()`` (threads: --threads).
 
 ``--gemm``: the embedding encoder's packed GEMMs on the MiniLM shapes (M rows x (N, K)):
@@ -26,7 +32,8 @@ bf16, linear, float32 result plus bias), and against yirage's float32 packed GEM
 ``yirage.runtime.timing.compare`` (interleaved rounds; ``ratio_*`` are medians of the paired
 per-round ratios of times, < 1: yirage's bf16 GEMM takes less time) and the machine record.
 
-Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4] [--ggml-only | --gemm]
+Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4]
+       [--ggml-only | --gemm | --row-groups]
 """
 from __future__ import annotations
 
@@ -153,6 +160,28 @@ def _gemm_case(M: int, N: int, K: int, rounds: int, min_sample_s: float) -> dict
             "timing": c.to_dict()}
 
 
+def _row_groups_case(lib, fmt: str, M: int, N: int, K: int, min_time: float) -> dict:
+    """GB/s (cold) of the plain and row-group layouts' GEMVs, float32 and int8 x, one round set."""
+    from yirage.backends.cpu_library import to_row_groups
+    rng = np.random.default_rng(N + K + M)
+    w = _random_blocks(fmt, N, K, rng)
+    copies = [w.clone() for _ in range(max(2, GGML_COLD_BYTES // w.numel()))]
+    grouped = [to_row_groups(c, DType(fmt)) for c in copies]
+    x, y = torch.randn(M, K), torch.empty(M, N)
+    fns = {}
+    for layout, ws in (("plain", copies), ("row_groups", grouped)):
+        name = fmt if layout == "plain" else f"{fmt}r16"
+        for act, suffix in (("float32", ""), ("int8", "_q8")):
+            fn = getattr(lib, f"yr_linear_{name}{suffix}")
+            args = itertools.cycle([(x.data_ptr(), c.data_ptr(), None, y.data_ptr(), M, N, K) for c in ws])
+            fns[f"{act}/{layout}"] = (lambda f, a: lambda: f(*next(a)))(fn, args)
+    t = _bench(fns, min_time, rounds=9)
+    gbs = {k: round(w.numel() / v / 1e9, 2) for k, v in t.items()}
+    return {"format": fmt, "M": M, "N": N, "K": K, "cold_GB_per_s": gbs,
+            "row_groups_vs_plain": {a: round(gbs[f"{a}/row_groups"] / gbs[f"{a}/plain"], 2) for a in ("float32", "int8")},
+            "int8_vs_float32_row_groups": round(gbs["int8/row_groups"] / gbs["float32/row_groups"], 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -160,7 +189,14 @@ def main() -> None:
     ap.add_argument("--ggml-only", action="store_true", help="only the per-format GEMV section")
     ap.add_argument("--gemm", action="store_true", help="only the encoder's packed GEMMs (bf16, f32) vs oneDNN bf16")
     ap.add_argument("--rounds", type=int, default=9, help="--gemm: interleaved rounds per shape")
+    ap.add_argument("--row-groups", action="store_true", help="only the plain vs row-group decode GEMVs")
     args = ap.parse_args()
+    if args.row_groups:
+        torch.set_num_threads(args.threads)
+        cases = [_row_groups_case(library(), "q4_1" if N != 49152 else "q8_0", M, N, K, args.min_time)
+                 for N, K in SHAPES for M in (1, 4, 16)]
+        print(json.dumps({"machine": machine_record(args.threads), "row_groups": cases}, indent=1))
+        return
     if args.gemm:
         torch.set_num_threads(args.threads)
         cases = [_gemm_case(M, N, K, args.rounds, args.min_time / args.rounds) for M in GEMM_M for N, K in GEMM_NK]
