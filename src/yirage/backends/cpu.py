@@ -91,7 +91,7 @@ class CPUBackend(BackendImpl):
         """q4_1 and q8_0 weights whose decode GEMVs take float32 or int8 x become their row-group
         layouts (``q4_1r16`` / ``q8_0r16``: rows in groups of 16, ``cpu_library.to_row_groups``)
         where the library has those layouts' AVX-512 VNNI kernels and the rows are a multiple of
-        16: the q4_1 GEMVs read 1.5x (float32 x) and 2.1-2.4x (int8 x) the GB/s
+        16: the q4_1 GEMVs read 1.4-1.5x (float32 x) and 2.0-2.4x (int8 x) the GB/s
         (kernels/cpu/row_groups.h). A table the embedding op reads too: q8_0 only."""
         if (dtype in ROW_GROUP_TYPES and compute_dtype in ("float32", "int8") and data.dim() == 2
                 and data.shape[0] % ROW_GROUP == 0 and not (embedding and dtype != DType.q8_0)

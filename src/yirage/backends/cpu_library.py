@@ -196,7 +196,7 @@ def _linear_ok(node, graph) -> bool:
 
 def _embedding_ok(node, graph) -> bool:
     ids, table = _types(node, graph)
-    return ids.dtype == DType.int64 and table.dtype in (*_QUANT, DType.float32) and table.dtype != DType.q4_1r16
+    return ids.dtype == DType.int64 and table.dtype in (*_QUANT, DType.float32)   # q4_1r16: refused by the IR
 
 
 def _float32_first(node, graph) -> bool:

@@ -392,7 +392,7 @@ def _row_group_fields(dtype: DType) -> tuple[int, int, int]:
     return fields, nbytes - 2 * fields, nbytes
 
 
-def to_row_groups(w: torch.Tensor, dtype: DType = DType.q4_1) -> torch.Tensor:
+def to_row_groups(w: torch.Tensor, dtype: DType) -> torch.Tensor:
     """``dtype`` (q4_1 or q8_0) storage [N, K/32 * block bytes] (uint8, N a multiple of 16)
     reordered as its row-group layout (``ROW_GROUP_TYPES``): rows 16g..16g+15 become group g, its
     blocks in order, each a unit of 16 blocks {each 2-byte scale field of the 16 rows (d, and m for
@@ -414,7 +414,7 @@ def to_row_groups(w: torch.Tensor, dtype: DType = DType.q4_1) -> torch.Tensor:
     return torch.cat([scales.reshape(G, nb, -1), qs.reshape(G, nb, -1)], dim=2).reshape(N, rowbytes)
 
 
-def from_row_groups(w: torch.Tensor, dtype: DType = DType.q4_1) -> torch.Tensor:
+def from_row_groups(w: torch.Tensor, dtype: DType) -> torch.Tensor:
     """The inverse of ``to_row_groups``: row-group storage back to plain ``dtype`` storage."""
     fields, qbytes, nbytes = _row_group_fields(dtype)
     N, rowbytes = w.shape

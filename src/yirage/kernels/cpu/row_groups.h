@@ -194,11 +194,15 @@ inline void rg_rows_q8(const int8_t* xq, const float* dx, const float* sxq, int6
 template <class F>
 inline void rg_prescale(const float* x, int64_t K, float* xs, float* sx) {
 #if defined(YR_AVX512)
-    // 2^-s(k) for k = 0..31 (exact powers of two)
-    const auto scale = [](int k) { return F::FIELDS == 2 ? 1.0f / (float)(1u << (8 * (k % 4) + 4 * (k >= 16))) : 1.0f; };
-    alignas(64) float sc[QK];
-    for (int k = 0; k < QK; ++k) sc[k] = scale(k);
-    const __m512 s0 = _mm512_load_ps(sc), s1 = _mm512_load_ps(sc + 16);
+    // 2^-s(k) for k = 0..31 (exact powers of two), made once
+    struct Scales {
+        alignas(64) float v[QK];
+        Scales() {
+            for (int k = 0; k < QK; ++k) v[k] = F::FIELDS == 2 ? 1.0f / (float)(1u << (8 * (k % 4) + 4 * (k >= 16))) : 1.0f;
+        }
+    };
+    static const Scales sc;
+    const __m512 s0 = _mm512_load_ps(sc.v), s1 = _mm512_load_ps(sc.v + 16);
     for (int64_t b = 0; b < K / QK; ++b) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         _mm512_storeu_ps(xs + b * QK, _mm512_mul_ps(v0, s0));
