@@ -521,20 +521,56 @@ def test_linear_int8_activations_match_the_quantized_reference(lib_vnni, fmt, M,
                                                     - y.double()).abs().max()   # x was quantized
 
 
+def _task(lib, name: str):
+    """The task entry point ``name`` (``void fn(const int64_t* args, int64_t lo, int64_t hi)``)."""
+    import ctypes
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
+    return fn
+
+
+def _quantized_rows(lib, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] quantized by yr_task_quantize_rows_q8 (the int8 linear tasks' input), its blocks
+    in three uneven slices and one past the end (clipped): the buffer, checked against
+    ir.ops.quantize_blocks_int8 (the values) and against the whole range in one task (the bytes)."""
+    import ctypes
+    from yirage.ir.ops import quantize_blocks_int8
+    M, K = x.shape
+    n = torch.ones(1, dtype=torch.int64)
+    for bad in ((M, K + 1), (0, K), (M, -32)):   # sizes it cannot hold: 0 bytes
+        lib.yr_quantized_rows_bytes(*bad, _ptr(n))
+        assert n[0] == 0
+    lib.yr_quantized_rows_bytes(M, K, _ptr(n))
+    buf, whole = torch.zeros(int(n[0]), dtype=torch.uint8), torch.zeros(int(n[0]), dtype=torch.uint8)
+    fn = _task(lib, "yr_task_quantize_rows_q8")
+    blocks = M * K // 32
+    for t, cuts in ((buf, (0, 1, blocks // 2, blocks, blocks + 7)), (whole, (0, blocks))):
+        args = (ctypes.c_int64 * 4)(_ptr(x), _ptr(t), M, K)
+        for lo, hi in zip(cuts, cuts[1:]):
+            fn(args, lo, hi)
+    assert torch.equal(buf, whole)
+    xq = buf[:M * K].view(torch.int8).float().view(M, -1, 32)
+    at = -(-M * K // 64) * 64
+    dx = buf[at:at + 4 * blocks].view(torch.float32).view(M, -1, 1)
+    torch.testing.assert_close(xq * dx, quantize_blocks_int8(x).view(M, -1, 32), rtol=0, atol=0)
+    return buf
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_linear_int8_task_writes_its_rows_only(lib_vnni, fmt):
-    """yr_task_linear_T_q8 over row slices equals the launch, and writes nothing outside [lo, hi),
-    whatever slice its argument block says comes next."""
+    """yr_task_linear_T_q8 over row slices, on x quantized by yr_task_quantize_rows_q8, equals the
+    launch, and writes nothing outside [lo, hi), whatever slice its argument block says comes
+    next."""
     import ctypes
     M, N, K = 2, 41, 96
     x, raw, ref_w, bias = _int8_case(M, N, K, fmt, 5)
     full = torch.empty(M, N)
     getattr(lib_vnni, f"yr_linear_{fmt}_q8")(_ptr(x), _ptr(raw), _ptr(bias), _ptr(full), M, N, K)
-    fn = getattr(lib_vnni, f"yr_task_linear_{fmt}_q8")
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
+    fn = _task(lib_vnni, f"yr_task_linear_{fmt}_q8")
+    xq = _quantized_rows(lib_vnni, x)
     for stride in (0, 16, 40, 2**62):   # the next slice's rows only steer prefetches (clipped to N)
         y = torch.full((M, N), float("nan"))
-        args = (ctypes.c_int64 * 8)(_ptr(x), _ptr(raw), _ptr(bias), _ptr(y), M, N, K, stride)
+        args = (ctypes.c_int64 * 8)(_ptr(xq), _ptr(raw), _ptr(bias), _ptr(y), M, N, K, stride)
         fn(args, 8, 24)
         assert torch.equal(y[:, 8:24], full[:, 8:24])
         assert y[:, :8].isnan().all() and y[:, 24:].isnan().all()
@@ -581,19 +617,19 @@ def test_row_groups_linear_matches_the_reference(lib, fmt, M, N, K):
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("suffix", ["", "_q8"])
 def test_row_groups_task_writes_its_groups_only(lib, fmt, suffix):
-    """yr_task_linear_<layout>[_q8] over slices of whole groups equals the launch and writes
-    nothing outside [lo, hi); a slice that ends inside a group, or runs past N, computes only
-    the whole groups it holds inside N."""
+    """yr_task_linear_<layout>[_q8] over slices of whole groups (the int8 form on x quantized by
+    yr_task_quantize_rows_q8) equals the launch and writes nothing outside [lo, hi); a slice
+    that ends inside a group, or runs past N, computes only the whole groups it holds inside N."""
     import ctypes
     M, N, K = 2, 64, 96
     t = RG_LAYOUT[fmt]
     x, rg, _, bias = _row_groups_case(M, N, K, fmt, 11)
     full = torch.empty(M, N)
     getattr(lib, f"yr_linear_{t}{suffix}")(_ptr(x), _ptr(rg), _ptr(bias), _ptr(full), M, N, K)
-    fn = getattr(lib, f"yr_task_linear_{t}{suffix}")
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64], None
+    fn = _task(lib, f"yr_task_linear_{t}{suffix}")
+    xin = _quantized_rows(lib, x) if suffix else x
     y = torch.full((M, N), float("nan"))
-    args = (ctypes.c_int64 * 8)(_ptr(x), _ptr(rg), _ptr(bias), _ptr(y), M, N, K, 0)
+    args = (ctypes.c_int64 * 8)(_ptr(xin), _ptr(rg), _ptr(bias), _ptr(y), M, N, K, 0)
     fn(args, 16, 40)   # the group 16..31 only
     assert torch.equal(y[:, 16:32], full[:, 16:32])
     assert y[:, :16].isnan().all() and y[:, 32:].isnan().all()

@@ -1192,13 +1192,14 @@ inline void gemv_q8_0_q8_rows(const int8_t* xq, const float* dx, const float*, c
 #endif
 }
 
-// x [M, K] quantized by quantize_blocks_q8 into the calling thread's scratch (valid until its
-// next call): xq [M * K], dx and sxq [M * K / 32].
+// x [M, K] quantized by quantize_blocks_q8: xq [M * K], dx and sxq [M * K / 32].
 struct QuantizedRows {
     const int8_t* xq;
     const float* dx;
     const float* sxq;
 };
+
+// ... into the calling thread's scratch (valid until its next call): the launch forms.
 inline QuantizedRows quantize_rows_q8(const float* x, int64_t M, int64_t K) {
     const int64_t nb = K / QK;
     static thread_local std::vector<float> s_buf;
@@ -1209,13 +1210,22 @@ inline QuantizedRows quantize_rows_q8(const float* x, int64_t M, int64_t K) {
     return {q_buf.data(), dx, dx + M * nb};
 }
 
-// The int8-activation GEMV of every x row (M of them) on the weight rows groups(...) hands
-// out (as gemv_q4_1): x quantized into the calling thread's scratch first.
+// ... into one buffer that an op of its own fills for the task forms (yr_task_quantize_rows_q8),
+// so that x is quantized once per linear, not once per task: xq, then dx and sxq from the
+// 64-byte-aligned offset q8_rows_scales_at (q8_rows_bytes in all).
+inline int64_t q8_rows_scales_at(int64_t M, int64_t K) { return (M * K + 63) / 64 * 64; }
+inline int64_t q8_rows_bytes(int64_t M, int64_t K) { return q8_rows_scales_at(M, K) + 2 * M * (K / QK) * 4; }
+inline QuantizedRows q8_rows_in(const uint8_t* buf, int64_t M, int64_t K) {
+    const float* dx = reinterpret_cast<const float*>(buf + q8_rows_scales_at(M, K));
+    return {reinterpret_cast<const int8_t*>(buf), dx, dx + M * (K / QK)};
+}
+
+// The int8-activation GEMV of every x row (M of them, quantized: q) on the weight rows
+// groups(...) hands out (as gemv_q4_1).
 template <bool Q4_1, typename Groups>
-void gemv_q8_act(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-                 Groups groups) {
+void gemv_q8_act(const QuantizedRows& q, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                 int64_t K, Groups groups) {
     const int64_t nb = K / QK, rb = nb * (Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
-    const QuantizedRows q = quantize_rows_q8(x, M, K);
     const int8_t* xq = q.xq;
     const float *dx = q.dx, *sxq = q.sxq;
     groups(w, rb, [&](int64_t n0, int r) {
@@ -1370,13 +1380,13 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
 void yr_linear_q4_1_q8(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                        int64_t K) {
     if (M <= 0 || N <= 0) return;
-    gemv_q8_act<true>(x, w, bias, y, M, N, K, YR_ALL_GROUPS);
+    gemv_q8_act<true>(quantize_rows_q8(x, M, K), w, bias, y, M, N, K, YR_ALL_GROUPS);
 }
 
 void yr_linear_q8_0_q8(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                        int64_t K) {
     if (M <= 0 || N <= 0) return;
-    gemv_q8_act<false>(x, w, bias, y, M, N, K, YR_ALL_GROUPS);
+    gemv_q8_act<false>(quantize_rows_q8(x, M, K), w, bias, y, M, N, K, YR_ALL_GROUPS);
 }
 
 void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* y,
@@ -1936,17 +1946,36 @@ void yr_task_linear_q8_0(const int64_t* a, int64_t lo, int64_t hi) {
               M, N, K, YR_TASK_GROUPS);
 }
 
-// a = {x, w, bias|0, y, M, N, K, stride}; [lo, hi): weight rows. x quantized to int8 (yr_linear_q4_1_q8).
+// out[0]: bytes of the buffer that holds M rows of K (K % 32 == 0) quantized per block of 32 for
+// the int8-activation task forms below (q8_rows_bytes); 0 for sizes out of range.
+void yr_quantized_rows_bytes(int64_t M, int64_t K, int64_t* out) {
+    out[0] = M > 0 && K > 0 && K % QK == 0 && M <= (INT64_C(1) << 40) / K ? q8_rows_bytes(M, K) : 0;
+}
+
+// a = {x, buf, M, K}; [lo, hi): blocks of 32 of x's M * K / 32 (clipped), quantized into buf
+// (yr_quantized_rows_bytes(M, K) bytes) as the int8-activation launches quantize x.
+void yr_task_quantize_rows_q8(const int64_t* a, int64_t lo, int64_t hi) {
+    const int64_t M = a[2], K = a[3], n = M * (K / QK);
+    lo = std::max<int64_t>(lo, 0), hi = std::min(hi, n);
+    if (lo >= hi) return;
+    uint8_t* buf = YR_ARG(1, uint8_t*);
+    float* dx = reinterpret_cast<float*>(buf + q8_rows_scales_at(M, K));
+    quantize_blocks_q8(YR_ARG(0, const float*) + lo * QK, hi - lo, reinterpret_cast<int8_t*>(buf) + lo * QK, dx + lo,
+                       dx + n + lo);
+}
+
+// a = {buf, w, bias|0, y, M, N, K, stride}, buf: x quantized by yr_task_quantize_rows_q8;
+// [lo, hi): weight rows. The product of yr_linear_q4_1_q8.
 void yr_task_linear_q4_1_q8(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
-    gemv_q8_act<true>(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*),
-                      YR_ARG(3, float*), M, N, K, YR_TASK_GROUPS);
+    gemv_q8_act<true>(q8_rows_in(YR_ARG(0, const uint8_t*), M, K), YR_ARG(1, const uint8_t*),
+                      YR_ARG(2, const float*), YR_ARG(3, float*), M, N, K, YR_TASK_GROUPS);
 }
 
 void yr_task_linear_q8_0_q8(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
-    gemv_q8_act<false>(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*),
-                       YR_ARG(3, float*), M, N, K, YR_TASK_GROUPS);
+    gemv_q8_act<false>(q8_rows_in(YR_ARG(0, const uint8_t*), M, K), YR_ARG(1, const uint8_t*),
+                       YR_ARG(2, const float*), YR_ARG(3, float*), M, N, K, YR_TASK_GROUPS);
 }
 
 // a = {x, w, bias|0, y, M, N, K, stride}; [lo, hi): weight rows.

@@ -334,12 +334,12 @@ void rg_linear_f32(const float* x, const uint8_t* w, const float* bias, float* y
     });
 }
 
-// The same with x quantized to int8 per block of 32 (compute_dtype='int8'), any M.
+// The same with x quantized to int8 per block of 32 (compute_dtype='int8'; q: quantize_rows_q8
+// or q8_rows_in), any M.
 template <class F, typename Groups>
-void rg_linear_q8(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-                  Groups groups) {
+void rg_linear_q8(const QuantizedRows& q, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                  int64_t K, Groups groups) {
     const int64_t nb = K / QK, rb = nb * F::BYTES;
-    const QuantizedRows q = quantize_rows_q8(x, M, K);
     groups(w, rb, [&](int64_t n0, int r) {
         if (!rg_whole_group(n0, r)) return;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {   // 4 x rows per pass over the group (in L1 after the first)
@@ -408,7 +408,7 @@ template <class F>
 void rg_linear_launch_q8(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
     N -= N % RG_ROWS;
-    rg_linear_q8<F>(x, w, bias, y, M, N, K, YR_RG_ALL_GROUPS);
+    rg_linear_q8<F>(quantize_rows_q8(x, M, K), w, bias, y, M, N, K, YR_RG_ALL_GROUPS);
 }
 
 template <class F>
@@ -423,7 +423,7 @@ template <class F>
 void rg_task_linear_q8(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5] - a[5] % RG_ROWS, K = a[6];
     hi = std::min(hi, N);
-    rg_linear_q8<F>(reinterpret_cast<const float*>(a[0]), reinterpret_cast<const uint8_t*>(a[1]),
+    rg_linear_q8<F>(q8_rows_in(reinterpret_cast<const uint8_t*>(a[0]), M, K), reinterpret_cast<const uint8_t*>(a[1]),
                     reinterpret_cast<const float*>(a[2]), reinterpret_cast<float*>(a[3]), M, N, K, YR_RG_TASK_GROUPS);
 }
 
@@ -470,7 +470,9 @@ void yr_row_groups_native(int64_t* out) {
 //   yr_linear_T(x, w, bias|0, y, M, N, K)       y[M, N] = x[M, K] @ W^T (+ bias), float32 x
 //   yr_linear_T_q8(...)                          the same with x quantized to int8 per block of 32
 //   yr_task_linear_T(a = {x, w, bias|0, y, M, N, K, stride}, lo, hi)   rows [lo, hi), whole groups
-//   yr_task_linear_T_q8(a, lo, hi)               (M <= 16 for the float32 task)
+//                                                (M <= 16)
+//   yr_task_linear_T_q8(a = {buf, w, ...}, lo, hi)  the int8 form on x quantized into buf by
+//                                                library.cpp's yr_task_quantize_rows_q8
 //   yr_repack_T(src, dst, N, nb)                 plain q4_1 / q8_0 [N, nb blocks] -> T (whole groups;
 //                                                src and dst must not overlap)
 //   yr_dequant_T(src, dst, nblocks, nb)          rows [0, nblocks / nb) -> floats (whole groups)
