@@ -48,7 +48,7 @@ def test_rope_rows_equals_rope_at_each_position():
     torch.testing.assert_close(run, _compiled(_rope_graph(5, "rope"), [x, cos, sin, torch.tensor([4])])[0])
 
 
-def _rows_graph(T, window):
+def _rows_graph(T, window, Dh=Dh):
     g = yr.new_kernel_graph()
     q, k, v = g.new_input((T, Hq, Dh)), g.new_input((T, Hkv, Dh)), g.new_input((T, Hkv, Dh))
     kc, vc = g.new_input((4, S, Hkv, Dh)), g.new_input((4, S, Hkv, Dh))
@@ -57,7 +57,7 @@ def _rows_graph(T, window):
     return g
 
 
-def _single_graph(T, window):
+def _single_graph(T, window, Dh=Dh):
     g = yr.new_kernel_graph()
     q, k, v = g.new_input((T, Hq, Dh)), g.new_input((T, Hkv, Dh)), g.new_input((T, Hkv, Dh))
     kc, vc = g.new_input((S, Hkv, Dh)), g.new_input((S, Hkv, Dh))
@@ -67,22 +67,26 @@ def _single_graph(T, window):
 
 @pytest.mark.parametrize("window", [0, 4])
 @pytest.mark.parametrize("run", ["cpu", "triton-interpret", "reference"])
-def test_attention_rows_equals_attention_per_sequence(window, run):
+@pytest.mark.parametrize("head_dim", [Dh, 64])
+def test_attention_rows_equals_attention_per_sequence(window, run, head_dim):
     """A decode row (slot 0 at 9), a prefill chunk (slot 2 at 3..7), a decode row near the end
-    (slot 1 at 23) and a padding row (slot 3 at 0), against ``attention`` per sequence."""
+    (slot 1 at 23) and a padding row (slot 3 at 0), against ``attention`` per sequence; at head
+    dim 64 the C++ kernel computes each KV head's 3 query heads together (library.cpp
+    attention_row_group), at 10 one at a time."""
+    Dh = head_dim
     rows = [(0, 9), (2, 3), (2, 4), (2, 5), (2, 6), (2, 7), (1, 23), (3, 0)]
     T = len(rows)
     q, k, v = torch.randn(T, Hq, Dh), torch.randn(T, Hkv, Dh), torch.randn(T, Hkv, Dh)
     kc, vc = torch.randn(4, S, Hkv, Dh), torch.randn(4, S, Hkv, Dh)
     k0, v0 = kc.clone(), vc.clone()
     slots, pos = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
-    g = _rows_graph(T, window)
+    g = _rows_graph(T, window, Dh)
     inputs = [q, k, v, kc, vc, slots, pos]
     got = g.interpret(inputs)[0] if run == "reference" else g.compile(run).plan(inputs).run()[0]
     for slot in range(4):
         idx = [t for t, r in enumerate(rows) if r[0] == slot]
         sc, sv = k0[slot].clone(), v0[slot].clone()
-        want = _compiled(_single_graph(len(idx), window),
+        want = _compiled(_single_graph(len(idx), window, Dh),
                          [q[idx].clone(), k[idx].clone(), v[idx].clone(), sc, sv, torch.tensor([rows[idx[0]][1]])])[0]
         torch.testing.assert_close(got[idx], want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(kc[slot], sc, atol=0, rtol=0)   # same cache writes

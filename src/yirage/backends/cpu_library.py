@@ -679,8 +679,8 @@ def _attention_task(node, graph, args, out, status, num_workers):
 
 def _attention_rows_task(node, graph, args, out, status, num_workers):
     """yr_attention_rows as two ops: one task checks the slots and positions and writes the
-    rows' k, v into their slots; then (row, query head) pairs sliced over the workers, each
-    computed as yr_attention_rows computes it (the same results)."""
+    rows' k, v into their slots; then (row, KV head) pairs, each with its group's query heads,
+    sliced over the workers, each computed as yr_attention_rows computes it (the same results)."""
     q, k, v, kc, vc, slots, pos = args
     if q.dtype != torch.float32:
         return None
@@ -694,7 +694,7 @@ def _attention_rows_task(node, graph, args, out, status, num_workers):
                      (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), pos.data_ptr(), out.data_ptr(),
                       T, Hq, Hkv, Dh, num_slots, max_seq, _float_bits(node.attrs["scale"]),
                       node.attrs.get("window", 0)),
-                     split_range(T * Hq, 4 * num_workers))
+                     split_range(T * Hkv, 4 * num_workers))
     return [append, attend]
 
 

@@ -1585,20 +1585,13 @@ inline void attention_rows_append(const float* k, const float* v, KV* k_cache, K
     }
 }
 
-// ... and query head h of row t (th = t * Hq + h) over keys first_key(p, window) .. p of its
-// slot, kv head h / group: out = softmax(scale * q.k) @ v, the max subtracted first.
+// ... and the query heads of KV head kvh of row t (pair = t * Hkv + kvh; heads kvh * group ..
+// + group - 1) over keys first_key(p, window) .. p of its slot: out = softmax(scale * q.k) @ v,
+// the max subtracted first (defined below, with the grouped loops).
 template <typename KV>
-inline void attention_row_head(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* slots,
-                               const int64_t* positions, float* out, int64_t th, int64_t Hq, int64_t group,
-                               int64_t Dh, int64_t kv_row, int64_t slot_len, float scale, int64_t window) {
-    static thread_local std::vector<float> score_buf;
-    const int64_t t = th / Hq, h = th % Hq, kvh = h / group, p = positions[t];
-    const int64_t j0 = first_key(p, window);   // keys j0 .. p
-    const int64_t L = p + 1 - j0;
-    float* s = scratch(score_buf, (size_t)(L + VL));
-    const int64_t base = slots[t] * slot_len + kvh * Dh + j0 * kv_row;
-    attend_keys(q + th * Dh, k_cache + base, v_cache + base, kv_row, L, Dh, scale, s, out + th * Dh);
-}
+inline void attention_row_group(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* slots,
+                                const int64_t* positions, float* out, int64_t pair, int64_t Hq, int64_t Hkv,
+                                int64_t Dh, int64_t slot_len, float scale, int64_t window);
 
 }  // namespace
 
@@ -1611,7 +1604,8 @@ extern "C" {
 // call reports the first bad one). Then row t writes k[t], v[t] at cache[slots[t], positions[t]]
 // (in row order), and query head h of row t (p = positions[t]) attends keys
 // first_key(p, window) .. p of its slot, kv head h / (Hq / Hkv): out = softmax(scale * q.k) @ v,
-// max subtracted first. One (row, head) per work item, OpenMP dynamic schedule.
+// max subtracted first. One (row, KV head) per work item (its query heads together: each key
+// and value read and converted once for them), OpenMP dynamic schedule.
 // yr_attention_rows_f16kv: the same over float16 caches (as yr_attention_window_f16kv).
 }  // extern "C"
 
@@ -1629,11 +1623,9 @@ void attention_rows(const float* q, const float* k, const float* v, KV* k_cache,
     int64_t work = 0;
     for (int64_t t = 0; t < T; ++t) work += (positions[t] + 1 - first_key(positions[t], window)) * Hq * Dh;
     (void)work;  // read by the OpenMP if clause only
-    const int64_t group = Hq / Hkv;
 #pragma omp parallel for schedule(dynamic, 1) if (work >= PAR_MIN_MACS / 4)
-    for (int64_t th = 0; th < T * Hq; ++th)
-        attention_row_head(q, k_cache, v_cache, slots, positions, out, th, Hq, group, Dh, kv_row, slot_len, scale,
-                           window);
+    for (int64_t pair = 0; pair < T * Hkv; ++pair)
+        attention_row_group(q, k_cache, v_cache, slots, positions, out, pair, Hq, Hkv, Dh, slot_len, scale, window);
 }
 }  // namespace
 
@@ -1818,6 +1810,41 @@ inline void head_weighted(int nv, const float* p, const KV* v, int64_t ld, int64
             for (int64_t d = 0; d < Dh; ++d) o[d] *= c;
             for (int64_t j = 0; j < n; ++j) axpy(p[j], v + j * ld, o, Dh);
     }
+}
+
+template <typename KV>
+inline void attention_row_group(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* slots,
+                                const int64_t* positions, float* out, int64_t pair, int64_t Hq, int64_t Hkv,
+                                int64_t Dh, int64_t slot_len, float scale, int64_t window) {
+    static thread_local std::vector<float> score_buf;
+    const int64_t t = pair / Hkv, kvh = pair % Hkv, group = Hq / Hkv, p = positions[t], kv_row = Hkv * Dh;
+    const int64_t j0 = first_key(p, window);   // keys j0 .. p
+    const int64_t L = p + 1 - j0, ss = L + VL;
+    float* s = scratch(score_buf, (size_t)(group * ss));
+    const int64_t base = slots[t] * slot_len + kvh * Dh + j0 * kv_row;
+    const float* q0 = q + (t * Hq + kvh * group) * Dh;
+    float* o0 = out + (t * Hq + kvh * group) * Dh;
+    const int nv = head_vectors(Dh);
+    // the group's heads together where their accumulators fit in registers (the same sums, in
+    // the same order, as the one-head loops)
+#define YR_DOTS(NV, G) group_dots<NV, G>(q0, k_cache + base, kv_row, L, scale, s, ss)
+    const bool grouped = YR_GROUP_CASES(nv, group, YR_DOTS);
+#undef YR_DOTS
+    if (!grouped) {
+        for (int64_t g = 0; g < group; ++g)
+            attend_keys(q0 + g * Dh, k_cache + base, v_cache + base, kv_row, L, Dh, scale, s, o0 + g * Dh);
+        return;
+    }
+    float inv[4];   // YR_GROUP_CASES: G <= 4
+    for (int64_t g = 0; g < group; ++g) {
+        float* sg = s + g * ss;
+        inv[g] = 1.0f / exp_shifted_sum(sg, L, max_scores(sg, L, -INFINITY));
+    }
+#define YR_WEIGHTED(NV, G) group_weighted<NV, G>(s, ss, v_cache + base, kv_row, L, o0, Dh)
+    YR_GROUP_CASES(nv, group, YR_WEIGHTED);
+#undef YR_WEIGHTED
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < Dh; ++d) o0[g * Dh + d] *= inv[g];
 }
 
 // n cache rows (ld elements apart) as floats, with ld set to their row stride: a float cache's
@@ -2039,11 +2066,10 @@ void task_attention_rows(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t* positions = YR_ARG(4, const int64_t*);
     const int64_t T = a[6], Hq = a[7], Hkv = a[8], Dh = a[9], num_slots = a[10], max_seq = a[11];
     if (!rows_in_range(slots, T, num_slots, nullptr) || !rows_in_range(positions, T, max_seq, nullptr)) return;
-    const int64_t kv_row = Hkv * Dh;
-    for (int64_t th = lo; th < hi; ++th)
-        attention_row_head(YR_ARG(0, const float*), YR_ARG(1, const KV*), YR_ARG(2, const KV*), slots,
-                           positions, YR_ARG(5, float*), th, Hq, Hq / Hkv, Dh, kv_row, max_seq * kv_row,
-                           float_arg(a[12]), a[13]);
+    hi = std::min(hi, T * Hkv);
+    for (int64_t pair = std::max<int64_t>(lo, 0); pair < hi; ++pair)
+        attention_row_group(YR_ARG(0, const float*), YR_ARG(1, const KV*), YR_ARG(2, const KV*), slots, positions,
+                            YR_ARG(5, float*), pair, Hq, Hkv, Dh, max_seq * Hkv * Dh, float_arg(a[12]), a[13]);
 }
 }  // namespace
 
@@ -2053,7 +2079,7 @@ void yr_task_attention_rows_append(const int64_t* a, int64_t, int64_t) { task_at
 void yr_task_attention_rows_append_f16kv(const int64_t* a, int64_t, int64_t) { task_attention_rows_append<f16>(a); }
 
 // a = {q, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale bits, window};
-// [lo, hi): (row, query head) pairs t * Hq + h, as yr_attention_rows computes them (after the
+// [lo, hi): (row, KV head) pairs t * Hkv + kvh, as yr_attention_rows computes them (after the
 // append task). With a slot or position out of range (reported by the append task) nothing is
 // read or written.
 void yr_task_attention_rows(const int64_t* a, int64_t lo, int64_t hi) { task_attention_rows<float>(a, lo, hi); }
