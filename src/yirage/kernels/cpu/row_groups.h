@@ -188,11 +188,14 @@ inline void rg_rows_q8(const int8_t* xq, const float* dx, const float* sxq, int6
 }
 
 // ---- float32 x ----------------------------------------------------------------------------
-// x[K] -> xs[K] and sx[b] = sum of x over block b. q4_1 with AVX-512: xs[k] = x[k] * 2^-s(k),
-// s(k) = 8 * (k % 4) + 4 * (k % 32 >= 16), the power of two by which the masked quant of weight k
-// of a block stands above q (see the header); otherwise xs = x.
+// x[K] -> block b's 32 values at xs + b * ld and their sum at sx[b * ld / 32] (ld: 32 * the rows
+// interleaved block by block, so that a kernel addresses every x row of a block from one
+// pointer). q4_1 with AVX-512: the values are x[k] * 2^-s(k), s(k) = 8 * (k % 4) + 4 * (k % 32 >=
+// 16), the power of two by which the masked quant of weight k of a block stands above q (see the
+// header); otherwise x.
 template <class F>
-inline void rg_prescale(const float* x, int64_t K, float* xs, float* sx) {
+inline void rg_prescale(const float* x, int64_t K, float* xs, float* sx, int64_t ld) {
+    const int64_t lds = ld / QK;
 #if defined(YR_AVX512)
     // 2^-s(k) for k = 0..31 (exact powers of two), made once
     struct Scales {
@@ -205,18 +208,18 @@ inline void rg_prescale(const float* x, int64_t K, float* xs, float* sx) {
     const __m512 s0 = _mm512_load_ps(sc.v), s1 = _mm512_load_ps(sc.v + 16);
     for (int64_t b = 0; b < K / QK; ++b) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        _mm512_storeu_ps(xs + b * QK, _mm512_mul_ps(v0, s0));
-        _mm512_storeu_ps(xs + b * QK + 16, _mm512_mul_ps(v1, s1));
-        sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        _mm512_storeu_ps(xs + b * ld, _mm512_mul_ps(v0, s0));
+        _mm512_storeu_ps(xs + b * ld + 16, _mm512_mul_ps(v1, s1));
+        sx[b * lds] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     }
 #else
     for (int64_t b = 0; b < K / QK; ++b) {
         float s = 0.0f;
         for (int k = 0; k < QK; ++k) {
-            xs[b * QK + k] = x[b * QK + k];
+            xs[b * ld + k] = x[b * QK + k];
             s += x[b * QK + k];
         }
-        sx[b] = s;
+        sx[b * lds] = s;
     }
 #endif
 }
@@ -233,11 +236,12 @@ inline __m512 rg_q8_0_weights(__m512i v, int t) {
 }
 #endif
 
-// y[m][16 rows] (+ bias) for MT (<= 8) x rows (xs, sx from rg_prescale; row m at xs + m * K,
-// sx + m * nb) on the group at u.
+// y[m][16 rows] (+ bias) for MT (<= 8) x rows (xs, sx from rg_prescale with the stride ld: row
+// m's block b at xs + b * ld + 32 * m, its sum at sx[b * ld / 32 + m]) on the group at u.
 template <class F, int MT>
-inline void rg_rows_f32(const float* xs, const float* sx, int64_t K, const uint8_t* u, int64_t nb,
+inline void rg_rows_f32(const float* xs, const float* sx, int64_t ld, const uint8_t* u, int64_t nb,
                         const float* bias, float* y, int64_t ldy) {
+    const int64_t lds = ld / QK;
 #if defined(YR_AVX512)
     // C independent sums per x row and block (the 32 FMAs of a block are a dependent chain
     // otherwise: 4 cycles each, which bound one x row to ~2.5 bytes per cycle)
@@ -249,7 +253,7 @@ inline void rg_rows_f32(const float* xs, const float* sx, int64_t K, const uint8
         __m512 acc[MT][C];
         for (int i = 0; i < MT; ++i)
             for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-        const float* xb = xs + b * QK;
+        const float* xb = xs + b * ld;   // row i's block: xb + 32 * i (one base register for all)
         constexpr int J = F::FIELDS == 2 ? 4 : 8;   // 64-byte rows of quants per unit
         for (int j = 0; j < J; ++j) {
             const __m512i v = _mm512_loadu_si512(u + rg_qs<F>(j, 0));
@@ -258,14 +262,14 @@ inline void rg_rows_f32(const float* xs, const float* sx, int64_t K, const uint8
                     const __m512 wl = rg_q4_1_weights(v, t, false), wh = rg_q4_1_weights(v, t, true);
                     for (int i = 0; i < MT; ++i) {
                         __m512& a = acc[i][j % C];
-                        a = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[i * K + 4 * j + t]), a);
-                        a = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[i * K + 16 + 4 * j + t]), a);
+                        a = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[i * QK + 4 * j + t]), a);
+                        a = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[i * QK + 16 + 4 * j + t]), a);
                     }
                 } else {
                     const __m512 w = rg_q8_0_weights(v, t);
                     for (int i = 0; i < MT; ++i) {
                         __m512& a = acc[i][j % C];
-                        a = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[i * K + 4 * j + t]), a);
+                        a = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[i * QK + 4 * j + t]), a);
                     }
                 }
             }
@@ -277,7 +281,7 @@ inline void rg_rows_f32(const float* xs, const float* sx, int64_t K, const uint8
             tot[i] = _mm512_fmadd_ps(d, a, tot[i]);
             if constexpr (F::FIELDS == 2) {
                 const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32)));
-                tot[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), tot[i]);
+                tot[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[b * lds + i]), tot[i]);
             }
         }
     }
@@ -293,7 +297,7 @@ inline void rg_rows_f32(const float* xs, const float* sx, int64_t K, const uint8
             float w[QK];
             rg_dequant_block<F>(u, r, w);
             for (int i = 0; i < MT; ++i) {
-                const float* xb = xs + i * K + b * QK;
+                const float* xb = xs + b * ld + i * QK;
                 float t = 0.0f;
                 for (int k = 0; k < QK; ++k) t += w[k] * xb[k];
                 s[i][r] += t;
@@ -322,11 +326,11 @@ void rg_linear_f32(const float* x, const uint8_t* w, const float* bias, float* y
     static thread_local std::vector<float> buf;
     float* xs = scratch(buf, (size_t)(M * (K + nb) + 1));
     float* sx = xs + M * K;
-    for (int64_t m = 0; m < M; ++m) rg_prescale<F>(x + m * K, K, xs + m * K, sx + m * nb);
+    for (int64_t m = 0; m < M; ++m) rg_prescale<F>(x + m * K, K, xs + m * QK, sx + m, M * QK);
     groups(w, rb, [&](int64_t n0, int r) {
         if (!rg_whole_group(n0, r)) return;
         for (int64_t m0 = 0; m0 < M; m0 += 8) {   // the group's bytes stay in L1 across the passes
-#define YR_CALL(R) rg_rows_f32<F, R>(xs + m0 * K, sx + m0 * nb, K, w + n0 * rb, nb, bias ? bias + n0 : nullptr, \
+#define YR_CALL(R) rg_rows_f32<F, R>(xs + m0 * QK, sx + m0, M * QK, w + n0 * rb, nb, bias ? bias + n0 : nullptr, \
                                      y + m0 * N + n0, N)
             YR_RG_ROWS((int)std::min<int64_t>(8, M - m0), YR_CALL)
 #undef YR_CALL
