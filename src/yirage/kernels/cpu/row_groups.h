@@ -111,7 +111,7 @@ inline void rg_dequant_block(const uint8_t* unit, int r, float* out) {
 inline bool rg_whole_group(int64_t n0, int r) { return n0 % RG_ROWS == 0 && r == RG_ROWS; }
 
 // ---- int8 x -------------------------------------------------------------------------------
-// y[i][16 rows] (+ bias) of the group at u (its first unit) for MT (<= 4) x rows quantized by
+// y[i][16 rows] (+ bias) of the group at u (its first unit) for MT (<= 8) x rows quantized by
 // quantize_blocks_q8 (row i: xq + i * K, dx and sxq + i * nb): each unit's quants are loaded and
 // unpacked once for the MT rows (continuous batching's decode steps). q8_0 with VNNI: xq holds
 // x + 128 as unsigned bytes (rg_vnni_operand), vpdpbusd's unsigned operand.
@@ -120,12 +120,16 @@ inline void rg_rows_q8(const int8_t* xq, const float* dx, const float* sxq, int6
                        const float* bias, float* y, int64_t ldy) {
 #if defined(YR_RG_VNNI)
     const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
-    __m512 acc[MT], macc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = macc[i] = _mm512_setzero_ps();
+    // S integer sums per x row and unit: with fewer than 8 rows one chain of vpdpbusd per row
+    // would wait on its latency (the sums are exact, so any S gives the same results)
+    constexpr int S = MT >= 8 ? 1 : 2;
+    __m512 acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, u += F::UNIT) {
         for (int l = 0; l < F::UNIT; l += 64) _mm_prefetch(reinterpret_cast<const char*>(u) + RG_PREFETCH + l, _MM_HINT_T0);
-        __m512i s0[MT], s1[MT];
-        for (int i = 0; i < MT; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+        __m512i s[MT][S];
+        for (int i = 0; i < MT; ++i)
+            for (int c = 0; c < S; ++c) s[i][c] = _mm512_setzero_si512();
         // x's 4-byte groups, each broadcast straight from memory: a load-port uop, where a
         // broadcast from a general register takes the vector port vpdpbusd needs (M = 4 / 16
         // rows: 1.4x / 1.15x)
@@ -136,32 +140,33 @@ inline void rg_rows_q8(const int8_t* xq, const float* dx, const float* sxq, int6
                 const __m512i v = _mm512_loadu_si512(u + rg_qs<F>(j, 0));
                 const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 for (int i = 0; i < MT; ++i) {
-                    s0[i] = _mm512_dpbusd_epi32(s0[i], lo, x4(i, j));       // quants 4j..
-                    s1[i] = _mm512_dpbusd_epi32(s1[i], hi, x4(i, 4 + j));   // 16+4j..
+                    s[i][0] = _mm512_dpbusd_epi32(s[i][0], lo, x4(i, j));           // quants 4j..
+                    s[i][S - 1] = _mm512_dpbusd_epi32(s[i][S - 1], hi, x4(i, 4 + j));   // 16+4j..
                 }
             }
         } else {   // q8_0: (x + 128) unsigned times signed q, minus 128 * sum(q)
             for (int j = 0; j < 8; ++j) {
                 const __m512i v = _mm512_loadu_si512(u + rg_qs<F>(j, 0));
                 sq = _mm512_dpbusd_epi32(sq, ones, v);
-                for (int i = 0; i < MT; ++i) s0[i] = _mm512_dpbusd_epi32(s0[i], x4(i, j), v);
+                for (int i = 0; i < MT; ++i) s[i][j % S] = _mm512_dpbusd_epi32(s[i][j % S], x4(i, j), v);
             }
             sq = _mm512_slli_epi32(sq, 7);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u)));
         for (int i = 0; i < MT; ++i) {
-            const __m512i s = F::FIELDS == 2 ? _mm512_add_epi32(s0[i], s1[i]) : _mm512_sub_epi32(s0[i], sq);
-            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[i * nb + b])), _mm512_cvtepi32_ps(s), acc[i]);
+            __m512i si = S == 2 ? _mm512_add_epi32(s[i][0], s[i][S - 1]) : s[i][0];
+            if constexpr (F::FIELDS == 1) si = _mm512_sub_epi32(si, sq);
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[i * nb + b])), _mm512_cvtepi32_ps(si), acc[i]);
             if constexpr (F::FIELDS == 2) {
                 const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32)));
-                macc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxq[i * nb + b]), macc[i]);
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxq[i * nb + b]), acc[i]);
             }
         }
     }
     for (int i = 0; i < MT; ++i) {
-        __m512 s = _mm512_add_ps(acc[i], macc[i]);
-        if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias));
-        _mm512_storeu_ps(y + i * ldy, s);
+        __m512 r = acc[i];
+        if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias));
+        _mm512_storeu_ps(y + i * ldy, r);
     }
 #else
     for (int i = 0; i < MT; ++i) {
@@ -308,7 +313,7 @@ inline void rg_rows_f32(const float* xs, const float* sx, int64_t ld, const uint
 #endif
 }
 
-// Calls rg_rows_f32<F, R> for R = r (1..8).
+// Calls CALL(R) for R = r (1..8): rg_rows_f32 / rg_rows_q8 on R x rows.
 #define YR_RG_ROWS(r, CALL) \
     switch (r) { case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; \
                  case 5: CALL(5); break; case 4: CALL(4); break; case 3: CALL(3); break; \
@@ -366,15 +371,10 @@ void rg_linear_q8(const QuantizedRows& q, const uint8_t* w, const float* bias, f
     const int8_t* xq = rg_vnni_operand<F>(q.xq, M * K);
     groups(w, rb, [&](int64_t n0, int r) {
         if (!rg_whole_group(n0, r)) return;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {   // 4 x rows per pass over the group (in L1 after the first)
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {   // 8 x rows per pass over the group (in L1 after the first)
 #define YR_CALL(R) rg_rows_q8<F, R>(xq + m0 * K, q.dx + m0 * nb, q.sxq + m0 * nb, K, w + n0 * rb, nb, \
                                     bias ? bias + n0 : nullptr, y + m0 * N + n0, N)
-            switch ((int)std::min<int64_t>(4, M - m0)) {
-                case 4: YR_CALL(4); break;
-                case 3: YR_CALL(3); break;
-                case 2: YR_CALL(2); break;
-                default: YR_CALL(1);
-            }
+            YR_RG_ROWS((int)std::min<int64_t>(8, M - m0), YR_CALL)
 #undef YR_CALL
         }
     });
