@@ -485,6 +485,21 @@ def test_argmax_special_values(lib):
     out = torch.empty(5, dtype=torch.int64)
     lib.yr_argmax(_ptr(x), _ptr(out), 5, 3)
     assert out.tolist() == torch.argmax(x, dim=-1).tolist()
+    # rows wide enough for the SIMD loop (whole vectors, then a tail of 5): a NaN in a vector
+    # or in the tail, two NaNs, signed zeros, -inf throughout, the maximum only in the tail
+    D = 101
+    w = torch.randn(8, D)
+    w[0, 37] = math.nan
+    w[1, 99] = math.nan
+    w[2, 70], w[2, 20] = math.nan, math.nan
+    w[3] = -0.0
+    w[3, 50] = 0.0
+    w[4] = -math.inf
+    w[5, 100] = 1e30
+    w[6, 3], w[6, 90] = math.inf, math.inf
+    out = torch.empty(8, dtype=torch.int64)
+    lib.yr_argmax(_ptr(w), _ptr(out), 8, D)
+    assert out.tolist() == torch.argmax(w, dim=-1).tolist()
 
 
 # ---------------------------------------------------------------------------------------
