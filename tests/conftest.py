@@ -5,6 +5,7 @@ here, before any test module imports triton (the flag is read when a kernel is d
 XDG_CONFIG_HOME points at an empty temporary directory, so that no test reads the user config
 file of whoever runs the suite (``yirage set``).
 """
+import contextlib
 import os
 import signal
 import sys
@@ -112,27 +113,44 @@ def lib(request):
     return _lib_variant(request.param)
 
 
-def _lib_variant(name: str):
-    """The library build ``name`` (native, avx2, avxvnni, avx512, scalar); skips where the CPU cannot run it."""
+def _variant_unavailable(name: str) -> str | None:
+    """Why this machine cannot run the library build ``name``, or None."""
     import platform
+
+    if name != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
+        return "ISA variants are only built on x86-64"
+    if name in ("avx2", "avxvnni") and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        return "CPU lacks AVX2/FMA/F16C"
+    if name == "avxvnni" and "avx_vnni" not in _cpu_flags():
+        return "CPU lacks AVX-VNNI"
+    if name == "avx512" and not {"avx512f", "avx512bw", "f16c"} <= _cpu_flags():
+        return "CPU lacks AVX-512F/BW"
+    return None
+
+
+def _lib_variant(name: str):
+    """The library build ``name`` (native, avx2, avxvnni, avx512, scalar); skips where the CPU
+    cannot run it. The first ISA variant asked for builds every variant this machine runs, two
+    compilers at a time (4 builds of 14-28 s each on 2 cores, one after another before)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from yirage.backends.cpu_library import bind_signatures, library
     from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
 
-    if name != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("ISA variants are only built on x86-64")
-    if name in ("avx2", "avxvnni") and not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        pytest.skip("CPU lacks AVX2/FMA/F16C")
-    if name == "avxvnni" and "avx_vnni" not in _cpu_flags():
-        pytest.skip("CPU lacks AVX-VNNI")
-    if name == "avx512" and not {"avx512f", "avx512bw", "f16c"} <= _cpu_flags():
-        pytest.skip("CPU lacks AVX-512F/BW")
+    reason = _variant_unavailable(name)
+    if reason:
+        pytest.skip(reason)
+    if name == "native" and name not in _LIB_VARIANTS:
+        _LIB_VARIANTS[name] = library()
     if name not in _LIB_VARIANTS:
-        if name == "native":
-            _LIB_VARIANTS[name] = library()
-        else:
-            flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[name]
-            _LIB_VARIANTS[name] = bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
+        todo = [v for v in _LIB_VARIANT_FLAGS if v not in _LIB_VARIANTS and not _variant_unavailable(v)]
+
+        def build(v):
+            flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[v]
+            return bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            _LIB_VARIANTS.update(zip(todo, pool.map(build, todo)))
     return _LIB_VARIANTS[name]
 
 
@@ -156,6 +174,36 @@ def smollm():
     return yr.LLM("smollm2-135m-instruct", backend="cpu", max_seq_length=512)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While transformers loads a GGUF reference (``gguf_file=``): gguf-py's ``GGUFReader``
+    memoized per file (path, size, mtime). transformers parses the whole file for the config,
+    again for the weights and again for the tokenizer; for a 262K-token vocabulary each parse
+    takes ~19 s of Python. The reader is read-only, so sharing it changes nothing but time."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.fspath(path), mode, st.st_size, st.st_mtime_ns)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+@pytest.fixture(scope="session")
+def gguf_once():
+    """``gguf_parsed_once`` for test modules: ``with gguf_once(): AutoModel...(gguf_file=...)``."""
+    return gguf_parsed_once
+
+
 @pytest.fixture(scope="session")
 def hf_smollm():
     """transformers' reference: the same GGUF loaded by transformers, dequantized to float32."""
@@ -163,7 +211,8 @@ def hf_smollm():
     from yirage.models.registry import resolve_model
 
     path = resolve_model("smollm2-135m-instruct").path
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 
 

@@ -31,12 +31,13 @@ def gemma():
 
 
 @pytest.fixture(scope="module")
-def hf_gemma():
+def hf_gemma(gguf_once):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model("gemma3-270m").path
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_once():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tok
 
 
