@@ -26,10 +26,11 @@
 //
 // Kernels (AVX-512, with VNNI for int8 x; every other build runs the scalar forms on the rebuilt
 // blocks, and yr_row_groups_native() tells the model not to repack there):
-// - int8 x (compute_dtype='int8'): as library.cpp gemv_q8_act, x quantized per block of 32, the
-//   integer sums exact: per unit one vpdpbusd per 64 bytes of quants (q8_0: x + 128 as the unsigned
-//   operand, then 128 * sum(q) subtracted, summed by a second vpdpbusd), one int->float
-//   conversion, the scale terms as 16-lane FMAs.
+// - int8 x (compute_dtype='int8'): as library.cpp gemv_q8_act, x quantized per block of 32 (the
+//   task forms read it from the buffer an op of its own fills, once per projection), the integer
+//   sums exact: per unit and x row one vpdpbusd per 64 bytes of quants, each unit unpacked once per
+//   8 x rows (q8_0: x + 128 as the unsigned operand, then 128 * sum(q) subtracted, summed by a
+//   second vpdpbusd), one int->float conversion, the scale terms as 16-lane FMAs.
 // - float32 x, 1 .. 16 rows of x (decode, continuous batching's steps): each quant converted in
 //   place, 16 rows per vector, and multiplied by x[k] broadcast. q4_1: the nibbles masked ((v &
 //   (15 << s)) = q * 2^s for s = 8t or 8t + 4, converted exactly by vcvtudq2ps) against x[k] * 2^-s
