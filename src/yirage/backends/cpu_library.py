@@ -594,20 +594,25 @@ def _linear_task(node, graph, args, out, status, num_workers):
     stride = num_workers * (ranges[0][1] - ranges[0][0]) if len(ranges) > num_workers else 0
     quantize = []
     if compute == "int8":
-        quantize = [_quantize_rows_task(x, M, K, num_workers)]
-        x = quantize[0].keep[0]
+        quantize = _quantize_rows_task(x, M, K, num_workers)
+        if quantize is None:
+            return None
+        x, quantize = quantize.keep[0], [quantize]
     # One token (a GEMV): each task writes y[lo:hi] only, so it may be redone elsewhere.
     return [*quantize, task_op(f"linear {wt.dtype.value} {N}x{K}", _fn(fn),
                                (x.data_ptr(), w.data_ptr(), _ptr(bias) or 0, out.data_ptr(), M, N, K, stride),
-                               ranges, redo_arg=3 if M == 1 else -1, elem=4, keep=[x])]
+                               ranges, redo_arg=3 if M == 1 else -1, elem=4, keep=[x] if quantize else [])]
 
 
-def _quantize_rows_task(x: torch.Tensor, M: int, K: int, num_workers: int) -> TaskOp:
+def _quantize_rows_task(x: torch.Tensor, M: int, K: int, num_workers: int) -> TaskOp | None:
     """The op that quantizes x [M, K] float32 per block of 32 (``compute_dtype='int8'``) into a
     buffer of its own (``keep[0]``, uint8) that the int8 linear's tasks read: once per linear,
-    where each task had quantized all of x (12-15% of a 16-row int8 step on 2 cores)."""
+    where each task had quantized all of x (12-15% of a 16-row int8 step on 2 cores). None for
+    sizes the buffer cannot hold (K not a multiple of 32: the IR refuses those)."""
     nbytes = torch.zeros(1, dtype=torch.int64)
     library().yr_quantized_rows_bytes(M, K, nbytes.data_ptr())
+    if nbytes[0] <= 0:
+        return None
     buf = torch.empty(int(nbytes[0]), dtype=torch.uint8)
     blocks = M * K // 32
     return task_op(f"quantize rows {M}x{K}", _fn("yr_task_quantize_rows_q8"), (x.data_ptr(), buf.data_ptr(), M, K),

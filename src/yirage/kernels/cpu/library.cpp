@@ -927,10 +927,7 @@ int64_t argmax_row(const float* x, int64_t D) {
         int64_t i = 0;
         for (; i + 2 * VL <= D; i += 2 * VL) {
             const vf a = vload(x + i), b = vload(x + i + VL);
-            if (nan_lanes(a) | (nan_lanes(b) << VL)) {
-                const uint32_t n = nan_lanes(a) | (nan_lanes(b) << VL);
-                return i + __builtin_ctz(n);
-            }
+            if (const uint32_t n = nan_lanes(a) | (nan_lanes(b) << VL)) return i + __builtin_ctz(n);
             m[0] = vmax(m[0], a), m[1] = vmax(m[1], b);
         }
         float bv = vhmax(vmax(m[0], m[1]));
