@@ -111,6 +111,15 @@ inline void rg_dequant_block(const uint8_t* unit, int r, float* out) {
 // Rows [n0, n0 + 16) of group n0 / 16 (a whole group inside N) or nothing.
 inline bool rg_whole_group(int64_t n0, int r) { return n0 % RG_ROWS == 0 && r == RG_ROWS; }
 
+#if defined(YR_AVX512)
+// y[i][0:16] = v[i] (+ bias[0:16]) for the MT x rows of a group (the kernels' last step).
+template <int MT>
+inline void rg_store_rows(const __m512* v, const float* bias, float* y, int64_t ldy) {
+    for (int i = 0; i < MT; ++i)
+        _mm512_storeu_ps(y + i * ldy, bias ? _mm512_add_ps(v[i], _mm512_loadu_ps(bias)) : v[i]);
+}
+#endif
+
 // ---- int8 x -------------------------------------------------------------------------------
 // y[i][16 rows] (+ bias) of the group at u (its first unit) for MT (<= 8) x rows quantized by
 // quantize_blocks_q8 (row i: xq + i * K, dx and sxq + i * nb): each unit's quants are loaded and
@@ -164,11 +173,7 @@ inline void rg_rows_q8(const int8_t* xq, const float* dx, const float* sxq, int6
             }
         }
     }
-    for (int i = 0; i < MT; ++i) {
-        __m512 r = acc[i];
-        if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias));
-        _mm512_storeu_ps(y + i * ldy, r);
-    }
+    rg_store_rows<MT>(acc, bias, y, ldy);
 #else
     for (int i = 0; i < MT; ++i) {
         float s[RG_ROWS] = {};
@@ -294,11 +299,7 @@ inline void rg_rows_f32(const float* xs, const float* sx, int64_t ld, const uint
             }
         }
     }
-    for (int i = 0; i < MT; ++i) {
-        __m512 s = tot[i];
-        if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias));
-        _mm512_storeu_ps(y + i * ldy, s);
-    }
+    rg_store_rows<MT>(tot, bias, y, ldy);
 #else
     float s[MT][RG_ROWS] = {};
     for (int64_t b = 0; b < nb; ++b, u += F::UNIT)
