@@ -66,3 +66,37 @@ def test_missing_compiler_says_how_to_install(fresh_cache):
     env = {"CXX": "/nonexistent/g++", "YIRAGE_CACHE_DIR": str(fresh_cache), "PATH": "/usr/bin:/bin", **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "ERR no C++ compiler found" in out.stdout and "apt-get install g++" in out.stdout
+
+
+def test_kernels_digest_follows_the_kernel_sources(tmp_path, monkeypatch):
+    """The tuning profile's key carries this digest: it must change with any kernel source (C++
+    or Triton) and with nothing else in the package (build outputs, caches)."""
+    from importlib import resources
+
+    from yirage.tuning import profile as tuning
+
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "cpu" / "library.cpp").write_text("int a;\n")
+    (tmp_path / "cpu" / "tiles.h").write_text("int b;\n")
+    (tmp_path / "triton" / "gemm.py").write_text("x = 1\n")
+    monkeypatch.setattr(resources, "files", lambda pkg: tmp_path)
+
+    def digest():
+        toolchain.kernels_digest.cache_clear()
+        return toolchain.kernels_digest()
+    try:
+        first = digest()
+        (tmp_path / "triton" / "gemm.pyc").write_bytes(b"\0")
+        (tmp_path / "cpu" / "notes.txt").write_text("not a source")
+        assert digest() == first
+        seen = {first}
+        for name, text in (("cpu/tiles.h", "int c;\n"), ("triton/gemm.py", "x = 2\n"), ("cpu/extra.cpp", "")):
+            (tmp_path / name).write_text(text)
+            seen.add(digest())
+        assert len(seen) == 4
+        tuning.machine_key.cache_clear()
+        assert tuning.machine_identity()["kernels"] == digest()[:16]
+    finally:
+        toolchain.kernels_digest.cache_clear()
+        tuning.machine_key.cache_clear()

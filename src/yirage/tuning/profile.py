@@ -11,10 +11,10 @@ the machine at hand and kept (TorchInductor's ``select_algorithm`` does the same
   two <= M), N, K and the thread count, e.g. ``linear|float32|m512|n1536|k384|t2``.
 - The *profile* holds, per shape class, every provider's measured median seconds and the
   choice. It lives in ``$YIRAGE_CACHE_DIR/tuning/<machine key>.json``, the machine key being a
-  hash of the CPU model, its ISA flags, the torch/MKL/oneDNN versions and yirage's version
-  (``runtime.machine``), so a profile is never read on a machine or a library it was not
-  measured with. ``yirage optimize`` writes ``<machine key>.optimize.json``; ``--apply``
-  merges it into the profile.
+  hash of the CPU model, its ISA flags, the torch/MKL/oneDNN versions, yirage's version and a
+  digest of its kernel sources (``runtime.machine``, ``runtime.toolchain``), so a profile is
+  never read on a machine, a library or a kernel it was not measured with. ``yirage optimize``
+  writes ``<machine key>.optimize.json``; ``--apply`` merges it into the profile.
 - *Templates* (``tuning/templates/*.json``, shipped) are profiles measured on real machines,
   each saying where; a template whose ``match`` fits this CPU answers for the shape classes
   this machine's own profile has not measured yet.
@@ -45,6 +45,7 @@ from ..config import cache_subdir, logger
 from ..errors import YirageError
 from ..runtime import timing
 from ..runtime.machine import all_isa_flags, cpu_generation, cpu_model_name, library_versions, usable_cpu_count
+from ..runtime.toolchain import kernels_digest
 
 FORMAT = 1
 #: seconds a first-use measurement of one shape class may take (at least 3 rounds are taken)
@@ -77,12 +78,14 @@ def shape_class(op: str, dtype: str, m: int, n: int, k: int, threads: int) -> st
 def machine_identity() -> dict:
     """What a profile is valid for: CPU model and generation (x86 family/model: a virtual
     machine may call Zen 4 and Zen 5 both "AMD EPYC"), ISA flags, torch/MKL/oneDNN and yirage
-    versions."""
+    versions, and a digest of yirage's kernel sources (a changed kernel is measured again:
+    choices made against its older self would stand otherwise)."""
     from .. import __version__
 
     v = library_versions()
     return {"cpu": cpu_model_name(), "cpu_generation": cpu_generation(), "isa": all_isa_flags(),
-            "torch": v["torch"], "mkl": v["mkl"], "onednn": v["onednn"], "yirage": __version__}
+            "torch": v["torch"], "mkl": v["mkl"], "onednn": v["onednn"], "yirage": __version__,
+            "kernels": kernels_digest()[:16]}
 
 
 @functools.lru_cache(maxsize=1)
