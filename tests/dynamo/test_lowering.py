@@ -265,3 +265,51 @@ def test_layer_norm_with_used_statistics_stays_torch():
     torch.testing.assert_close(out, fn(x))
     reasons = {t.op: t.reason for r in be.reports for t in r.torch_ops}
     assert "mean/rstd outputs are used" in reasons["aten.native_layer_norm.default"]
+
+
+class _Conv1D(torch.nn.Module):
+    """GPT-2's Conv1D: ``addmm(bias, x.view(-1, K), w).view(..., N)`` with w [K, N]."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(torch.randn(k, n) * 0.1), torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        y = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return y.view(x.size()[:-1] + (self.weight.size(1),))
+
+
+@pytest.mark.parametrize("proj", ["linear", "conv1d"])
+def test_gemm_on_3d_rows_keeps_its_shape_for_the_epilogue(proj, monkeypatch):
+    """nn.Linear / Conv1D on [batch, seq, K] decompose to view -> GEMM -> view: the GEMM runs on
+    the 3-d rows, so no reshape stands between it and the GELU after it (which the CPU backend
+    fuses into the GEMM's epilogue); a GEMM whose 2-d result has another reader keeps it."""
+    from yirage.dynamo import cache
+    from yirage.kernel import KNGraph
+
+    graphs = []
+    real_store = cache.store
+    monkeypatch.setattr(cache, "store", lambda k, entry: (graphs.append(KNGraph.from_json(entry.graph)),
+                                                           real_store(k, entry)))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 32) if proj == "linear" else _Conv1D(16, 32)
+    model = torch.nn.Sequential(layer, torch.nn.GELU(approximate="tanh")).eval()
+    x = torch.randn(2, 5, 16)
+    torch._dynamo.reset()
+    out, _ = _compile_run(model, [x], cache_dir=None)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), **TOL)
+    (g,) = graphs
+    (lin,) = [n for n in g.ops if n.op == "linear"]
+    assert g.tensors[lin.output].shape == (2, 5, 32)
+    assert not [n for n in g.ops if n.op == "reshape" and lin.output in n.inputs]
+
+    def two_readers(x):   # the 2-d result is read twice: the GEMM stays on 2-d rows
+        y = torch.addmm(layer.bias, x.view(-1, 16), layer.weight if proj == "conv1d" else layer.weight.t())
+        return F.gelu(y.view(2, 5, 32)), y.sum(0)
+    graphs.clear()
+    torch._dynamo.reset()
+    out, _ = _compile_run(two_readers, [x])
+    with torch.no_grad():
+        for got, want in zip(out, two_readers(x)):
+            torch.testing.assert_close(got, want, **TOL)

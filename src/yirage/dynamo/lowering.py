@@ -469,7 +469,10 @@ _layout_check = _all_of(_no_kwargs(), lambda n: _tensors_ok(n, dtypes=LAYOUT_DTY
 
 @lowers(aten.view.default, aten._unsafe_view.default, check=_layout_check)
 def _reshape(e, node):
-    return e.g.reshape(e[node.args[0]], tuple(_val(node).shape))
+    src, shape = e[node.args[0]], tuple(_val(node).shape)
+    if tuple(src.shape) == shape != tuple(getattr(_val(node.args[0]), "shape", shape)):
+        return src   # a GEMM gave its rows this shape already (_rows_source)
+    return e.g.reshape(src, shape)
 
 
 #: ops that only change the shape: they do not count towards ``min_block_size``
@@ -942,19 +945,46 @@ def _ranks(*ranks):
     return check
 
 
-def _gemm(e, x, w, bias=None, layout: str = "nk") -> DTensor:
-    """A ``linear``; float32 ones compute in ``e.gemm_dtype`` (the ``dtype`` option) when set."""
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _rows_source(x, node):
+    """``y`` when the GEMM ``node`` multiplies ``x = view(y, [rows, K])`` of an N-d ``y`` and its
+    only user views the [rows, N] result back to ``y``'s leading dims (what the decompositions
+    make of ``nn.Linear`` or GPT-2's Conv1D on [batch, seq, K]), else None. The GEMM then runs
+    on ``y`` and gives the N-d result itself, which ``_reshape`` passes on: no reshape step stands
+    between it and the row kernel after it, which the backend fuses into the GEMM's epilogue.
+    Static dims only (no guards)."""
+    if not (isinstance(x, Node) and x.target in _VIEWS and isinstance(x.args[0], Node)):
+        return None
+    y, users = x.args[0], list(node.users)
+    yv, xv, ov = _val(y), _val(x), _val(node)
+    if (len(users) != 1 or users[0].target not in _VIEWS or not isinstance(yv, torch.Tensor)
+            or not isinstance(ov, torch.Tensor) or yv.dim() < 3 or xv.dim() != 2 or ov.dim() != 2):
+        return None
+    dims = (*yv.shape, *xv.shape, *ov.shape, *_val(users[0]).shape)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    if yv.shape[-1] != xv.shape[-1] or tuple(_val(users[0]).shape) != (*yv.shape[:-1], ov.shape[-1]):
+        return None
+    return y
+
+
+def _gemm(e, x, w, bias=None, layout: str = "nk", node=None) -> DTensor:
+    """A ``linear``; float32 ones compute in ``e.gemm_dtype`` (the ``dtype`` option) when set.
+    ``node``: the GEMM's FX node, to run it on the N-d rows of ``x`` (``_rows_source``)."""
     compute = e.gemm_dtype if (e.gemm_dtype and _val(x).dtype == torch.float32
                                and _val(w).dtype == torch.float32) else None
-    return e.g.linear(e[x], e[w], e[bias] if bias is not None else None, compute_dtype=compute,
-                      weight_layout=layout)
+    rows = _rows_source(x, node) if node is not None else None
+    return e.g.linear(e[x if rows is None else rows], e[w], e[bias] if bias is not None else None,
+                      compute_dtype=compute, weight_layout=layout)
 
 
 @lowers(aten.mm.default, check=_all_of(_no_kwargs(), _tensors_ok, _ranks(2, 2)))
 def _mm(e, node):
     """x @ w as a ``linear`` with a [K, N] weight (``weight_layout='kn'``): the backend's GEMM
     providers, prepacked when w is a frozen weight (GPT-2's Conv1D)."""
-    return _gemm(e, node.args[0], node.args[1], layout="kn")
+    return _gemm(e, node.args[0], node.args[1], layout="kn", node=node)
 
 
 @lowers(aten.bmm.default, check=_all_of(_no_kwargs(), _tensors_ok, _ranks(3, 3)))
@@ -976,7 +1006,7 @@ def _addmm(e, node):
     bias, a, b = node.args[:3]
     bv, av = _val(bias), _val(a)
     if bv.dim() == 1 and bv.dtype == av.dtype:
-        return _gemm(e, a, b, bias, layout="kn")
+        return _gemm(e, a, b, bias, layout="kn", node=node)
     return e.g.add(e.g.matmul(e[a], e[b]), e[bias])
 
 
@@ -991,7 +1021,7 @@ def _check_linear(node):
 @lowers(aten.linear.default, check=_check_linear)
 def _linear(e, node):
     x, w = node.args[:2]
-    return _gemm(e, x, w, node.args[2] if len(node.args) > 2 else None)
+    return _gemm(e, x, w, node.args[2] if len(node.args) > 2 else None, node=node)
 
 
 def rewrite_linear(gm: GraphModule) -> int:
