@@ -280,7 +280,7 @@ class _Conv1D(torch.nn.Module):
 
 
 @pytest.mark.parametrize("proj", ["linear", "conv1d"])
-def test_gemm_on_3d_rows_keeps_its_shape_for_the_epilogue(proj, monkeypatch):
+def test_gemm_on_3d_rows_keeps_its_shape_for_the_epilogue(proj, monkeypatch, tmp_path):
     """nn.Linear / Conv1D on [batch, seq, K] decompose to view -> GEMM -> view: the GEMM runs on
     the 3-d rows, so no reshape stands between it and the GELU after it (which the CPU backend
     fuses into the GEMM's epilogue); a GEMM whose 2-d result has another reader keeps it."""
@@ -296,7 +296,7 @@ def test_gemm_on_3d_rows_keeps_its_shape_for_the_epilogue(proj, monkeypatch):
     model = torch.nn.Sequential(layer, torch.nn.GELU(approximate="tanh")).eval()
     x = torch.randn(2, 5, 16)
     torch._dynamo.reset()
-    out, _ = _compile_run(model, [x], cache_dir=None)
+    out, _ = _compile_run(model, [x], cache_dir=str(tmp_path))   # a fresh cache: the graph is built
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), **TOL)
     (g,) = graphs

@@ -959,8 +959,9 @@ def _rows_source(x, node):
         return None
     y, users = x.args[0], list(node.users)
     yv, xv, ov = _val(y), _val(x), _val(node)
-    if (len(users) != 1 or users[0].target not in _VIEWS or not isinstance(yv, torch.Tensor)
-            or not isinstance(ov, torch.Tensor) or yv.dim() < 3 or xv.dim() != 2 or ov.dim() != 2):
+    if (len(users) != 1 or users[0].target not in _VIEWS
+            or not all(isinstance(v, torch.Tensor) for v in (yv, xv, ov, _val(users[0])))
+            or yv.dim() < 3 or xv.dim() != 2 or ov.dim() != 2):
         return None
     dims = (*yv.shape, *xv.shape, *ov.shape, *_val(users[0]).shape)
     if not all(isinstance(d, int) for d in dims):
