@@ -304,14 +304,6 @@ inline int emb_threads() {
     return 1;
 #endif
 }
-// Threads of the enclosing parallel region (1 outside one, or without OpenMP).
-inline int team_size() {
-#if defined(_OPENMP)
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
 // Panels are split into the fewest power-of-two groups that give YR_EMB_TASKS tasks per
 // thread, of ceil(npanels / pgroups) panels each (an even split into more, smaller tasks
 // measured up to 13% slower for the float32 GEMM with M <= 128; 2, 4 or 8 tasks per thread
@@ -339,7 +331,12 @@ inline EmbTiles emb_tiles(int64_t M, int64_t N) {
 
 // The first panel of the task after the one at (m0, p0) that this thread likely runs, or -1.
 inline int64_t emb_guess_next_p0(const EmbTiles& t, int64_t m0, int64_t p0) {
-    const int64_t next = (m0 / EMB_MC) * t.pgroups + p0 / t.per_group + team_size();
+#if defined(_OPENMP)
+    const int64_t team = omp_get_num_threads();   // of the enclosing parallel region (1 outside)
+#else
+    const int64_t team = 1;
+#endif
+    const int64_t next = (m0 / EMB_MC) * t.pgroups + p0 / t.per_group + team;
     const int64_t np0 = (next % t.pgroups) * t.per_group;   // past the panels for an empty group
     return next < t.mblocks * t.pgroups && np0 < t.npanels ? np0 : -1;
 }
