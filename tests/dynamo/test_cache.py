@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from yirage.dynamo import cache
+from yirage.runtime import toolchain
 
 SCRIPT = textwrap.dedent("""
     import json, logging, sys, time
@@ -41,6 +42,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(cache_dir: Path) -> tuple[dict, str]:
+    if not (cache_dir / "cpp").exists():   # the built C++ libraries are shared: only the compile cache is new
+        (cache_dir / "cpp").symlink_to(toolchain.cache_folder("cpp"), target_is_directory=True)
     env = dict(os.environ, YIRAGE_CACHE_DIR=str(cache_dir), YIRAGE_BACKEND="cpu")
     src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
