@@ -638,3 +638,26 @@ def test_sdpa_kernel_refuses_a_geometry_that_does_not_fit():
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                                      enable_gqa=True),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("B,H,causal,gqa,head_dim", [(2, 4, False, False, 32), (2, 4, True, True, 32),
+                                                     (2, 4, True, False, 24), (1, 2, True, False, 64)])
+def test_sdpa_kernel_reads_and_writes_head_strided_views(B, H, causal, gqa, head_dim):
+    """yirage's attention kernel on [B, S, H, D] buffers read as [B, H, S, D] (q, k, v, out:
+    what the executor hands it instead of permute copies) against torch's; causal queries in
+    chunks that start past 0 (few heads: the tasks split the queries) and row blocks that skip
+    the keys after them; a stride reaching past its buffer is refused, out untouched."""
+    from yirage.backends import cpu_library
+
+    S, T, D = 37, 41, head_dim
+    Hk = 2 if gqa else H
+    q = torch.randn(B, S, H, D).transpose(1, 2)
+    k, v = (torch.randn(B, T, Hk, D).transpose(1, 2) for _ in range(2))
+    out_buf = torch.full((B, S, H, D), float("nan"))
+    out = out_buf.transpose(1, 2)
+    assert not any(t.is_contiguous() for t in (q, k, v, out))
+    run = cpu_library._sdpa_yirage(q, k, v, None, out, causal, None)
+    _assert_refused(run, run.keep[0], {12: S * H * D, 21: 10 ** 6, 14: -1}, out_buf, "sdpa")   # q_st, o_st, k_sh
+    run()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

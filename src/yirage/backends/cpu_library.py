@@ -99,7 +99,7 @@ SIGNATURES: dict[str, tuple] = {
     "yr_conv_igemm_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P),
     # q, k, v, mask|NULL, out, geometry {B, Hq, Hkv, Tq, Tk, Dh, causal, mask strides b/h/i}, scale,
     # q/kv/mask/out lengths, status
-    "yr_sdpa_f32": (_P, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _P),
+    "yr_sdpa_f32": (_P, _P, _P, _P, _P, _P, _I, _F, _I, _I, _I, _I, _P),
     # qkv, offsets, out, T, B, H, Dh, scale, qkv_len, out_len, status
     "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
 }
@@ -388,10 +388,12 @@ def _sdpa_flash(q, k, v, mask, out, causal: bool, scale):
 
 def _sdpa_gemm(q, k, v, mask, out, causal: bool, scale):
     """The same as two batched GEMMs around a safe softmax (a fully masked row gives 0, as the
-    fused kernel does): the scores [B, H, S, T] materialized in a buffer made here."""
+    fused kernel does): the scores [B, H, S, T] materialized in a buffer made here (and the
+    result too, where ``out`` is a strided view)."""
     B, H, S, D = q.shape
     T = k.shape[2]
     scores, kt = torch.empty((B, H, S, T), dtype=q.dtype), k.transpose(-1, -2)
+    res = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
     bias = (torch.full((S, T), float("-inf"), dtype=q.dtype).triu(1) if causal else None)
     s = float(scale) if scale is not None else D ** -0.5
     softmax = torch.ops.aten._safe_softmax.default
@@ -403,25 +405,32 @@ def _sdpa_gemm(q, k, v, mask, out, causal: bool, scale):
             scores.add_(mask)
         if bias is not None:
             scores.add_(bias)
-        torch.matmul(softmax(scores, -1), v, out=out)
+        torch.matmul(softmax(scores, -1), v, out=res)
+        if res is not out:
+            out.copy_(res)
     return run
 
 
 def _sdpa_yirage(q, k, v, mask, out, causal: bool, scale):
     """yirage's attention kernel (kernels/cpu/embed_kernels.h ``yr_sdpa_f32``: K transposed per
     head, Q K^T and P V in register tiles, the mask and causal bias added to the scores, GQA by
-    head index), float32 with v's head dim equal to q's."""
+    head index), float32 with v's head dim equal to q's. q, k, v and out may be strided views
+    (``_sdpa_strides``), e.g. [B, S, H, D] buffers read as [B, H, S, D]."""
     B, H, S, D = q.shape
     Hk, T = k.shape[1], k.shape[2]
     strides = [0, 0, 0]
     if mask is not None:
         st = mask.stride()
         strides = [0 if mask.shape[i] == 1 else st[i] for i in range(3)]
-    geo = torch.tensor([B, H, Hk, S, T, D, int(causal), *strides], dtype=torch.int64)
+    views = [t.stride()[:3] for t in (q, k, v, out)]
+    geo = torch.tensor([B, H, Hk, S, T, D, int(causal), *strides, *(x for st in views for x in st)], dtype=torch.int64)
     s = float(scale) if scale is not None else D ** -0.5
     fn, st = library().yr_sdpa_f32, torch.zeros(4, dtype=torch.int64)
-    p = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(), geo.data_ptr(), s, q.numel(),
-         k.numel(), 0 if mask is None else mask.numel(), out.numel(), st.data_ptr())
+
+    def span(t):   # elements from the view's first one to the end of its storage
+        return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    p = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(), geo.data_ptr(), geo.numel(), s, span(q),
+         min(span(k), span(v)), 0 if mask is None else span(mask), span(out), st.data_ptr())
 
     def run():
         fn(*p)
@@ -431,10 +440,18 @@ def _sdpa_yirage(q, k, v, mask, out, causal: bool, scale):
     return run
 
 
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Is ``t`` [B, H, T, D] strided over its first three dims with contiguous D-rows (what
+    yirage's attention kernel reads and writes)?"""
+    return t.stride(3) == 1 or t.shape[3] == 1
+
+
 def _sdpa(node, graph, args, out, status):
     """``sdpa`` on the provider chosen by measurement for its shape class: torch's fused
     flash-attention CPU kernel, two batched GEMMs (MKL) around a softmax (q and k heads equal
-    only), or yirage's kernel (float32, v's head dim equal to q's)."""
+    only), or yirage's kernel (float32, v's head dim equal to q's). q, k, v and ``out`` may be
+    strided views (the executor's layout aliases, ``strided_io``): the measurement uses tensors
+    with the same strides."""
     q, k, v = args[:3]
     mask = args[3] if len(args) == 4 else None
     causal, scale = node.attrs["causal"], node.attrs["scale"]
@@ -442,17 +459,23 @@ def _sdpa(node, graph, args, out, status):
     cands = {"flash": _sdpa_flash}
     if k.shape[1] == H:
         cands["gemm"] = _sdpa_gemm
-    if q.dtype == torch.float32 and v.shape[3] == D and all(t.is_contiguous() for t in (q, k, v, out)) and (
-            mask is None or mask.is_contiguous()):
+    if q.dtype == torch.float32 and v.shape[3] == D and all(map(_rows_contiguous, (q, k, v, out))) and (
+            mask is None or mask.stride(-1) == 1):
         cands["yirage"] = _sdpa_yirage
+    strided = not all(t.is_contiguous() for t in (q, k, v, out))
     key = tuning.shape_class("sdpa", f"{q.dtype}".removeprefix("torch.") + ("/mask" if mask is not None else "")
-                             + ("/causal" if causal else ""), B * H * S, k.shape[2], D, torch.get_num_threads())
+                             + ("/causal" if causal else "") + ("/strided" if strided else ""),
+                             B * H * S, k.shape[2], D, torch.get_num_threads())
+
+    def like(t, fill):   # a tensor of t's shape and strides, in storage of its own
+        base = fill(t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(), dtype=t.dtype)
+        return base.as_strided(t.shape, t.stride())
 
     def factory(bind):
         def make():   # random inputs of the class (the plan's buffers hold garbage at bind time)
-            xs = [torch.randn(t.shape, dtype=t.dtype) for t in (q, k, v)]
+            xs = [like(t, torch.randn) for t in (q, k, v)]
             m = torch.zeros(mask.shape, dtype=mask.dtype) if mask is not None else None
-            return bind(*xs, m, torch.empty_like(out), causal, scale)
+            return bind(*xs, m, like(out, torch.empty), causal, scale)
         return make
     choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, "flash")
     thunk = cands[choice.provider](q, k, v, mask, out, causal, scale)

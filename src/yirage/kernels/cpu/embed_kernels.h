@@ -713,7 +713,7 @@ void attention_head_any(const AttnHead& a) {
 }
 
 // s[0:L] = exp(s - max(s)) in place, where s[L:Lp] hold -inf (Lp a multiple of VL; they
-// come out ~1e-38 and are never read); returns the sum over j < L (to float precision).
+// come out 0 and are never read); returns the sum over j < L (to float precision).
 inline float emb_softmax_row(float* s, int64_t Lp) {
     const float ninf = -INFINITY;
     vf m = vbroadcast(&ninf);
@@ -749,11 +749,16 @@ void attention_head_blocked(const AttnHead& a) {
             for (int l = 0; l < VL; ++l) src[l] = j0 + l < L ? a.k + (j0 + l) * a.ldk + d0 : zeros;
             transpose_block(src, kt + d0 * Lp + j0, Lp);
         }
+    // causal: the keys a block of RB queries sees end at its last query's position; the
+    // columns past that (whole 2 * VL tiles) are neither computed nor read
+    const auto keys_end = [&](int64_t i0) {
+        return a.causal ? std::min(Lp, (a.qoff + i0 + RB + 2 * VL - 1) / (2 * VL) * (2 * VL)) : Lp;
+    };
     const vf vsc = vbroadcast(&a.scale);
     for (int64_t i0 = 0; i0 < a.Tq; i0 += RB) {
         const float* q[RB];
         for (int r = 0; r < RB; ++r) q[r] = a.q + std::min(i0 + r, a.Tq - 1) * a.ldq;
-        for (int64_t j0 = 0; j0 < Lp; j0 += 2 * VL) {
+        for (int64_t j0 = 0, jend = keys_end(i0); j0 < jend; j0 += 2 * VL) {
             vf a0[RB], a1[RB];
 #pragma GCC unroll 16
             for (int r = 0; r < RB; ++r) a0[r] = a1[r] = vzero();
@@ -777,20 +782,22 @@ void attention_head_blocked(const AttnHead& a) {
     float inv[RB];
     for (int64_t i0 = 0; i0 < a.Tq; i0 += RB) {
         const int rows = (int)std::min<int64_t>(RB, a.Tq - i0);
+        const int64_t jend = keys_end(i0), Lb = std::min(L, jend);
         for (int r = 0; r < RB; ++r) {
             float* si = S + (i0 + r) * Lp;
+            // (causal: the bias row sets -inf past the query's position, uncomputed columns too)
             if (r >= rows || (biased && attn_bias_row(a, i0 + r, si) == -INFINITY)) {
                 std::fill(si, si + L, 0.0f);   // no query, or every key masked: 0
                 inv[r] = 0.0f;
                 continue;
             }
-            inv[r] = 1.0f / emb_softmax_row(si, Lp);
+            inv[r] = 1.0f / emb_softmax_row(si, jend);
         }
         for (int64_t d0 = 0; d0 < Dh; d0 += 2 * VL) {
             vf a0[RB], a1[RB];
 #pragma GCC unroll 16
             for (int r = 0; r < RB; ++r) a0[r] = a1[r] = vzero();
-            for (int64_t j = 0; j < L; ++j) {
+            for (int64_t j = 0; j < Lb; ++j) {
                 const float* vj = a.v + j * a.ldv + d0;
                 const vf b0 = vload(vj), b1 = vload(vj + VL);
 #pragma GCC unroll 16
@@ -1160,23 +1167,39 @@ void yr_emb_attention_varlen(const float* qkv, const int64_t* offsets, float* ou
 
 // Scaled dot-product attention (the IR's sdpa; torch's F.scaled_dot_product_attention):
 // out [B, Hq, Tq, Dh] = softmax(scale * q k^T + mask (+ causal -inf above the diagonal)) v for
-// contiguous float32 q [B, Hq, Tq, Dh] and k, v [B, Hkv, Tk, Dh], query head h reading key/value
-// head h / (Hq / Hkv) (GQA). geo: {B, Hq, Hkv, Tq, Tk, Dh, causal, mask_sb, mask_sh, mask_si}:
-// the mask (may be null) is additive float32, mask[b*sb + h*sh + i*si + j] (a stride 0
-// broadcasts that dim; rows contiguous over Tk). A query whose every key is masked gets 0.
-// status: a size outside [1, ...), Hq not a multiple of Hkv, a negative stride, or buffers
-// shorter than the geometry needs (q_len, kv_len for each of k and v, mask_len, out_len
+// float32 q [B, Hq, Tq, Dh] and k, v [B, Hkv, Tk, Dh], query head h reading key/value head
+// h / (Hq / Hkv) (GQA). Each of q, k, v, out is strided over its first three dims (a head
+// dim row is contiguous): a [B, T, H, Dh] buffer read as [B, H, T, Dh] needs no copy.
+// geo (geo_len >= 22 values): {B, Hq, Hkv, Tq, Tk, Dh, causal, mask_sb, mask_sh, mask_si,
+// q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, o_sb, o_sh, o_st}: the mask (may be
+// null) is additive float32, mask[b*sb + h*sh + i*si + j] (a stride 0 broadcasts that dim;
+// rows contiguous over Tk). A query whose every key is masked gets 0. Causal queries read
+// only the keys up to their chunk's last one (top-left aligned, as torch's is_causal).
+// status: a size outside [1, ...), Hq not a multiple of Hkv, a negative stride, or a buffer
+// shorter than its strides reach (q_len, kv_len for each of k and v, mask_len, out_len
 // elements); then nothing is written. Tasks: a head and a chunk of at most 256 queries.
 void yr_sdpa_f32(const float* q, const float* k, const float* v, const float* mask, float* out, const int64_t* geo,
-                 float scale, int64_t q_len, int64_t kv_len, int64_t mask_len, int64_t out_len, int64_t* status) {
+                 int64_t geo_len, float scale, int64_t q_len, int64_t kv_len, int64_t mask_len, int64_t out_len,
+                 int64_t* status) {
+    if (!emb_check(status, geo_len, 22, INT64_MAX)) return;
     const int64_t B = geo[0], Hq = geo[1], Hkv = geo[2], Tq = geo[3], Tk = geo[4], Dh = geo[5];
     const bool causal = geo[6] != 0;
     const int64_t sb = geo[7], sh = geo[8], si = geo[9];
+    const int64_t* qs = geo + 10;   // {sb, sh, st} of q, k, v, out
+    const int64_t* ks = geo + 13;
+    const int64_t* vs = geo + 16;
+    const int64_t* os = geo + 19;
     for (int64_t n : {B, Hq, Hkv, Tq, Tk, Dh})
         if (!emb_check(status, n, 1, INT32_MAX)) return;
-    if (!emb_check(status, Hq % Hkv, 0, 1) || !emb_check(status, emb_mul(B, Hq, Tq, Dh), 0, q_len + 1) ||
-        !emb_check(status, emb_mul(B, Hkv, Tk, Dh), 0, kv_len + 1) ||
-        !emb_check(status, emb_mul(B, Hq, Tq, Dh), 0, out_len + 1))
+    for (int64_t i = 10; i < 22; ++i)
+        if (!emb_check(status, geo[i], 0, INT32_MAX)) return;
+    // the last element each strided tensor reaches (< 2^63: every factor below 2^31)
+    auto reach = [&](const int64_t* s, int64_t H, int64_t T) {
+        return emb_mul(B - 1, s[0]) + emb_mul(H - 1, s[1]) + emb_mul(T - 1, s[2]) + Dh;
+    };
+    if (!emb_check(status, Hq % Hkv, 0, 1) || !emb_check(status, reach(qs, Hq, Tq), 0, q_len + 1) ||
+        !emb_check(status, reach(ks, Hkv, Tk), 0, kv_len + 1) || !emb_check(status, reach(vs, Hkv, Tk), 0, kv_len + 1) ||
+        !emb_check(status, reach(os, Hq, Tq), 0, out_len + 1))
         return;
     if (mask) {
         for (int64_t st : {sb, sh, si})
@@ -1192,10 +1215,12 @@ void yr_sdpa_f32(const float* q, const float* k, const float* v, const float* ma
     for (int64_t task = 0; task < B * Hq * chunks; ++task) {
         const int64_t b = task / (Hq * chunks), h = task / chunks % Hq, c = task % chunks;
         const int64_t i0 = c * chunk, n = std::min(chunk, Tq - i0);
-        const float* qh = q + ((b * Hq + h) * Tq + i0) * Dh;
-        const int64_t kvh = (b * Hkv + h / G) * Tk * Dh;
-        attention_head({qh, k + kvh, v + kvh, out + ((b * Hq + h) * Tq + i0) * Dh, Dh, Dh, Dh, Dh, n, Tk, Dh, scale,
-                        mask ? mask + b * sb + h * sh : nullptr, si, i0, causal});
+        const int64_t keys = causal ? std::min(Tk, i0 + n) : Tk;   // causal: the later keys are all masked
+        const float* qh = q + b * qs[0] + h * qs[1] + i0 * qs[2];
+        const int64_t hk = h / G;
+        attention_head({qh, k + b * ks[0] + hk * ks[1], v + b * vs[0] + hk * vs[1], out + b * os[0] + h * os[1] + i0 * os[2],
+                        qs[2], ks[2], vs[2], os[2], n, keys, Dh, scale, mask ? mask + b * sb + h * sh : nullptr, si, i0,
+                        causal});
     }
 }
 
