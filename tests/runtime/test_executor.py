@@ -181,3 +181,56 @@ def test_a_call_with_the_same_tensors_rebinds_when_their_storage_changed():
     torch.testing.assert_close(cg([x, y2])[0], x.relu() + y2)
     with pytest.raises(GraphError, match="input 1"):
         cg([x, torch.randn(4, 9)])
+
+
+# ---- layout aliases: permutes next to ops that take strided views (runtime/executor.py) ----
+def _attention_graph(causal: bool, outputs_permutes: bool = False):
+    """x [B, S, H*D] -> q, k, v heads by view + permute -> sdpa -> permute back -> a row op,
+    with other buffers allocated between the permutes and the attention."""
+    B, S, H, D = 2, 9, 3, 16
+    g = yr.new_kernel_graph()
+    x, *ws = g.new_input((B, S, H * D)), *(g.new_input((H * D, H * D)) for _ in range(3))
+    heads = [g.permute(g.reshape(g.linear(x, w), (B, S, H, D)), (0, 2, 1, 3)) for w in ws]
+    y = g.silu(g.mul(x, x))                                     # buffers between: reuse would show
+    o = g.permute(g.reshape(g.sdpa(*heads, causal=causal), (B, H, S, D)), (0, 2, 1, 3))
+    if outputs_permutes:   # the query heads and the attention's permuted output
+        g.mark_output(heads[0])
+        g.mark_output(o)
+    g.mark_output(g.add(g.reshape(o, (B, S, H * D)), y))
+    return g, [torch.randn(B, S, H * D), *(torch.randn(H * D, H * D) * 0.2 for _ in range(3))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_permutes_around_attention_are_views_not_copies(causal):
+    """On the CPU (``strided_io``: attention takes strided heads) the head permutes before the
+    attention become views and the one after it is the attention's own output buffer: no copy
+    runs for them, and the result matches the graph's interpreter (torch)."""
+    g, inputs = _attention_graph(causal)
+    plan = g.compile("cpu").plan(inputs)
+    permutes = {n.output for n in g.ops if n.op == "permute"}
+    assert len(plan._viewed) == 3 and set(plan._viewed) | plan._absorbed == permutes
+    assert not any("_layout" in getattr(t, "__qualname__", "") for t in plan.thunks)
+    for _ in range(2):   # the plan run again reads its views afresh
+        torch.testing.assert_close(plan.run()[0], g.interpret(inputs)[0], atol=1e-5, rtol=1e-5)
+        inputs[0].mul_(-0.5)
+
+
+def test_layout_aliases_leave_graph_outputs_and_other_backends_alone():
+    """A permute that is a graph output is never a view (the caller gets a contiguous tensor):
+    the query heads stay a copy, while the attention still writes its permuted output buffer
+    directly. A backend without ``strided_io`` (the contract's default) copies every permute."""
+    g, inputs = _attention_graph(True, outputs_permutes=True)
+    cpu = get_backend_impl("cpu")
+    viewed, written = executor.layout_aliases(schedule_of(g), g, cpu)
+    q_heads, o = g.outputs[:2]
+    assert len(viewed) == 2 and q_heads not in viewed and [dst for dst, _, _ in written.values()] == [o]
+    out = g.compile("cpu")(inputs)
+    for got, want in zip(out, g.interpret(inputs)):
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert executor.layout_aliases(schedule_of(g), g, TorchOpsBackend()) == ({}, {})
+
+
+def schedule_of(g):
+    from yirage.transforms.fusion import schedule
+    return schedule(g)

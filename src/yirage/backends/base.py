@@ -282,6 +282,14 @@ class BackendImpl(ABC):
         """
         return False
 
+    def strided_io(self, node, graph) -> bool:
+        """True if ``bind_library_op`` for ``node`` (a supported op) takes its inputs and its
+        output as strided views whose last dim is contiguous (e.g. attention reading the heads
+        of a [B, S, H, D] buffer as [B, H, S, D]): the executor then binds the permutes next to
+        it as views instead of copies (``runtime.executor.layout_aliases``). The default,
+        False: every buffer the op sees is contiguous."""
+        return False
+
     def compile(self, kernels: list) -> list[Kernel]:
         """Compile fused kernels (transforms.fusion.FusedKernel), one ``Kernel`` each.
 

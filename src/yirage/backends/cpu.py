@@ -66,6 +66,11 @@ class CPUBackend(BackendImpl):
         entry = cpu_library.OPS.get(node.op)
         return entry is not None and entry[0](node, graph)
 
+    def strided_io(self, node, graph) -> bool:
+        """Attention (``sdpa``): each of its providers reads and writes strided heads
+        (``cpu_library._sdpa``)."""
+        return node.op == "sdpa" and self.supports(node, graph)
+
     def compile(self, kernels: list) -> list[Kernel]:
         """Fused kernels as C++ (codegen/cpp.py), built with the system compiler.
 

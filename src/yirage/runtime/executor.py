@@ -42,6 +42,65 @@ _logged_fallbacks: set[tuple[str, str]] = set()
 CAPTURE_AFTER = 3
 
 
+def layout_aliases(steps: list, graph, impl) -> tuple[dict, dict]:
+    """Permutes that need no copy because the op next to them takes strided views
+    (``impl.strided_io``: attention reading [B, S, H, D] rows as [B, H, S, D] heads):
+
+    - *viewed*: a permute all of whose readers take strided inputs becomes a view of its input,
+      ``{permute output: (its input, dims)}``;
+    - *written*: an op taking a strided output whose only reader is a permute (through
+      reshapes to the same shape) writes straight into the permute's buffer,
+      ``{op output: (permute output, inverse dims, [the reshapes' outputs])}``.
+
+    Graph outputs stay copies. Returns (viewed, written).
+    """
+    readers: dict[int, list] = {}
+    for st in steps:
+        for tid in ([i.tid for i in st.inputs] if isinstance(st, FusedKernel) else st.node.inputs):
+            readers.setdefault(tid, []).append(st)
+    outputs = set(graph.outputs)
+
+    def node_of(st):
+        return st.node if isinstance(st, LibraryStep) else None
+
+    def same_shape_reshape(n) -> bool:
+        return (n is not None and n.op == "reshape"
+                and graph.tensors[n.output].shape == graph.tensors[n.inputs[0]].shape)
+
+    viewed: dict[int, tuple] = {}
+    written: dict[int, tuple] = {}
+    taken: set[int] = set()
+    for st in steps:
+        n = node_of(st)
+        if n is None or n.op in VIEW_OPS or n.output in outputs or not impl.strided_io(n, graph):
+            continue
+        chain, tid = [], n.output
+        while True:   # follow same-shape reshapes to the one reader
+            rs = readers.get(tid, [])
+            if len(rs) != 1 or tid in outputs:
+                break
+            r = node_of(rs[0])
+            if same_shape_reshape(r):
+                chain.append(r.output)
+                tid = r.output
+                continue
+            if r is not None and r.op == "permute" and r.inputs[0] == tid:
+                dims = list(r.attrs["dims"])
+                inverse = [dims.index(d) for d in range(len(dims))]
+                written[n.output] = (r.output, inverse, chain)
+                taken.add(r.output)
+            break
+    for st in steps:
+        n = node_of(st)
+        if n is None or n.op != "permute" or n.output in outputs or n.output in taken:
+            continue
+        rs = readers.get(n.output, [])
+        if rs and all(node_of(r) is not None and node_of(r).op not in VIEW_OPS and impl.strided_io(node_of(r), graph)
+                      for r in rs):
+            viewed[n.output] = (n.inputs[0], list(n.attrs["dims"]))
+    return viewed, written
+
+
 class CompiledGraph:
     """A KernelGraph fused and compiled for one backend.
 
@@ -151,12 +210,26 @@ class Plan:
         self._status = (torch.zeros((len(checked), 4), dtype=torch.int64, device=self.device)
                         if checked else None)
         self._status_nodes: list = []  # status slot -> the op it belongs to
+        # permutes that become strided views (no copy) next to ops that take them
+        self._viewed, self._written = layout_aliases(cg.steps, g, cg.impl) if self.strided_views else ({}, {})
+        for out, (src, _) in self._viewed.items():
+            self._root[out] = self._root.get(src, src)
+        self._absorbed = {dst for dst, _, _ in self._written.values()}   # permutes bound with their op
+        for out, (dst, _, chain) in self._written.items():
+            for tid in (out, *chain):
+                self._root[tid] = dst
+        for tid, r in list(self._root.items()):   # views of what became a view
+            while r in self._root and self._root[r] != r:
+                r = self._root[r]
+            self._root[tid] = r
         last_use = self._last_uses()
         keep = set(g.outputs) | set(g.inputs)
         self._bound: set[int] = set()  # outputs already bound with a sibling (customized groups)
         epilogues: set[int] = set()   # steps bound as the row epilogue of the step before
         for i, step in enumerate(cg.steps):
             if i in epilogues:
+                pass
+            elif isinstance(step, LibraryStep) and self._bind_layout_alias(step.node):
                 pass
             elif self._bind_with_epilogue(i):
                 epilogues.add(i + 1)
@@ -192,6 +265,26 @@ class Plan:
         value, lo, hi = self._status[slot, 1:].tolist()
         self._status.zero_()
         raise index_error(self._status_nodes[slot].op, value, lo, hi)
+
+    #: may a permute become a strided view read or written by the op next to it (backends'
+    #: ``strided_io``)? The persistent kernel's plan tracks its buffers whole, so it keeps copies.
+    strided_views = True
+
+    def _bind_layout_alias(self, node) -> bool:
+        """Bind a permute that ``layout_aliases`` made a view (True): over its input's buffer,
+        or, for one an op writes through, nothing (its buffer was allocated with that op);
+        an op writing through a permute gets the permute's buffer seen in its own shape."""
+        if node.output in self._viewed:
+            src, dims = self._viewed[node.output]
+            self.env[node.output] = self.env[src].permute(*dims)
+            return True
+        if node.output in self._written:
+            dst, inverse, chain = self._written[node.output]
+            view = self._alloc(dst).permute(*inverse)
+            for tid in (node.output, *chain):
+                self.env[tid] = view
+            return False   # the op itself is bound as usual, into that view
+        return node.output in self._absorbed
 
     def _launch_all(self) -> None:
         for thunk in self.thunks:
@@ -259,7 +352,7 @@ class Plan:
                 or not isinstance(steps[i + 1], FusedKernel)):
             return False
         node, k = steps[i].node, steps[i + 1]
-        if (node.op in VIEW_OPS or node.output in self._bound or OPS[node.op].index_input is not None
+        if (node.op in VIEW_OPS or node.output in self._viewed or node.output in self._written or node.output in self._bound or OPS[node.op].index_input is not None
                 or not impl.supports(node, g)):
             return False
         shape = g.tensors[node.output].shape
@@ -307,11 +400,13 @@ class Plan:
 
     def _bind_library(self, node) -> None:
         if node.op in VIEW_OPS:
+            if node.output in self.env:   # a reshape of a layout alias's chain, bound with it
+                return
             src = self.env[node.inputs[0]]
             self.env[node.output] = OPS[node.op].reference([src], node.attrs)
             return
         args = [self.env[i] for i in node.inputs]
-        out = self._alloc(node.output)
+        out = self.env[node.output] if node.output in self._written else self._alloc(node.output)
         impl = self.cg.impl
         if impl.supports(node, self.cg.graph):
             status = None

@@ -216,6 +216,7 @@ class TaskGraphPlan(Plan):
     """
 
     epilogue_fusion = False  # every step is its own task (dependencies by buffer)
+    strided_views = False    # its buffers are tracked whole: permutes stay copies
 
     def __init__(self, cg, inputs: list[torch.Tensor], pool: WorkerPool):
         self.pool = pool
