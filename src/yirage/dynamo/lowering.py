@@ -693,6 +693,8 @@ def _check_cat(node):
 
 @lowers(aten.cat.default, check=_check_cat)
 def _cat(e, node):
+    if len(node.args[0]) == 1:   # the value itself (a KV cache's update with an empty past): no copy
+        return e[node.args[0][0]]
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
     return e.g.cat([e[t] for t in node.args[0]], dim)
 
@@ -1064,7 +1066,7 @@ def drop_legacy_empty_cat_inputs(gm: GraphModule) -> int:
     """Remove from each ``aten.cat`` the inputs torch.cat skips: 1-d tensors of 0 elements
     (the "legacy empty" tensors, e.g. a KV cache's empty past concatenated with the new keys),
     in place; an input left without users (``lift_fresh_copy`` of the empty constant) is erased.
-    A cat left with one input stays a cat (a copy). Returns the number of inputs removed."""
+    A cat left with one input lowers to that input (``_cat``). Returns the number of inputs removed."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.target is not aten.cat.default or not isinstance(node.args[0], (list, tuple)):
