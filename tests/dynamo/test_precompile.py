@@ -138,6 +138,17 @@ def test_a_changed_source_is_not_loaded(tmp_path, monkeypatch):
     sys.modules.pop("scaled_model", None)
 
 
+def test_other_yirage_front_end_code_is_another_entry(monkeypatch):
+    """The key carries a digest of yirage's rewrites, lowering and partitioning: an entry
+    stored by other yirage code (its partitions chosen by the old rules) is not loaded; the
+    model compiles afresh."""
+    model, x = Block().eval(), torch.randn(2, 5, 32)
+    _compiled(model, x)
+    monkeypatch.setattr(precompile, "_front_end_digest", lambda: "other lowering code")
+    m = _compiled(model, x)
+    assert m.precompile_status.startswith("compiled and stored"), m.precompile_status
+
+
 def test_a_damaged_entry_is_compiled_afresh(_entries):
     model, x = Block().eval(), torch.randn(2, 5, 32)
     _compiled(model, x)

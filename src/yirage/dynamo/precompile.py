@@ -7,7 +7,8 @@ therefore returns a ``PrecompiledModule``, whose first call
 
 1. computes a key (the model's class, its parameters' and buffers' names, shapes and dtypes,
    the input signature, grad mode, the options, the backend, the versions of Python, torch
-   and yirage, and this format) and looks for ``<cache dir>/dynamo/precompiled/<key>.pt2``;
+   and yirage, a digest of the source of yirage's rewrites, lowering and partitioning, and
+   this format) and looks for ``<cache dir>/dynamo/precompiled/<key>.pt2``;
 2. on a hit, loads it: dynamo's compiled bytecode and guards and yirage's ATen inference
    graph (re-partitioned; each partition is a hit in the partition cache, cache.py, and its
    C++ in the kernel cache). The entry is used only when all of these hold, otherwise the
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import importlib
@@ -457,8 +459,20 @@ def key(model: torch.nn.Module, args: tuple, kwargs: dict, options, backend: str
                  for v in (getattr(options, f.name) for f in dataclasses.fields(options)))
     parts = repr((FORMAT, cls.__module__, cls.__qualname__, params, buffers, sig, torch.is_grad_enabled(),
                   torch.is_inference_mode_enabled(), opts, backend, dynamic,
-                  __version__, torch.__version__, platform.python_version()))
+                  __version__, torch.__version__, platform.python_version(), _front_end_digest()))
     return hashlib.sha256(parts.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _front_end_digest() -> str:
+    """SHA-256 of the source of the modules that decide the stored graph: its rewrites, what
+    lowers and how it is partitioned. An entry stored by other code (a yirage checkout between
+    versions) is compiled afresh, not loaded with the old rewrites and partitions."""
+    from . import compiler, lowering, lowering_conv, partition, specialize
+    h = hashlib.sha256()
+    for mod in (compiler, lowering, lowering_conv, partition, specialize):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()
 
 
 def _strip_sizes(sig):
