@@ -188,6 +188,15 @@ CASES = {
                       ["aten.linalg_vector_norm.default"]),
 }
 
+
+def _rope(x, cos, sin):   # transformers' rotate-half RoPE: rewrite_rotary_emb makes it one op
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+CASES["rotary_emb"] = (_rope, lambda: [torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)],
+                       ["yirage.rotary_emb.default"])
+
 #: the conv-net lowerings (dynamo/lowering_conv.py)
 CASES.update({
     "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), lambda: [torch.randn(2, 3, 11, 9),
@@ -313,3 +322,57 @@ def test_gemm_on_3d_rows_keeps_its_shape_for_the_epilogue(proj, monkeypatch, tmp
     with torch.no_grad():
         for got, want in zip(out, two_readers(x)):
             torch.testing.assert_close(got, want, **TOL)
+
+
+def _rotary_attention(q_proj, k_proj, cos, sin, x, heads):
+    """transformers' Llama RoPE on q and k heads made by view + transpose of projections."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    B, S, _ = x.shape
+    q = q_proj(x).view(B, S, heads, -1).transpose(1, 2)
+    k = k_proj(x).view(B, S, heads // 2, -1).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k
+
+
+def test_transformers_rope_is_one_rotary_emb_op(monkeypatch, tmp_path):
+    """transformers' apply_rotary_pos_emb (mul, two slices, neg, cat, mul, add per tensor)
+    becomes one ``rotary_emb`` each for q and k, straight on the transposed heads (which the
+    CPU executor then passes as a strided view), with no cat, neg or slice left, and matches
+    eager; where the pattern differs (a cat of other halves) the ops lower as they are."""
+    from yirage.dynamo import cache
+    from yirage.kernel import KNGraph
+
+    graphs = []
+    real_store = cache.store
+    monkeypatch.setattr(cache, "store", lambda k, entry: (graphs.append(KNGraph.from_json(entry.graph)),
+                                                           real_store(k, entry)))
+    torch.manual_seed(0)
+    heads, D, B, S = 4, 16, 2, 6
+    q_proj, k_proj = torch.nn.Linear(32, heads * D), torch.nn.Linear(32, heads // 2 * D)
+    angles = torch.randn(B, S, D // 2).repeat(1, 1, 2)
+    cos, sin, x = angles.cos(), angles.sin(), torch.randn(B, S, 32)
+
+    def fn(x, cos, sin):
+        return _rotary_attention(q_proj, k_proj, cos, sin, x, heads)
+    torch._dynamo.reset()
+    out, _ = _compile_run(fn, [x, cos, sin], cache_dir=str(tmp_path))
+    with torch.no_grad():
+        for got, want in zip(out, fn(x, cos, sin)):
+            torch.testing.assert_close(got, want, **TOL)
+    (g,) = graphs
+    ops = [n.op for n in g.ops]
+    assert ops.count("rotary_emb") == 2 and not {"cat", "neg", "slice"} & set(ops), ops
+    producers = {n.output: n.op for n in g.ops}
+    assert all(producers[n.inputs[0]] == "permute" for n in g.ops if n.op == "rotary_emb")
+
+    def not_rope(x, cos, sin):   # the halves the other way round: not rotate_half
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([x[..., :half], -x[..., half:]], dim=-1) * sin
+    graphs.clear()
+    torch._dynamo.reset()
+    xs = torch.randn(B, S, D)
+    out, _ = _compile_run(not_rope, [xs, cos, sin], cache_dir=str(tmp_path))
+    torch.testing.assert_close(out, not_rope(xs, cos, sin), **TOL)
+    (g,) = graphs
+    assert "rotary_emb" not in [n.op for n in g.ops]

@@ -67,9 +67,9 @@ class CPUBackend(BackendImpl):
         return entry is not None and entry[0](node, graph)
 
     def strided_io(self, node, graph) -> bool:
-        """Attention (``sdpa``): each of its providers reads and writes strided heads
-        (``cpu_library._sdpa``)."""
-        return node.op == "sdpa" and self.supports(node, graph)
+        """Attention (``sdpa``: each of its providers reads and writes strided heads,
+        ``cpu_library._sdpa``) and RoPE (``rotary_emb``)."""
+        return node.op in ("sdpa", "rotary_emb") and self.supports(node, graph)
 
     def compile(self, kernels: list) -> list[Kernel]:
         """Fused kernels as C++ (codegen/cpp.py), built with the system compiler.

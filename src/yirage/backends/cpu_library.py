@@ -72,6 +72,7 @@ SIGNATURES: dict[str, tuple] = {
     "yr_attention_window_f16kv": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     # x, cos, sin, positions [T], out, T, H, Dh, S (table rows), status
     "yr_rope_rows": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
+    "yr_rotary_emb_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P),
     "yr_linear_task_rows": (_P,),   # out int64 [2]: the most rows of the q4_1/q8_0 and other linear tasks
     "yr_quantized_rows_bytes": (_I, _I, _P),   # M, K, out int64 [1]: yr_task_quantize_rows_q8's buffer
     # q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale, window, status
@@ -369,6 +370,33 @@ def _rope_rows(node, graph, args, out, status):
     return lambda: fn(*p)
 
 
+def _span(t: torch.Tensor) -> int:
+    """Elements from a view's first one to the end of its storage (what a kernel reading it
+    through strides may reach)."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+
+
+def _rotary_emb(node, graph, args, out, status):
+    """yr_rotary_emb_f32: x (a strided view too: ``strided_io``), cos and sin read through the
+    strides of their broadcast to x's shape (stride 0 where they repeat), the dims padded to 4."""
+    x, cos, sin = args
+    pad = 4 - x.dim()
+    geo = [1] * pad + list(x.shape)
+    for t in (x, cos.expand(x.shape), sin.expand(x.shape), out):
+        geo += [0] * pad + list(t.stride())
+    geo = torch.tensor(geo, dtype=torch.int64)
+    fn, st = library().yr_rotary_emb_f32, torch.zeros(4, dtype=torch.int64)
+    p = (_ptr(x), _ptr(cos), _ptr(sin), _ptr(out), geo.data_ptr(), geo.numel(), _span(x), _span(cos), _span(sin),
+         _span(out), st.data_ptr())
+
+    def run():
+        fn(*p)
+        if st[0]:
+            cpu_embed._raise_status(st, "rotary_emb")
+    run.keep = (geo, st)
+    return run
+
+
 def _attention_rows(node, graph, args, out, status):
     """yr_attention_rows: each row over its own slot of the KV caches (continuous batching),
     float32 or float16 (``_f16kv``)."""
@@ -427,10 +455,8 @@ def _sdpa_yirage(q, k, v, mask, out, causal: bool, scale):
     s = float(scale) if scale is not None else D ** -0.5
     fn, st = library().yr_sdpa_f32, torch.zeros(4, dtype=torch.int64)
 
-    def span(t):   # elements from the view's first one to the end of its storage
-        return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    p = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(), geo.data_ptr(), geo.numel(), s, span(q),
-         min(span(k), span(v)), 0 if mask is None else span(mask), span(out), st.data_ptr())
+    p = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(), geo.data_ptr(), geo.numel(), s,
+         _span(q), min(_span(k), _span(v)), 0 if mask is None else _span(mask), _span(out), st.data_ptr())
 
     def run():
         fn(*p)
@@ -522,6 +548,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rope": (_float32_first, _rope),
     "attention": (_float32_first, _attention),
     "rope_rows": (_float32_first, _rope_rows),
+    "rotary_emb": (_float32_first, _rotary_emb),
     "attention_rows": (_float32_first, _attention_rows),
     "argmax": (_float32_first, _argmax),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)

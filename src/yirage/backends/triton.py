@@ -120,6 +120,13 @@ def _rope(node, graph, args, out, status):
     return lambda: fn(x, cos, sin, pos, out, status=status)
 
 
+def _rotary_emb(node, graph, args, out, status):
+    """rotary_emb (kernels/triton/rope.py): x may be a strided view (``strided_io``)."""
+    x, cos, sin = args
+    fn = _lib().rotary_emb
+    return lambda: fn(x, cos, sin, out)
+
+
 def _attention_rows(node, graph, args, out, status):
     """attention_rows: each row over its own KV-cache slot (kernels/triton/attention_rows.py)."""
     q, k, v, kc, vc, slots, pos = args
@@ -290,6 +297,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "embedding": (_embedding_ok, _embedding),
     "rope": (_float_first, _rope),
     "rope_rows": (_float_first, _rope_rows),
+    "rotary_emb": (_float_first, _rotary_emb),
     "attention_rows": (_float_first, _attention_rows),
     "attention": (_float_first, _attention),
     "attention_varlen": (_float_first, _attention_varlen),  # kernels/triton/attention_varlen.py
@@ -320,6 +328,10 @@ class TritonBackend(BackendImpl):
         """Library ops with a Triton kernel: see ``OPS``."""
         entry = OPS.get(node.op)
         return entry is not None and entry[0](node, graph)
+
+    def strided_io(self, node, graph) -> bool:
+        """RoPE (``rotary_emb``) reads x through its strides (kernels/triton/rope.py)."""
+        return node.op == "rotary_emb" and self.supports(node, graph)
 
     def compile(self, kernels: list) -> list[Kernel]:
         """Fused kernels as Triton (codegen/triton.py), compiled by Triton's JIT on first launch."""

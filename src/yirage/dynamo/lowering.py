@@ -31,9 +31,10 @@ would add guards); the partition runs ``emit`` on a copy specialized to each con
 signature (specialize.py), where every dim is an int and integer arguments that were symbolic
 are literals.
 
-Also here: ``rewrite_linear``, the one graph rewrite before partitioning, which turns the
+Also here, the graph rewrites before partitioning: ``rewrite_linear`` turns the
 ``addmm(bias, x, permute(w, [1, 0]))`` that the decompositions make of ``nn.Linear`` back
-into ``aten.linear`` (a torch op too, so the graph stays runnable if it is not lowered).
+into ``aten.linear``, and ``rewrite_rotary_emb`` turns transformers' rotate-half RoPE into
+``yirage::rotary_emb`` (torch ops too, so the graph stays runnable where it is not lowered).
 
 This module must never compile or run a graph, nor know a backend: it only builds IR.
 """
@@ -1049,6 +1050,117 @@ def rewrite_linear(gm: GraphModule) -> int:
         gm.graph.erase_node(node)
         if not wt.users:
             gm.graph.erase_node(wt)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+# ---- RoPE: transformers' apply_rotary_pos_emb as one op -------------------------------------
+
+@torch.library.custom_op("yirage::rotary_emb", mutates_args=())
+def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (``ir.ops.rotary_emb_reference``): the torch op
+    ``rewrite_rotary_emb`` puts in a graph, which runs as this where it is not lowered."""
+    from ..ir.ops import rotary_emb_reference
+    return rotary_emb_reference(x, cos, sin)
+
+
+@rotary_emb.register_fake
+def _rotary_emb_fake(x, cos, sin):
+    return torch.empty_like(x)
+
+
+@lowers(torch.ops.yirage.rotary_emb.default, check=_all_of(_no_kwargs(), _tensors_ok))
+def _rotary_emb(e, node):
+    return e.g.rotary_emb(*(e[a] for a in node.args))
+
+
+def _same_shape(a, b) -> bool:
+    """Equal shapes, symbolic dims compared by expression (no guard)."""
+    return a.dim() == b.dim() and all(str(x) == str(y) for x, y in zip(a.shape, b.shape))
+
+
+def _rotary_parts(node: Node) -> tuple[Node, Node, Node] | None:
+    """(x, cos, sin) when ``node`` is ``x * cos + cat([-x[..., D/2:], x[..., :D/2]], -1) * sin``
+    (transformers' ``apply_rotary_pos_emb`` after decomposition) over a float x of 1 to 4 dims
+    with a static even last dim D, cos and sin of x's dtype with last dim D broadcasting to x's
+    shape; else None."""
+    if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    out = _val(node)
+    if not isinstance(out, torch.Tensor) or not 1 <= out.dim() <= 4 or out.dtype not in FLOAT_DTYPES:
+        return None
+    D = out.shape[-1]
+    if not isinstance(D, int) or D % 2:
+        return None
+
+    def mul_operands(n):
+        ok = isinstance(n, Node) and n.target is aten.mul.Tensor and not n.kwargs and len(n.args) == 2
+        return list(n.args) if ok and all(isinstance(a, Node) for a in n.args) else None
+
+    def last_dim(d, rank) -> bool:
+        return isinstance(d, int) and d % rank == rank - 1
+
+    def rotated(n) -> Node | None:   # x when n is cat([neg(x[..., D/2:]), x[..., :D/2]], -1)
+        if not (isinstance(n, Node) and n.target is aten.cat.default and len(n.args[0]) == 2
+                and last_dim(n.args[1] if len(n.args) > 1 else 0, out.dim())):
+            return None
+        neg, lo = n.args[0]
+        if not (isinstance(neg, Node) and neg.target is aten.neg.default):
+            return None
+        hi = neg.args[0]
+        bounds = []
+        for sl in (hi, lo):
+            if not (isinstance(sl, Node) and sl.target is aten.slice.Tensor and len(sl.args) >= 4
+                    and last_dim(sl.args[1], out.dim()) and (len(sl.args) < 5 or sl.args[4] == 1)):
+                return None
+            bounds.append((sl.args[2], sl.args[3]))
+        if hi.args[0] is not lo.args[0] or bounds[0][0] != D // 2 or not (
+                isinstance(bounds[0][1], int) and bounds[0][1] >= D) or bounds[1] != (0, D // 2):
+            return None
+        return hi.args[0]
+
+    for first, second in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        plain, rot = mul_operands(first), mul_operands(second)
+        if plain is None or rot is None:
+            continue
+        for cat, sin in ((rot[0], rot[1]), (rot[1], rot[0])):
+            x = rotated(cat)
+            if x is None or x not in plain:
+                continue
+            cos = plain[1] if plain[0] is x else plain[0]
+            xv, cv, sv = _val(x), _val(cos), _val(sin)
+            if (isinstance(xv, torch.Tensor) and _same_shape(xv, out) and _same_shape(_val(first), out)
+                    and _same_shape(_val(second), out)
+                    and all(isinstance(t, torch.Tensor) and t.dtype == out.dtype and xv.dtype == out.dtype
+                            and 1 <= t.dim() <= out.dim() and str(t.shape[-1]) == str(D) for t in (cv, sv))):
+                return x, cos, sin
+    return None
+
+
+def rewrite_rotary_emb(gm: GraphModule) -> int:
+    """Turn each rotate-half RoPE (``_rotary_parts``: two multiplies, two slices, a negation, a
+    cat and an add, which the fused row kernels cannot express as one and which cost copies)
+    into one ``yirage::rotary_emb(x, cos, sin)``, lowered to the IR's ``rotary_emb``, in place;
+    the nodes it leaves without users are erased. Returns the number rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        parts = _rotary_parts(node)
+        if parts is None:
+            continue
+        with gm.graph.inserting_before(node):
+            rope = gm.graph.call_function(torch.ops.yirage.rotary_emb.default, parts)
+        rope.meta = dict(node.meta)
+        node.replace_all_uses_with(rope)
+        dead = [node]
+        while dead:
+            n = dead.pop()
+            if n.users or n.op != "call_function":
+                continue
+            dead.extend(a for a in n.all_input_nodes if a not in parts)
+            gm.graph.erase_node(n)
         count += 1
     if count:
         gm.graph.lint()

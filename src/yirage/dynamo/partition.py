@@ -38,7 +38,8 @@ from ..dtypes import as_dtype
 from ..errors import TorchCompileError, YirageFallbackWarning
 from ..kernel import KNGraph
 from . import cache
-from .lowering import LOWERINGS, VIEW_TARGETS, Emitter, drop_legacy_empty_cat_inputs, rewrite_linear
+from .lowering import (LOWERINGS, VIEW_TARGETS, Emitter, drop_legacy_empty_cat_inputs, rewrite_linear,
+                       rewrite_rotary_emb)
 from .options import CompileOptions, op_name
 from .specialize import is_symbolic, signature, specialize
 
@@ -134,6 +135,7 @@ def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozens
     compiled; BackendUnavailableError for an unavailable ``options.backend``."""
     backend = resolve_backend(options.backend).value
     rewrite_linear(gm)
+    rewrite_rotary_emb(gm)
     drop_legacy_empty_cat_inputs(gm)
     support = _Support(options)
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)

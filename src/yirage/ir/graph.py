@@ -614,6 +614,15 @@ class KernelGraph:
         cos/sin [max_seq, Dh/2] (float32). Source: Su et al. 2021; transformers' Llama."""
         return self._add("rope", [x, cos, sin, start_pos])
 
+    def rotary_emb(self, x, cos, sin):
+        """Rotate-half RoPE with per-element tables, as transformers' ``apply_rotary_pos_emb``:
+        ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``.
+        x [..., D] (1 to 4 dims, D even, float); cos and sin of x's dtype, broadcasting to x's
+        shape with last dim D (e.g. [B, 1, S, D] for x [B, H, S, D]). Returns x's shape and
+        dtype (computed in float32). GraphError for other shapes or dtypes. Source: Su et al.
+        2021 (RoFormer)."""
+        return self._add("rotary_emb", [x, cos, sin])
+
     def attention(self, q, k, v, k_cache, v_cache, start_pos, scale: float | None = None,
                   window: int | None = None):
         """Causal grouped-query attention over a KV cache, optionally in a sliding window.

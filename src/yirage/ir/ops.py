@@ -649,6 +649,30 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+def _rotary_emb_infer(ts, attrs):
+    x, cos, sin = ts
+    if not 1 <= len(x.shape) <= 4 or x.shape[-1] % 2:
+        _fail("rotary_emb", ts, "x must have 1 to 4 dims with an even last dim (the head dim)")
+    if not x.dtype.is_float or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        _fail("rotary_emb", ts, "x must be floating point and cos and sin of x's dtype")
+    for t in (cos, sin):
+        if len(t.shape) > len(x.shape) or not t.shape or t.shape[-1] != x.shape[-1] or (
+                broadcast_shape("rotary_emb", x, t) != tuple(x.shape)):
+            _fail("rotary_emb", ts, "cos and sin must broadcast to x's shape, with x's last dim")
+    return x
+
+
+def rotary_emb_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with per-element tables (Su et al. 2021; transformers'
+    ``apply_rotary_pos_emb``): ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) =
+    cat(-x[..., D/2:], x[..., :D/2])``, cos and sin broadcast to x [..., D]; computed in float32
+    and cast back to x's dtype."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos.float() + rotated * sin.float()).to(x.dtype)
+
+
 #: the dtypes attention and attention_rows take (a float16 KV cache: kv_cache_dtype='float16')
 KV_DTYPES_RULE = ("q, k, v and the KV caches must share one floating-point dtype, or the caches be float16 "
                   "with float32 q, k, v (a float16 KV cache)")
@@ -813,6 +837,7 @@ _register("linear_w8a8", "library", -1, _linear_w8a8_infer,
 _register("embedding", "library", 2, _embedding_infer, _embedding_ref, index_input=0)
 _register("rope", "library", 4, _rope_infer,
           lambda args, a: rope_reference(args[0], args[1], args[2], int(args[3][0])), index_input=3)
+_register("rotary_emb", "library", 3, _rotary_emb_infer, lambda args, a: rotary_emb_reference(*args))
 _register("attention", "library", 6, _attention_infer,
           lambda args, a: attention_reference(*args[:5], int(args[5][0]), a["scale"], a.get("window", 0)),
           mutates=(3, 4),

@@ -1168,6 +1168,31 @@ def _sdpa(B: int, H: int, Hk: int, S: int, T: int, mask_shape, causal: bool, sca
     return g, [qs, ks, vs] + ([ms] if ms is not None else []), {0: want}
 
 
+def _rotary_emb(x_shape, table_shape, heads_of_bshd: bool, dtype: DType = DType.float32) -> Built:
+    """``rotary_emb`` against transformers' formula written out (x * cos + rotate_half(x) * sin);
+    ``heads_of_bshd``: x is the heads of a [B, S, H, D] input permuted in the graph (a strided
+    view on backends that take one)."""
+    g = new_kernel_graph()
+    td = dtype.torch_dtype
+    if heads_of_bshd:
+        B, H, S, D = x_shape
+        xi = g.new_input((B, S, H, D), dtype)
+        x = g.permute(xi, (0, 2, 1, 3))
+        data = torch.randn(B, S, H, D).to(td)
+        xs = data.permute(0, 2, 1, 3).float()
+    else:
+        x = xi = g.new_input(x_shape, dtype)
+        data = torch.randn(x_shape).to(td)
+        xs = data.float()
+    c, s_ = g.new_input(table_shape, dtype), g.new_input(table_shape, dtype)
+    g.mark_output(g.rotary_emb(x, c, s_))
+    angles = torch.rand(table_shape) * 6.3
+    cos, sin = angles.cos().to(td), angles.sin().to(td)
+    half = xs.shape[-1] // 2
+    want = xs * cos.float() + torch.cat([-xs[..., half:], xs[..., :half]], dim=-1) * sin.float()
+    return g, [data, cos, sin], {0: want.to(td)}
+
+
 def _library_cases() -> list[Case]:
     part = functools.partial
     return [
@@ -1192,6 +1217,10 @@ def _library_cases() -> list[Case]:
         Case("attention", "float16 KV cache prefill T=7", part(_attention, 7, 0, 0, cache=DType.float16)),
         Case("attention", "float16 KV cache decode start=9", part(_attention, 1, 9, 0, cache=DType.float16)),
         Case("attention", "float16 KV cache window=3 T=4 start=6", part(_attention, 4, 6, 3, cache=DType.float16)),
+        Case("rotary_emb", "heads of [2,5,3,8], cos [2,1,5,8]", part(_rotary_emb, (2, 3, 5, 8), (2, 1, 5, 8), True)),
+        Case("rotary_emb", "7x16, cos 7x16", part(_rotary_emb, (7, 16), (7, 16), False)),
+        Case("rotary_emb", "1x4x6x64, cos 1x1x6x64 bfloat16", part(_rotary_emb, (1, 4, 6, 64), (1, 1, 6, 64), False,
+                                                                    DType.bfloat16), tol=(2e-2, 2e-2)),
         Case("rope_rows", "T=5 positions 3,0,12,4,4", part(_rope_rows, [3, 0, 12, 4, 4])),
         Case("rope_rows", "T=1 position 7", part(_rope_rows, [7])),
         Case("attention_rows", "decode + prefill chunk + pad", part(_attention_rows, _BATCH_ROWS, 0)),

@@ -1603,6 +1603,54 @@ void yr_rope_rows(const float* x, const float* cos_table, const float* sin_table
     }
 }
 
+// yr_rotary_emb_f32: rotate-half RoPE with per-element tables (the IR's rotary_emb;
+// transformers' apply_rotary_pos_emb): out = x * cos + rotate_half(x) * sin over rows of D
+// (even) floats, rotate_half(x) = [-x[D/2:], x[:D/2]]. geo (geo_len >= 20 values):
+// {n0, n1, n2, D, then the strides over dims 0..3 of x, cos, sin and out}: the rows are
+// indexed by (i0, i1, i2) < (n0, n1, n2) and each tensor's row starts at i0*s0 + i1*s1 + i2*s2
+// with its last dim contiguous (s3 must be 1); stride 0 broadcasts cos/sin (e.g. over heads),
+// any stride reads a permuted x (heads of a [B, S, H, D] buffer). status: a size outside
+// [1, 2^31), an odd D, a stride outside [0, 2^31) or a last-dim stride other than 1, or a
+// tensor whose strides reach past its length (x_len, cos_len, sin_len, out_len elements);
+// then nothing is written.
+void yr_rotary_emb_f32(const float* x, const float* cos, const float* sin, float* out, const int64_t* geo,
+                       int64_t geo_len, int64_t x_len, int64_t cos_len, int64_t sin_len, int64_t out_len,
+                       int64_t* status) {
+    if (geo_len < 20) { report(status, geo_len, 20, INT64_MAX); return; }
+    const int64_t n[4] = {geo[0], geo[1], geo[2], geo[3]};
+    for (int64_t v : n)
+        if (v < 1 || v >= INT32_MAX) { report(status, v, 1, INT32_MAX); return; }
+    const int64_t D = n[3], half = D / 2;
+    if (D % 2) { report(status, D, 2, 2); return; }
+    const int64_t lens[4] = {x_len, cos_len, sin_len, out_len};
+    for (int t = 0; t < 4; ++t) {
+        const int64_t* st = geo + 4 + 4 * t;
+        int64_t last = D;   // one past the last element the tensor's strides reach (< 2^63)
+        for (int d = 0; d < 3; ++d) {
+            if (st[d] < 0 || st[d] >= INT32_MAX) { report(status, st[d], 0, INT32_MAX); return; }
+            last += (n[d] - 1) * st[d];
+        }
+        if (st[3] != 1) { report(status, st[3], 1, 2); return; }
+        if (last > lens[t]) { report(status, last, 0, lens[t] + 1); return; }
+    }
+    const int64_t *xs = geo + 4, *cs = geo + 8, *ss = geo + 12, *os = geo + 16;
+    const int64_t rows = n[0] * n[1] * n[2];
+#pragma omp parallel for schedule(static) if (rows * D >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i2 = r % n[2], i1 = r / n[2] % n[1], i0 = r / (n[1] * n[2]);
+        const float* xr = x + i0 * xs[0] + i1 * xs[1] + i2 * xs[2];
+        const float* cr = cos + i0 * cs[0] + i1 * cs[1] + i2 * cs[2];
+        const float* sr = sin + i0 * ss[0] + i1 * ss[1] + i2 * ss[2];
+        float* o = out + i0 * os[0] + i1 * os[1] + i2 * os[2];
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+            const float a = xr[j], b = xr[j + half];
+            o[j] = a * cr[j] - b * sr[j];
+            o[j + half] = b * cr[j + half] + a * sr[j + half];
+        }
+    }
+}
+
 }  // extern "C"
 
 namespace {

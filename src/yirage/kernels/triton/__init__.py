@@ -11,7 +11,8 @@ validated on the host (shapes and dtypes only) and ValueError names what is wron
 - :func:`matmul` (matmul.py): ``torch.matmul`` with broadcast batch dims.
 - :func:`embedding` (embedding.py): row gather from a float or q8_0/q4_1 table.
 - :func:`rope` (rope.py): rotate-half RoPE at positions ``start_pos[0] + t``; :func:`rope_rows`
-  at a position per row (continuous batching).
+  at a position per row (continuous batching); :func:`rotary_emb` with per-element cos/sin
+  tensors broadcast to x (transformers' ``apply_rotary_pos_emb``), x strided.
 - :func:`attention`, :func:`attention_workspace` (attention.py): causal GQA over a KV cache,
   full or in a sliding window (``window``); flash-decoding for T == 1, FlashAttention for T > 1.
 - :func:`argmax` (argmax.py): first index of the row maximum, NaN wins.
@@ -55,11 +56,11 @@ from .indexing import index_copy, index_copy_meta
 from .int8 import W8A8Workspace, linear_w8a8, linear_w8a8_workspace
 from .linear import linear
 from .matmul import matmul
-from .rope import rope, rope_rows
+from .rope import rope, rope_rows, rotary_emb
 from .sdpa import sdpa
 from .strided import cumsum_mid, fits_int32, reduce_mid, softmax_mid, strided_copy, strided_copy_meta
 
 __all__ = ["AttentionWorkspace", "interpreting", "argmax", "attention", "attention_workspace", "attention_varlen",
            "embedding", "linear", "matmul", "rope", "reduce_mid", "softmax_mid", "cumsum_mid", "strided_copy",
            "strided_copy_meta", "fits_int32", "index_copy", "index_copy_meta", "W8A8Workspace", "linear_w8a8", "linear_w8a8_workspace",
-           "conv2d", "pool2d", "sdpa", "rope_rows", "attention_rows"]
+           "conv2d", "pool2d", "sdpa", "rope_rows", "rotary_emb", "attention_rows"]

@@ -140,3 +140,78 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: 
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"rope_rows: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     _launch(x, cos, sin, positions, out, status_ptr, has_status, cos.shape[0] - 1, rows=True)
+
+
+@triton.jit
+def _rotary_emb_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N1, N2, ROWS, HALF,
+                       xs0, xs1, xs2, cs0, cs1, cs2, ss0, ss1, ss2,
+                       BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Grid (cdiv(ROWS, BLOCK_R),): rows r = (i0, i1, i2) of an [N0, N1, N2, 2 * HALF] view;
+    x, cos and sin at their strides over the three row dims (stride 0 broadcasts), the last dim
+    contiguous; out contiguous. Offsets in int64."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    i2 = r % N2
+    i1 = (r // N2) % N1
+    i0 = r // (N2 * N1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = (r < ROWS)[:, None] & (offs < HALF)[None, :]
+    xo = (i0 * xs0 + i1 * xs1 + i2 * xs2)[:, None] + offs[None, :]
+    co = (i0 * cs0 + i1 * cs1 + i2 * cs2)[:, None] + offs[None, :]
+    so = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None] + offs[None, :]
+    oo = r[:, None] * (2 * HALF) + offs[None, :]
+    a = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + xo + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + co, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + co + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + so, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + so + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + oo, to_out(a * c1 - b * s1, out_ptr), mask=mask)
+    tl.store(out_ptr + oo + HALF, to_out(b * c2 + a * s2, out_ptr), mask=mask)
+
+
+def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """Rotate-half RoPE with per-element tables, as ``yirage.ir.ops.rotary_emb_reference``
+    (transformers' ``apply_rotary_pos_emb``): ``out = x * cos + rotate_half(x) * sin``, computed in
+    float32.
+
+    Args:
+        x: ``[..., D]`` (1 to 4 dims, D even) float32/float16/bfloat16; any strides over the
+            leading dims (e.g. the heads of a [B, S, H, D] buffer seen as [B, H, S, D]), the last
+            dim contiguous.
+        cos, sin: x's dtype, broadcasting to x's shape with last dim D (read through the strides
+            of that broadcast: no copy), the last dim contiguous.
+        out: x's shape and dtype, contiguous.
+
+    Memory traffic: reads x and the rows of cos and sin each row uses; writes out. No
+    allocation, no host sync.
+
+    Raises:
+        ValueError: wrong ranks, dtypes or shapes, a last dim that is not contiguous, or tensors on
+            different devices.
+    """
+    check_tensors("rotary_emb", out=out)
+    if not 1 <= x.dim() <= 4 or x.dtype not in _FLOATS or x.shape[-1] % 2:
+        raise ValueError(f"rotary_emb: x must have 1 to 4 dims, an even last dim and a float dtype, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    try:
+        cb, sb = cos.expand(x.shape), sin.expand(x.shape)
+    except RuntimeError:
+        raise ValueError(f"rotary_emb: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must broadcast to x's "
+                         f"shape {tuple(x.shape)}") from None
+    for name, t in (("x", x), ("cos", cb), ("sin", sb)):
+        if t.dtype != x.dtype or t.device != x.device or (t.stride(-1) != 1 and t.shape[-1] > 1):
+            raise ValueError(f"rotary_emb: {name} must be {x.dtype} on {x.device} with a contiguous last dim, got "
+                             f"{t.dtype} on {t.device}, strides {tuple(t.stride())}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"rotary_emb: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if x.numel() == 0:
+        return
+    pad = 4 - x.dim()
+    n = [1] * pad + list(x.shape)
+    st = [[0] * pad + list(t.stride()) for t in (x, cb, sb)]
+    rows, half = n[0] * n[1] * n[2], n[3] // 2
+    BLOCK_HALF = triton.next_power_of_2(half)
+    BLOCK_R = max(1, min(64, 4096 // BLOCK_HALF))
+    _rotary_emb_kernel[(triton.cdiv(rows, BLOCK_R),)](x, cos, sin, out, n[1], n[2], rows, half,
+                                                      *st[0][:3], *st[1][:3], *st[2][:3],
+                                                      BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, num_warps=4)
