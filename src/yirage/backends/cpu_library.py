@@ -72,7 +72,7 @@ SIGNATURES: dict[str, tuple] = {
     "yr_attention_window_f16kv": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     # x, cos, sin, positions [T], out, T, H, Dh, S (table rows), status
     "yr_rope_rows": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
-    "yr_rotary_emb_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P),
+    "yr_rotary_emb": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P),
     "yr_linear_task_rows": (_P,),   # out int64 [2]: the most rows of the q4_1/q8_0 and other linear tasks
     "yr_quantized_rows_bytes": (_I, _I, _P),   # M, K, out int64 [1]: yr_task_quantize_rows_q8's buffer
     # q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale, window, status
@@ -376,18 +376,23 @@ def _span(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
 
 
+#: the element types yr_rotary_emb takes, by its dtype code
+_ROTARY_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def _rotary_emb(node, graph, args, out, status):
-    """yr_rotary_emb_f32: x (a strided view too: ``strided_io``), cos and sin read through the
-    strides of their broadcast to x's shape (stride 0 where they repeat), the dims padded to 4."""
+    """yr_rotary_emb (float32, bfloat16 or float16): x (a strided view too: ``strided_io``), cos
+    and sin read through the strides of their broadcast to x's shape (stride 0 where they
+    repeat), the dims padded to 4."""
     x, cos, sin = args
     pad = 4 - x.dim()
     geo = [1] * pad + list(x.shape)
     for t in (x, cos.expand(x.shape), sin.expand(x.shape), out):
         geo += [0] * pad + list(t.stride())
     geo = torch.tensor(geo, dtype=torch.int64)
-    fn, st = library().yr_rotary_emb_f32, torch.zeros(4, dtype=torch.int64)
-    p = (_ptr(x), _ptr(cos), _ptr(sin), _ptr(out), geo.data_ptr(), geo.numel(), _span(x), _span(cos), _span(sin),
-         _span(out), st.data_ptr())
+    fn, st = library().yr_rotary_emb, torch.zeros(4, dtype=torch.int64)
+    p = (_ptr(x), _ptr(cos), _ptr(sin), _ptr(out), geo.data_ptr(), geo.numel(), _ROTARY_DTYPES[x.dtype], _span(x),
+         _span(cos), _span(sin), _span(out), st.data_ptr())
 
     def run():
         fn(*p)
@@ -548,7 +553,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rope": (_float32_first, _rope),
     "attention": (_float32_first, _attention),
     "rope_rows": (_float32_first, _rope_rows),
-    "rotary_emb": (_float32_first, _rotary_emb),
+    "rotary_emb": (_always, _rotary_emb),   # float32, bfloat16, float16 (the op's rule)
     "attention_rows": (_float32_first, _attention_rows),
     "argmax": (_float32_first, _argmax),
     "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)

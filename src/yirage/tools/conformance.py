@@ -1221,6 +1221,8 @@ def _library_cases() -> list[Case]:
         Case("rotary_emb", "7x16, cos 7x16", part(_rotary_emb, (7, 16), (7, 16), False)),
         Case("rotary_emb", "1x4x6x64, cos 1x1x6x64 bfloat16", part(_rotary_emb, (1, 4, 6, 64), (1, 1, 6, 64), False,
                                                                     DType.bfloat16), tol=(2e-2, 2e-2)),
+        Case("rotary_emb", "heads of [1,6,2,32], cos [1,1,6,32] float16", part(_rotary_emb, (1, 2, 6, 32), (1, 1, 6, 32),
+                                                                               True, DType.float16), tol=(2e-3, 2e-3)),
         Case("rope_rows", "T=5 positions 3,0,12,4,4", part(_rope_rows, [3, 0, 12, 4, 4])),
         Case("rope_rows", "T=1 position 7", part(_rope_rows, [7])),
         Case("attention_rows", "decode + prefill chunk + pad", part(_attention_rows, _BATCH_ROWS, 0)),

@@ -227,6 +227,55 @@ inline float vhmax(vf a) { return a; }
 typedef uint16_t f16;
 inline float to_f32(float x) { return x; }
 inline float to_f32(f16 h) { return fp16_to_fp32(h); }
+
+// Element types of rotary_rows: float32, bfloat16 and float16 by tag (the two halves share
+// uint16_t storage), each loaded as and stored from float32 (bfloat16 rounds to nearest even).
+struct Bf16Val {
+    uint16_t bits;
+};
+struct F16Val {
+    uint16_t bits;
+};
+inline float load_f32(const float* p, int64_t i) { return p[i]; }
+inline float load_f32(const Bf16Val* p, int64_t i) {
+    uint32_t u = (uint32_t)p[i].bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float load_f32(const F16Val* p, int64_t i) { return fp16_to_fp32(p[i].bits); }
+inline void store_f32(float* p, int64_t i, float v) { p[i] = v; }
+inline void store_f32(Bf16Val* p, int64_t i, float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i].bits = (uint16_t)((u >> 16) | 0x40); return; }   // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i].bits = (uint16_t)(u >> 16);
+}
+inline void store_f32(F16Val* p, int64_t i, float v) { p[i].bits = fp32_to_fp16(v); }
+
+// The rows of yr_rotary_emb (checked by it): geometry n[4], strides st[16] (x, cos, sin, out).
+template <typename T>
+void rotary_rows(const void* xv, const void* cv, const void* sv, void* ov, const int64_t* n, const int64_t* st) {
+    const T *x = (const T*)xv, *cos = (const T*)cv, *sin = (const T*)sv;
+    T* out = (T*)ov;
+    const int64_t half = n[3] / 2, rows = n[0] * n[1] * n[2];
+    const int64_t *xs = st, *cs = st + 4, *ss = st + 8, *os = st + 12;
+#pragma omp parallel for schedule(static) if (rows * n[3] >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i2 = r % n[2], i1 = r / n[2] % n[1], i0 = r / (n[1] * n[2]);
+        const T* xr = x + i0 * xs[0] + i1 * xs[1] + i2 * xs[2];
+        const T* cr = cos + i0 * cs[0] + i1 * cs[1] + i2 * cs[2];
+        const T* sr = sin + i0 * ss[0] + i1 * ss[1] + i2 * ss[2];
+        T* o = out + i0 * os[0] + i1 * os[1] + i2 * os[2];
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+            const float a = load_f32(xr, j), b = load_f32(xr, j + half);
+            store_f32(o, j, a * load_f32(cr, j) - b * load_f32(sr, j));
+            store_f32(o, j + half, b * load_f32(cr, j + half) + a * load_f32(sr, j + half));
+        }
+    }
+}
 #if defined(YR_AVX512)
 inline vf vload(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #elif defined(YR_AVX2)
@@ -1603,24 +1652,25 @@ void yr_rope_rows(const float* x, const float* cos_table, const float* sin_table
     }
 }
 
-// yr_rotary_emb_f32: rotate-half RoPE with per-element tables (the IR's rotary_emb;
-// transformers' apply_rotary_pos_emb): out = x * cos + rotate_half(x) * sin over rows of D
-// (even) floats, rotate_half(x) = [-x[D/2:], x[:D/2]]. geo (geo_len >= 20 values):
-// {n0, n1, n2, D, then the strides over dims 0..3 of x, cos, sin and out}: the rows are
-// indexed by (i0, i1, i2) < (n0, n1, n2) and each tensor's row starts at i0*s0 + i1*s1 + i2*s2
-// with its last dim contiguous (s3 must be 1); stride 0 broadcasts cos/sin (e.g. over heads),
-// any stride reads a permuted x (heads of a [B, S, H, D] buffer). status: a size outside
-// [1, 2^31), an odd D, a stride outside [0, 2^31) or a last-dim stride other than 1, or a
-// tensor whose strides reach past its length (x_len, cos_len, sin_len, out_len elements);
-// then nothing is written.
-void yr_rotary_emb_f32(const float* x, const float* cos, const float* sin, float* out, const int64_t* geo,
-                       int64_t geo_len, int64_t x_len, int64_t cos_len, int64_t sin_len, int64_t out_len,
-                       int64_t* status) {
+// yr_rotary_emb: rotate-half RoPE with per-element tables (the IR's rotary_emb; transformers'
+// apply_rotary_pos_emb): out = x * cos + rotate_half(x) * sin over rows of D (even) values,
+// rotate_half(x) = [-x[D/2:], x[:D/2]], all four tensors of one dtype (dtype 0: float32,
+// 1: bfloat16, 2: float16), computed in float32. geo (geo_len >= 20 values): {n0, n1, n2, D,
+// then the strides over dims 0..3 of x, cos, sin and out}: the rows are indexed by
+// (i0, i1, i2) < (n0, n1, n2) and each tensor's row starts at i0*s0 + i1*s1 + i2*s2 with its
+// last dim contiguous (s3 must be 1); stride 0 broadcasts cos/sin (e.g. over heads), any
+// stride reads a permuted x (heads of a [B, S, H, D] buffer). status: a dtype other than
+// 0..2, a size outside [1, 2^31), an odd D, a stride outside [0, 2^31) or a last-dim stride
+// other than 1, or a tensor whose strides reach past its length (x_len, cos_len, sin_len,
+// out_len elements); then nothing is written.
+void yr_rotary_emb(const void* x, const void* cos, const void* sin, void* out, const int64_t* geo, int64_t geo_len,
+                   int64_t dtype, int64_t x_len, int64_t cos_len, int64_t sin_len, int64_t out_len, int64_t* status) {
     if (geo_len < 20) { report(status, geo_len, 20, INT64_MAX); return; }
+    if (dtype < 0 || dtype > 2) { report(status, dtype, 0, 3); return; }
     const int64_t n[4] = {geo[0], geo[1], geo[2], geo[3]};
     for (int64_t v : n)
         if (v < 1 || v >= INT32_MAX) { report(status, v, 1, INT32_MAX); return; }
-    const int64_t D = n[3], half = D / 2;
+    const int64_t D = n[3];
     if (D % 2) { report(status, D, 2, 2); return; }
     const int64_t lens[4] = {x_len, cos_len, sin_len, out_len};
     for (int t = 0; t < 4; ++t) {
@@ -1633,22 +1683,9 @@ void yr_rotary_emb_f32(const float* x, const float* cos, const float* sin, float
         if (st[3] != 1) { report(status, st[3], 1, 2); return; }
         if (last > lens[t]) { report(status, last, 0, lens[t] + 1); return; }
     }
-    const int64_t *xs = geo + 4, *cs = geo + 8, *ss = geo + 12, *os = geo + 16;
-    const int64_t rows = n[0] * n[1] * n[2];
-#pragma omp parallel for schedule(static) if (rows * D >= PAR_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i2 = r % n[2], i1 = r / n[2] % n[1], i0 = r / (n[1] * n[2]);
-        const float* xr = x + i0 * xs[0] + i1 * xs[1] + i2 * xs[2];
-        const float* cr = cos + i0 * cs[0] + i1 * cs[1] + i2 * cs[2];
-        const float* sr = sin + i0 * ss[0] + i1 * ss[1] + i2 * ss[2];
-        float* o = out + i0 * os[0] + i1 * os[1] + i2 * os[2];
-#pragma omp simd
-        for (int64_t j = 0; j < half; ++j) {
-            const float a = xr[j], b = xr[j + half];
-            o[j] = a * cr[j] - b * sr[j];
-            o[j + half] = b * cr[j + half] + a * sr[j + half];
-        }
-    }
+    if (dtype == 0) rotary_rows<float>(x, cos, sin, out, n, geo + 4);
+    else if (dtype == 1) rotary_rows<Bf16Val>(x, cos, sin, out, n, geo + 4);
+    else rotary_rows<F16Val>(x, cos, sin, out, n, geo + 4);
 }
 
 }  // extern "C"
