@@ -54,3 +54,17 @@ def test_sdpa_refuses_a_value_head_dim_other_than_the_query_one(K, device):
         torch.randn(1, 1, 3, 8, device=device)
     with pytest.raises(ValueError, match="head dim"):
         K.sdpa(q, k, v, None, torch.empty(1, 1, 2, 16, device=device), False, None)
+
+
+@pytest.mark.parametrize("causal,Hk", [(False, 4), (True, 2)])
+def test_sdpa_reads_and_writes_head_strided_views(K, device, causal, Hk):
+    """q, k, v and out as the heads of [B, S, H, D] buffers (what the executor passes instead
+    of permute copies): the same result as torch's on the views."""
+    B, H, S, D = 2, 4, 19, 32
+    q = torch.randn(B, S, H, D).transpose(1, 2)
+    k, v = (torch.randn(B, S, Hk, D).transpose(1, 2) for _ in range(2))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != Hk)
+    out_buf = torch.full((B, S, H, D), float("nan"), device=device)
+    K.sdpa(*(t.to(device).transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)), None,
+           out_buf.transpose(1, 2), causal, None)
+    torch.testing.assert_close(out_buf.transpose(1, 2).cpu(), want, atol=1e-4, rtol=1e-4)

@@ -330,8 +330,9 @@ class TritonBackend(BackendImpl):
         return entry is not None and entry[0](node, graph)
 
     def strided_io(self, node, graph) -> bool:
-        """RoPE (``rotary_emb``) reads x through its strides (kernels/triton/rope.py)."""
-        return node.op == "rotary_emb" and self.supports(node, graph)
+        """RoPE (``rotary_emb``, kernels/triton/rope.py) and attention (``sdpa``, sdpa.py) read
+        (and attention writes) heads through their strides."""
+        return node.op in ("rotary_emb", "sdpa") and self.supports(node, graph)
 
     def compile(self, kernels: list) -> list[Kernel]:
         """Fused kernels as Triton (codegen/triton.py), compiled by Triton's JIT on first launch."""

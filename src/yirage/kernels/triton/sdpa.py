@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensors, dot_upcast, fp32_score_tiles, mma, pow2_bucket, to_out
+from ._common import autotune, dot_upcast, fp32_score_tiles, mma, pow2_bucket, to_out
 
 _CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
@@ -32,19 +32,20 @@ _CONFIGS = [
 @autotune(configs=_CONFIGS, key=["S_KEY", "T_KEY", "D", "G"], prune=fp32_score_tiles("q_ptr"))
 @triton.jit
 def _sdpa_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, qk_scale, S, T, S_KEY, T_KEY, H, G, D, smb, smh, smi,
+                 sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
                  HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
-    kvh = b * (H // G) + h // G                            # GQA: the key/value head of query head h
+    kvh = h // G                                           # GQA: the key/value head of query head h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask, d_mask = offs_m < S, offs_d < D
-    q_off = (bh * S + offs_m.to(tl.int64))[:, None] * D + offs_d[None, :]
+    q_off = b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    k_base = k_ptr + kvh * T * D
-    v_base = v_ptr + kvh * T * D
+    k_base = k_ptr + b * skb + kvh * skh
+    v_base = v_ptr + b * svb + kvh * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -52,7 +53,7 @@ def _sdpa_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, qk_scale, S, T, S_KEY, T_KEY
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < T
-        k = tl.load(k_base + offs_n.to(tl.int64)[None, :] * D + offs_d[:, None],
+        k = tl.load(k_base + offs_n.to(tl.int64)[None, :] * sks + offs_d[:, None],
                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)             # [BLOCK_D, BLOCK_N]
         qk = mma(q, k, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST) * qk_scale
         if HAS_MASK:
@@ -68,12 +69,13 @@ def _sdpa_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, qk_scale, S, T, S_KEY, T_KEY
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * D + offs_d[None, :],
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)             # [BLOCK_N, BLOCK_D]
         acc = mma(p.to(v_ptr.dtype.element_ty), v, acc * alpha[:, None], UPCAST)
         m_i = m_new
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(o_ptr + q_off, to_out(o, o_ptr), mask=m_mask[:, None] & d_mask[None, :])
+    o_off = b * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :]
+    tl.store(o_ptr + o_off, to_out(o, o_ptr), mask=m_mask[:, None] & d_mask[None, :])
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor,
@@ -81,16 +83,22 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     """``out`` = softmax(scale * q k^T + mask (+ causal)) v, as ``ir.ops.sdpa_reference``.
 
     Args:
-        q: [B, H, S, D]; k, v: [B, Hk, T, D] with Hk dividing H (GQA); one float dtype, contiguous.
-        mask: None or an additive float mask of q's dtype, [B or 1, H or 1, S or 1, T], contiguous.
-        out: [B, H, S, D] of q's dtype; written only.
+        q: [B, H, S, D]; k, v: [B, Hk, T, D] with Hk dividing H (GQA); one float dtype. Any strides
+            over the first three dims (e.g. the heads of a [B, S, H, D] buffer), the last dim
+            contiguous.
+        mask: None or an additive float mask of q's dtype, [B or 1, H or 1, S or 1, T], its last dim
+            contiguous.
+        out: [B, H, S, D] of q's dtype, strided as q may be; written only.
         causal: hide key j > query i (top-left aligned, as torch's ``is_causal``).
         scale: the softmax scale (None: D ** -0.5).
 
-    Raises ValueError for non-contiguous tensors, tensors on two devices, or v's head dim
-    differing from q's.
+    Raises ValueError for a last dim that is not contiguous, tensors on two devices, or v's
+    head dim differing from q's.
     """
-    check_tensors("sdpa", q=q, k=k, v=v, mask=mask, out=out)
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("mask", mask)):
+        if t is not None and (t.dim() != 4 or (t.stride(3) != 1 and t.shape[3] > 1) or t.device != q.device):
+            raise ValueError(f"sdpa: {name} must be 4-d with a contiguous last dim on {q.device}, got "
+                             f"{tuple(t.shape)} strides {tuple(t.stride())} on {t.device}")
     B, H, S, D = q.shape
     Hk, T = k.shape[1], k.shape[2]
     if v.shape[3] != D or H % Hk:
@@ -102,5 +110,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     s = D ** -0.5 if scale is None else float(scale)
     grid = lambda meta: (triton.cdiv(S, meta["BLOCK_M"]), B * H)   # noqa: E731
     _sdpa_kernel[grid](q, k, v, q if mask is None else mask, out, s * math.log2(math.e), S, T, pow2_bucket(S),
-                       pow2_bucket(T), H, H // Hk, D, *strides, HAS_MASK=mask is not None, CAUSAL=bool(causal),
+                       pow2_bucket(T), H, H // Hk, D, *strides,
+                       *(st for t in (q, k, v, out) for st in t.stride()[:3]),
+                       HAS_MASK=mask is not None, CAUSAL=bool(causal),
                        UPCAST=dot_upcast(q), BLOCK_D=max(16, triton.next_power_of_2(D)))
