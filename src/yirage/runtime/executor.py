@@ -352,8 +352,8 @@ class Plan:
                 or not isinstance(steps[i + 1], FusedKernel)):
             return False
         node, k = steps[i].node, steps[i + 1]
-        if (node.op in VIEW_OPS or node.output in self._viewed or node.output in self._written or node.output in self._bound or OPS[node.op].index_input is not None
-                or not impl.supports(node, g)):
+        if (node.op in VIEW_OPS or node.output in self._bound or OPS[node.op].index_input is not None
+                or node.output in self._viewed or node.output in self._written or not impl.supports(node, g)):
             return False
         shape = g.tensors[node.output].shape
         reads = [inp for inp in k.inputs if inp.tid == node.output]
