@@ -1042,15 +1042,31 @@ def rewrite_linear(gm: GraphModule) -> int:
             continue
         if bias is not None and not (isinstance(_val(bias), torch.Tensor) and _val(bias).dim() == 1):
             continue
-        w = wt.args[0]
-        with gm.graph.inserting_before(node):
-            lin = gm.graph.call_function(aten.linear.default, (x, w) + ((bias,) if bias is not None else ()))
-        lin.meta = dict(node.meta)
-        node.replace_all_uses_with(lin)
-        gm.graph.erase_node(node)
-        if not wt.users:
-            gm.graph.erase_node(wt)
+        _replace_node(gm, node, aten.linear.default, (x, wt.args[0]) + ((bias,) if bias is not None else ()))
         count += 1
+    return _recompiled(gm, count)
+
+
+def _replace_node(gm: GraphModule, node: Node, target, args: tuple) -> Node:
+    """Put ``target(*args)`` (with ``node``'s meta) in the place of ``node``, then erase
+    ``node`` and the nodes that fed it, other than ``args``, that are left without users (the
+    rest of the pattern it ended). Returns the new node."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, args)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    dead = [node]
+    while dead:
+        n = dead.pop()
+        if n.users or n.op != "call_function" or n in args:
+            continue
+        dead.extend(n.all_input_nodes)
+        gm.graph.erase_node(n)
+    return new
+
+
+def _recompiled(gm: GraphModule, count: int) -> int:
+    """``count``, after checking and recompiling ``gm`` when a rewrite changed it."""
     if count:
         gm.graph.lint()
         gm.recompile()
@@ -1150,22 +1166,9 @@ def rewrite_rotary_emb(gm: GraphModule) -> int:
         parts = _rotary_parts(node)
         if parts is None:
             continue
-        with gm.graph.inserting_before(node):
-            rope = gm.graph.call_function(torch.ops.yirage.rotary_emb.default, parts)
-        rope.meta = dict(node.meta)
-        node.replace_all_uses_with(rope)
-        dead = [node]
-        while dead:
-            n = dead.pop()
-            if n.users or n.op != "call_function":
-                continue
-            dead.extend(a for a in n.all_input_nodes if a not in parts)
-            gm.graph.erase_node(n)
+        _replace_node(gm, node, torch.ops.yirage.rotary_emb.default, parts)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 def _legacy_empty(t) -> bool:
@@ -1192,10 +1195,7 @@ def drop_legacy_empty_cat_inputs(gm: GraphModule) -> int:
         for t in tensors:
             if t not in keep and not t.users and t.op == "call_function":
                 gm.graph.erase_node(t)
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 # the conv-net ops (convolution, batch norm, pooling) register themselves
