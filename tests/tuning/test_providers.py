@@ -661,3 +661,30 @@ def test_sdpa_kernel_reads_and_writes_head_strided_views(B, H, causal, gqa, head
     run()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_kernels_refuse_a_geometry_whose_reach_overflows():
+    """Sizes and strides each in range whose products sum past 2^63 (a wrapped sum would pass
+    the length check): the RoPE and attention kernels refuse them, out untouched."""
+    from yirage.backends import cpu_library
+    from yirage.ir.graph import KernelGraph
+
+    x, cos = torch.randn(2, 3, 4, 8), torch.randn(1, 1, 4, 8)
+    out = torch.full_like(x, float("nan"))
+    run = cpu_library._rotary_emb(None, KernelGraph(), [x, cos, cos.clone()], out, None)   # reads only its tensors
+    geo, big = run.keep[0], 2 ** 31 - 2
+    geo[:3] = big
+    geo[4:7] = big                        # x's strides: (big - 1) * big three times
+    with pytest.raises(YirageError, match="rotary_emb"):
+        run()
+    assert out.isnan().all()
+
+    q = torch.randn(2, 2, 3, 16)
+    out = torch.full_like(q, float("nan"))
+    run = cpu_library._sdpa_yirage(q, q.clone(), q.clone(), None, out, False, None)
+    geo = run.keep[0]
+    geo[0], geo[1], geo[2], geo[3] = big, big, big, big   # B, Hq, Hkv, Tq
+    geo[10:13] = big                                       # q's strides
+    with pytest.raises(YirageError, match="sdpa"):
+        run()
+    assert out.isnan().all()

@@ -72,6 +72,8 @@ SIGNATURES: dict[str, tuple] = {
     "yr_attention_window_f16kv": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     # x, cos, sin, positions [T], out, T, H, Dh, S (table rows), status
     "yr_rope_rows": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
+    # x, cos, sin, out, geometry {n0, n1, n2, D, strides of x, cos, sin, out}, its length, dtype code,
+    # x/cos/sin/out lengths, status
     "yr_rotary_emb": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P),
     "yr_linear_task_rows": (_P,),   # out int64 [2]: the most rows of the q4_1/q8_0 and other linear tasks
     "yr_quantized_rows_bytes": (_I, _I, _P),   # M, K, out int64 [1]: yr_task_quantize_rows_q8's buffer
@@ -98,8 +100,8 @@ SIGNATURES: dict[str, tuple] = {
     # x, P, bias, y, geometry {N, H, W, C, O, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, mc, kc}, x/p/y lengths,
     # row epilogue fn (or NULL) and its args, status (kernels/cpu/conv_gemm.h)
     "yr_conv_igemm_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P),
-    # q, k, v, mask|NULL, out, geometry {B, Hq, Hkv, Tq, Tk, Dh, causal, mask strides b/h/i}, scale,
-    # q/kv/mask/out lengths, status
+    # q, k, v, mask|NULL, out, geometry {B, Hq, Hkv, Tq, Tk, Dh, causal, mask strides b/h/i, then the
+    # b/h/t strides of q, k, v, out}, its length, scale, q/kv/mask/out lengths, status
     "yr_sdpa_f32": (_P, _P, _P, _P, _P, _P, _I, _F, _I, _I, _I, _I, _P),
     # qkv, offsets, out, T, B, H, Dh, scale, qkv_len, out_len, status
     "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
@@ -448,7 +450,7 @@ def _sdpa_yirage(q, k, v, mask, out, causal: bool, scale):
     """yirage's attention kernel (kernels/cpu/embed_kernels.h ``yr_sdpa_f32``: K transposed per
     head, Q K^T and P V in register tiles, the mask and causal bias added to the scores, GQA by
     head index), float32 with v's head dim equal to q's. q, k, v and out may be strided views
-    (``_sdpa_strides``), e.g. [B, S, H, D] buffers read as [B, H, S, D]."""
+    (the executor's layout aliases), e.g. [B, S, H, D] buffers read as [B, H, S, D]."""
     B, H, S, D = q.shape
     Hk, T = k.shape[1], k.shape[2]
     strides = [0, 0, 0]
@@ -459,7 +461,6 @@ def _sdpa_yirage(q, k, v, mask, out, causal: bool, scale):
     geo = torch.tensor([B, H, Hk, S, T, D, int(causal), *strides, *(x for st in views for x in st)], dtype=torch.int64)
     s = float(scale) if scale is not None else D ** -0.5
     fn, st = library().yr_sdpa_f32, torch.zeros(4, dtype=torch.int64)
-
     p = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(), geo.data_ptr(), geo.numel(), s,
          _span(q), min(_span(k), _span(v)), 0 if mask is None else _span(mask), _span(out), st.data_ptr())
 
@@ -499,8 +500,7 @@ def _sdpa(node, graph, args, out, status):
                              B * H * S, k.shape[2], D, torch.get_num_threads())
 
     def like(t, fill):   # a tensor of t's shape and strides, in storage of its own
-        base = fill(t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(), dtype=t.dtype)
-        return base.as_strided(t.shape, t.stride())
+        return fill(_span(t), dtype=t.dtype).as_strided(t.shape, t.stride())
 
     def factory(bind):
         def make():   # random inputs of the class (the plan's buffers hold garbage at bind time)

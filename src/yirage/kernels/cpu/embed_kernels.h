@@ -406,6 +406,14 @@ inline int64_t emb_mul(int64_t a, int64_t b) {
 template <typename... T>
 inline int64_t emb_mul(int64_t a, int64_t b, T... rest) { return emb_mul(emb_mul(a, b), rest...); }
 
+// a + b + ..., saturated at INT64_MAX (for non-negative terms: a reach past any buffer stays so).
+inline int64_t emb_add(int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+}
+template <typename... T>
+inline int64_t emb_add(int64_t a, int64_t b, T... rest) { return emb_add(emb_add(a, b), rest...); }
+
 // status = {1, value, lo, hi} and false unless lo <= value < hi.
 inline bool emb_check(int64_t* status, int64_t value, int64_t lo, int64_t hi) {
     if (value >= lo && value < hi) return true;
@@ -1193,9 +1201,9 @@ void yr_sdpa_f32(const float* q, const float* k, const float* v, const float* ma
         if (!emb_check(status, n, 1, INT32_MAX)) return;
     for (int64_t i = 10; i < 22; ++i)
         if (!emb_check(status, geo[i], 0, INT32_MAX)) return;
-    // the last element each strided tensor reaches (< 2^63: every factor below 2^31)
+    // one past the last element each strided tensor reaches (saturated)
     auto reach = [&](const int64_t* s, int64_t H, int64_t T) {
-        return emb_mul(B - 1, s[0]) + emb_mul(H - 1, s[1]) + emb_mul(T - 1, s[2]) + Dh;
+        return emb_add(emb_mul(B - 1, s[0]), emb_mul(H - 1, s[1]), emb_mul(T - 1, s[2]), Dh);
     };
     if (!emb_check(status, Hq % Hkv, 0, 1) || !emb_check(status, reach(qs, Hq, Tq), 0, q_len + 1) ||
         !emb_check(status, reach(ks, Hkv, Tk), 0, kv_len + 1) || !emb_check(status, reach(vs, Hkv, Tk), 0, kv_len + 1) ||
@@ -1204,7 +1212,7 @@ void yr_sdpa_f32(const float* q, const float* k, const float* v, const float* ma
     if (mask) {
         for (int64_t st : {sb, sh, si})
             if (!emb_check(status, st, 0, INT32_MAX)) return;
-        const int64_t last = emb_mul(B - 1, sb) + emb_mul(Hq - 1, sh) + emb_mul(Tq - 1, si) + Tk;   // < 2^63
+        const int64_t last = emb_add(emb_mul(B - 1, sb), emb_mul(Hq - 1, sh), emb_mul(Tq - 1, si), Tk);
         if (!emb_check(status, last, 0, mask_len + 1)) return;
     }
     const int threads = emb_threads();
