@@ -376,3 +376,24 @@ def test_transformers_rope_is_one_rotary_emb_op(monkeypatch, tmp_path):
     torch.testing.assert_close(out, not_rope(xs, cos, sin), **TOL)
     (g,) = graphs
     assert "rotary_emb" not in [n.op for n in g.ops]
+
+
+@pytest.mark.parametrize("kept, rewritten", [("aten.mul", "yirage.rotary_emb.default"),
+                                             ("aten.addmm", "aten.linear.default")])
+def test_torch_executed_ops_are_not_folded_into_a_rewrite(kept, rewritten):
+    """An op the user keeps in torch (``torch_executed_ops``) stays a torch op even where a
+    rewrite would fold it into another (RoPE's multiplies into ``rotary_emb``, nn.Linear's addmm
+    into ``linear``); the result matches eager."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def fn(x, cos, sin):
+        return _rope(lin(x), cos, sin)
+    x, cos, sin = torch.randn(2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    torch._dynamo.reset()
+    out, be = _compile_run(fn, [x, cos, sin], torch_executed_ops=[kept])
+    with torch.no_grad():
+        torch.testing.assert_close(out, fn(x, cos, sin), **TOL)
+    ran = {o for r in be.reports for p in r.partitions if p.runs_in == "yirage" for o in p.ops}
+    assert rewritten not in ran
+    assert any(t.op.startswith(kept) for r in be.reports for t in r.torch_ops)

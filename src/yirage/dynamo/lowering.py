@@ -1028,14 +1028,22 @@ def _linear(e, node):
     return _gemm(e, x, w, node.args[2] if len(node.args) > 2 else None, node=node)
 
 
-def rewrite_linear(gm: GraphModule) -> int:
+def _never(target) -> bool:
+    return False
+
+
+def rewrite_linear(gm: GraphModule, in_torch: Callable[[object], bool] = _never) -> int:
     """Turn ``addmm(bias, x, permute(w, [1, 0]))`` and ``mm(x, permute(w, [1, 0]))`` (what
     the decompositions make of ``nn.Linear``) into ``aten.linear(x, w[, bias])`` with a 1-d
-    bias, in place; a permute left without users is erased. Returns the number rewritten."""
+    bias, in place; a permute left without users is erased. ``in_torch(target)``: the ops the
+    user keeps in torch (``torch_executed_ops``), which no rewrite folds away. Returns the
+    number rewritten."""
+    if in_torch(aten.permute.default):
+        return 0
     count = 0
     for node in list(gm.graph.nodes):
         is_addmm = node.target is aten.addmm.default and not node.kwargs
-        if not (is_addmm or node.target is aten.mm.default):
+        if not (is_addmm or node.target is aten.mm.default) or in_torch(node.target):
             continue
         bias, x, wt = (node.args[:3] if is_addmm else (None, *node.args[:2]))
         if not (isinstance(wt, Node) and wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]):
@@ -1156,11 +1164,15 @@ def _rotary_parts(node: Node) -> tuple[Node, Node, Node] | None:
     return None
 
 
-def rewrite_rotary_emb(gm: GraphModule) -> int:
+def rewrite_rotary_emb(gm: GraphModule, in_torch: Callable[[object], bool] = _never) -> int:
     """Turn each rotate-half RoPE (``_rotary_parts``: two multiplies, two slices, a negation, a
     cat and an add, which the fused row kernels cannot express as one and which cost copies)
     into one ``yirage::rotary_emb(x, cos, sin)``, lowered to the IR's ``rotary_emb``, in place;
-    the nodes it leaves without users are erased. Returns the number rewritten."""
+    the nodes it leaves without users are erased. Nothing is rewritten when the user keeps one
+    of those ops in torch (``in_torch``, as ``rewrite_linear``). Returns the number rewritten."""
+    if any(map(in_torch, (aten.add.Tensor, aten.mul.Tensor, aten.slice.Tensor, aten.neg.default,
+                          aten.cat.default))):
+        return 0
     count = 0
     for node in list(gm.graph.nodes):
         parts = _rotary_parts(node)

@@ -96,6 +96,12 @@ def node_op(node: Node) -> str:
     return op_name(node.target) if hasattr(node.target, "overloadpacket") else getattr(node.target, "__name__", str(node.target))
 
 
+def _kept_in_torch(options: CompileOptions, name: str) -> bool:
+    """Is the op ``name`` ("aten.gelu.default") listed in ``torch_executed_ops``, as its
+    overload or its packet ("aten.gelu")?"""
+    return name in options.torch_executed_ops or name.rsplit(".", 1)[0] in options.torch_executed_ops
+
+
 class _Support(OperatorSupportBase):
     """Operator support from the lowering table; remembers why each node was declined."""
 
@@ -109,7 +115,7 @@ class _Support(OperatorSupportBase):
         lowering = LOWERINGS.get(node.target)
         if lowering is None:
             return f"no lowering for {name}"
-        if name in self.options.torch_executed_ops or name.rsplit(".", 1)[0] in self.options.torch_executed_ops:
+        if _kept_in_torch(self.options, name):
             return "listed in torch_executed_ops"
         return lowering.check(node)
 
@@ -134,8 +140,8 @@ def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozens
     Raises TorchCompileError (``fallback="raise"``) when a partition cannot be lowered or
     compiled; BackendUnavailableError for an unavailable ``options.backend``."""
     backend = resolve_backend(options.backend).value
-    rewrite_linear(gm)
-    rewrite_rotary_emb(gm)
+    rewrite_linear(gm, lambda target: _kept_in_torch(options, op_name(target)))
+    rewrite_rotary_emb(gm, lambda target: _kept_in_torch(options, op_name(target)))
     drop_legacy_empty_cat_inputs(gm)
     support = _Support(options)
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
