@@ -45,14 +45,19 @@ namespace {
 #endif
 #endif
 #ifndef YR_EMB_MR512
-#define YR_EMB_MR512 12
+// 11 rows, not 12: with 12 the tile's row pointers outgrow the general registers and GCC keeps
+// three in vector registers, moving them back every k step (vmovq, on the FMA port 0); 11
+// leaves one such move. C++ harness, 2 threads, Intel Xeon 6/207: 1.02-1.10x on BERT's and
+// GPT-2's shapes at 128 and 1024 rows (1024 x 3072 x 768: 269-284 -> 298 GFLOP/s), 10 rows
+// slower than 11.
+#define YR_EMB_MR512 11
 #endif
 constexpr int64_t EMB_NR = 32;          // output columns per packed panel (every ISA)
 constexpr int64_t EMB_KC = YR_EMB_KC;   // float32 GEMM: k-block (a 384 x 32 panel is 48 KiB)
 constexpr int64_t EMB_MC = YR_EMB_MC;   // rows of x per cache block
 
 #if defined(YR_AVX512)
-constexpr int EMB_MR = YR_EMB_MR512;    // 12 x 2 vectors = 24 accumulators of 32 zmm
+constexpr int EMB_MR = YR_EMB_MR512;    // 11 x 2 vectors = 22 accumulators of 32 zmm
 #elif defined(YR_AVX2)
 constexpr int EMB_MR = 3;           // 3 x 4 vectors = 12 accumulators of 16 ymm
 #else
