@@ -47,7 +47,7 @@ namespace {
 #ifndef YR_EMB_MR512
 // 11 rows, not 12: with 12 the tile's row pointers outgrow the general registers and GCC keeps
 // three in vector registers, moving them back every k step (vmovq, on the FMA port 0); 11
-// leaves one such move. C++ harness, 2 threads, Intel Xeon 6/207: 1.02-1.10x on BERT's and
+// leaves one such move. C++ harness, 2 threads, Intel Xeon 6/207: 1.00-1.13x on BERT's and
 // GPT-2's shapes at 128 and 1024 rows (1024 x 3072 x 768: 269-284 -> 298 GFLOP/s), 10 rows
 // slower than 11.
 #define YR_EMB_MR512 11
