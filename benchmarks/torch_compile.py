@@ -22,14 +22,22 @@ running statistics calibrated on a few random batches in train mode.
 Every (model, batch) has three sides, each in its own process (``_sides.py``): eager,
 ``torch.compile`` (Inductor) and ``yr.compile`` (``torch.compile`` with the yirage backend,
 precompiled: yirage/dynamo/precompile.py). A side builds the model from the same seed, runs its
-first call (``compile_s``: the cold compile, for eager its first call; the yirage side first
-deletes the stored precompiled models, so it traces and stores the graph; both compilers' other
-disk caches stay as earlier runs left them), warms up, then times one forward per sample; the
-sides are sampled in interleaved rounds and ratios are medians of per-round ratios. A second
-yirage process built after the first gives ``warm_compile_s`` (it loads the precompiled graph;
-``warm_precompile`` says whether it did; ``warm_compile_beyond_call_s`` is that first call less
-one timed forward). ``--compile-samples N`` takes N cold first calls of Inductor and of yirage,
-each in a fresh process, and reports their median as ``compile_s`` (and all of them as
+first call (``compile_s``: the cold compile, for eager its first call), warms up, then times one
+forward per sample; the sides are sampled in interleaved rounds and ratios are medians of
+per-round ratios.
+
+Cold means empty disk caches for both compilers: each case gives Inductor a new
+``TORCHINDUCTOR_CACHE_DIR`` (no FX graph, AOTAutograd or kernel cache) and yirage a new
+``YIRAGE_CACHE_DIR`` and ``YIRAGE_PROFILE_DIR`` (no precompiled model, no measured kernel
+choices, no generated kernels), each a new ``TRITON_CACHE_DIR`` too. yirage's new cache holds
+only its hand-written C++ kernel libraries, which ``make setup`` builds at install
+(``python -m yirage.runtime.toolchain``); the run builds them first if they are missing and
+reports that time as ``kernel_libraries_build_s``, outside every compile time. A second
+process of each compiler, on the caches the first one left, gives ``warm_compile_s`` (yirage:
+``warm_precompile`` says whether it loaded the precompiled graph;
+``warm_compile_beyond_call_s`` is that first call less one timed forward).
+``--compile-samples N`` takes N cold first calls of Inductor and of yirage, each in a fresh
+process with empty caches, and reports their median as ``compile_s`` (and all of them as
 ``compile_s_samples``). Per model the JSON has each side's
 median seconds, peak RSS (MiB), the yirage and Inductor outputs' max abs error and cosine to
 eager, and the speedups against eager, Inductor and the faster of the two (what a user would
@@ -46,8 +54,10 @@ import json
 import math
 import os
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,8 +78,8 @@ def _config(name: str, small: bool):
     if name == "bert":
         return tf.BertModel, tf.BertConfig(**(tiny if small else {}))
     if name == "minilm":
-        return tf.BertModel, tf.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                                           intermediate_size=1536, **({} if not small else {"num_hidden_layers": 2}))
+        return tf.BertModel, tf.BertConfig(**{"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
+                                              "intermediate_size": 1536, **({"num_hidden_layers": 2} if small else {})})
     if name == "gpt2":
         return tf.GPT2Model, tf.GPT2Config(**({"n_embd": 64, "n_layer": 2, "n_head": 2} if small else {}))
     if name == "llama":
@@ -130,18 +140,15 @@ def build(name: str, batch: int, dtype: str, small: bool, device: str = "cpu"):
 class CompiledSide:
     """One side in its worker: ``mode`` 'eager', 'inductor' or 'yirage'."""
 
-    def __init__(self, model: str, batch: int, dtype: str, small: bool, mode: str, warm: bool = False,
+    def __init__(self, model: str, batch: int, dtype: str, small: bool, mode: str,
                  device: str = "cpu", compile_only: bool = False):
         import torch
 
         self.torch = torch
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         net, self.inputs = build(model, batch, dtype, small, device)
-        if mode == "yirage":
+        if mode == "yirage":   # its disk caches are the ones ColdCaches.env gave this process
             import yirage as yr
-            from yirage.dynamo import precompile
-            if not warm:
-                precompile.clear()   # the cold side compiles (and stores) the model's graph
             self.fn = yr.compile(net, options={"backend": "cuda"} if device == "cuda" else None)
         else:
             self.fn = net if mode == "eager" else torch.compile(net, backend="inductor")
@@ -211,12 +218,70 @@ def _against_float32(sides, kw: dict, args, entry: dict, outs: dict) -> None:
                                      and y["max_abs_error"] <= 1.5 * e["max_abs_error"] + 1e-3)
 
 
+def kernel_libraries() -> tuple[list, float]:
+    """yirage's hand-written C++ libraries, built into the user's cache if missing (what
+    ``make setup`` does at install): (their cache paths, seconds this call spent)."""
+    from yirage.runtime import toolchain
+
+    t0 = time.perf_counter()
+    built = toolchain.prebuild()
+    return [path for _, path, _, _ in built], time.perf_counter() - t0
+
+
+class ColdCaches:
+    """Empty disk caches for one case: ``env(mode)`` is the environment of a side whose
+    compiler starts with nothing cached (Inductor: ``TORCHINDUCTOR_CACHE_DIR``; yirage:
+    ``YIRAGE_CACHE_DIR`` holding only the installed kernel ``libraries``, and
+    ``YIRAGE_PROFILE_DIR``; both: ``TRITON_CACHE_DIR``). A later side given the same
+    ``env(mode)`` finds what the first one left (the warm compile). Removed on exit."""
+
+    def __init__(self, libraries: list):
+        self.root = tempfile.mkdtemp(prefix="yirage-bench-caches-")
+        self.libraries = libraries
+        self._envs: dict[str, dict] = {}
+
+    def env(self, mode: str, fresh: bool = False) -> dict:
+        """The side's cache environment; ``fresh``: new empty caches, not the case's."""
+        if mode == "eager":
+            return {}
+        if mode in self._envs and not fresh:
+            return self._envs[mode]
+        d = tempfile.mkdtemp(prefix=f"{mode}-", dir=self.root)
+        env = {"TRITON_CACHE_DIR": os.path.join(d, "triton")}
+        if mode == "inductor":
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(d, "inductor")
+        else:
+            from yirage.runtime import toolchain
+
+            cpp = os.path.join(d, "yirage", "cpp")
+            os.makedirs(cpp)
+            for lib in self.libraries:   # the library, then the checksum file that vouches for it
+                shutil.copy2(lib, cpp)
+                shutil.copy2(toolchain.checksum_path(lib), cpp)
+            env.update(YIRAGE_CACHE_DIR=os.path.join(d, "yirage"), YIRAGE_PROFILE_DIR=os.path.join(d, "tuning"))
+        if not fresh:
+            self._envs[mode] = env
+        return env
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 def run_case(name: str, batch: int, args) -> dict:
+    with ColdCaches(args.kernel_libraries) as caches:
+        return _run_case(name, batch, args, caches)
+
+
+def _run_case(name: str, batch: int, args, caches: ColdCaches) -> dict:
     kw = {"model": name, "batch": batch, "dtype": args.dtype, "small": args.small, "device": args.device}
     entry: dict = {}
     with Sides(timeout_s=args.timeout) as sides:
         for mode in ("eager", "inductor", "yirage"):
-            sides.start(mode, SideSpec("torch_compile:CompiledSide", {**kw, "mode": mode}, threads=args.threads))
+            sides.start(mode, SideSpec("torch_compile:CompiledSide", {**kw, "mode": mode}, threads=args.threads,
+                                       env=caches.env(mode)))
         rounds = sides.rounds(args.rounds, {})
         outs = {m: r[m][1] for r in rounds for m in r}
         for mode in ("eager", "inductor", "yirage"):
@@ -232,20 +297,24 @@ def run_case(name: str, batch: int, args) -> dict:
                 entry[f"yirage_speedup_vs_{peer}"] = c.ratio(peer, "yirage")
         if "yirage_speedup_vs_eager" in entry and "yirage_speedup_vs_inductor" in entry:
             entry["yirage_speedup_vs_best"] = min(entry["yirage_speedup_vs_eager"], entry["yirage_speedup_vs_inductor"])
-    _more_compile_samples(kw, args, entry)
-    with Sides(timeout_s=args.timeout) as warm:   # a second process: yirage's disk caches are warm now
-        if warm.start("yirage", SideSpec("torch_compile:CompiledSide", {**kw, "mode": "yirage", "warm": True},
-                                         threads=args.threads)):
-            entry["yirage"]["warm_compile_s"] = warm.info["yirage"]["compile_s"]
-            entry["yirage"]["warm_precompile"] = warm.info["yirage"]["precompile"]
-            if entry["yirage"].get("median_s"):   # the first call less one forward: what loading adds
-                entry["yirage"]["warm_compile_beyond_call_s"] = entry["yirage"]["warm_compile_s"] - entry["yirage"]["median_s"]
+    _more_compile_samples(kw, args, entry, caches)
+    for mode in ("inductor", "yirage"):   # a second process of each: its disk caches are warm now
+        with Sides(timeout_s=args.timeout) as warm:
+            if not (mode in entry and warm.start(mode, SideSpec("torch_compile:CompiledSide", {**kw, "mode": mode},
+                                                                threads=args.threads, env=caches.env(mode)))):
+                continue
+            entry[mode]["warm_compile_s"] = warm.info[mode]["compile_s"]
+            if mode == "yirage":
+                entry[mode]["warm_precompile"] = warm.info[mode]["precompile"]
+                if entry[mode].get("median_s"):   # the first call less one forward: what loading adds
+                    entry[mode]["warm_compile_beyond_call_s"] = entry[mode]["warm_compile_s"] - entry[mode]["median_s"]
     return entry
 
 
-def _more_compile_samples(kw: dict, args, entry: dict) -> None:
+def _more_compile_samples(kw: dict, args, entry: dict, caches: ColdCaches) -> None:
     """With ``--compile-samples N`` > 1: N - 1 more cold first calls of Inductor and yirage,
-    each in a fresh process (alternating, so that a slow spell of the machine hits both), after
+    each in a fresh process with empty caches (alternating, so that a slow spell of the
+    machine hits both), after
     the timed rounds; ``compile_s`` becomes the median of all N and ``compile_s_samples`` lists
     them. One process's first call moves by a second or more on a shared virtual machine."""
     samples = {m: [entry[m]["compile_s"]] for m in ("inductor", "yirage") if "compile_s" in entry.get(m, {})}
@@ -253,7 +322,7 @@ def _more_compile_samples(kw: dict, args, entry: dict) -> None:
         for mode in samples:
             with Sides(timeout_s=args.timeout) as one:
                 if one.start(mode, SideSpec("torch_compile:CompiledSide", {**kw, "mode": mode, "compile_only": True},
-                                            threads=args.threads)):
+                                            threads=args.threads, env=caches.env(mode, fresh=True))):
                     samples[mode].append(one.info[mode]["compile_s"])
     if args.compile_samples > 1:
         for mode, xs in samples.items():
@@ -287,6 +356,7 @@ def main() -> None:
             raise SystemExit("benchmarks/torch_compile.py: --device cuda, but torch sees no CUDA device")
     from yirage.runtime.machine import machine_record
 
+    args.kernel_libraries, build_s = kernel_libraries()
     results = {}
     for name in args.models.split(","):
         for b in args.batch_sizes:
@@ -300,8 +370,7 @@ def main() -> None:
                 for p in ("eager", "inductor", "best")}
     passed = [k for k, e in results.items() if e.get("yirage", {}).get("ok")]
     print(json.dumps({"machine": machine_record(args.threads), "device": args.device, "dtype": args.dtype,
-                      "rounds": args.rounds,
-                      "small": args.small, "models": results,
+                      "rounds": args.rounds, "small": args.small, "kernel_libraries_build_s": build_s, "models": results,
                       "summary": {"pass_rate": f"{len(passed)}/{len(results)}", "transformers": group(TRANSFORMERS),
                                   "conv_nets": group(CONV_NETS)}}, indent=1))
 

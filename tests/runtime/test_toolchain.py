@@ -100,3 +100,32 @@ def test_kernels_digest_follows_the_kernel_sources(tmp_path, monkeypatch):
     finally:
         toolchain.kernels_digest.cache_clear()
         tuning.machine_key.cache_clear()
+
+
+def test_prebuild_builds_each_kernel_library_once(fresh_cache, monkeypatch, capsys):
+    """``python -m yirage.runtime.toolchain`` (make setup's last step) builds the hand-written
+    libraries in parallel into the cache that their loaders then read without a compiler run.
+    Two small ones stand for all (library.cpp alone takes about 30 s)."""
+    monkeypatch.setattr(toolchain, "kernel_libraries", lambda: ("indexing.cpp", "strided.cpp"))
+    assert toolchain.main(["--jobs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["indexing.cpp", "strided.cpp"]
+    assert all(" built in " in ln for ln in lines)
+    for name, path, built, seconds in toolchain.prebuild():
+        assert not built and seconds >= 0
+        assert path == toolchain.library_path(toolchain.kernel_source(name))
+        assert toolchain.verify_library(path) is None
+    from yirage.backends import cpu_indexing
+
+    before = toolchain.builds()
+    cpu_indexing.library.cache_clear()
+    try:
+        assert cpu_indexing.library() is not None
+        assert toolchain.builds() == before   # the loader found the prebuilt library
+    finally:
+        cpu_indexing.library.cache_clear()
+
+
+def test_kernel_libraries_are_the_cpp_sources():
+    assert set(toolchain.kernel_libraries()) >= {"library.cpp", "persistent.cpp", "strided.cpp"}
+    assert all(n.endswith(".cpp") for n in toolchain.kernel_libraries())

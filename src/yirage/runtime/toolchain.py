@@ -33,6 +33,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -304,6 +306,40 @@ def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
                          f"entry points, or remove {path.parent} and retry")
 
 
+def kernel_libraries() -> tuple[str, ...]:
+    """File names of the hand-written C++ libraries (every ``.cpp`` of ``yirage/kernels/cpu``),
+    each one translation unit that its backend module loads with ``load_library``."""
+    return tuple(sorted(p.name for p in kernel_dir().glob("*.cpp")))
+
+
+def prebuild(jobs: int | None = None) -> list[tuple[str, Path, bool, float]]:
+    """Build every hand-written kernel library into the cache now, ``jobs`` compilers at a
+    time (default: one per CPU), so that the first model a process compiles does not wait for
+    them (``library.cpp`` alone takes about 30 s of one core with g++ 12). An install step:
+    ``make setup`` runs it as ``python -m yirage.runtime.toolchain``.
+
+    Returns one ``(name, library path, built by this call, seconds)`` per library, in
+    ``kernel_libraries()`` order; a library already cached is verified, not rebuilt.
+
+    Raises:
+        ToolchainError: no compiler, or the compiler rejected a source.
+        CacheError: no usable cache directory, or an entry cannot be written.
+    """
+    def one(name: str) -> tuple[str, Path, bool, float]:
+        t0 = time.perf_counter()
+        source = kernel_source(name)
+        path = library_path(source)
+        built = _ensure_built(source, path, CXXFLAGS)   # the compiler runs as a subprocess: threads overlap
+        return name, path, built, time.perf_counter() - t0
+
+    names = kernel_libraries()
+    # the longest first, so that it never starts last
+    order = sorted(names, key=lambda n: -(kernel_dir() / n).stat().st_size)
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        done = dict((r[0], r) for r in pool.map(one, order))
+    return [done[n] for n in names]
+
+
 def builds() -> int:
     """How many times this process has run the C++ compiler (cache misses and rebuilds)."""
     return _builds
@@ -342,3 +378,25 @@ def _build(source: str, path: Path, flags: tuple[str, ...]) -> None:
     except OSError as e:
         raise CacheError(f"cannot write the kernel cache entry {path} ({e.strerror or e}): "
                          f"point YIRAGE_CACHE_DIR at a writable directory") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m yirage.runtime.toolchain [--jobs N]``: ``prebuild`` with a line per library;
+    exit status 1 with the error's message when a build fails."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m yirage.runtime.toolchain",
+                                 description="Build yirage's C++ kernel libraries into the cache now.")
+    ap.add_argument("--jobs", type=int, default=None, help="compilers at a time (default: one per CPU)")
+    args = ap.parse_args(argv)
+    try:
+        for name, path, built, seconds in prebuild(args.jobs):
+            print(f"{name}: {'built' if built else 'cached'} in {seconds:.1f} s ({path})")
+    except (ToolchainError, CacheError) as e:
+        print(f"yirage: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
