@@ -135,7 +135,7 @@ def _lib_variant(name: str):
     from concurrent.futures import ThreadPoolExecutor
 
     from yirage.backends.cpu_library import bind_signatures, library
-    from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
+    from yirage.runtime.toolchain import CXXFLAGS, load_kernel_library
 
     reason = _variant_unavailable(name)
     if reason:
@@ -147,7 +147,7 @@ def _lib_variant(name: str):
 
         def build(v):
             flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[v]
-            return bind_signatures(load_library(kernel_source("library.cpp"), tuple(flags)))
+            return bind_signatures(load_kernel_library("library", tuple(flags)))
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             _LIB_VARIANTS.update(zip(todo, pool.map(build, todo)))

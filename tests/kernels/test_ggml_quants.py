@@ -243,13 +243,13 @@ def lib_no_vbmi():
     """The native build without AVX512-VBMI: the K-quants' integer GEMV of AVX512-VNNI CPUs
     without VBMI (ggml_quants.h gemv_rows_int; with VBMI, gemv_rows_q2k/q3k run instead)."""
     from yirage.backends.cpu_library import bind_signatures
-    from yirage.runtime.toolchain import CXXFLAGS, kernel_source, load_library
+    from yirage.runtime.toolchain import CXXFLAGS, load_kernel_library
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if " avx512_vnni" not in flags or " avx512vbmi" not in flags:
         pytest.skip("needs a CPU with AVX512-VNNI and VBMI (the build without VBMI must differ from native)")
     cxx = tuple(f for f in CXXFLAGS if not f.startswith("-march")) + ("-march=native", "-mno-avx512vbmi")
-    return bind_signatures(load_library(kernel_source("library.cpp"), cxx))
+    return bind_signatures(load_kernel_library("library", cxx))
 
 
 @pytest.mark.parametrize("fmt", ["q2_k", "q3_k"])

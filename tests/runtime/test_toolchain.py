@@ -105,15 +105,15 @@ def test_kernels_digest_follows_the_kernel_sources(tmp_path, monkeypatch):
 def test_prebuild_builds_each_kernel_library_once(fresh_cache, monkeypatch, capsys):
     """``python -m yirage.runtime.toolchain`` (make setup's last step) builds the hand-written
     libraries in parallel into the cache that their loaders then read without a compiler run.
-    Two small ones stand for all (library.cpp alone takes about 30 s)."""
-    monkeypatch.setattr(toolchain, "kernel_libraries", lambda: ("indexing.cpp", "strided.cpp"))
+    Two small ones stand for all (the CPU library takes about 20 s)."""
+    monkeypatch.setattr(toolchain, "kernel_libraries", lambda: ("indexing", "strided"))
     assert toolchain.main(["--jobs", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split(":")[0] for ln in lines] == ["indexing.cpp", "strided.cpp"]
+    assert [ln.split(":")[0] for ln in lines] == ["indexing", "strided"]
     assert all(" built in " in ln for ln in lines)
     for name, path, built, seconds in toolchain.prebuild():
         assert not built and seconds >= 0
-        assert path == toolchain.library_path(toolchain.kernel_source(name))
+        assert path == toolchain.library_path(toolchain.kernel_library_sources(name))
         assert toolchain.verify_library(path) is None
     from yirage.backends import cpu_indexing
 
@@ -126,6 +126,22 @@ def test_prebuild_builds_each_kernel_library_once(fresh_cache, monkeypatch, caps
         cpu_indexing.library.cache_clear()
 
 
-def test_kernel_libraries_are_the_cpp_sources():
-    assert set(toolchain.kernel_libraries()) >= {"library.cpp", "persistent.cpp", "strided.cpp"}
-    assert all(n.endswith(".cpp") for n in toolchain.kernel_libraries())
+def test_every_kernel_source_is_in_one_library():
+    units = [u for name in toolchain.kernel_libraries() for u in toolchain.KERNEL_LIBRARIES[name]]
+    assert sorted(units) == sorted(p.name for p in toolchain.kernel_dir().glob("*.cpp"))
+
+
+UNIT_A = 'extern "C" int yr_twice(int x) { return 2 * x; }\n'
+UNIT_B = 'extern "C" int yr_twice(int x);\nextern "C" int yr_quad(int x) { return yr_twice(yr_twice(x)) + %d; }\n'
+
+
+def test_several_translation_units_link_into_one_library(fresh_cache):
+    lib = toolchain.load_library((UNIT_A, UNIT_B % 0), symbols=("yr_twice", "yr_quad"))
+    assert lib.yr_quad(3) == 12 and lib.yr_twice(5) == 10
+    assert toolchain.library_path((UNIT_A, UNIT_B % 0)) != toolchain.library_path(UNIT_A + UNIT_B % 0)
+    assert toolchain.library_path((UNIT_A, UNIT_B % 0)) != toolchain.library_path((UNIT_A, UNIT_B % 1))
+    assert len(list((fresh_cache / "cpp").glob("*.so"))) == 1
+    with pytest.raises(ToolchainError, match=r"C\+\+ compiler failed"):
+        toolchain.load_library((UNIT_A, "this is not C++"))
+    kept = list((fresh_cache / "cpp").glob("*.failed.cpp"))
+    assert len(kept) == 1 and kept[0].name.endswith(".1.failed.cpp") and kept[0].read_text() == "this is not C++"

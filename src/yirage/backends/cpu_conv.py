@@ -25,7 +25,7 @@ import torch
 from ..tuning import profile as tuning
 from ..dtypes import DType
 from ..ir.conv import ACTIVATIONS_INPLACE, ConvInputs, bn_scale_shift, conv_class, conv_inputs
-from ..runtime.toolchain import kernel_source, load_library
+from ..runtime.toolchain import load_kernel_library
 from . import cpu_embed
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -55,7 +55,7 @@ def library() -> ctypes.CDLL:
     """conv.cpp, built on first use (cached on disk), with signatures set.
 
     Raises ToolchainError: no C++ compiler, or it rejected the source."""
-    lib = load_library(kernel_source("conv.cpp"), symbols=tuple(SIGNATURES))
+    lib = load_kernel_library("conv", symbols=tuple(SIGNATURES))
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = list(argtypes)
         getattr(lib, name).restype = None

@@ -12,7 +12,7 @@ import ctypes
 import functools
 from typing import Callable
 
-from ..runtime.toolchain import kernel_source, load_library
+from ..runtime.toolchain import load_kernel_library
 from .strided_views import contiguous_strides
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -31,7 +31,7 @@ def library() -> ctypes.CDLL:
     """indexing.cpp, built on first use (cached on disk), with signatures set.
 
     Raises ToolchainError: no C++ compiler, or it rejected the source."""
-    lib = load_library(kernel_source("indexing.cpp"), symbols=tuple(SIGNATURES))
+    lib = load_kernel_library("indexing", symbols=tuple(SIGNATURES))
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = list(argtypes)
         getattr(lib, name).restype = None

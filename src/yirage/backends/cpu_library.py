@@ -6,8 +6,9 @@ int8 (``linear_w8a8``) weights run on the provider chosen by measurement for the
 
 Quantized linear layers, embeddings, RoPE, attention (and their batched-step forms rope_rows
 and attention_rows) and argmax call the hand-written C++
-of ``yirage/kernels/cpu/library.cpp`` (q4_1/q8_0; the other GGML block formats of
-``GGML_FORMATS`` in its header ``ggml_quants.h``, read in place the same way; built once by runtime/toolchain.py, bound through
+of the CPU library, ``yirage/kernels/cpu/library.cpp`` and its other translation units
+(``library_core.h``: q4_1/q8_0; the other GGML block formats of ``GGML_FORMATS`` in
+``ggml_quants.h``, read in place the same way; built once by runtime/toolchain.py, bound through
 ctypes with the ``SIGNATURES`` below); ``matmul`` uses torch (BLAS). ``supports`` says
 which (op, dtype) cases have a kernel here; the executor runs every other case as the op's
 torch reference. Binders run once per plan and return a thunk; they never allocate per
@@ -26,7 +27,7 @@ import torch
 from ..dtypes import DType
 from ..ir.ops import PLAIN_TYPES, ROW_GROUP, ROW_GROUP_TYPES, linear_nk
 from ..runtime.task_graph import TaskOp, split_range, task_op
-from ..runtime.toolchain import kernel_source, load_library
+from ..runtime.toolchain import load_kernel_library
 from ..tuning import profile as tuning
 from . import cpu_conv, cpu_embed, cpu_indexing, cpu_providers, cpu_strided
 from .base import bind_linear_stack_parts
@@ -43,7 +44,8 @@ GGML_FORMATS = ("q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", 
 #: the row-group layouts of kernels/cpu/row_groups.h (ir.ops.ROW_GROUP_TYPES)
 ROW_GROUP_FORMATS = ("q4_1r16", "q8_0r16")
 
-#: name -> ctypes argtypes of every entry point of library.cpp (restype is always None).
+#: name -> ctypes argtypes of every entry point of the CPU library (library.cpp,
+#: library_quants.cpp, library_encoder.cpp; restype is always None).
 SIGNATURES: dict[str, tuple] = {
     "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
     "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
@@ -135,7 +137,7 @@ def library() -> ctypes.CDLL:
     Raises:
         ToolchainError: no C++ compiler, or it rejected the source.
     """
-    lib = bind_signatures(load_library(kernel_source("library.cpp"), symbols=tuple(SIGNATURES) + TASK_SYMBOLS))
+    lib = bind_signatures(load_kernel_library("library", symbols=tuple(SIGNATURES) + TASK_SYMBOLS))
     lib.yr_set_prefetch_level(prefetch_level(lib))
     return lib
 
@@ -154,7 +156,7 @@ def prefetch_level(lib: ctypes.CDLL) -> int:
     shape (1 x 576 -> 1536) over ``PREFETCH_SWEEP_BYTES`` of weights, as a decode step reads
     them, with each level. On the Zen 4 EPYC of the README, L2 decoded 1.4x faster: with L1,
     the core stalls on the prefetch instructions once L1's miss buffers are full. Only x86-64
-    builds have the L2 variant (library.cpp ``prefetch_bytes``); elsewhere: 0, unmeasured."""
+    builds have the L2 variant (library_core.h ``prefetch_bytes``); elsewhere: 0, unmeasured."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
     rows, K = 1536, 576

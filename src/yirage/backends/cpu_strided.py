@@ -15,7 +15,7 @@ import functools
 from typing import Callable
 
 from ..dtypes import DType
-from ..runtime.toolchain import kernel_source, load_library
+from ..runtime.toolchain import load_kernel_library
 from .strided_views import copies, mid_view, reduced_dims
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -41,7 +41,7 @@ def library() -> ctypes.CDLL:
     """strided.cpp, built on first use (cached on disk), with signatures set.
 
     Raises ToolchainError: no C++ compiler, or it rejected the source."""
-    lib = load_library(kernel_source("strided.cpp"), symbols=tuple(SIGNATURES))
+    lib = load_kernel_library("strided", symbols=tuple(SIGNATURES))
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = list(argtypes)
         getattr(lib, name).restype = None

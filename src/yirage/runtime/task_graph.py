@@ -31,7 +31,7 @@ from ..errors import GraphError
 from ..ir.ops import OPS
 from ..transforms.fusion import VIEW_OPS, FusedKernel
 from .executor import Plan
-from .toolchain import kernel_source, load_library
+from .toolchain import load_kernel_library
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -55,7 +55,7 @@ def scheduler() -> ctypes.CDLL:
     """The persistent-kernel scheduler library (built once, cached on disk).
 
     Raises ToolchainError when no C++ compiler is installed or the build fails."""
-    lib = load_library(kernel_source("persistent.cpp"), symbols=tuple(_SIGNATURES))
+    lib = load_kernel_library("persistent", symbols=tuple(_SIGNATURES))
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = list(args), res

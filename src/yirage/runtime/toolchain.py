@@ -74,6 +74,31 @@ def kernel_source(name: str) -> str:
     return (kernel_dir() / name).read_text()
 
 
+#: The hand-written C++ libraries: name -> the translation units of ``yirage/kernels/cpu``
+#: linked into it. A library of several units has them compiled in parallel (the CPU library
+#: as one unit took g++ 12 about 30 s; its three share ``library_core.h``).
+KERNEL_LIBRARIES: dict[str, tuple[str, ...]] = {
+    "library": ("library.cpp", "library_quants.cpp", "library_encoder.cpp"),
+    "persistent": ("persistent.cpp",),
+    "strided": ("strided.cpp",),
+    "indexing": ("indexing.cpp",),
+    "conv": ("conv.cpp",),
+}
+
+
+def kernel_library_sources(name: str) -> tuple[str, ...]:
+    """The source texts of the hand-written library ``name`` (a key of ``KERNEL_LIBRARIES``),
+    one per translation unit, the form ``load_library`` takes."""
+    return tuple(kernel_source(unit) for unit in KERNEL_LIBRARIES[name])
+
+
+def load_kernel_library(name: str, flags: Sequence[str] = CXXFLAGS, symbols: Sequence[str] = ()) -> ctypes.CDLL:
+    """``load_library`` of the hand-written library ``name`` (a key of ``KERNEL_LIBRARIES``),
+    e.g. ``load_kernel_library("strided", symbols=("yr_strided_copy",))``. Raises as
+    ``load_library``."""
+    return load_library(kernel_library_sources(name), tuple(flags), tuple(symbols))
+
+
 def cache_folder(name: str) -> Path:
     """``$YIRAGE_CACHE_DIR/<name>``, created if missing (or its fallback, see
     ``config.cache_dir``).
@@ -125,15 +150,23 @@ def find_compiler() -> tuple[str, str]:
     raise ToolchainError(f"no C++ compiler found (tried {', '.join(candidates)}): {_INSTALL_HINT}")
 
 
-def library_path(source: str, flags: Sequence[str] = CXXFLAGS) -> Path:
-    """Where the library built from ``source`` with ``flags`` is cached (it may not exist yet).
+def _units(source: str | Sequence[str]) -> tuple[str, ...]:
+    """``source`` as a tuple of translation units (a str is one)."""
+    return (source,) if isinstance(source, str) else tuple(source)
+
+
+def library_path(source: str | Sequence[str], flags: Sequence[str] = CXXFLAGS) -> Path:
+    """Where the library built from ``source`` (one translation unit, or a tuple of them) with
+    ``flags`` is cached (it may not exist yet).
 
     Raises:
         ToolchainError: no compiler (the compiler is part of the cache key).
         CacheError: no usable cache directory.
     """
     cxx, version = find_compiler()
-    parts = [source, _headers_digest(), cxx, version, *flags]
+    units = _units(source)
+    head = list(units) if len(units) == 1 else [f"{len(units)} translation units", *units]
+    parts = [*head, _headers_digest(), cxx, version, *flags]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
     return cache_folder("cpp") / f"k_{key}.so"
 
@@ -215,7 +248,7 @@ def _entry_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _ensure_built(source: str, path: Path, flags: tuple[str, ...], rebuild: str | None = None) -> bool:
+def _ensure_built(source: tuple[str, ...], path: Path, flags: tuple[str, ...], rebuild: str | None = None) -> bool:
     """Make ``path`` a verified entry; return whether this call built it.
 
     ``rebuild``: the reason a verified entry must be rebuilt anyway (it would not load).
@@ -248,7 +281,7 @@ def _load(path: Path, symbols: tuple[str, ...], spelling: str) -> tuple[ctypes.C
     return lib, ""
 
 
-def build_library(source: str, flags: Sequence[str] = CXXFLAGS) -> Path:
+def build_library(source: str | Sequence[str], flags: Sequence[str] = CXXFLAGS) -> Path:
     """Build ``source`` unless a verified entry is cached; return the library's path.
 
     Does not load the library. A cached entry that fails its checksum is rebuilt with a
@@ -258,14 +291,14 @@ def build_library(source: str, flags: Sequence[str] = CXXFLAGS) -> Path:
         ToolchainError: no compiler, or the compiler rejected the source.
         CacheError: no usable cache directory, or the entry cannot be written.
     """
-    flags = tuple(flags)
+    flags, source = tuple(flags), _units(source)
     path = library_path(source, flags)
     _ensure_built(source, path, flags)
     return path
 
 
 @functools.lru_cache(maxsize=None)
-def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
+def load_library(source: str | tuple[str, ...], flags: Sequence[str] = CXXFLAGS,
                  symbols: Sequence[str] = ()) -> ctypes.CDLL:
     """Build ``source`` (unless a verified entry is cached) and load it.
 
@@ -275,7 +308,8 @@ def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
 
     Args:
         source: a complete C++ translation unit whose entry points are ``extern "C"``;
-            it may include the headers of ``yirage/kernels/cpu``.
+            it may include the headers of ``yirage/kernels/cpu``. A tuple of them is
+            one library: the units are compiled in parallel and linked together.
         flags: compiler flags (a tuple, so that the call can be memoized).
         symbols: entry points the caller will look up (a tuple); a library lacking one
             is rebuilt once, then rejected.
@@ -286,7 +320,7 @@ def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
         still cannot be loaded or lacks one of ``symbols``.
         CacheError: no usable cache directory, or the entry cannot be written.
     """
-    flags, symbols = tuple(flags), tuple(symbols)
+    flags, symbols, source = tuple(flags), tuple(symbols), _units(source)
     path = library_path(source, flags)
     built = _ensure_built(source, path, flags)
     lib, problem = _load(path, symbols, _spellings.get(str(path), str(path)))
@@ -307,19 +341,20 @@ def load_library(source: str, flags: Sequence[str] = CXXFLAGS,
 
 
 def kernel_libraries() -> tuple[str, ...]:
-    """File names of the hand-written C++ libraries (every ``.cpp`` of ``yirage/kernels/cpu``),
-    each one translation unit that its backend module loads with ``load_library``."""
-    return tuple(sorted(p.name for p in kernel_dir().glob("*.cpp")))
+    """Names of the hand-written C++ libraries (the keys of ``KERNEL_LIBRARIES``), sorted."""
+    return tuple(sorted(KERNEL_LIBRARIES))
 
 
 def prebuild(jobs: int | None = None) -> list[tuple[str, Path, bool, float]]:
     """Build every hand-written kernel library into the cache now, ``jobs`` compilers at a
     time (default: one per CPU), so that the first model a process compiles does not wait for
-    them (``library.cpp`` alone takes about 30 s of one core with g++ 12). An install step:
+    them (the CPU library takes about 30 s of g++ 12 on one core). An install step:
     ``make setup`` runs it as ``python -m yirage.runtime.toolchain``.
 
     Returns one ``(name, library path, built by this call, seconds)`` per library, in
-    ``kernel_libraries()`` order; a library already cached is verified, not rebuilt.
+    ``kernel_libraries()`` order; a library already cached is verified, not rebuilt. The
+    units of one library compile in parallel too, so up to ``jobs`` plus its unit count
+    compilers run at once.
 
     Raises:
         ToolchainError: no compiler, or the compiler rejected a source.
@@ -327,14 +362,14 @@ def prebuild(jobs: int | None = None) -> list[tuple[str, Path, bool, float]]:
     """
     def one(name: str) -> tuple[str, Path, bool, float]:
         t0 = time.perf_counter()
-        source = kernel_source(name)
+        source = kernel_library_sources(name)
         path = library_path(source)
         built = _ensure_built(source, path, CXXFLAGS)   # the compiler runs as a subprocess: threads overlap
         return name, path, built, time.perf_counter() - t0
 
     names = kernel_libraries()
     # the longest first, so that it never starts last
-    order = sorted(names, key=lambda n: -(kernel_dir() / n).stat().st_size)
+    order = sorted(names, key=lambda n: -sum(map(len, kernel_library_sources(n))))
     with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
         done = dict((r[0], r) for r in pool.map(one, order))
     return [done[n] for n in names]
@@ -348,27 +383,45 @@ def builds() -> int:
 _builds = 0
 
 
-def _build(source: str, path: Path, flags: tuple[str, ...]) -> None:
-    """Compile ``source`` and publish the library, then its checksum file (both atomic)."""
+def _compile(cmd: list[str], source: str, keep: Path) -> None:
+    """Run the compiler command ``cmd``; on failure keep ``source`` at ``keep`` and raise
+    ToolchainError with the first 20 lines of the compiler's errors."""
+    logger.debug("building %s", " ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise ToolchainError(f"cannot run the C++ compiler {cmd[0]} ({e}): {_INSTALL_HINT}") from None
+    if proc.returncode != 0:
+        keep.write_text(source)
+        err = "\n".join(proc.stderr.strip().splitlines()[:20])
+        raise ToolchainError(f"C++ compiler failed on generated kernel (source kept at {keep}): {err}")
+
+
+def _build(source: tuple[str, ...], path: Path, flags: tuple[str, ...]) -> None:
+    """Compile the translation units ``source`` (several: each to an object file, in
+    parallel, then linked) and publish the library, then its checksum file (both atomic)."""
     global _builds
     _builds += 1
     cxx, _ = find_compiler()
+    include = f"-I{kernel_dir()}"
     try:
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-            src = Path(tmp) / "kernel.cpp"
-            src.write_text(source)
             out = Path(tmp) / path.name
-            cmd = [cxx, *flags, f"-I{kernel_dir()}", str(src), "-o", str(out)]
-            logger.debug("building %s", " ".join(cmd))
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-            except OSError as e:
-                raise ToolchainError(f"cannot run the C++ compiler {cxx} ({e}): {_INSTALL_HINT}") from None
-            if proc.returncode != 0:
-                keep = path.with_suffix(".failed.cpp")
-                keep.write_text(source)
-                err = "\n".join(proc.stderr.strip().splitlines()[:20])
-                raise ToolchainError(f"C++ compiler failed on generated kernel (source kept at {keep}): {err}")
+            srcs = [Path(tmp) / f"kernel{i}.cpp" for i in range(len(source))]
+            for src, text in zip(srcs, source):
+                src.write_text(text)
+            if len(source) == 1:
+                _compile([cxx, *flags, include, str(srcs[0]), "-o", str(out)], source[0],
+                         path.with_suffix(".failed.cpp"))
+            else:
+                objs = [src.with_suffix(".o") for src in srcs]
+                unit_flags = [f for f in flags if f != "-shared"]
+                with ThreadPoolExecutor(max_workers=min(len(source), os.cpu_count() or 1)) as pool:
+                    list(pool.map(lambda i: _compile([cxx, *unit_flags, include, "-c", str(srcs[i]), "-o", str(objs[i])],
+                                                     source[i], path.with_suffix(f".{i}.failed.cpp")),
+                                  range(len(source))))
+                _compile([cxx, *flags, *map(str, objs), "-o", str(out)], "\n".join(source),
+                         path.with_suffix(".failed.cpp"))
             with open(out, "rb") as f:
                 line = _checksum_line(path.name, os.fstat(f.fileno()).st_size, _digest(f))
             record = Path(tmp) / checksum_path(path).name

@@ -1,5 +1,5 @@
 // Convolution as an implicit GEMM on the packed float32 GEMM of embed_kernels.h (included
-// after it at the end of library.cpp; it uses its micro-tiles, task loop and size checks).
+// after it by library_encoder.cpp; it uses its micro-tiles, task loop and size checks).
 //
 // An ungrouped NHWC convolution y[n, oy, ox, o] = sum_{ky, kx, c} x[n, iy, ix, c] * w[o, c, ky, kx]
 // (iy = oy*sh - ph + ky*dh, ix = ox*sw - pw + kx*dw) is the GEMM Y[M, O] = A[M, K] . W'[K, O]

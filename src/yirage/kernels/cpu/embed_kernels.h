@@ -5,7 +5,7 @@
 // products: AVX-512 VNNI vpdpbusd, AVX-VNNI vpdpbusd on ymm, AVX2 vpmaddubsw, scalar), and
 // bidirectional attention over sentences packed back to back (varlen).
 //
-// Included at the end of library.cpp (it uses that file's vf/VL vector helpers, vexp and
+// Included by library_encoder.cpp (it uses library_core.h's vf/VL vector helpers, vexp and
 // report()). Same rules as library.cpp: no allocation of caller memory (only thread_local
 // scratch), no torch/Python. Every entry point checks its run-time sizes against the buffer
 // lengths the caller passes and, on a bad one, writes status[4] = {1, value, lo, hi} (the

@@ -4,8 +4,8 @@
 // llama.cpp's (ggml/src/ggml-common.h); dequantized values equal gguf-py's
 // gguf.quants.dequantize bit for bit (gguf/quants.py, the numerical reference).
 //
-// Included at the end of library.cpp (after its extern "C" block): it uses library.cpp's
-// helpers (F16 table, vf/vload/vfma/vsum, YR_IN_REGISTER, GEMV_ROWS, gemv_range, gemv_groups,
+// Included by library_quants.cpp after library_core.h, whose
+// helpers it uses (F16 table, vf/vload/vfma/vsum, YR_IN_REGISTER, GEMV_ROWS, gemv_range, gemv_groups,
 // YR_DISPATCH_ROWS, linear_packed, transpose_block, embedding_rows, report, scratch, ...).
 // Entry points (bound by yirage/backends/cpu_library.py), for T in q4_0 q5_0 q5_1 q2_k q3_k
 // q4_k q5_k q6_k iq4_nl iq4_xs, with the argument lists of their q4_1 counterparts:
