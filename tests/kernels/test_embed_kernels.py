@@ -14,7 +14,8 @@ import yirage as yr
 from yirage.backends import cpu_embed as ce
 from yirage.errors import YirageError
 
-SIZES = [(1, 1, 1), (5, 33, 7), (13, 64, 36), (29, 70, 385), (100, 96, 128)]  # (M, N, K): ragged tiles
+# (M, N, K): ragged tiles; 460 rows: two row blocks and a partial third (192 or 220 rows each)
+SIZES = [(1, 1, 1), (5, 33, 7), (13, 64, 36), (29, 70, 385), (100, 96, 128), (460, 40, 20)]
 
 
 @pytest.mark.parametrize("M,N,K", SIZES)
@@ -34,6 +35,33 @@ def test_pack_f32_is_the_panel_layout(lib, N, K):
     panels = (N + 31) // 32
     ref = torch.nn.functional.pad(w, (0, 0, 0, panels * 32 - N)).reshape(panels, 32, K).transpose(1, 2)
     assert torch.equal(ce.pack_f32(w, lib=lib), ref)
+
+
+def test_gemm_f32_epilogue_sees_each_finished_block_once():
+    """``bind_gemm_f32`` (the models' float32 GEMM) with a row epilogue over several row blocks:
+    the blocks partition the rows, each is handed over once with every tile written, and the
+    epilogue's own writes stay."""
+    import ctypes
+
+    M, N, K = 509, 100, 40                           # 3 blocks of 192 or of 220 (11-row tiles)
+    x, w, bias = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
+    out = torch.full((M, N), float("nan"))
+    seen = []
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+    def epilogue(args, lo, hi):
+        seen.append((lo, hi, out[lo:hi].clone()))
+        out[lo:hi] *= 2
+
+    P = ce.pack_f32(w)
+    ce.bind_gemm_f32(x, out, lambda: (P, bias), (ctypes.cast(epilogue, ctypes.c_void_p).value, None))()
+    ref = (x.double() @ w.double().T + bias.double()).float()
+    spans = sorted((lo, hi) for lo, hi, _ in seen)
+    assert spans[0][0] == 0 and spans[-1][1] == M and len(spans) == 3
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for lo, hi, rows in seen:
+        torch.testing.assert_close(rows, ref[lo:hi], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, 2 * ref, rtol=1e-5, atol=2e-4)
 
 
 def _bf16_in_order(x, w, bias):

@@ -84,6 +84,7 @@ void yr_conv_igemm_f32(const float* x, const float* P, const float* bias, float*
         return;
     // tasks: blocks of mc pixels x groups of >= 4 panels, YR_EMB_TASKS per thread where they fit
     EmbTiles t;
+    t.mc = mc;
     t.npanels = npanels;
     t.mblocks = (M + mc - 1) / mc;
     t.pgroups = 1;

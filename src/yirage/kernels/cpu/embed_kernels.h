@@ -63,6 +63,20 @@ constexpr int EMB_MR = 3;           // 3 x 4 vectors = 12 accumulators of 16 ymm
 #else
 constexpr int EMB_MR = 4;
 #endif
+// Rows per cache block of the float32 GEMM: a multiple of EMB_MR, so that only the GEMM's last
+// tile is partial. With 11-row tiles, 220 rows (20 tiles) against EMB_MC's 192 (17 tiles and
+// a 5-row one per block): C++ harness, 2 threads, Intel Xeon 6/207, 197 x 3072 x 768 (ViT's
+// 197 tokens, one block instead of 192 + 5 rows) 264 -> 289-302 GFLOP/s, 1024 x 3072 x 768
+// 286 -> 303-315, 1576 x 768 x 3072 307 -> 316-321; 176, 198, 264 and 352 rows measured
+// between the two.
+#ifndef YR_EMB_MC_F32
+#if defined(YR_AVX512)
+#define YR_EMB_MC_F32 (20 * YR_EMB_MR512)
+#else
+#define YR_EMB_MC_F32 YR_EMB_MC
+#endif
+#endif
+constexpr int64_t EMB_MC_F32 = YR_EMB_MC_F32;
 constexpr int EMB_NV = (int)(EMB_NR / VL);  // vectors per panel row
 
 // y[i, 0:nr] (+)= x[i, 0:kc] . B[0:kc, 0:32] for i < MR. acc starts from y (accumulate), the
@@ -296,10 +310,10 @@ inline uint16_t* emb_bf16_scratch(int64_t n) {
     return buf.data();
 }
 
-// Work items of a GEMM: (block of EMB_MC rows) x (group of panels), so that 2+ threads
-// have work also when M is small.
+// Work items of a GEMM: (block of mc rows) x (group of panels), so that 2+ threads have work
+// also when M is small.
 struct EmbTiles {
-    int64_t mblocks, pgroups, per_group, npanels;
+    int64_t mblocks, pgroups, per_group, npanels, mc;
 };
 // Threads a parallel region here gets (1 without OpenMP).
 inline int emb_threads() {
@@ -313,10 +327,13 @@ inline int emb_threads() {
 // thread, of ceil(npanels / pgroups) panels each (an even split into more, smaller tasks
 // measured up to 13% slower for the float32 GEMM with M <= 128; 2, 4 or 8 tasks per thread
 // instead of 16 no faster for the bf16 GEMM on the MiniLM shapes).
-inline EmbTiles emb_tiles(int64_t M, int64_t N) {
+// mc: rows per block, a multiple of the GEMM's register tile rows (one partial tile per GEMM,
+// not one per block).
+inline EmbTiles emb_tiles(int64_t M, int64_t N, int64_t mc = EMB_MC) {
     EmbTiles t;
+    t.mc = mc;
     t.npanels = (N + EMB_NR - 1) / EMB_NR;
-    t.mblocks = (M + EMB_MC - 1) / EMB_MC;
+    t.mblocks = (M + mc - 1) / mc;
     const int threads = emb_threads();
     t.pgroups = 1;
     while (t.mblocks * t.pgroups < YR_EMB_TASKS * threads && t.pgroups * 2 <= t.npanels) t.pgroups *= 2;
@@ -341,7 +358,7 @@ inline int64_t emb_guess_next_p0(const EmbTiles& t, int64_t m0, int64_t p0) {
 #else
     const int64_t team = 1;
 #endif
-    const int64_t next = (m0 / EMB_MC) * t.pgroups + p0 / t.per_group + team;
+    const int64_t next = (m0 / t.mc) * t.pgroups + p0 / t.per_group + team;
     const int64_t np0 = (next % t.pgroups) * t.per_group;   // past the panels for an empty group
     return next < t.mblocks * t.pgroups && np0 < t.npanels ? np0 : -1;
 }
@@ -396,7 +413,7 @@ void emb_for_tasks(const EmbTiles& t, int64_t M, int64_t* done, EmbEpilogue epi,
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
         const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
-        const int64_t m0 = mb * EMB_MC, m1 = std::min(M, m0 + EMB_MC);
+        const int64_t m0 = mb * t.mc, m1 = std::min(M, m0 + t.mc);
         const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
         body(m0, m1, p0, p1);
         if (epi && __atomic_add_fetch(done + mb, 1, __ATOMIC_ACQ_REL) == t.pgroups) epi(epi_args, m0, m1);
@@ -892,7 +909,7 @@ struct EmbPanelOut {
 template <typename Out>
 void emb_gemm_f32_to(const float* x, const float* P, const float* bias, int64_t M, int64_t N, int64_t K,
                      const Out& out, EmbEpilogue epi, const int64_t* epi_args) {
-    const EmbTiles t = emb_tiles(M, N);
+    const EmbTiles t = emb_tiles(M, N, EMB_MC_F32);
     int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
 #pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
     emb_for_tasks(t, M, done, epi, epi_args, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
