@@ -90,11 +90,11 @@ void yr_conv_igemm_f32(const float* x, const float* P, const float* bias, float*
     t.pgroups = 1;
     while (t.mblocks * t.pgroups < YR_EMB_TASKS * emb_threads() && t.pgroups * 8 <= npanels) t.pgroups *= 2;
     t.per_group = (npanels + t.pgroups - 1) / t.pgroups;
-    int64_t* done = epi ? emb_row_counters(t.mblocks) : nullptr;
+    const EmbRowEpilogue ep(epi, epi_args, t, M);
 #pragma omp parallel if (emb_mul(M, O, K) >= PAR_MIN_MACS)
     {
         float* A = conv_gather_scratch(mc * K);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
         for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
             const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
             const int64_t m0 = mb * mc, m1 = std::min(M, m0 + mc), rows = m1 - m0;
@@ -116,8 +116,9 @@ void yr_conv_igemm_f32(const float* x, const float* P, const float* bias, float*
                             for (int j = 0; j < nr; ++j) y[m * O + n0 + j] += bias[n0 + j];
                 }
             }
-            if (epi && __atomic_add_fetch(done + mb, 1, __ATOMIC_ACQ_REL) == t.pgroups) epi(epi_args, m0, m1);
+            ep.task_done(mb);
         }
+        ep.help();
     }
 }
 
