@@ -36,6 +36,9 @@ reports that time as ``kernel_libraries_build_s``, outside every compile time. A
 process of each compiler, on the caches the first one left, gives ``warm_compile_s`` (yirage:
 ``warm_precompile`` says whether it loaded the precompiled graph;
 ``warm_compile_beyond_call_s`` is that first call less one timed forward).
+``--profile-dir DIR`` gives the yirage sides the tuning profile in DIR (e.g. the machine's
+long-lived one, ``$YIRAGE_CACHE_DIR/tuning``) instead of an empty one: its kernel choices are
+then the ones measured before, and its compile is no longer cold.
 ``--compile-samples N`` takes N cold first calls of Inductor and of yirage, each in a fresh
 process with empty caches, and reports their median as ``compile_s`` (and all of them as
 ``compile_s_samples``). Per model the JSON has each side's
@@ -235,9 +238,10 @@ class ColdCaches:
     ``YIRAGE_PROFILE_DIR``; both: ``TRITON_CACHE_DIR``). A later side given the same
     ``env(mode)`` finds what the first one left (the warm compile). Removed on exit."""
 
-    def __init__(self, libraries: list):
+    def __init__(self, libraries: list, profile_dir: str | None = None):
         self.root = tempfile.mkdtemp(prefix="yirage-bench-caches-")
         self.libraries = libraries
+        self.profile_dir = profile_dir   # yirage's tuning profile, when not an empty one
         self._envs: dict[str, dict] = {}
 
     def env(self, mode: str, fresh: bool = False) -> dict:
@@ -258,7 +262,8 @@ class ColdCaches:
             for lib in self.libraries:   # the library, then the checksum file that vouches for it
                 shutil.copy2(lib, cpp)
                 shutil.copy2(toolchain.checksum_path(lib), cpp)
-            env.update(YIRAGE_CACHE_DIR=os.path.join(d, "yirage"), YIRAGE_PROFILE_DIR=os.path.join(d, "tuning"))
+            env.update(YIRAGE_CACHE_DIR=os.path.join(d, "yirage"),
+                       YIRAGE_PROFILE_DIR=self.profile_dir or os.path.join(d, "tuning"))
         if not fresh:
             self._envs[mode] = env
         return env
@@ -271,7 +276,7 @@ class ColdCaches:
 
 
 def run_case(name: str, batch: int, args) -> dict:
-    with ColdCaches(args.kernel_libraries) as caches:
+    with ColdCaches(args.kernel_libraries, args.profile_dir) as caches:
         return _run_case(name, batch, args, caches)
 
 
@@ -347,6 +352,8 @@ def main() -> None:
     ap.add_argument("--compile-samples", type=int, default=1,
                     help="cold first calls of Inductor and yirage per case, each in a fresh process; "
                          "compile_s is their median")
+    ap.add_argument("--profile-dir", default=None,
+                    help="the yirage sides' tuning profile directory (default: a new, empty one per case)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: models on the GPU, yirage's cuda backend against Inductor's Triton")
     args = ap.parse_args()

@@ -351,14 +351,18 @@ inline EmbTiles emb_tiles(int64_t M, int64_t N, int64_t mc = EMB_MC) {
 // Measured (C++ harness, 40 weights streamed from DRAM, 2 threads, Intel Xeon 6/207): 1.2x at
 // M = 128 (221 -> 270 GFLOP/s on 512 x 512, 228 -> 276 on 3072 x 768), 1.1x at M = 1024.
 
+// Threads of the enclosing parallel region (1 outside one).
+inline int64_t emb_team() {
+#if defined(_OPENMP)
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 // The first panel of the task after the one at (m0, p0) that this thread likely runs, or -1.
 inline int64_t emb_guess_next_p0(const EmbTiles& t, int64_t m0, int64_t p0) {
-#if defined(_OPENMP)
-    const int64_t team = omp_get_num_threads();   // of the enclosing parallel region (1 outside)
-#else
-    const int64_t team = 1;
-#endif
-    const int64_t next = (m0 / t.mc) * t.pgroups + p0 / t.per_group + team;
+    const int64_t next = (m0 / t.mc) * t.pgroups + p0 / t.per_group + emb_team();
     const int64_t np0 = (next % t.pgroups) * t.per_group;   // past the panels for an empty group
     return next < t.mblocks * t.pgroups && np0 < t.npanels ? np0 : -1;
 }
@@ -394,15 +398,6 @@ struct EmbPrefetch {
 // rows [lo, hi) of the output once every task of that row block has finished, while the rows
 // are still in cache (the residual + LayerNorm or the GELU after a linear layer).
 typedef void (*EmbEpilogue)(const int64_t* args, int64_t lo, int64_t hi);
-
-// Threads of the enclosing parallel region (1 outside one).
-inline int64_t emb_team() {
-#if defined(_OPENMP)
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
 
 // The row epilogue of a GEMM's tasks (tiling t over M rows). Block mb's rows go to epi once
 // every task of the block has finished, in pieces (two per thread of the team) that the task
