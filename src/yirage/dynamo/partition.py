@@ -140,8 +140,10 @@ def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozens
     Raises TorchCompileError (``fallback="raise"``) when a partition cannot be lowered or
     compiled; BackendUnavailableError for an unavailable ``options.backend``."""
     backend = resolve_backend(options.backend).value
-    rewrite_linear(gm, lambda target: _kept_in_torch(options, op_name(target)))
-    rewrite_rotary_emb(gm, lambda target: _kept_in_torch(options, op_name(target)))
+    def in_torch(target) -> bool:
+        return _kept_in_torch(options, op_name(target))
+    rewrite_linear(gm, in_torch)
+    rewrite_rotary_emb(gm, in_torch)
     drop_legacy_empty_cat_inputs(gm)
     support = _Support(options)
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
