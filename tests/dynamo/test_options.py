@@ -198,3 +198,26 @@ def test_default_and_reduce_overhead_use_the_fixed_fusion():
         (part,) = report.yirage_partitions
         assert part.compiled_as.startswith("fixed fusion: ")
         assert "as fixed fusion" in str(report)
+
+
+def test_more_compiles_of_one_forward_than_dynamos_recompile_limit():
+    """Every ``yr.compile`` and ``yr.explain`` brings its own backend, which dynamo's
+    BACKEND_MATCH guard tells apart: compiled on one code object (every instance of a class,
+    every transformers model behind its shared ``forward`` wrapper), the ninth call used to hit
+    ``torch._dynamo.config.recompile_limit`` (8) and run eager, with only a log line to say so
+    (explain reported 0 graphs). Each call now has recompiles of its own (torch.compile's
+    ``isolate_recompiles``)."""
+    x = torch.randn(3, 16)
+    limit = torch._dynamo.config.recompile_limit
+    for i in range(limit + 2):
+        report = yr.explain(MLP().eval(), x)
+        assert len(report.yirage_partitions) == 1, (i, str(report))
+    for i in range(limit + 2):
+        model = MLP().eval()
+        model.register_forward_hook(lambda *a: None)   # no precompile: the torch.compile path
+        compiled = yr.compile(model)
+        with torch.no_grad():
+            out, ref = compiled(x), model(x)
+        assert compiled.precompile_status.startswith("declined: the model has forward hooks")
+        assert len(compiled._yirage_backend.reports) == 1, i   # compiled by yirage, not run eager
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -60,6 +60,7 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
             With symbolic dims each yirage partition is compiled per concrete input
             signature on first use, and its C++ takes row counts and widths at run time,
             so a new sequence length normally costs no C++ build (see partition.py).
+            ``isolate_recompiles`` defaults to True where torch has it (``own_recompiles``).
 
     Returns, for an ``nn.Module``, a ``PrecompiledModule`` (precompile.py): its first call
     loads the model's graph precompiled by an earlier process (dynamo's bytecode and guards and
@@ -75,8 +76,9 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
             a bad option value, checked here before anything compiles.
     """
     import torch
-    from .compiler import YirageBackend
+    from .compiler import YirageBackend, own_recompiles
     backend = YirageBackend(mode, options)
+    torch_compile_kwargs = {**own_recompiles(), **torch_compile_kwargs}
     if isinstance(model, torch.nn.Module):
         from .precompile import PrecompiledModule
         return PrecompiledModule(model, backend, **torch_compile_kwargs)

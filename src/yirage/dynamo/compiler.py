@@ -57,6 +57,20 @@ def needs_grad(example_inputs) -> bool:
         isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
 
 
+def own_recompiles() -> dict:
+    """``{"isolate_recompiles": True}`` where ``torch.compile`` takes it (torch >= 2.13), else {}.
+
+    Every ``yr.compile`` and ``yr.explain`` call brings its own ``YirageBackend``, which
+    dynamo's BACKEND_MATCH guard tells apart, so each one compiles anew on a code object that
+    others compiled before: every instance of a class, and every transformers model, whose
+    ``forward`` sits behind one shared decorator's wrapper. Counted together, the ninth such
+    call hit ``torch._dynamo.config.recompile_limit`` (8) and ran eager with only a log line
+    to say so. With ``isolate_recompiles`` each call counts its own recompiles (dynamo's
+    ``accumulated_recompile_limit``, 256, still caps them all)."""
+    import inspect
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
 class YirageBackend:
     """A torch.compile backend (``torch.compile(model, backend=YirageBackend(...))``).
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiler import YirageBackend
+from .compiler import YirageBackend, own_recompiles
 from .partition import GraphReport
 
 
@@ -118,7 +118,7 @@ def explain(model, *inputs, mode: str | None = None, options: dict | None = None
     the model raises on ``inputs``.
     """
     be = YirageBackend(mode, options)
-    compiled = torch.compile(model, backend=be)
+    compiled = torch.compile(model, backend=be, **own_recompiles())
     with torch.no_grad():
         outputs = compiled(*inputs, **kwargs)
     return ExplainReport(list(be.reports), outputs)
