@@ -276,3 +276,36 @@ def test_a_second_process_loads_a_transformers_model(_entries):
     assert second["status"].startswith("loaded"), second["status"]
     assert second["traced"] == 0 and second["err"] < 1e-4
     assert second["stats"]["hits"] == 1 and second["stats"]["rejected"] == 0
+
+
+def _shared_forward(forward):
+    """A decorator whose wrapper is one code object for every class it decorates, as
+    transformers' output-handling decorators are for its models' ``forward``."""
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+class Embedder(nn.Module):
+    def __init__(self, padding_idx, p):
+        super().__init__()
+        self.emb, self.drop, self.fc = nn.Embedding(50, 32, padding_idx=padding_idx), nn.Dropout(p), nn.Linear(32, 32)
+
+    @_shared_forward
+    def forward(self, ids):
+        return self.fc(F.gelu(self.drop(self.emb(ids))))
+
+
+def test_models_behind_one_shared_forward_are_each_precompiled():
+    """Dynamo's automatic dynamic shapes keep their record per code object, so two models
+    behind one shared wrapper saw each other's attributes: after RoBERTa (padding_idx 1,
+    dropout 0.1), ALBERT's (0 and 0.0) were marked dynamic, the symbolic dropout probability
+    made dynamo restart its analysis, and ALBERT's precompile was declined. Each precompile
+    now starts from a record of its own."""
+    ids = torch.randint(0, 50, (2, 7))
+    for padding_idx, p in ((1, 0.1), (0, 0.0), (3, 0.2)):
+        model = Embedder(padding_idx, p).eval()
+        m = yr.compile(model)
+        with torch.no_grad():
+            torch.testing.assert_close(m(ids), model(ids), **TOL)
+        assert m.precompile_status.startswith("compiled and stored"), (padding_idx, p, m.precompile_status)

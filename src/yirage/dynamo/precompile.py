@@ -741,9 +741,11 @@ def _torch_precompile_patches():
       when the key cannot be computed;
     - the bundled entry is not written to torch's own cache directory (it could never be found
       under a nonce; yirage stores the serialized function itself);
-    - traced sources are recorded per file (``_file_sources``)."""
+    - traced sources are recorded per file (``_file_sources``);
+    - dynamo's record for automatic dynamic shapes starts empty (``_own_code_state``)."""
     from unittest import mock
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_own_code_state())
         try:
             from torch._functorch._aot_autograd import autograd_cache as ac
         except ImportError:
@@ -758,6 +760,33 @@ def _torch_precompile_patches():
         if hasattr(getattr(package, "SourceInfo", None), "add_code"):
             stack.enter_context(mock.patch.object(package.SourceInfo, "add_code", _file_sources()))
         yield
+
+
+@contextlib.contextmanager
+def _own_code_state():
+    """Dynamo's automatic dynamic shapes (``torch._dynamo.pgo``) keep what each compile saw
+    per code object. Models behind one shared ``forward`` wrapper (transformers' decorators)
+    therefore saw each other's values: after RoBERTa (``padding_idx`` 1, dropout 0.1),
+    ALBERT's (0 and 0.0) were marked dynamic, the symbolic dropout probability made dynamo
+    restart its analysis inside ``aot_compile_fullgraph``, and ALBERT was declined. So the
+    precompile starts from an empty record, as the model would alone in a process; after it,
+    the code objects it compiled carry this model's record (what its own later recompiles
+    through torch.compile start from) and the others keep theirs. Under dynamo's compile
+    lock (an RLock), so that no compile in another thread sees the swap."""
+    try:
+        from torch._dynamo import convert_frame, pgo
+        before, lock = pgo.get_code_state(), convert_frame.compile_lock
+    except (ImportError, AttributeError):   # a torch without them: nothing to isolate
+        yield
+        return
+    with lock:
+        own = type(before)(pgo.CodeState)
+        pgo._CODE_STATE = own
+        try:
+            yield
+        finally:
+            before.update(own)
+            pgo._CODE_STATE = before
 
 
 def _has_aot_compile() -> bool:
