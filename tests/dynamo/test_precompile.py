@@ -309,3 +309,39 @@ def test_models_behind_one_shared_forward_are_each_precompiled():
         with torch.no_grad():
             torch.testing.assert_close(m(ids), model(ids), **TOL)
         assert m.precompile_status.startswith("compiled and stored"), (padding_idx, p, m.precompile_status)
+
+
+def test_fingerprints_of_configs_and_their_parts():
+    """What an encoder-decoder's guards reach through ``self.config``: the config by content,
+    dicts (id2label has integer keys), a field's dataclass and its ``int | None`` type."""
+    import dataclasses
+    from transformers import BartConfig
+    fp = precompile.fingerprint
+    a, b, c = BartConfig(d_model=32), BartConfig(d_model=32), BartConfig(d_model=32, scale_embedding=True)
+    assert fp(a) is not None and fp(a) == fp(b) and fp(a) != fp(c)
+    assert fp({0: "LABEL_0", 1: "LABEL_1"}) == fp({1: "LABEL_1", 0: "LABEL_0"}) != fp({0: "LABEL_0"})
+    assert fp([1, (2, "x")]) != fp((1, (2, "x"))) and fp([1, object()]) is None
+    field = next(f for f in dataclasses.fields(BartConfig) if f.name == "encoder_layers")
+    assert fp(field) == fp(field) and fp(int | None) != fp(int | str) and fp(object()) is None
+
+
+def test_an_encoder_decoder_is_precompiled_and_a_changed_config_is_not_loaded():
+    """BART hands ``self.config`` to helpers dynamo inlines, which guard its identity: it was
+    declined ("a guard that cannot be stored (self.config)"). An entry now checks the config's
+    class and content, so a config that changes the trace (``scale_embedding``: the same
+    shapes, another graph) compiles afresh."""
+    from transformers import BartConfig, BartModel
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 9))
+    kw = dict(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+              decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32)
+    statuses = []
+    for scale in (False, False, True):
+        model = BartModel(BartConfig(scale_embedding=scale, **kw)).eval()
+        m = yr.compile(model)
+        with torch.no_grad():
+            out = m(input_ids=ids, decoder_input_ids=ids[:, :5]).last_hidden_state
+            torch.testing.assert_close(out, model(input_ids=ids, decoder_input_ids=ids[:, :5]).last_hidden_state, **TOL)
+        statuses.append(m.precompile_status.split(" ")[0])
+    assert statuses == ["compiled", "loaded", "compiled"], statuses
+    assert precompile.stats()["rejected"] == 1

@@ -257,13 +257,18 @@ def _code_digest(code: types.CodeType) -> str:
 
 def fingerprint(value) -> tuple | None:
     """A picklable stand-in for ``value`` that another process can compare with the object it
-    finds: constants by value, functions by module, qualified name and code digest, code by
-    digest, builtins, classes and modules by name. None when ``value`` has none."""
+    finds: constants by value; tuples, lists and dicts (string or integer keys) by their items;
+    functions by module, qualified name and code digest, code by digest, builtins, classes
+    and modules by name, a transformers model config by class and content
+    (``_config_fingerprint``). None when ``value`` (or an item of it) has none."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return ("const", type(value).__name__, value)
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         parts = [fingerprint(v) for v in value]
-        return None if any(p is None for p in parts) else ("tuple", tuple(parts))
+        return None if any(p is None for p in parts) else (type(value).__name__, tuple(parts))
+    if type(value) is dict and all(isinstance(k, (str, int)) for k in value):
+        parts = sorted((fingerprint(k), fingerprint(v)) for k, v in value.items())
+        return None if any(p is None for _, p in parts) else ("dict", tuple(parts))
     if isinstance(value, types.FunctionType):
         return ("function", value.__module__, value.__qualname__, _code_digest(value.__code__))
     if isinstance(value, types.CodeType):
@@ -272,7 +277,28 @@ def fingerprint(value) -> tuple | None:
         return ("module", value.__name__)
     if isinstance(value, (types.BuiltinFunctionType, type)):
         return ("name", getattr(value, "__module__", None), getattr(value, "__qualname__", None))
-    return None
+    if isinstance(value, types.UnionType):     # a field's type: int | None
+        return ("union", repr(value))
+    if isinstance(value, dataclasses.Field):   # a config class's field, held by its validators
+        return ("field", value.name, str(value.type), repr(value.default))
+    return _config_fingerprint(value)
+
+
+def _config_fingerprint(value) -> tuple | None:
+    """A transformers ``PretrainedConfig`` by class and content (``to_json_string``: every
+    field, defaults included), or None for anything else. Encoder-decoder models (BART, T5)
+    hand ``self.config`` to helpers that dynamo inlines, and it guards the object's identity:
+    an equal config in another process makes the same trace (the values dynamo read from it
+    are guarded as well, as checks under it)."""
+    cls = type(value)
+    if not any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig") and c.__module__.startswith("transformers.")
+               for c in cls.__mro__):
+        return None
+    try:
+        text = value.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - a config with a field JSON cannot hold: no fingerprint
+        return None
+    return ("hf-config", cls.__module__, cls.__qualname__, hashlib.sha256(text.encode()).hexdigest())
 
 
 class GuardFilter:
