@@ -221,3 +221,17 @@ def test_more_compiles_of_one_forward_than_dynamos_recompile_limit():
         assert compiled.precompile_status.startswith("declined: the model has forward hooks")
         assert len(compiled._yirage_backend.reports) == 1, i   # compiled by yirage, not run eager
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_explain_says_why_when_dynamo_gave_no_graph():
+    from yirage.dynamo.explain import NO_GRAPH
+
+    @torch._dynamo.disable
+    def eager_only(x):
+        return F.gelu(x) * 2
+    def model(x):   # all of it behind a call dynamo must not trace
+        return eager_only(x)
+    x = torch.randn(3, 4)
+    report = yr.explain(model, x)
+    assert not report.graphs and NO_GRAPH in str(report)
+    torch.testing.assert_close(report.outputs, F.gelu(x) * 2)

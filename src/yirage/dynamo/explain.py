@@ -16,6 +16,11 @@ from .compiler import YirageBackend, own_recompiles
 from .partition import GraphReport
 
 
+#: what a report without graphs says: dynamo ran the call without handing yirage a graph
+NO_GRAPH = ("dynamo gave yirage no graph: the call ran eager (a function without tensor ops, "
+            "torch._dynamo.disable, or a dynamo recompile limit; TORCH_LOGS=recompiles,graph_breaks shows which)")
+
+
 @dataclass
 class ExplainReport:
     """The partitions and torch ops of every graph of one compiled model.
@@ -79,6 +84,8 @@ class ExplainReport:
         lines = [f"yirage explain: {len(self.graphs)} graph(s), {len(self.yirage_partitions)} partition(s) "
                  f"on yirage with {self.num_yirage_ops} op(s), {len(self.torch_ops)} op(s) in torch; "
                  f"compile cache: {self.cache_hits} hit(s), {self.cache_misses} miss(es)"]
+        if not self.graphs:
+            lines.append(NO_GRAPH)
         for i, g in enumerate(self.graphs):
             lines.append(f"graph {i}" + (f": runs eager: {g.reason}" if g.reason else ""))
             if g.partitions:
