@@ -730,7 +730,8 @@ class PrecompiledModule(torch.nn.Module):
             cause = e.__cause__ if isinstance(e.__cause__, TorchCompileError) else None
             if cause is not None:
                 raise cause from None
-            raise Declined(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            text = str(e).strip()
+            raise Declined(type(e).__name__ + (f": {text.splitlines()[0]}" if text else "")) from None
         if guards.unsupported:
             raise Declined(f"a guard that cannot be stored ({guards.unsupported[0]})")
         aot.disable_guard_check()
