@@ -688,3 +688,25 @@ def test_strided_kernels_refuse_a_geometry_whose_reach_overflows():
     with pytest.raises(YirageError, match="sdpa"):
         run()
     assert out.isnan().all()
+
+
+@pytest.mark.parametrize("head_dim", [32, 24])   # the register-blocked path and the any-width one
+def test_sdpa_kernel_masked_rows_over_vectors_and_tail(head_dim):
+    """yirage's attention kernel finds a masked row's largest score in vectors of keys and a
+    scalar tail (37 keys: two vectors of 16 and 5 more): a row with every key masked gives 0,
+    rows whose only open key sits in a vector or in the tail attend to it alone; against torch."""
+    from yirage.backends import cpu_library
+
+    q, k, v = torch.randn(1, 2, 6, head_dim), torch.randn(1, 2, 37, head_dim), torch.randn(1, 2, 37, head_dim)
+    mask = torch.randn(1, 1, 6, 37)
+    mask[0, 0, 1] = float("-inf")                               # every key masked
+    mask[0, 0, 2], mask[0, 0, 2, 20] = float("-inf"), 0.0       # only key 20 (a vector)
+    mask[0, 0, 3], mask[0, 0, 3, 35] = float("-inf"), 0.0       # only key 35 (the tail)
+    out = torch.full((1, 2, 6, head_dim), float("nan"))
+    cpu_library._sdpa_yirage(q, k, v, mask, out, False, None)()
+    assert (out[:, :, 1] == 0).all()
+    torch.testing.assert_close(out[:, :, 2], v[:, :, 20], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[:, :, 3], v[:, :, 35], rtol=1e-6, atol=1e-6)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    keep = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(out[:, :, keep], ref[:, :, keep], rtol=1e-5, atol=1e-5)

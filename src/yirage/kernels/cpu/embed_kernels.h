@@ -749,8 +749,15 @@ inline float attn_bias_row(const AttnHead& a, int64_t i, float* s) {
     }
     if (a.causal)
         for (int64_t j = std::max<int64_t>(a.qoff + i + 1, 0); j < a.Tk; ++j) s[j] = -INFINITY;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < a.Tk; ++j) mx = std::max(mx, s[j]);
+    // in vectors: GCC leaves the scalar max unvectorized, a chain of dependent maxss, about 4
+    // cycles a key (masked or causal heads only; 8 x 8 heads of 128 queries and keys with
+    // T5's bias mask, 2 threads, Intel Xeon 6/207: 2.55-2.80 -> 1.57-1.61 ms)
+    const float ninf = -INFINITY;
+    vf m = vbroadcast(&ninf);
+    int64_t j = 0;
+    for (; j + VL <= a.Tk; j += VL) m = vmax(m, vload(s + j));
+    float mx = vhmax(m);
+    for (; j < a.Tk; ++j) mx = std::max(mx, s[j]);
     return mx;
 }
 
