@@ -323,6 +323,8 @@ def test_fingerprints_of_configs_and_their_parts():
     assert fp([1, (2, "x")]) != fp((1, (2, "x"))) and fp([1, object()]) is None
     field = next(f for f in dataclasses.fields(BartConfig) if f.name == "encoder_layers")
     assert fp(field) == fp(field) and fp(int | None) != fp(int | str) and fp(object()) is None
+    # a field without a default: no object address (another process would differ) in it
+    assert fp(dataclasses.field()) == fp(dataclasses.field()) and fp(dataclasses.field(default=object())) is None
 
 
 def test_an_encoder_decoder_is_precompiled_and_a_changed_config_is_not_loaded():

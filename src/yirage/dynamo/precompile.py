@@ -280,7 +280,8 @@ def fingerprint(value) -> tuple | None:
     if isinstance(value, types.UnionType):     # a field's type: int | None
         return ("union", repr(value))
     if isinstance(value, dataclasses.Field):   # a config class's field, held by its validators
-        return ("field", value.name, str(value.type), repr(value.default))
+        default = ("missing",) if value.default is dataclasses.MISSING else fingerprint(value.default)
+        return None if default is None else ("field", value.name, str(value.type), default)
     return _config_fingerprint(value)
 
 
