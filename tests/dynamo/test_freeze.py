@@ -156,7 +156,7 @@ def _bf16_reference(m: MLP, x: torch.Tensor) -> torch.Tensor:
     return lin(m.fc2, F.gelu(lin(m.fc1, x)))
 
 
-@pytest.mark.parametrize("provider", ["yirage", "onednn-packed", "onednn"])
+@pytest.mark.parametrize("provider", ["yirage", "onednn-packed", "onednn", "yirage-f32"])
 def test_dtype_bfloat16_computes_the_gemms_in_bfloat16(provider, monkeypatch):
     monkeypatch.setenv("YIRAGE_TUNE", "off")
     monkeypatch.setitem(cpu_providers.DEFAULTS, "float32/bfloat16", provider)
