@@ -37,7 +37,7 @@ def _graph(M, N, K, wdtype, epilogue, int8_group=None):
 
 
 CASES = [("float32", None, name) for name in ("yirage", "mkl", "onednn")] + \
-        [("bfloat16", None, name) for name in ("yirage", "onednn", "onednn-packed", "yirage-f32")] + \
+        [("bfloat16", None, name) for name in ("yirage", "onednn", "onednn-packed")] + \
         [("int8", 0, "yirage"), ("int8", 0, "onednn"), ("int8", 32, "yirage")]
 
 
@@ -74,7 +74,9 @@ def test_packing_providers_need_a_constant_weight():
     assert set(cpu_providers.candidates(cpu_providers.case_of("linear", [x, wb], torch.empty(8, 12)))) == {"onednn"}
     cpu_embed.mark_constant(wb)
     assert set(cpu_providers.candidates(cpu_providers.case_of("linear", [x, wb], torch.empty(8, 12)))) == {
-        "yirage", "onednn", "onednn-packed", "yirage-f32"}
+        "yirage", "onednn", "onednn-packed"}
+    case = cpu_providers.case_of("linear", [x, w], torch.empty(8, 12), compute_dtype="bfloat16")
+    assert set(cpu_providers.candidates(case)) == {"yirage", "onednn", "onednn-packed", "yirage-f32"}
 
 
 def test_first_use_measures_records_and_drops_the_losers_copies(monkeypatch):

@@ -19,7 +19,7 @@ the vendor libraries inside torch (MKL, oneDNN with AMX or AVX512-BF16 where the
 | ``linear`` float32 x, float32 w with          | ``yirage`` (packed ``vdpbf16ps`` GEMM of the        |
 | ``compute_dtype='bfloat16'`` (torch.compile's | rounded weight), ``onednn-packed``, ``onednn``      |
 | ``dtype`` option)                             | (weight rounded at every call)                      |
-| either bfloat16 case (constant weights)       | ``yirage-f32`` (the float32 GEMM on operands        |
+|                                               | ``yirage-f32`` (the float32 GEMM on operands        |
 |                                               | rounded to bfloat16: ``YirageF32Fma``)              |
 
 A float32 weight may be stored [K, N] (``layout`` "kn": ``x @ w``, GPT-2's Conv1D): the packing
@@ -267,12 +267,14 @@ class YirageF32Fma(Provider):
     CPUs whose bfloat16 dot product runs slower than their float32 FMA: on the Intel Xeon 6/207
     (AVX512-BF16, no AMX) one thread issued 1.4 G ``vdpbf16ps`` (90 GFLOP/s) against 5.6 G
     float32 ``vfmadd`` (180 GFLOP/s) a second, and BERT-base with ``dtype="bfloat16"`` ran
-    1.6x slower than in float32. It keeps a float32 copy of the weight (twice the bfloat16 one)."""
+    1.6x slower than in float32. Float32 weights only (torch.compile's ``dtype`` option, whose
+    packing providers keep a copy anyway): its float32 copy is twice a bfloat16 one, and a
+    weight kept in bfloat16 (the engines' ``dtype="bfloat16"``) is kept so for its memory."""
 
     name, packs = "yirage-f32", True
 
     def applies(self, case):
-        return case.dtype in ("bfloat16", "float32/bfloat16") and case.constant
+        return case.dtype == "float32/bfloat16" and case.constant
 
     def kind(self, case):
         return "f32/bf16" + ("" if case.layout == "nk" else f"/{case.layout}")
