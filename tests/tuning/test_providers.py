@@ -712,3 +712,24 @@ def test_sdpa_kernel_masked_rows_over_vectors_and_tail(head_dim):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     keep = [0, 2, 3, 4, 5]
     torch.testing.assert_close(out[:, :, keep], ref[:, :, keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("provider", ["yirage", "onednn-packed", "onednn", "yirage-f32"])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 64), (203, 1000, 96)])
+def test_bfloat16_compute_providers_compute_the_reference(provider, M, N, K, monkeypatch):
+    """A float32 weight with bfloat16 compute (torch.compile's dtype option), each provider
+    pinned, with a residual + LayerNorm + GELU epilogue (N=1000: the vendor-style providers run
+    in row blocks, each block's x and sums rounded in the thread's scratch), against the
+    reference interpreter: one bfloat16 ulp of a sum may round the other way."""
+    monkeypatch.setenv("YIRAGE_TUNE", "off")
+    monkeypatch.setitem(cpu_providers.DEFAULTS, "float32/bfloat16", provider)
+    g = yr.new_kernel_graph(backend="cpu")
+    X, W, B, R = g.new_input((M, K)), g.new_input((N, K)), g.new_input((N,)), g.new_input((M, N))
+    LW, LB = g.new_input((N,)), g.new_input((N,))
+    g.mark_output(g.gelu(g.layer_norm(g.add(g.linear(X, W, B, compute_dtype="bfloat16"), R), (N,), LW, LB, 1e-5)))
+    ins = [torch.randn(M, K), torch.randn(N, K) / K ** 0.5, torch.randn(N), torch.randn(M, N), torch.rand(N) + 0.5,
+           torch.randn(N)]
+    cpu_embed.mark_constant(ins[1])
+    plan = g.compile().plan(ins)
+    assert [t.provider for t in plan.thunks if hasattr(t, "provider")] == [f"{provider} (default (YIRAGE_TUNE=off))"]
+    torch.testing.assert_close(plan.run()[0], g.interpret(ins)[0], rtol=3e-2, atol=3e-2)

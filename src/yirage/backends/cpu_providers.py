@@ -281,27 +281,28 @@ class YirageF32Fma(Provider):
 
     def rows(self, case, args, out):
         w, bias = args[1], _bias(args, 2)
-        kind = self.kind(case)
+        kind, (M, N, K) = self.kind(case), (case.M, case.N, case.K)
 
         def pack(t):   # from the [N, K] GEMM weight, rounded to bfloat16
             return cpu_embed.pack_f32(gemm_weight(case, t).to(torch.bfloat16).float())
-        x2, o2 = args[0].view(case.M, case.K), out.view(case.M, case.N)
-        xb = torch.empty((case.M, case.K), dtype=torch.bfloat16)
-        xr = torch.empty((case.M, case.K))
-        yb = torch.empty((case.M, case.N), dtype=torch.bfloat16)
+        x2, o2 = args[0].view(M, K), out.view(M, N)
+        lib, st = cpu_embed._lib(), cpu_embed._status()
         cpu_embed._cached(w, kind, pack)   # packed now, once
-        gemms: dict[tuple[int, int], Callable[[], None]] = {}   # per row span (blocked's are fixed)
 
-        def rows(lo, hi):
-            gemm = gemms.get((lo, hi))
-            if gemm is None:
-                gemm = gemms[lo, hi] = cpu_embed.bind_gemm_f32(xr[lo:hi], o2[lo:hi],
-                                                               lambda: (cpu_embed._cached(w, kind, pack), None))
-            xb[lo:hi].copy_(x2[lo:hi])
-            xr[lo:hi].copy_(xb[lo:hi])
-            gemm()
-            yb[lo:hi].copy_(o2[lo:hi])
-            _to_f32(yb[lo:hi], bias, o2[lo:hi])
+        def rows(lo, hi):   # x and the sums rounded in this thread's scratch (none kept per layer)
+            m = hi - lo
+            xr = _dequant_scratch(m * K, torch.float32).view(m, K)
+            b16 = _dequant_scratch(m * (K + N), torch.bfloat16)
+            xb, yb = b16[:m * K].view(m, K), b16[m * K:].view(m, N)
+            xb.copy_(x2[lo:hi])
+            xr.copy_(xb)
+            P, o = cpu_embed._cached(w, kind, pack), o2[lo:hi]
+            lib.yr_emb_gemm_f32(xr.data_ptr(), P.data_ptr(), None, o.data_ptr(), m, N, K, xr.numel(), P.numel(),
+                                o.numel(), None, None, st.data_ptr())
+            if st[0]:
+                cpu_embed._raise_status(st, "linear (bfloat16 on the float32 GEMM)")
+            yb.copy_(o)
+            _to_f32(yb, bias, o)
         return rows
 
 
@@ -386,7 +387,9 @@ _scratch = threading.local()
 
 
 def _dequant_scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """This thread's scratch of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
+    """This thread's scratch of at least ``n`` elements of ``dtype`` (grown, never shrunk): one
+    per dtype, shared by the providers that fill and read it within one call (``VendorDequant``,
+    ``YirageF32Fma``)."""
     key = f"buf_{dtype}".replace(".", "_")
     buf = getattr(_scratch, key, None)
     if buf is None or buf.numel() < n:
