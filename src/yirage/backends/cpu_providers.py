@@ -291,8 +291,8 @@ class YirageF32Fma(Provider):
 
         def rows(lo, hi):   # x and the sums rounded in this thread's scratch (none kept per layer)
             m = hi - lo
-            xr = _dequant_scratch(m * K, torch.float32).view(m, K)
-            b16 = _dequant_scratch(m * (K + N), torch.bfloat16)
+            xr = _thread_scratch(m * K, torch.float32).view(m, K)
+            b16 = _thread_scratch(m * (K + N), torch.bfloat16)
             xb, yb = b16[:m * K].view(m, K), b16[m * K:].view(m, N)
             xb.copy_(x2[lo:hi])
             xr.copy_(xb)
@@ -386,7 +386,7 @@ def _with_blocks_per_row(deq, nb: int):
 _scratch = threading.local()
 
 
-def _dequant_scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
+def _thread_scratch(n: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's scratch of at least ``n`` elements of ``dtype`` (grown, never shrunk): one
     per dtype, shared by the providers that fill and read it within one call (``VendorDequant``,
     ``YirageF32Fma``)."""
@@ -429,8 +429,8 @@ class VendorDequant(Provider):
         yb = torch.empty((M, step), dtype=torch.bfloat16) if self.bf16 else None
 
         def rows(lo, hi):
-            wf = _dequant_scratch(step * K, torch.float32)
-            wb = _dequant_scratch(step * K, torch.bfloat16) if self.bf16 else None
+            wf = _thread_scratch(step * K, torch.float32)
+            wb = _thread_scratch(step * K, torch.bfloat16) if self.bf16 else None
             if self.bf16:
                 xb[lo:hi].copy_(x2[lo:hi])
             for n0, n1 in spans:
