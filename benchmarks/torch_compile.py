@@ -35,7 +35,11 @@ only its hand-written C++ kernel libraries, which ``make setup`` builds at insta
 reports that time as ``kernel_libraries_build_s``, outside every compile time. A second
 process of each compiler, on the caches the first one left, gives ``warm_compile_s`` (yirage:
 ``warm_precompile`` says whether it loaded the precompiled graph;
-``warm_compile_beyond_call_s`` is that first call less one timed forward).
+``warm_compile_beyond_call_s`` is that first call less one timed forward). yirage's
+``kernel_choice_s`` is the part of its first call spent choosing kernels by measurement
+(``tuning.first_use_spent``: preparing and timing the candidates of ``kernel_choices_measured``
+shape classes; on a GPU their Triton compiles and autotuning), ``warm_kernel_choice_s`` the same
+in the second process.
 ``--profile-dir DIR`` gives the yirage sides the tuning profile in DIR (e.g. the machine's
 long-lived one, ``$YIRAGE_CACHE_DIR/tuning``) instead of an empty one: its kernel choices are
 then the ones measured before, and its compile is no longer cold.
@@ -162,6 +166,10 @@ class CompiledSide:
             for _ in range(0 if compile_only else 2):
                 self.fn(**self.inputs)
         self.info = {"compile_s": compile_s, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if mode == "yirage":   # the share of the first call that chose kernels (GPU: their compiles too)
+            from yirage.tuning.profile import first_use_spent
+            spent = first_use_spent()
+            self.info.update(kernel_choice_s=spent["seconds"], kernel_choices_measured=spent["measured"])
         if mode == "yirage" and not compile_only:   # the first positional argument of every suite model is its input
             self.info["precompile"] = self.fn.precompile_status.split(" /")[0]
             with torch.no_grad():
@@ -311,6 +319,7 @@ def _run_case(name: str, batch: int, args, caches: ColdCaches) -> dict:
             entry[mode]["warm_compile_s"] = warm.info[mode]["compile_s"]
             if mode == "yirage":
                 entry[mode]["warm_precompile"] = warm.info[mode]["precompile"]
+                entry[mode]["warm_kernel_choice_s"] = warm.info[mode]["kernel_choice_s"]
                 if entry[mode].get("median_s"):   # the first call less one forward: what loading adds
                     entry[mode]["warm_compile_beyond_call_s"] = entry[mode]["warm_compile_s"] - entry[mode]["median_s"]
     return entry

@@ -210,6 +210,26 @@ def test_a_close_race_is_saved_as_such_and_not_measured_again(monkeypatch):
     assert calls == []        # nothing bound, nothing measured
 
 
+def test_first_use_spent_counts_each_measured_class_and_its_preparation(monkeypatch):
+    """``first_use_spent`` adds up what first-use choices cost: a measured class counts once with
+    its candidates' preparation (a GPU kernel's compile happens there) and timing; a class read
+    from the profile costs nothing."""
+    import time
+
+    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
+    monkeypatch.setattr(tuning, "_SPENT", {"measured": 0, "seconds": 0.0})
+    key = "linear|float32|m4|n12|k8|t1"   # a class of this test's own
+
+    def factory():
+        time.sleep(0.05)   # a slow preparation: packing, or a JIT compile
+        return lambda: None
+    tuning.choose(key, {"a": factory, "b": factory}, "a")
+    spent = tuning.first_use_spent()
+    assert spent["measured"] == 1 and spent["seconds"] >= 0.1
+    assert tuning.choose(key, {"a": factory, "b": factory}, "a").source == "profile"
+    assert tuning.first_use_spent() == spent
+
+
 def test_a_damaged_profile_is_measured_again(monkeypatch):
     monkeypatch.setattr(tuning, "busy_reason", lambda: None)
     path = tuning.profile_path()

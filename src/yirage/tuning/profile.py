@@ -346,6 +346,7 @@ def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]
     known = lookup(key, candidates)
     if known is not None:
         return known
+    t0 = time.perf_counter()
     thunks = {}
     for name, factory in candidates.items():
         try:
@@ -353,13 +354,33 @@ def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]
         except Exception as e:  # noqa: BLE001 - a provider this build of a library cannot run
             logger.debug("provider %s left out of %s: %s: %s", name, key, type(e).__name__, e)
     if len(thunks) <= 1:   # nothing to compare: not recorded, asked again by the next process
+        _account(time.perf_counter() - t0, measured=False)
         return Choice(next(iter(thunks), default), "only candidate")
     choice = record(key, measure(thunks, budget_s, sync=sync), "first use")
-    logger.info("%s: %s chosen by measurement (%s)", key, choice.provider,
+    took = time.perf_counter() - t0
+    _account(took, measured=True)
+    logger.info("%s: %s chosen by measurement in %.2f s (%s)", key, choice.provider, took,
                 ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in choice.median_s.items()))
     return choice
 
 
-__all__ = ["Choice", "Profile", "choose", "lookup", "measure", "record", "shape_class", "m_bucket", "tune_mode",
+_SPENT = {"measured": 0, "seconds": 0.0}
+
+
+def _account(seconds: float, measured: bool) -> None:
+    _SPENT["seconds"] += seconds
+    _SPENT["measured"] += int(measured)
+
+
+def first_use_spent() -> dict:
+    """What first-use kernel choices have cost this process so far: ``{"measured": shape classes
+    measured, "seconds": wall seconds in ``choose`` preparing and timing candidates}``. The
+    seconds include each candidate's first run, so a GPU kernel's JIT compile and autotuning
+    are counted here (e.g. the share of a ``torch.compile`` first call that is kernel choice;
+    ``benchmarks/torch_compile.py`` reports it)."""
+    return dict(_SPENT)
+
+
+__all__ = ["Choice", "Profile", "choose", "first_use_spent", "lookup", "measure", "record", "shape_class", "m_bucket", "tune_mode",
            "active_profile", "reload_profile", "profile_path", "machine_key", "machine_identity", "templates",
            "matching_template", "FIRST_USE_BUDGET_S"]
