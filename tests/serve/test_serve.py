@@ -94,6 +94,14 @@ def test_chat_completion_equals_the_engine(client, smollm):
                                              seed=5, n=2) for _ in range(2)]
     assert [c.message.content for c in seeded[0].choices] == [c.message.content for c in seeded[1].choices]
     assert len(seeded[0].choices) == 2
+    # a stop string: the reply ends before it, as the engine's does
+    cut = ref.text[len(ref.text) // 2:][:3]
+    assert cut.strip()
+    stopped = client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+                                             stop=[cut])
+    want = smollm.generate(MESSAGES, max_new_tokens=12, temperature=0, stop=[cut])
+    assert stopped.choices[0].message.content == want.text and cut not in want.text
+    assert stopped.choices[0].finish_reason == want.finish_reason == "stop"
 
 
 @pytest.mark.slow
@@ -228,6 +236,13 @@ BAD = [  # (body, status, words in the message)
     ({"model": "gpt-4o", "messages": MESSAGES}, 404, "not served here"),
     ({"model": LLM_NAME, "messages": [{"role": "user", "content": "x " * 5000}]}, 400, "max_seq_length"),
     ([1, 2], 400, "JSON object"),
+    # more new tokens than the context (512) holds: refused, not silently cut
+    ({"model": LLM_NAME, "messages": MESSAGES, "max_tokens": 10 ** 9}, 400, "more than the context of 512"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "max_completion_tokens": 600}, 400, "'max_completion_tokens' 600"),
+    # wrong types are refused, never coerced
+    ({"model": LLM_NAME, "messages": MESSAGES, "max_tokens": "3"}, 400, "max_tokens"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "max_tokens": True}, 400, "max_tokens"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "n": "2"}, 400, "n: Input should be a valid integer"),
 ]
 
 
@@ -245,6 +260,9 @@ def test_bad_requests_get_one_clear_4xx(url, body, status, words):
 def test_bad_completion_and_embedding_requests(url):
     cases = [("/v1/completions", {"model": LLM_NAME, "prompt": [10 ** 9]}, 400, "out of range"),
              ("/v1/completions", {"model": LLM_NAME, "prompt": ["a", "b"]}, 400, "one prompt per request"),
+             ("/v1/completions", {"model": LLM_NAME, "prompt": "x", "max_tokens": 10 ** 30}, 400, "ask for at most"),
+             ("/v1/completions", {"model": LLM_NAME, "prompt": "x", "ignore_eos": "no"}, 400, "ignore_eos"),
+             ("/v1/completions", {"model": LLM_NAME, "prompt": [True]}, 400, "prompt"),
              ("/v1/embeddings", {"model": EMB_NAME, "input": []}, 400, "empty"),
              ("/v1/embeddings", {"model": EMB_NAME, "input": [[1, 2, 10 ** 9]]}, 400, "token ids are integers"),
              ("/v1/embeddings", {"model": LLM_NAME, "input": "x"}, 404, "not served here"),
@@ -287,6 +305,8 @@ def test_api_key_loading_and_queue_limit(smollm):
             time.sleep(0.05)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        missing = httpx.get(f"{base}/v1/models")   # no Authorization header at all
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == 401
         good = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
         long = dict(model=LLM_NAME, prompt="Once upon a time", max_tokens=300, temperature=0,
                     extra_body={"ignore_eos": True})
@@ -398,3 +418,56 @@ def test_a_repeated_prompt_reuses_its_cached_prefix(client, url):
         assert cached == second.usage.prompt_tokens - 1 and counted >= cached
     else:
         assert cached == 0 and counted == 0
+
+
+@pytest.mark.slow
+def test_the_cli_serves_on_localhost_and_drains_on_sigterm(smollm):
+    """``yirage serve`` as users start it (its own process, default host): it answers on
+    127.0.0.1; on SIGTERM it stops listening at once, finishes the stream in flight (every
+    token, then ``data: [DONE]``) and exits without a traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "yirage.cli", "serve", "--port", str(port), "--parallel", "2",
+                             "--ctx-size", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the server did not become ready"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.2)
+        prompt, n = "The history of the city begins", 96
+        body = {"model": LLM_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:   # the first token is out: the request is in flight
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            with pytest.raises(httpx.ConnectError):   # no longer listening: new requests are refused
+                httpx.get(f"{base}/health", timeout=5)
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+        assert text == smollm.generate(prompt, max_new_tokens=n, ignore_eos=True, chat=False).text
+        # uvicorn re-raises the signal once it has shut down, so the status says SIGTERM ended it
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        err = proc.stderr.read()
+        assert f"http://127.0.0.1:{port}/v1" in err and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

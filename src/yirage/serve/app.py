@@ -321,8 +321,21 @@ def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool, re
     return GenerationJob(ids, kwargs, n=req.n, chat=False)
 
 
+def _check_limit(s: _State, ids: list[int], limit: int | None, param: str) -> None:
+    """BadRequest (400) when the prompt and ``limit`` new tokens do not fit the context
+    (``--ctx-size``, the LLM's max_seq_length), as vLLM answers: a huge ``max_tokens`` is a bad
+    request, not a silent cut. Without a limit, generation stops at the context's end."""
+    ctx = s.llm.max_seq_length
+    if limit is not None and len(ids) + limit > ctx:
+        raise BadRequest(f"'{param}' {limit} and the prompt's {len(ids)} tokens need {len(ids) + limit} tokens, "
+                         f"more than the context of {ctx} (--ctx-size): ask for at most {ctx - len(ids)} new "
+                         f"tokens", param=param)
+
+
 async def _respond(s: _State, request: Request, req, ids: list[int], limit: int | None, kind: str,
                    ignore_eos: bool, response_format=None):
+    _check_limit(s, ids, limit, "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
+                 else "max_tokens")
     try:
         job = s.engine.submit(_job(s, req, ids, limit, ignore_eos, response_format))
     except QueueFull as e:

@@ -32,7 +32,7 @@ class BadRequest(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)   # a wrong type is refused, never coerced ("3", true)
 
 
 class TextPart(_Strict):
