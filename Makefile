@@ -59,8 +59,11 @@ $(VENV)/.setup-bench: pyproject.toml benchmarks/llama_cpp_cmake_args.py $(VENV)/
 		$(PIP) install --no-cache-dir -e ".[test,bench]"
 	touch $@
 
+# SERVE=1 also runs make bench-serve (builds llama-server, ~10+ minutes once; opt-in)
 bench: $(VENV)/.setup-bench
 	$(PY) benchmarks/decode.py $(BENCH_ARGS)
+	@if [ "$(SERVE)" = 1 ]; then $(MAKE) bench-serve; else \
+		echo "(make bench SERVE=1 also benchmarks yirage serve against llama-server: make bench-serve)"; fi
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -365,11 +366,13 @@ def choose(key: str, candidates: Mapping[str, Callable[[], Callable[[], object]]
 
 
 _SPENT = {"measured": 0, "seconds": 0.0}
+_SPENT_LOCK = threading.Lock()
 
 
 def _account(seconds: float, measured: bool) -> None:
-    _SPENT["seconds"] += seconds
-    _SPENT["measured"] += int(measured)
+    with _SPENT_LOCK:   # plans bind in several threads (the serve engine's and a caller's)
+        _SPENT["seconds"] += seconds
+        _SPENT["measured"] += int(measured)
 
 
 def first_use_spent() -> dict:
@@ -378,9 +381,11 @@ def first_use_spent() -> dict:
     seconds include each candidate's first run, so a GPU kernel's JIT compile and autotuning
     are counted here (e.g. the share of a ``torch.compile`` first call that is kernel choice;
     ``benchmarks/torch_compile.py`` reports it)."""
-    return dict(_SPENT)
+    with _SPENT_LOCK:
+        return dict(_SPENT)
 
 
-__all__ = ["Choice", "Profile", "choose", "first_use_spent", "lookup", "measure", "record", "shape_class", "m_bucket", "tune_mode",
+__all__ = ["Choice", "Profile", "choose", "first_use_spent", "lookup", "measure", "record", "shape_class", "m_bucket",
+           "tune_mode",
            "active_profile", "reload_profile", "profile_path", "machine_key", "machine_identity", "templates",
            "matching_template", "FIRST_USE_BUDGET_S"]

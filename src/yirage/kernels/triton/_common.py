@@ -97,9 +97,10 @@ def precompile(jit_fn, configs, named_args: dict, kw: dict) -> int:
     (its MLIR passes, ``ptxas`` as a subprocess). Measured offline for sm_90 (the H100) on the
     2-core Xeon of the README, the five configs of the convolution's GEMM kernel took 8.0 s one
     after the other and 5.0 s on two threads. The ResNet-50 benchmark's first call on an H100 took
-    93 s against Inductor's 13 s (2026-11-26), most of it compiling these configs for each
-    conv class. A config that fails to compile here is left to the autotuner, which compiles it
-    again and times it as infinitely slow (OutOfResources), as it did before."""
+    93 s against Inductor's 13 s (2026-11-26); by those offline times, compiling these configs
+    for its ~13 specializations is most of it (not yet measured on a GPU). A config that fails
+    to compile here is left to the autotuner, which compiles it again and times it as
+    infinitely slow (OutOfResources), as it did before."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
