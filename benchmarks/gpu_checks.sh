@@ -39,10 +39,7 @@ if [ "$TESTS_S" -gt 0 ]; then
   per_test=""; $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout ${PER_TEST_S:-90}"
   # -v: each result is logged as it ends, so a run cut short by the time limit still names its failures
   export YIRAGE_FAILURE_LOG="$OUT/gpu-failures.log"   # tracebacks as they happen (tests/conftest.py)
-  # each xdist worker loads the CPU kernel library, whose load measures the prefetch level with
-  # OpenMP on every core (tests/conftest.py): 16 workers x 16 threads each spun past pytest's
-  # 90 s timeout on an H100 machine's 16 cores (2026-11-27), so the cores are split between them
-  cores=$(nproc); export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ${WORKERS:-8} > 0 ? cores / ${WORKERS:-8} : 1 ))}
+  # (tests/conftest.py splits the cores between the xdist workers: OMP_NUM_THREADS)
   for paths in "${PYTEST_PATHS:-tests}" ${PYTEST_PATHS2:+"$PYTEST_PATHS2"}; do
     left=$(( TESTS_S - ($(date +%s) - start) )); [ "$left" -gt 10 ] || break
     # its own process group (setsid), killed whole afterwards: a time limit ends pytest, not

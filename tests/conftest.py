@@ -11,7 +11,16 @@ import signal
 import sys
 import tempfile
 
-import torch
+# Under pytest-xdist (-n N) the cores are split between the workers before any OpenMP runtime
+# starts: each worker loads the CPU kernel library (``_kernel_library``), which measures its
+# prefetch level with OpenMP on every core, and 16 workers x 16 threads on a 16-core GPU machine
+# spun past pytest-timeout's 90 s in every worker's setup (2026-11-27). xdist sets the count in
+# the worker's environment before conftest is imported.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
+import torch  # noqa: E402
 
 if not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())):
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -90,7 +90,7 @@ BENCH_MS, BENCH_WARMUP_MS = 20, 5
 def precompile(jit_fn, configs, named_args: dict, kw: dict) -> int:
     """Compile ``jit_fn`` for each of ``configs`` on a thread pool before the autotuner times
     them one by one (it would compile each as it comes to it). Returns the number of configs
-    submitted (0 where this Triton has no ``AsyncCompileMode``).
+    tried (0 where this Triton has no ``AsyncCompileMode``).
 
     Triton's ``AsyncCompileMode`` (triton/runtime/_async_compile.py) hands the compiles that
     ``warmup`` starts to an executor; they run in parallel where the compiler releases the GIL
