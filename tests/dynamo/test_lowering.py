@@ -378,6 +378,70 @@ def test_transformers_rope_is_one_rotary_emb_op(monkeypatch, tmp_path):
     assert "rotary_emb" not in [n.op for n in g.ops]
 
 
+def _fast_gelu(x):   # transformers' FastGELUActivation: the same function, other ops
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608028654 * (1.0 + 0.044715 * x * x)))
+
+
+def _near_gelu(x):   # NewGELU with 0.0447 for 0.044715: not the tanh GELU
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.0447 * torch.pow(x, 3.0))))
+
+
+@pytest.mark.parametrize("act, rewritten", [("gelu_new", True), ("gelu_fast", True), ("near", False),
+                                            ("two_inputs", False)])
+def test_written_out_tanh_gelu_is_one_gelu(act, rewritten, monkeypatch, tmp_path):
+    """transformers' NewGELU (GPT-2's activation: 8 ATen ops) and FastGELU (other ops, the same
+    function) become one ``gelu_tanh`` in the IR, with no tanh or pow left, and match eager;
+    an expression that is close to but not the tanh GELU (another coefficient), or that reads a
+    second tensor (here a weight of ones: the GELU's value, not its function), lowers as it is."""
+    from transformers.activations import FastGELUActivation, NewGELUActivation
+
+    from yirage.dynamo import cache
+    from yirage.kernel import KNGraph
+
+    graphs = []
+    real_store = cache.store
+    monkeypatch.setattr(cache, "store", lambda k, entry: (graphs.append(KNGraph.from_json(entry.graph)),
+                                                           real_store(k, entry)))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 32)
+    fns = {"gelu_new": NewGELUActivation(), "gelu_fast": FastGELUActivation(), "near": _near_gelu,
+           # the tanh GELU's value (w is ones), but w is a second tensor the result depends on
+           "two_inputs": lambda y: 0.5 * y * (1.0 + torch.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y * w)))}
+    w = torch.ones(32)
+
+    def fn(x):
+        return fns[act](lin(x)) * 3.0
+    x = torch.randn(2, 5, 16) * 3.0
+    torch._dynamo.reset()
+    out, _ = _compile_run(fn, [x], cache_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(out, fn(x), **TOL)
+    (g,) = graphs
+    ops = [n.op for n in g.ops]
+    if rewritten:
+        assert ops.count("gelu_tanh") == 1 and not {"tanh", "pow_scalar"} & set(ops), ops
+    else:
+        assert "gelu_tanh" not in ops and "tanh" in ops, ops
+
+
+def test_written_out_gelu_matches_only_the_tanh_gelu():
+    """The recognizer itself, on a traced graph: NewGELU and FastGELU (torch eager's own
+    tanh GELU as the reference) are found at their last node, the near miss nowhere."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from transformers.activations import FastGELUActivation, NewGELUActivation
+
+    from yirage.dynamo.lowering import _written_out_gelu_tanh
+
+    x = torch.randn(4, 8)
+    for fn, found in ((NewGELUActivation(), True), (FastGELUActivation(), True), (_near_gelu, False)):
+        gm = make_fx(fn)(x)   # records each node's value as meta["val"]
+        hits = [n for n in gm.graph.nodes if _written_out_gelu_tanh(n) is not None]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        assert hits == ([out] if found else []), (fn, hits)
+        if found:
+            torch.testing.assert_close(fn(x), F.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kept, rewritten", [("aten.mul", "yirage.rotary_emb.default"),
                                              ("aten.addmm", "aten.linear.default")])
 def test_torch_executed_ops_are_not_folded_into_a_rewrite(kept, rewritten):

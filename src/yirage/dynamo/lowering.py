@@ -33,8 +33,10 @@ are literals.
 
 Also here, the graph rewrites before partitioning: ``rewrite_linear`` turns the
 ``addmm(bias, x, permute(w, [1, 0]))`` that the decompositions make of ``nn.Linear`` back
-into ``aten.linear``, and ``rewrite_rotary_emb`` turns transformers' rotate-half RoPE into
-``yirage::rotary_emb`` (torch ops too, so the graph stays runnable where it is not lowered).
+into ``aten.linear``, ``rewrite_rotary_emb`` turns transformers' rotate-half RoPE into
+``yirage::rotary_emb``, and ``rewrite_gelu_tanh`` turns a tanh GELU written out in ATen ops
+(GPT-2's NewGELU) into ``aten.gelu(approximate="tanh")`` (torch ops too, so the graph stays
+runnable where it is not lowered).
 
 This module must never compile or run a graph, nor know a backend: it only builds IR.
 """
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from ..dtypes import as_dtype
@@ -1181,6 +1184,79 @@ def rewrite_rotary_emb(gm: GraphModule, in_torch: Callable[[object], bool] = _ne
         _replace_node(gm, node, torch.ops.yirage.rotary_emb.default, parts)
         count += 1
     return _recompiled(gm, count)
+
+
+# ---- tanh GELU written out: transformers' NewGELU / FastGELU as one gelu --------------------
+
+#: the elementwise ATen ops a written-out tanh GELU is made of (x and Python scalars only)
+_GELU_PARTS = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.pow.Tensor_Scalar,
+               aten.tanh.default, aten.neg.default}
+#: the most nodes such a GELU may take (NewGELU: 8 after decomposition)
+_GELU_MAX_NODES = 12
+#: probe points (float64) at which a candidate must equal F.gelu(x, approximate="tanh")
+_GELU_PROBE = torch.linspace(-8.0, 8.0, 97, dtype=torch.float64)
+
+
+def _written_out_gelu_tanh(node: Node) -> Node | None:
+    """x when ``node`` ends an elementwise expression of one float tensor x and Python scalars,
+    built of ``_GELU_PARTS`` with a tanh among them, that equals ``0.5 x (1 + tanh(sqrt(2/pi)
+    (x + 0.044715 x^3)))`` (Hendrycks & Gimpel, 2016; transformers' ``NewGELUActivation``,
+    ``FastGELUActivation`` and the like, which decompose into 8-10 ATen ops); else None.
+
+    The expression is recognised by what it computes, not by its op order: its nodes are
+    evaluated in float64 at ``_GELU_PROBE`` and must match torch's tanh GELU to 1e-12."""
+    if node.target is not aten.mul.Tensor or node.kwargs:
+        return None
+    out = _val(node)
+    if not isinstance(out, torch.Tensor) or out.dtype not in FLOAT_DTYPES:
+        return None
+    inner, leaves, stack = [], set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in inner:
+            continue
+        if (isinstance(n, Node) and n.op == "call_function" and n.target in _GELU_PARTS and not n.kwargs
+                and len(inner) < _GELU_MAX_NODES):
+            inner.append(n)
+            stack.extend(a for a in n.args if isinstance(a, Node))
+            if not all(isinstance(a, (Node, int, float)) and not isinstance(a, bool) for a in n.args):
+                return None
+        else:
+            leaves.add(n)
+    if len(leaves) != 1 or not any(n.target is aten.tanh.default for n in inner):
+        return None
+    (x,) = leaves
+    xv = _val(x)
+    if not (isinstance(x, Node) and isinstance(xv, torch.Tensor) and xv.dtype == out.dtype
+            and _same_shape(xv, out) and all(_same_shape(_val(n), out) for n in inner)):
+        return None
+    values = {x: _GELU_PROBE}
+
+    def value(n: Node):   # n's probe values, its arguments' first (the expression is a DAG)
+        if n not in values:
+            values[n] = n.target(*(value(a) if isinstance(a, Node) else a for a in n.args))
+        return values[n]
+    with unset_fake_temporarily():   # a backend compiles under dynamo's fake mode: probe with real tensors
+        want = torch.nn.functional.gelu(_GELU_PROBE, approximate="tanh")
+        return x if torch.allclose(value(node), want, rtol=1e-12, atol=1e-12) else None
+
+
+def rewrite_gelu_tanh(gm: GraphModule, in_torch: Callable[[object], bool] = _never) -> int:
+    """Turn each written-out tanh GELU (``_written_out_gelu_tanh``) into one
+    ``aten.gelu(x, approximate="tanh")``, in place; the nodes it leaves without users are
+    erased. Its 8 ops would be 8 steps of a fused row kernel (a cube, a tanh, an add ...);
+    the one op is the fused kernels' ``gelu_tanh`` (x * sigmoid(2u), one exponential).
+    Nothing is rewritten when the user keeps gelu or one of the parts in torch (``in_torch``).
+    Returns the number rewritten."""
+    if any(map(in_torch, (aten.gelu.default, *_GELU_PARTS))):
+        return 0
+    found = [(node, x) for node in gm.graph.nodes if (x := _written_out_gelu_tanh(node)) is not None]
+    for node, x in found:
+        if node not in set(gm.graph.nodes):   # erased with an earlier one's expression
+            continue
+        new = _replace_node(gm, node, aten.gelu.default, (x,))
+        new.kwargs = {"approximate": "tanh"}
+    return _recompiled(gm, len(found))
 
 
 def _legacy_empty(t) -> bool:

@@ -38,8 +38,8 @@ from ..dtypes import as_dtype
 from ..errors import TorchCompileError, YirageFallbackWarning
 from ..kernel import KNGraph
 from . import cache
-from .lowering import (LOWERINGS, VIEW_TARGETS, Emitter, drop_legacy_empty_cat_inputs, rewrite_linear,
-                       rewrite_rotary_emb)
+from .lowering import (LOWERINGS, VIEW_TARGETS, Emitter, drop_legacy_empty_cat_inputs, rewrite_gelu_tanh,
+                       rewrite_linear, rewrite_rotary_emb)
 from .options import CompileOptions, op_name
 from .specialize import is_symbolic, signature, specialize
 
@@ -144,6 +144,7 @@ def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozens
         return _kept_in_torch(options, op_name(target))
     rewrite_linear(gm, in_torch)
     rewrite_rotary_emb(gm, in_torch)
+    rewrite_gelu_tanh(gm, in_torch)
     drop_legacy_empty_cat_inputs(gm)
     support = _Support(options)
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
