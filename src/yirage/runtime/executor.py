@@ -241,8 +241,10 @@ class Plan:
                 pass
             else:
                 self._bind_library(step.node)
-            for tid in self._reads(step):
-                root = self._root.get(tid, tid)
+            # each buffer once: a step may read several views of one buffer (attention's q, k
+            # and v as slices of one stacked projection), and a buffer pooled twice would be
+            # handed to two live tensors
+            for root in dict.fromkeys(self._root.get(tid, tid) for tid in self._reads(step)):
                 if last_use.get(root) == i and root not in keep:
                     self._release(root)
         self.outputs = [self.env[o] for o in g.outputs]
