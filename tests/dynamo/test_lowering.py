@@ -211,6 +211,17 @@ CASES.update({
                    ["aten.max_pool2d_with_indices.default"]),
     "avg_pool2d": (lambda x: F.avg_pool2d(x * 2.0, 3, 2, 1, count_include_pad=False), lambda: [torch.randn(2, 3, 11, 9)],
                    ["aten.avg_pool2d.default"]),
+    # padding="valid" reaches the op as padding=[0] (torch's one-element int[2])
+    "conv2d_valid": (lambda x, w: F.conv2d(x * 2.0, w, None, stride=2, padding="valid"),
+                     lambda: [torch.randn(2, 3, 11, 9), torch.randn(4, 3, 3, 3)], ["aten.convolution.default"]),
+    # ceil mode: GoogLeNet's 3x3 / 2 max pool (55x55 -> 28x28, its last windows past the end),
+    # with padding and dilation too; EfficientNet's ceil-mode average pool over the whole map
+    "max_pool2d_ceil": (lambda x: F.max_pool2d(x * 2.0, 3, 2, ceil_mode=True), lambda: [torch.randn(2, 3, 12, 9)],
+                        ["aten.max_pool2d_with_indices.default"]),
+    "max_pool2d_ceil_padded": (lambda x: F.max_pool2d(x - 5.0, 3, 2, 1, dilation=2, ceil_mode=True),
+                               lambda: [torch.randn(1, 2, 10, 13)], ["aten.max_pool2d_with_indices.default"]),
+    "avg_pool2d_ceil_whole": (lambda x: F.avg_pool2d(x * 2.0, (7, 5), ceil_mode=True), lambda: [torch.randn(2, 3, 7, 5)],
+                              ["aten.avg_pool2d.default"]),
 })
 
 
@@ -255,6 +266,8 @@ def test_every_lowering_has_a_case():
     (lambda x, y: (x > 0) == (y > 0.5).to(torch.float32), [torch.randn(3, 4), torch.randn(3, 4)], "aten.eq.Tensor",
      "mixed dtypes"),
     (lambda x: (x > 0) > 0.5, [torch.randn(3, 4)], "aten.gt.Scalar", "bool tensor compared with a number"),
+    (lambda x: F.avg_pool2d(x * 2.0, 3, 2, ceil_mode=True), [torch.randn(1, 2, 12, 9)], "aten.avg_pool2d.default",
+     "windows past the input's end"),
     (lambda x, i: F.embedding(i.int(), x * 2.0), [torch.randn(5, 3), torch.tensor([1, 2])], "aten.embedding.default",
      "ids are not an int64 tensor"),
 ])

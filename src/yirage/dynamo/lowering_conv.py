@@ -5,8 +5,8 @@
 |---|---|---|
 | ``convolution`` | ``conv2d`` | 2-d, not transposed |
 | ``_native_batch_norm_legit_no_training`` | ``batch_norm`` | only output 0 used; statistics float32 or the input's dtype |
-| ``max_pool2d_with_indices`` | ``max_pool2d`` | only output 0 (not the indices) used; floor mode |
-| ``avg_pool2d`` | ``avg_pool2d`` | floor mode, no divisor_override |
+| ``max_pool2d_with_indices`` | ``max_pool2d`` | only output 0 (not the indices) used; ceil mode: the input padded with -inf at its end (``pad``) |
+| ``avg_pool2d`` | ``avg_pool2d`` | no divisor_override; ceil mode only where its windows are floor mode's |
 
 (``adaptive_avg_pool2d`` to 1x1 reaches the partitioner as ``mean.dim``, already lowered.)
 
@@ -25,10 +25,13 @@ aten = torch.ops.aten
 
 
 def _ints(v, n: int = 2) -> list[int] | None:
-    """``v`` as a list of ``n`` ints (a single int repeated), or None."""
+    """``v`` as a list of ``n`` ints (a single int, or a list of one, repeated: torch's int[2]
+    arguments, e.g. ``padding=[0]`` of a ``padding="valid"`` convolution), or None."""
+    if isinstance(v, (list, tuple)) and len(v) == 1:
+        v = v[0]
     if isinstance(v, int) and not isinstance(v, bool):
         return [v] * n
-    if isinstance(v, (list, tuple)) and len(v) == n and all(isinstance(i, int) for i in v):
+    if isinstance(v, (list, tuple)) and len(v) == n and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
         return list(v)
     return None
 
@@ -94,39 +97,65 @@ def _pool_args(node):
     return kernel, stride, padding, args
 
 
+def _ceil_extra(node, kernel, stride, padding, dilation) -> list[int] | None:
+    """Rows and columns that ceil mode's last windows reach past the input's end and its
+    padding, [rows, cols] (0 where ceil and floor mode make the same windows); None when the
+    input's height or width is symbolic. The output size is torch's ``pooling_output_shape``:
+    ceil((size + 2p - d(k-1) - 1) / s) + 1, less one when that last window would start past
+    the input and the left padding."""
+    extra = []
+    for size, k, s, p, d in zip(_val(node.args[0]).shape[2:], kernel, stride, padding, dilation):
+        if not isinstance(size, int):
+            return None
+        span = size + 2 * p - d * (k - 1) - 1
+        out = -(-span // s) + 1
+        if (out - 1) * s >= size + p:
+            out -= 1
+        extra.append(max(0, (out - 1) * s - span))
+    return extra
+
+
 def _check_max_pool(node):
     kernel, stride, padding, args = _pool_args(node)
     dilation = _ints(args[4] if args[4] is not None else 1)
     if None in (kernel, stride, padding, dilation):
         return "kernel/stride/padding/dilation are not pairs of integers"
-    if args[5]:
-        return "ceil_mode=True"
     if _val(node.args[0]).dim() != 4:
         return "not a 4-d NCHW input"
+    if args[5] and _ceil_extra(node, kernel, stride, padding, dilation) is None:
+        return "ceil_mode=True with a symbolic height or width"
     return _only_output_0(node) or _no_kwargs()(node) or _tensors(node.args[0])
 
 
 @lowers(aten.max_pool2d_with_indices.default, check=_check_max_pool)
 def _max_pool(e, node):
+    """Ceil mode is floor mode over the input padded at its end with -inf, as far as the last
+    windows reach (torch's max ignores padding; every window holds an input element)."""
     kernel, stride, padding, args = _pool_args(node)
-    return (e.g.max_pool2d(e[node.args[0]], kernel, stride, padding, _ints(args[4] if args[4] is not None else 1)),)
+    dilation = _ints(args[4] if args[4] is not None else 1)
+    x = e[node.args[0]]
+    if args[5] and any(extra := _ceil_extra(node, kernel, stride, padding, dilation)):
+        x = e.g.pad(x, [(0, 0), (0, 0), (0, extra[0]), (0, extra[1])], float("-inf"))
+    return (e.g.max_pool2d(x, kernel, stride, padding, dilation),)
 
 
 def _check_avg_pool(node):
     kernel, stride, padding, args = _pool_args(node)
     if None in (kernel, stride, padding):
         return "kernel/stride/padding are not pairs of integers"
-    if args[4]:
-        return "ceil_mode=True"
     if args[6] is not None:
         return "divisor_override"
     if _val(node.args[0]).dim() != 4:
         return "not a 4-d NCHW input"
+    if args[4] and _ceil_extra(node, kernel, stride, padding, [1, 1]) != [0, 0]:
+        # the divisor of a window past the end counts the padding only up to size + padding
+        return "ceil_mode=True with windows past the input's end (or a symbolic height or width)"
     return _all_of(_no_kwargs(), lambda n: _tensors(n, n.args[0]))(node)
 
 
 @lowers(aten.avg_pool2d.default, check=_check_avg_pool)
 def _avg_pool(e, node):
+    """Ceil mode only where its windows are floor mode's (``_check_avg_pool``)."""
     kernel, stride, padding, args = _pool_args(node)
     return e.g.avg_pool2d(e[node.args[0]], kernel, stride, padding, True if args[5] is None else bool(args[5]))
 
