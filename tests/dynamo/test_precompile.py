@@ -242,37 +242,47 @@ SCRIPT = textwrap.dedent("""
     entries = Path(sys.argv[1])
     precompile.entry_path = lambda k, options: entries / f"{k}.pt2"
     torch.manual_seed(0)
-    cfg = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
-    model = tf.BertModel(cfg).eval()
-    ids = torch.randint(0, 100, (2, 12))
+    if sys.argv[2] == "bert":
+        cfg = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=64)
+        model = tf.BertModel(cfg).eval()
+        kw = {"input_ids": torch.randint(0, 100, (2, 12))}
+    else:   # its positional convolution is weight-normed (torch.nn.utils.parametrize)
+        cfg = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
+        model = tf.Wav2Vec2Model(cfg).eval()
+        kw = {"input_values": torch.randn(1, 2000)}
     m = yr.compile(model)
     with torch.no_grad():
         t = time.perf_counter()
-        got = m(input_ids=ids).last_hidden_state
+        got = m(**kw).last_hidden_state
         seconds = time.perf_counter() - t
-        err = (got - model(input_ids=ids).last_hidden_state).abs().max().item()
+        err = (got - model(**kw).last_hidden_state).abs().max().item()
     print(json.dumps({"status": m.precompile_status, "traced": len(m._yirage_backend.reports), "err": err,
                       "seconds": seconds, "stats": precompile.stats()}))
 """)
 
 
-def _run(entries: Path) -> dict:
+def _run(entries: Path, model: str = "bert") -> dict:
     env = dict(os.environ, YIRAGE_BACKEND="cpu")
     src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(entries)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(entries), model], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_loads_a_transformers_model(_entries):
+@pytest.mark.parametrize("model", ["bert", "wav2vec2"])
+def test_a_second_process_loads_a_transformers_model(_entries, model):
     """transformers' decorated forwards (closures over the wrapped function) and the globals
-    dynamo installs for its bytecode are found again in a fresh interpreter."""
-    first = _run(_entries)
+    dynamo installs for its bytecode are found again in a fresh interpreter; so is a module
+    with parametrizations (wav2vec2's weight-normed convolution), whose class torch makes anew
+    in every process and refuses to pickle."""
+    first = _run(_entries, model)
     assert first["status"].startswith("compiled and stored") and first["traced"] == 1 and first["err"] < 1e-4
-    second = _run(_entries)
+    second = _run(_entries, model)
     assert second["status"].startswith("loaded"), second["status"]
     assert second["traced"] == 0 and second["err"] < 1e-4
     assert second["stats"]["hits"] == 1 and second["stats"]["rejected"] == 0
@@ -347,3 +357,15 @@ def test_an_encoder_decoder_is_precompiled_and_a_changed_config_is_not_loaded():
         statuses.append(m.precompile_status.split(" ")[0])
     assert statuses == ["compiled", "loaded", "compiled"], statuses
     assert precompile.stats()["rejected"] == 1
+
+
+def test_a_parametrized_module_is_checked_by_the_class_it_parametrizes():
+    """The class torch.nn.utils.parametrize makes for a module is fingerprinted as the class it
+    parametrizes, so another process's (another class object) matches it, and a plain module of
+    that class does not."""
+    plain, normed = nn.Conv1d(4, 4, 3), nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3))
+    again = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3))
+    assert type(normed) is not type(again)
+    assert precompile.fingerprint(type(normed)) == precompile.fingerprint(type(again)) == (
+        "parametrized class", "torch.nn.modules.conv", "Conv1d")
+    assert precompile.fingerprint(type(plain)) != precompile.fingerprint(type(normed))

@@ -19,7 +19,9 @@ therefore returns a ``PrecompiledModule``, whose first call
      attributes such as ``training``, grad mode);
    - the guards torch cannot serialize (identity of functions, closures and builtins) are
      replaced by checks of the object found now: the same module, qualified name and code
-     digest, or the same constant;
+     digest, or the same constant; so is the type of a module with parametrizations (weight
+     norm), whose class ``torch.nn.utils.parametrize`` makes anew in every process: checked
+     by the class it parametrizes;
 3. on a miss, compiles the model with torch's experimental ``aot_compile_fullgraph`` (one
    dynamo trace of the whole forward, then the ``YirageBackend``, whose forward compiler
    returns a serializable ``YirageOutputCode``) and stores the entry.
@@ -275,6 +277,9 @@ def fingerprint(value) -> tuple | None:
         return ("code", _code_digest(value))
     if isinstance(value, types.ModuleType):
         return ("module", value.__name__)
+    if isinstance(value, type) and _parametrized_class(value):
+        base = value.__bases__[0]
+        return ("parametrized class", base.__module__, base.__qualname__)
     if isinstance(value, (types.BuiltinFunctionType, type)):
         return ("name", getattr(value, "__module__", None), getattr(value, "__qualname__", None))
     if isinstance(value, types.UnionType):     # a field's type: int | None
@@ -283,6 +288,19 @@ def fingerprint(value) -> tuple | None:
         default = ("missing",) if value.default is dataclasses.MISSING else fingerprint(value.default)
         return None if default is None else ("field", value.name, str(value.type), default)
     return _config_fingerprint(value)
+
+
+def _parametrized_class(cls: type) -> bool:
+    """Whether ``cls`` is a class ``torch.nn.utils.parametrize`` created (``Parametrized<Base>``,
+    one per module and process, subclassing the module's own class)."""
+    return (cls.__module__ == "torch.nn.utils.parametrize" and cls.__name__.startswith("Parametrized")
+            and len(cls.__bases__) == 1 and issubclass(cls, torch.nn.Module))
+
+
+def _parametrized(value) -> bool:
+    """Whether ``value`` is a module with parametrizations (weight norm: wav2vec2's positional
+    convolution)."""
+    return isinstance(value, torch.nn.Module) and _parametrized_class(type(value))
 
 
 def _config_fingerprint(value) -> tuple | None:
@@ -323,6 +341,12 @@ class GuardFilter:
                  if not e.is_global and (e.guard_type in bad or bad & set(e.derived_guard_types))]
         keep = []
         for e in entries:
+            if e.guard_type == "TYPE_MATCH" and not e.is_global and e.has_value and _parametrized(e.value):
+                # the class torch.nn.utils.parametrize made for this module exists in this
+                # process only: its type is checked by the class it parametrizes
+                self.checks.append((f"type({e.name})", fingerprint(type(e.value))))
+                keep.append(False)
+                continue
             under = any(e.name == r or e.name.startswith((r + ".", r + "[")) for r in roots)
             if under and not e.is_global:
                 fp = fingerprint(e.value) if e.has_value else None
@@ -787,7 +811,29 @@ def _torch_precompile_patches():
         from torch._dynamo import package
         if hasattr(getattr(package, "SourceInfo", None), "add_code"):
             stack.enter_context(mock.patch.object(package.SourceInfo, "add_code", _file_sources()))
+        from torch._dynamo import guards
+        pickler = getattr(guards, "GuardsStatePickler", None)
+        if hasattr(pickler, "reducer_override") and hasattr(pickler, "_unpickle_module"):
+            stack.enter_context(mock.patch.object(pickler, "reducer_override",
+                                                  _parametrized_reducer(pickler.reducer_override)))
         yield
+
+
+def _parametrized_reducer(reducer_override):
+    """Dynamo's guard-state pickler, which stores a module in its guard tree by its state
+    (``torch.nn.Module.__getstate__``) unless its class is defined at module level (then by
+    pickle's default, which ``torch.nn.utils.parametrize``'s classes refuse: "Serialization
+    of parametrized modules is only supported through state_dict()"), also storing a
+    parametrized module by its state. Its type is checked by ``GuardFilter``."""
+    def reduce(self, obj):
+        if _parametrized(obj) and id(obj) in self.guard_tree_values:
+            for attr in obj.__dict__.values():   # as dynamo's own branch for modules
+                if not (isinstance(attr, (torch.Tensor, torch.nn.Module)) or id(attr) in self.guard_tree_values
+                        or callable(attr)):
+                    self.missing_values[id(attr)] = attr
+            return type(self)._unpickle_module, (torch.nn.Module.__getstate__(obj),)
+        return reducer_override(self, obj)
+    return reduce
 
 
 @contextlib.contextmanager
