@@ -1251,12 +1251,14 @@ def rewrite_gelu_tanh(gm: GraphModule, in_torch: Callable[[object], bool] = _nev
     if any(map(in_torch, (aten.gelu.default, *_GELU_PARTS))):
         return 0
     found = [(node, x) for node in gm.graph.nodes if (x := _written_out_gelu_tanh(node)) is not None]
+    count = 0
     for node, x in found:
         if node not in set(gm.graph.nodes):   # erased with an earlier one's expression
             continue
         new = _replace_node(gm, node, aten.gelu.default, (x,))
         new.kwargs = {"approximate": "tanh"}
-    return _recompiled(gm, len(found))
+        count += 1
+    return _recompiled(gm, count)
 
 
 def _legacy_empty(t) -> bool:
