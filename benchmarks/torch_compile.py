@@ -3,7 +3,7 @@
 Prints one JSON object. Models are built from transformers configs with random weights (no
 network): BERT, GPT-2, a small Llama, ViT, DistilBERT, T5's encoder and all-MiniLM-L6-v2 (the
 shipped sentence-transformers model's architecture) at sequence 128 (ViT: 224x224 images), and
-the conv nets ResNet-50, ConvNeXt-tiny and MobileNetV2 at 224x224, each at every
+the conv nets ResNet-50, ConvNeXt-tiny, MobileNetV2 and EfficientNet-B0 at 224x224, each at every
 --batch-sizes, float32 (or --dtype bfloat16), in inference (eval, no_grad).
 
     python benchmarks/torch_compile.py [--models bert,resnet50,...] [--batch-sizes 1 8]
@@ -72,7 +72,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _sides import Sides, SideSpec, comparison  # noqa: E402
 
 TRANSFORMERS = ("bert", "gpt2", "llama", "vit", "distilbert", "t5-encoder", "minilm")
-CONV_NETS = ("resnet50", "convnext-tiny", "mobilenetv2")
+#: efficientnet-b0: the issue's example of Inductor far slower than eager on an Intel CPU (depthwise
+#: convolutions, squeeze-and-excitation)
+CONV_NETS = ("resnet50", "convnext-tiny", "mobilenetv2", "efficientnet-b0")
 #: (atol, rtol) of an output against eager, by dtype
 TOLERANCE = {"float32": (1e-3, 1e-3), "bfloat16": (5e-2, 5e-2)}
 
@@ -107,6 +109,9 @@ def _config(name: str, small: bool):
     if name == "convnext-tiny":
         return tf.ConvNextModel, tf.ConvNextConfig(**({"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1]}
                                                       if small else {}))
+    if name == "efficientnet-b0":   # transformers' defaults are B7's: B0's width, depth and size
+        return tf.EfficientNetModel, tf.EfficientNetConfig(width_coefficient=1.0, depth_coefficient=0.5 if small else 1.0,
+                                                           image_size=64 if small else 224, hidden_dim=1280)
     if name == "mobilenetv2":
         return tf.MobileNetV2Model, tf.MobileNetV2Config(**({"depth_multiplier": 0.25, "image_size": 64} if small else {}))
     raise SystemExit(f"unknown model {name!r}: choose from {', '.join(TRANSFORMERS + CONV_NETS)}")

@@ -222,6 +222,9 @@ CASES.update({
                                lambda: [torch.randn(1, 2, 10, 13)], ["aten.max_pool2d_with_indices.default"]),
     "avg_pool2d_ceil_whole": (lambda x: F.avg_pool2d(x * 2.0, (7, 5), ceil_mode=True), lambda: [torch.randn(2, 3, 7, 5)],
                               ["aten.avg_pool2d.default"]),
+    # EfficientNet's pooler: a kernel far larger than the map, one window (the mean)
+    "avg_pool2d_ceil_kernel_past_map": (lambda x: F.avg_pool2d(x * 2.0, 40, ceil_mode=True),
+                                        lambda: [torch.randn(2, 3, 7, 5)], ["aten.avg_pool2d.default"]),
 })
 
 

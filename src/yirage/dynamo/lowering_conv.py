@@ -6,7 +6,7 @@
 | ``convolution`` | ``conv2d`` | 2-d, not transposed |
 | ``_native_batch_norm_legit_no_training`` | ``batch_norm`` | only output 0 used; statistics float32 or the input's dtype |
 | ``max_pool2d_with_indices`` | ``max_pool2d`` | only output 0 (not the indices) used; ceil mode: the input padded with -inf at its end (``pad``) |
-| ``avg_pool2d`` | ``avg_pool2d`` | no divisor_override; ceil mode only where its windows are floor mode's |
+| ``avg_pool2d`` | ``avg_pool2d`` | no divisor_override; ceil mode where its windows are floor mode's, or one window over the whole map (then ``mean``) |
 
 (``adaptive_avg_pool2d`` to 1x1 reaches the partitioner as ``mean.dim``, already lowered.)
 
@@ -108,11 +108,24 @@ def _ceil_extra(node, kernel, stride, padding, dilation) -> list[int] | None:
         if not isinstance(size, int):
             return None
         span = size + 2 * p - d * (k - 1) - 1
-        out = -(-span // s) + 1
-        if (out - 1) * s >= size + p:
-            out -= 1
-        extra.append(max(0, (out - 1) * s - span))
+        extra.append(max(0, (_ceil_out(size, k, s, p, d) - 1) * s - span))
     return extra
+
+
+def _ceil_out(size: int, k: int, s: int, p: int, d: int) -> int:
+    """Ceil mode's output size along one dim (torch's ``pooling_output_shape``)."""
+    span = size + 2 * p - d * (k - 1) - 1
+    out = -(-span // s) + 1
+    return out - 1 if (out - 1) * s >= size + p else out
+
+
+def _whole_map_window(node, kernel, stride, padding) -> bool:
+    """Is this ceil-mode average pool one window over the whole (static) map: no padding and
+    an output of 1x1, so the kernel covers the input and the window, clipped to it, holds
+    every element (EfficientNet's pooler: a 1280 kernel over a 7x7 map)? It is then the mean."""
+    sizes = _val(node.args[0]).shape[2:]
+    return (padding == [0, 0] and all(isinstance(n, int) for n in sizes)
+            and all(_ceil_out(n, k, s, 0, 1) == 1 for n, k, s in zip(sizes, kernel, stride)))
 
 
 def _check_max_pool(node):
@@ -147,7 +160,8 @@ def _check_avg_pool(node):
         return "divisor_override"
     if _val(node.args[0]).dim() != 4:
         return "not a 4-d NCHW input"
-    if args[4] and _ceil_extra(node, kernel, stride, padding, [1, 1]) != [0, 0]:
+    if (args[4] and _ceil_extra(node, kernel, stride, padding, [1, 1]) != [0, 0]
+            and not _whole_map_window(node, kernel, stride, padding)):
         # the divisor of a window past the end counts the padding only up to size + padding
         return "ceil_mode=True with windows past the input's end (or a symbolic height or width)"
     return _all_of(_no_kwargs(), lambda n: _tensors(n, n.args[0]))(node)
@@ -155,8 +169,11 @@ def _check_avg_pool(node):
 
 @lowers(aten.avg_pool2d.default, check=_check_avg_pool)
 def _avg_pool(e, node):
-    """Ceil mode only where its windows are floor mode's (``_check_avg_pool``)."""
+    """Ceil mode only where its windows are floor mode's, or as the mean of a whole map
+    (``_check_avg_pool``)."""
     kernel, stride, padding, args = _pool_args(node)
+    if args[4] and _ceil_extra(node, kernel, stride, padding, [1, 1]) != [0, 0]:
+        return e.g.mean(e[node.args[0]], [2, 3], keepdim=True)
     return e.g.avg_pool2d(e[node.args[0]], kernel, stride, padding, True if args[5] is None else bool(args[5]))
 
 
