@@ -44,6 +44,7 @@ _UNARY = {
     "tanh": "yr_tanh({0})", "sigmoid": "(1.0f / (1.0f + yr_exp(-{0})))",
     "erf": "yr_erf({0})", "log": "std::log({0})", "exp2": "std::exp2({0})", "abs": "std::fabs({0})",
     "reciprocal": "(1.0f / {0})", "cos": "std::cos({0})", "sin": "std::sin({0})",
+    "floor": "std::floor({0})", "ceil": "std::ceil({0})", "trunc": "std::trunc({0})",
     # bool values are 0.0f / 1.0f (transforms/fusion.py)
     "logical_not": "({0} == 0.0f ? 1.0f : 0.0f)", "to_bool": "({0} != 0.0f ? 1.0f : 0.0f)",
 }

@@ -86,6 +86,8 @@ _UNARY = {
     "gelu_tanh": "({0} / (1.0 + tl.exp(-1.5957691216057308 * ({0} + 0.044715 * {0} * {0} * {0}))))",
     "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))", "erf": "tl.erf({0})", "log": "tl.log({0})",
     "exp2": "tl.exp2({0})", "abs": "tl.abs({0})", "reciprocal": "(1.0 / {0})",
+    "floor": "tl.floor({0})", "ceil": "tl.ceil({0})",
+    "trunc": "tl.where({0} < 0.0, tl.ceil({0}), tl.floor({0}))",
     "cos": "tl.cos({0})", "sin": "tl.sin({0})",
     "tanh": "_tanh({0})",  # HEADER: libdevice's tanh does not run under the interpreter
     # bool values are 0.0 / 1.0 (transforms/fusion.py)

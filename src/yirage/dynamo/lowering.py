@@ -357,7 +357,7 @@ for _name in ("add", "sub", "mul", "div"):
 
 _unary_check = _all_of(_no_kwargs(), _tensors_ok)
 for _name in ("exp", "sqrt", "rsqrt", "neg", "relu", "silu", "tanh", "sigmoid", "erf", "log", "exp2", "abs",
-              "reciprocal", "cos", "sin"):
+              "reciprocal", "cos", "sin", "floor", "ceil", "trunc"):
     lowers(getattr(aten, _name).default, check=_unary_check)(
         (lambda ir: lambda e, node: getattr(e.g, ir)(e[node.args[0]]))(_name))
 
@@ -527,6 +527,34 @@ def _layer_norm(e, node):
                            e[b] if b is not None else None, eps),)
 
 
+def _check_group_norm(node):
+    x, w, b, _, C, _, groups, eps = node.args[:8]
+    for u in node.users:
+        if u.target is not operator.getitem or u.args[1] != 0:
+            return "its mean/rstd outputs are used (only output 0 is lowered)"
+    why = _no_kwargs()(node) or tensor_problem(node, _val(node)[0] if isinstance(_val(node), tuple) else None)
+    if why:
+        return why
+    xv = _val(x)
+    for t in (x, w, b):
+        if t is not None and (why := tensor_problem(t)):
+            return why
+        if t is not None and _val(t).dtype != xv.dtype:
+            return f"weight/bias dtype {_val(t).dtype} differs from the input's {xv.dtype}"
+    if xv.dim() < 2 or not isinstance(groups, int) or not isinstance(xv.shape[1], int) or xv.shape[1] % groups:
+        return "not [N, C, ...] with a static channel count that the groups divide"
+    return None
+
+
+@lowers(aten.native_group_norm.default, check=_check_group_norm)
+def _group_norm(e, node):
+    """GroupNorm (PoolFormer's, diffusion U-Nets'): the IR builder's ``group_norm``, a
+    ``layer_norm`` over each (sample, group)'s channels and positions with the affine step."""
+    x, w, b, _, _, _, groups, eps = node.args[:8]
+    return (e.g.group_norm(e[x], groups, e[w] if w is not None else None, e[b] if b is not None else None,
+                           eps),)
+
+
 def _check_getitem(node):
     src, i = node.args
     if not isinstance(src, Node) or src.target not in LOWERINGS or not isinstance(_val(src), (tuple, list)):
@@ -538,7 +566,7 @@ def _check_getitem(node):
 
 #: ops with several outputs of which only output 0 is lowered (their checks decline a node whose
 #: other outputs are used); lowering_conv.py adds batch norm and max pooling
-FIRST_OUTPUT_ONLY = {aten.native_layer_norm.default}
+FIRST_OUTPUT_ONLY = {aten.native_layer_norm.default, aten.native_group_norm.default}
 
 
 @lowers(operator.getitem, check=_check_getitem)

@@ -280,6 +280,18 @@ class KernelGraph:
         """Elementwise ``1 / x`` (``torch.reciprocal``; float; inf at 0)."""
         return self._add("reciprocal", [x])
 
+    def floor(self, x):
+        """Elementwise ``torch.floor`` (float; -inf, inf and NaN unchanged)."""
+        return self._add("floor", [x])
+
+    def ceil(self, x):
+        """Elementwise ``torch.ceil`` (float; -inf, inf and NaN unchanged)."""
+        return self._add("ceil", [x])
+
+    def trunc(self, x):
+        """Elementwise ``torch.trunc``: rounded toward zero (float; -inf, inf and NaN unchanged)."""
+        return self._add("trunc", [x])
+
     def cos(self, x):
         """Elementwise ``torch.cos`` (radians; float; computed in float32): RoPE tables."""
         return self._add("cos", [x])

@@ -138,6 +138,7 @@ UNARY: dict[str, Callable] = {
     "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": torch.relu, "rsqrt": torch.rsqrt, "neg": torch.neg,
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "log": torch.log, "exp2": torch.exp2,
     "abs": torch.abs, "reciprocal": torch.reciprocal, "cos": torch.cos, "sin": torch.sin,
+    "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,
 }
 BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
                                "maximum": torch.maximum, "minimum": torch.minimum, "pow": torch.pow}

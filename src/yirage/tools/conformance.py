@@ -311,6 +311,7 @@ _TORCH_UNARY = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": torch.relu, "rsqrt": torch.rsqrt,
     "neg": torch.neg, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "log": torch.log,
     "exp2": torch.exp2, "abs": torch.abs, "reciprocal": torch.reciprocal, "cos": torch.cos, "sin": torch.sin,
+    "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,
 }
 
 
