@@ -281,6 +281,9 @@ def test_every_lowering_has_a_case():
     (lambda x: (x > 0) > 0.5, [torch.randn(3, 4)], "aten.gt.Scalar", "bool tensor compared with a number"),
     (lambda x: F.avg_pool2d(x * 2.0, 3, 2, ceil_mode=True), [torch.randn(1, 2, 12, 9)], "aten.avg_pool2d.default",
      "windows past the input's end"),
+    # one 1x1 output, but the 5x5 window covers part of the 7x7 map (the stride drops the second)
+    (lambda x: F.avg_pool2d(x * 2.0, 5, 8, ceil_mode=True), [torch.randn(1, 2, 7, 7)], "aten.avg_pool2d.default",
+     "windows past the input's end"),
     (lambda x, i: F.embedding(i.int(), x * 2.0), [torch.randn(5, 3), torch.tensor([1, 2])], "aten.embedding.default",
      "ids are not an int64 tensor"),
 ])
