@@ -232,6 +232,10 @@ CASES.update({
                                lambda: [torch.randn(1, 2, 10, 13)], ["aten.max_pool2d_with_indices.default"]),
     "avg_pool2d_ceil_whole": (lambda x: F.avg_pool2d(x * 2.0, (7, 5), ceil_mode=True), lambda: [torch.randn(2, 3, 7, 5)],
                               ["aten.avg_pool2d.default"]),
+    # one 1x1 output whose 5x5 window covers a corner of the 7x7 map (ceil mode's second window
+    # would start past the map): floor mode's window, not the mean
+    "avg_pool2d_ceil_corner": (lambda x: F.avg_pool2d(x * 2.0, 5, 8, ceil_mode=True), lambda: [torch.randn(1, 2, 7, 7)],
+                               ["aten.avg_pool2d.default"]),
     # EfficientNet's pooler: a kernel far larger than the map, one window (the mean)
     "avg_pool2d_ceil_kernel_past_map": (lambda x: F.avg_pool2d(x * 2.0, 40, ceil_mode=True),
                                         lambda: [torch.randn(2, 3, 7, 5)], ["aten.avg_pool2d.default"]),
@@ -280,9 +284,6 @@ def test_every_lowering_has_a_case():
      "mixed dtypes"),
     (lambda x: (x > 0) > 0.5, [torch.randn(3, 4)], "aten.gt.Scalar", "bool tensor compared with a number"),
     (lambda x: F.avg_pool2d(x * 2.0, 3, 2, ceil_mode=True), [torch.randn(1, 2, 12, 9)], "aten.avg_pool2d.default",
-     "windows past the input's end"),
-    # one 1x1 output, but the 5x5 window covers part of the 7x7 map (the stride drops the second)
-    (lambda x: F.avg_pool2d(x * 2.0, 5, 8, ceil_mode=True), [torch.randn(1, 2, 7, 7)], "aten.avg_pool2d.default",
      "windows past the input's end"),
     (lambda x, i: F.embedding(i.int(), x * 2.0), [torch.randn(5, 3), torch.tensor([1, 2])], "aten.embedding.default",
      "ids are not an int64 tensor"),

@@ -123,8 +123,7 @@ def _whole_map_window(node, kernel, stride, padding) -> bool:
     """Is this ceil-mode average pool one window over the whole (static) map: no padding, a
     kernel at least the map's size and an output of 1x1, so the window, clipped to the map,
     holds every element (EfficientNet's pooler: a 1280 kernel over a 7x7 map)? It is then the
-    mean. (An output of 1x1 alone is not enough: a stride past the map drops the last window,
-    and the first one may cover part of it.)"""
+    mean."""
     sizes = _val(node.args[0]).shape[2:]
     return (padding == [0, 0] and all(isinstance(n, int) for n in sizes)
             and all(k >= n and _ceil_out(n, k, s, 0, 1) == 1 for n, k, s in zip(sizes, kernel, stride)))
