@@ -501,8 +501,10 @@ def _log_softmax(e, node):
     return e.g.log_softmax(e[node.args[0]], node.args[1])
 
 
-def _check_layer_norm(node):
-    x, shape, w, b, eps = node.args[:5]
+def _norm_problem(node, x, w, b) -> str | None:
+    """Why a norm with (output, mean, rstd) outputs (LayerNorm, GroupNorm) is not lowered, or
+    None: its statistics are used (only output 0 is lowered), kwargs, a tensor yirage does not
+    take, or a weight/bias of another dtype than x's."""
     for u in node.users:
         if u.target is not operator.getitem or u.args[1] != 0:
             return "its mean/rstd outputs are used (only output 0 is lowered)"
@@ -515,6 +517,13 @@ def _check_layer_norm(node):
             return why
         if t is not None and _val(t).dtype != xv.dtype:
             return f"weight/bias dtype {_val(t).dtype} differs from the input's {xv.dtype}"
+    return None
+
+
+def _check_layer_norm(node):
+    x, shape, w, b, eps = node.args[:5]
+    if why := _norm_problem(node, x, w, b):
+        return why
     if w is not None and tuple(_val(w).shape) != tuple(shape) or b is not None and tuple(_val(b).shape) != tuple(shape):
         return "weight/bias shape differs from normalized_shape"
     return None
@@ -528,19 +537,10 @@ def _layer_norm(e, node):
 
 
 def _check_group_norm(node):
-    x, w, b, _, C, _, groups, eps = node.args[:8]
-    for u in node.users:
-        if u.target is not operator.getitem or u.args[1] != 0:
-            return "its mean/rstd outputs are used (only output 0 is lowered)"
-    why = _no_kwargs()(node) or tensor_problem(node, _val(node)[0] if isinstance(_val(node), tuple) else None)
-    if why:
+    x, w, b, _, _, _, groups = node.args[:7]
+    if why := _norm_problem(node, x, w, b):
         return why
     xv = _val(x)
-    for t in (x, w, b):
-        if t is not None and (why := tensor_problem(t)):
-            return why
-        if t is not None and _val(t).dtype != xv.dtype:
-            return f"weight/bias dtype {_val(t).dtype} differs from the input's {xv.dtype}"
     if xv.dim() < 2 or not isinstance(groups, int) or not isinstance(xv.shape[1], int) or xv.shape[1] % groups:
         return "not [N, C, ...] with a static channel count that the groups divide"
     return None
