@@ -113,12 +113,13 @@ _LIB_VARIANT_FLAGS = {"avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"],
 _LIB_VARIANTS: dict = {}
 
 
-@pytest.fixture(params=["native", "avx2", "scalar"])
+@pytest.fixture(params=["native", "avx2", "scalar", "aarch64"])
 def lib(request):
     """The C++ kernel library (kernels/cpu/library.cpp and its headers) as each build the CPU
-    backend may select: native (AVX-512 here), AVX2 (-mno-avx512f -mno-avxvnni) and the portable
-    scalar path (-march=x86-64), so that every ``#if`` branch is tested; each built once per
-    session. ``lib_vnni`` adds the AVX2 + AVX-VNNI build (the int8 GEMM's ymm vpdpbusd path)."""
+    backend may select: native (AVX-512 here), AVX2 (-mno-avx512f -mno-avxvnni), the portable
+    scalar path (-march=x86-64) and aarch64 (ARMv8.2 with dotprod, NEON paths; cross-built and
+    run under qemu-user: tests/cross), so that every ``#if`` branch is tested; each built once
+    per session. ``lib_vnni`` adds the AVX2 + AVX-VNNI build (the int8 GEMM's ymm vpdpbusd path)."""
     return _lib_variant(request.param)
 
 
@@ -128,6 +129,8 @@ def _variant_unavailable(name: str) -> str | None:
 
     if name != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
         return "ISA variants are only built on x86-64"
+    if name != "native" and os.environ.get("YIRAGE_ISA", "native") not in ("", "native"):
+        return "under YIRAGE_ISA's cap the library is the capped build (the 'native' case); the other x86 builds run uncapped"
     if name in ("avx2", "avxvnni") and not {"avx2", "fma", "f16c"} <= _cpu_flags():
         return "CPU lacks AVX2/FMA/F16C"
     if name == "avxvnni" and "avx_vnni" not in _cpu_flags():
@@ -144,8 +147,10 @@ def _lib_variant(name: str):
     from concurrent.futures import ThreadPoolExecutor
 
     from yirage.backends.cpu_library import bind_signatures, library
-    from yirage.runtime.toolchain import CXXFLAGS, load_kernel_library
+    from yirage.runtime.toolchain import cxx_flags, load_kernel_library
 
+    if name.startswith("aarch64"):
+        return _cross_variant(name)
     reason = _variant_unavailable(name)
     if reason:
         pytest.skip(reason)
@@ -155,7 +160,7 @@ def _lib_variant(name: str):
         todo = [v for v in _LIB_VARIANT_FLAGS if v not in _LIB_VARIANTS and not _variant_unavailable(v)]
 
         def build(v):
-            flags = [f for f in CXXFLAGS if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[v]
+            flags = [f for f in cxx_flags() if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[v]
             return bind_signatures(load_kernel_library("library", tuple(flags)))
 
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -163,9 +168,28 @@ def _lib_variant(name: str):
     return _LIB_VARIANTS[name]
 
 
-@pytest.fixture(params=["native", "avx2", "avxvnni", "scalar"])
+#: the aarch64 builds of the library (tests/cross.TARGETS)
+_CROSS_VARIANTS = {"aarch64": "armv8.2-a+dotprod", "aarch64-v8.0": "armv8-a"}
+
+
+def _cross_variant(name: str):
+    """The library cross-built for an Arm target, called under qemu-user; skips where the cross
+    compiler or qemu is missing."""
+    import cross
+    from yirage.backends.cpu_library import SIGNATURES
+
+    why = cross.unavailable()
+    if why:
+        pytest.skip(why)
+    if name not in _LIB_VARIANTS:
+        _LIB_VARIANTS[name] = cross.CrossLibrary("library", _CROSS_VARIANTS[name], SIGNATURES)
+    return _LIB_VARIANTS[name]
+
+
+@pytest.fixture(params=["native", "avx2", "avxvnni", "scalar", "aarch64", "aarch64-v8.0"])
 def lib_vnni(request):
-    """``lib``'s builds plus AVX2 with AVX-VNNI (-mno-avx512f): for the int8 GEMM tests."""
+    """``lib``'s builds plus AVX2 with AVX-VNNI (-mno-avx512f), and ARMv8.0 without the dot
+    product (smull/sadalp in place of sdot): for the int8 GEMM tests."""
     return _lib_variant(request.param)
 
 
@@ -174,6 +198,24 @@ def lib_bf16(request):
     """``lib``'s builds plus AVX-512 without AVX512-BF16 (-mno-avx512bf16): for the bfloat16
     GEMM tests (vdpbf16ps natively here, FMAs on the bf16 halves, scalar)."""
     return _lib_variant(request.param)
+
+
+def skip_unless_provider_runs(provider: str, dtype: str) -> None:
+    """Skip the calling test, with the reason, where the linear provider ``provider`` of weight
+    dtype ``dtype`` ('float32', 'bfloat16', 'float32/bfloat16', 'int8') cannot run on this machine
+    (its ``Needs``, under ``YIRAGE_ISA``'s cap): a test never fails on a CPU without a feature."""
+    from yirage.backends import cpu_providers
+
+    case = cpu_providers.Case("linear_w8a8" if dtype == "int8" else "linear", dtype, 8, 8, 8, constant=True)
+    why = cpu_providers.unavailable(case).get(provider)
+    if why is not None:
+        pytest.skip(f"{provider} ({dtype}) cannot run here: {why}")
+
+
+@pytest.fixture
+def provider_runs():
+    """``provider_runs(provider, dtype)``: ``skip_unless_provider_runs`` for test modules."""
+    return skip_unless_provider_runs
 
 
 @pytest.fixture(scope="session")

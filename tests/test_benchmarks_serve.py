@@ -5,6 +5,7 @@ exactly the asked length, all different. (make bench-serve runs the real servers
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,15 @@ def server(code: str) -> "serve_bench.ServerProcess":
     return serve_bench.ServerProcess("fake", [sys.executable, "-c", code], serve_bench.free_port())
 
 
+def wait_for_line(proc: "serve_bench.ServerProcess", line: str, timeout_s: float) -> None:
+    """Return once the server process has printed ``line``; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while line not in proc.tail():
+        assert proc.proc.poll() is None, f"the process exited before printing {line!r}: {proc.tail()}"
+        assert time.monotonic() < deadline, f"no {line!r} from the process within {timeout_s} s"
+        time.sleep(0.05)
+
+
 def test_a_server_that_exits_crashes_or_hangs_is_reported():
     r = server("import sys; print('cannot load the model'); sys.exit(3)").wait_ready(60)
     assert r["status"] == "crashed" and r["exit_code"] == 3 and r["phase"] == "start"
@@ -25,7 +35,8 @@ def test_a_server_that_exits_crashes_or_hangs_is_reported():
     r = server("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)").wait_ready(60)
     assert r["status"] == "crashed" and r["signal"] == "SIGSEGV"
     hung = server("import time; print('loading', flush=True); time.sleep(600)")
-    r = hung.wait_ready(1.5)
+    wait_for_line(hung, "loading", timeout_s=60)   # however slow this machine starts a Python
+    r = hung.wait_ready(0.5)
     assert r["status"] == "timed out" and r["log_tail"] == ["loading"]
     assert hung.proc.poll() is not None   # stopped, not left running
 

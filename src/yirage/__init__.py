@@ -13,7 +13,11 @@ the CLI can then answer ``--help`` at once and turn a Ctrl-C during start-up int
 import importlib
 import sys as _sys
 
+from .config import apply_isa_cap as _apply_isa_cap
 from .config import configure_logging as _configure_logging
+
+# YIRAGE_ISA's cap of torch's vendor libraries, before anything here can start them
+_apply_isa_cap()
 
 __version__ = "0.1.0"
 
@@ -21,7 +25,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     **dict.fromkeys(["DType", "bfloat16", "float16", "float32", "int8", "int32", "int64", "q4_1", "q8_0", "q4_0", "q5_0",
                      "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "bool_"], "yirage.dtypes"),
-    **dict.fromkeys(["BackendUnavailableError", "BenchmarkError", "CacheError", "ConfigError", "GenerationError", "GraphError",
+    **dict.fromkeys(["BackendUnavailableError", "BenchmarkError", "CacheError", "ConfigError", "EmulatedPrecisionWarning", "GenerationError", "GraphError",
                      "IndexOutOfRangeError", "ModelLoadError", "ToolchainError", "TorchCompileError", "YirageError",
                      "YirageFallbackWarning"],
                     "yirage.errors"),

@@ -148,10 +148,13 @@ def info() -> None:
     from .backends import Backend, get_backend, get_backend_info, get_backend_source
 
     table = Table(title="yirage backends")
+    try:
+        infos = {b: get_backend_info(b) for b in Backend}
+    except YirageError as e:
+        _fail(str(e))
     for col in ("backend", "available", "kernels", "device", "units", "memory", "ISA / compute capability"):
         table.add_column(col)
-    for b in Backend:
-        i = get_backend_info(b)
+    for b, i in infos.items():
         if not i.available:
             table.add_row(b.value, f"no: {i.reason}", i.kernels, "-", "-", "-", "-")
             continue
@@ -173,6 +176,27 @@ def info() -> None:
     except YirageError as e:
         _fail(str(e))
     _print_rich(console, f"default backend: [bold]{default}[/bold] (from {source})")
+    _print_rich(console, _isa_line())
+
+
+def _isa_line() -> str:
+    """``yirage info``'s line on the CPU's instruction sets: the level yirage builds for (and the
+    host's own when ``YIRAGE_ISA`` caps it), whether bfloat16 and int8 are native or emulated,
+    and the vector ISA torch's kernels run at."""
+    from .runtime.machine import host_isa_flags, isa_cap, isa_flags, native_precision_flag, torch_cpu_capability
+
+    try:
+        level = isa_cap()
+        precisions = ", ".join(f"{d} {'native (' + f + ')' if (f := native_precision_flag(d)) else 'emulated'}"
+                               for d in ("bfloat16", "int8"))
+    except YirageError as e:
+        _fail(str(e))
+    hidden = [name for prefix, name in (("avx512", "AVX-512"), ("amx", "AMX"), ("avx_vnni", "AVX-VNNI"),
+                                        ("avx2", "AVX2"), ("avx", "AVX"))
+              if any(f.startswith(prefix) for f in host_isa_flags() - isa_flags())][:3]
+    where = "native (what this CPU has)" if level == "native" else (
+        f"{level}, capped by YIRAGE_ISA (this CPU also has {', '.join(hidden)})")
+    return f"CPU instruction set: {where}; {precisions}; torch's CPU kernels: {torch_cpu_capability()}"
 
 
 def _case_line(r) -> str:

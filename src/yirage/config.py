@@ -4,6 +4,11 @@
 - ``YIRAGE_LOG_LEVEL``: logging level of the ``yirage`` logger (DEBUG, INFO, WARNING, ...).
 - ``YIRAGE_CACHE_DIR``: where compiled kernels and converted tokenizers are cached
   (default ``~/.cache/yirage``).
+- ``YIRAGE_ISA``: the highest x86-64 instruction-set level yirage may use (``isa_cap``):
+  ``native`` (the default: what the CPU has), ``avx2`` / ``x86-64-v3`` or ``x86-64-v2``. A cap
+  makes this machine behave as an older CPU: the kernel libraries are built for that level,
+  providers see only its flags, and the vendor libraries in torch are capped to match
+  (``apply_isa_cap``), so that ``make test`` proves AVX2-only CPUs on an AVX-512 machine.
 
 The cache root must be a writable directory. When it is a file, cannot be created or is
 not writable, ``cache_dir()`` falls back to a private per-user directory in the
@@ -143,6 +148,51 @@ def cache_subdir(name: str) -> Path:
     sub = cache_dir() / name
     problem = _unusable(sub)
     return sub if problem is None else _fall_back(sub, problem, name)
+
+
+# ---- the instruction-set cap (YIRAGE_ISA) -------------------------------------------------
+
+ISA_ENV = "YIRAGE_ISA"
+#: ``YIRAGE_ISA`` spellings -> the level they name (``native``, or an x86-64 psABI level)
+ISA_LEVELS = {"native": "native", "avx2": "x86-64-v3", "x86-64-v3": "x86-64-v3", "x86-64-v2": "x86-64-v2"}
+#: per capped level, the caps of the libraries inside torch (set before they start): oneDNN's
+#: ``ONEDNN_MAX_CPU_ISA``, MKL's ``MKL_ENABLE_INSTRUCTIONS`` and ATen's own vectorized kernels'
+#: ``ATEN_CPU_CAPABILITY`` (torch eager, yirage's reference, then runs as on such a CPU too)
+VENDOR_ISA_ENV = {
+    "x86-64-v3": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "x86-64-v2": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ATEN_CPU_CAPABILITY": "default"},
+}
+
+
+def isa_cap() -> str:
+    """The instruction-set level of ``YIRAGE_ISA``: 'native' (unset or empty: all the CPU has),
+    'x86-64-v3' (``avx2``: AVX2, FMA, F16C; no AVX-512, AVX-VNNI or AMX) or 'x86-64-v2' (SSE4.2).
+
+    Raises:
+        ConfigError: any other value (the message lists the valid ones).
+    """
+    value = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if value not in ISA_LEVELS:
+        raise ConfigError(f"{ISA_ENV}={value!r} is not an instruction-set level: use one of "
+                          f"{', '.join(ISA_LEVELS)} (or unset it for the CPU's own)")
+    return ISA_LEVELS[value]
+
+
+def apply_isa_cap() -> dict[str, str]:
+    """Cap the vendor libraries inside torch to ``isa_cap()``'s level: set ``VENDOR_ISA_ENV``'s
+    variables that are not set already (a user's own setting wins), before torch starts them
+    (``import yirage`` calls this first; torch reads them at its first GEMM or vectorized op).
+    Returns what it set; nothing for 'native' or an invalid ``YIRAGE_ISA`` (``isa_cap`` raises
+    for that where the level is used)."""
+    try:
+        level = isa_cap()
+    except ConfigError:
+        return {}
+    applied = {}
+    for name, value in VENDOR_ISA_ENV.get(level, {}).items():
+        if name not in os.environ:
+            os.environ[name] = applied[name] = value
+    return applied
 
 
 # ---- the user config file ----------------------------------------------------------------

@@ -79,3 +79,11 @@ class YirageFallbackWarning(UserWarning):
     a graph that needs gradients, or ops with dynamic shapes. One warning per occurrence,
     naming the ops and the reason; ``yr.explain`` lists them too. Filter it with
     ``warnings.filterwarnings("ignore", category=yr.YirageFallbackWarning)``."""
+
+
+class EmulatedPrecisionWarning(UserWarning):
+    """A precision the user asked for has no hardware dot product on this CPU (bfloat16 without
+    AMX-BF16, AVX512-BF16 or AVX-NE-CONVERT; int8 without VNNI; Arm without bf16 / dotprod), so
+    yirage emulates it (converts to float32, or widens the integers) and runs it as asked. One
+    warning per process and precision, saying what it measured against float32 here.
+    ``yr.auto_configure_backend`` and ``yirage optimize`` never recommend such a precision."""

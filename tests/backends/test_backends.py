@@ -1,6 +1,7 @@
 """Backend registry and the contract every available backend must meet."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -194,9 +195,12 @@ def test_codegen_and_torch_device():
 # --- CPU details ----------------------------------------------------------------------
 
 EXPECTED_ISA_NAMES = {
-    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-    "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve",
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "avx_ne_convert",
+    "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "asimddp", "i8mm", "bf16", "fphp", "asimdhp", "sve", "sve2",
 }
+#: the flags of EXPECTED_ISA_NAMES each x86-64 psABI level (YIRAGE_ISA) keeps
+LEVEL_ISA_NAMES = {"avx2": {"avx", "avx2", "fma", "f16c"}, "x86-64-v3": {"avx", "avx2", "fma", "f16c"},
+                   "x86-64-v2": set()}
 
 
 def test_cpu_info_basics():
@@ -218,6 +222,9 @@ def test_cpu_isa_flags_match_proc_cpuinfo():
     except AssertionError:
         reported = _proc_field("/proc/cpuinfo", "Features")
     expected = set(reported.split()) & EXPECTED_ISA_NAMES
+    cap = os.environ.get("YIRAGE_ISA", "native")
+    if cap != "native":
+        expected &= LEVEL_ISA_NAMES[cap]
     assert set(backends.get_backend_info("cpu").isa_flags) == expected
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
+import cross  # tests/cross: the aarch64 builds of the lib fixtures
 from yirage.backends.cpu_library import SIGNATURES, library
 
 QUANT = {"q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
@@ -57,10 +58,12 @@ def _status() -> torch.Tensor:
 
 
 def _ptr(t: torch.Tensor | None):
+    """``t.data_ptr()`` as an int that keeps ``t`` alive and names it (``cross.ptr``): a temporary
+    passed straight to a kernel lives through the call, and the aarch64 builds can ship it."""
     if t is None:
         return None
     assert t.is_contiguous()
-    return t.data_ptr()
+    return cross.ptr(t)
 
 
 def _assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):

@@ -157,7 +157,8 @@ def _bf16_reference(m: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("provider", ["yirage", "onednn-packed", "onednn", "yirage-f32"])
-def test_dtype_bfloat16_computes_the_gemms_in_bfloat16(provider, monkeypatch):
+def test_dtype_bfloat16_computes_the_gemms_in_bfloat16(provider, monkeypatch, provider_runs):
+    provider_runs(provider, "float32/bfloat16")
     monkeypatch.setenv("YIRAGE_TUNE", "off")
     monkeypatch.setitem(cpu_providers.DEFAULTS, "float32/bfloat16", provider)
     torch.manual_seed(6)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import cross  # tests/cross: the aarch64 builds of the lib fixtures
 import yirage as yr
 from yirage.backends.cpu_library import GGML_FORMATS, library
 from yirage.dtypes import DType
@@ -71,10 +72,12 @@ def weight(fmt: str, N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch
 
 
 def _ptr(t: torch.Tensor | None):
+    """``t.data_ptr()`` as an int that keeps ``t`` alive and names it (``cross.ptr``): a temporary
+    passed straight to a kernel lives through the call, and the aarch64 builds can ship it."""
     if t is None:
         return None
     assert t.is_contiguous()
-    return t.data_ptr()
+    return cross.ptr(t)
 
 
 def _status() -> torch.Tensor:
@@ -243,12 +246,12 @@ def lib_no_vbmi():
     """The native build without AVX512-VBMI: the K-quants' integer GEMV of AVX512-VNNI CPUs
     without VBMI (ggml_quants.h gemv_rows_int; with VBMI, gemv_rows_q2k/q3k run instead)."""
     from yirage.backends.cpu_library import bind_signatures
-    from yirage.runtime.toolchain import CXXFLAGS, load_kernel_library
+    from yirage.runtime.toolchain import cxx_flags, load_kernel_library
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if " avx512_vnni" not in flags or " avx512vbmi" not in flags:
         pytest.skip("needs a CPU with AVX512-VNNI and VBMI (the build without VBMI must differ from native)")
-    cxx = tuple(f for f in CXXFLAGS if not f.startswith("-march")) + ("-march=native", "-mno-avx512vbmi")
+    cxx = tuple(f for f in cxx_flags() if not f.startswith("-march")) + ("-march=native", "-mno-avx512vbmi")
     return bind_signatures(load_kernel_library("library", cxx))
 
 

@@ -312,14 +312,25 @@ def test_api_key_loading_and_queue_limit(smollm):
                     extra_body={"ignore_eos": True})
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             first = pool.submit(good.completions.create, **long)
-            time.sleep(0.5)                                   # the first runs, the second waits
+            _wait_for_metric(base, "yirage_requests_running", 1)   # the first runs,
             second = pool.submit(good.completions.create, **long)
-            time.sleep(0.3)
+            _wait_for_metric(base, "yirage_requests_waiting", 1)   # the second waits
             with pytest.raises(openai.APIStatusError, match="--max-queue") as refused:
                 good.completions.create(**long)
             assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
             assert first.result().usage.completion_tokens == 300
             assert second.result().usage.completion_tokens == 300
+
+
+def _wait_for_metric(base: str, name: str, value: float, timeout_s: float = 60) -> None:
+    """Return once ``GET /metrics`` reports the gauge ``name`` at ``value``; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        if any(line.split()[-1] == repr(float(value)) for line in text.splitlines() if line.startswith(name + " ")):
+            return
+        assert time.monotonic() < deadline, f"{name} never reached {value} within {timeout_s} s"
+        time.sleep(0.02)
 
 
 def test_serve_cli_errors(yirage_cli):
@@ -456,9 +467,14 @@ def test_the_cli_serves_on_localhost_and_drains_on_sigterm(smollm):
                     events.append(line[6:])
                     break
             proc.send_signal(signal.SIGTERM)
-            time.sleep(1.0)
-            with pytest.raises(httpx.ConnectError):   # no longer listening: new requests are refused
-                httpx.get(f"{base}/health", timeout=5)
+            deadline = time.monotonic() + 60
+            while True:   # it stops listening: new connections are refused (however slow the machine)
+                try:
+                    httpx.get(f"{base}/health", timeout=5)
+                except httpx.ConnectError:
+                    break
+                assert time.monotonic() < deadline, "still listening 60 s after SIGTERM"
+                time.sleep(0.05)
             events += [line[6:] for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])

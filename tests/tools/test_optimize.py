@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.backends import cpu_providers
+from yirage.backends import cpu_precision, cpu_providers
 from yirage.errors import YirageError
 from yirage.tools import optimize as opt
 from yirage.tuning import profile as tuning
@@ -105,12 +105,17 @@ def test_auto_configure_without_measurements_uses_a_template_or_defaults(monkeyp
                "extra": {"threads": {"embedding": 1}}}
         monkeypatch.setattr(tuning, "templates", lambda: (("this-machine", tpl),))
         tuning.matching_template.cache_clear()
+        # a CPU with a bfloat16 dot product (AVX512-BF16), whatever this one has
+        monkeypatch.setattr(cpu_precision, "native_precision_flag", lambda d: "avx512_bf16")
         conf = yr.auto_configure_backend()
         assert conf["source"] == "template this-machine" and conf["threads"] == 1
         assert conf["dtypes"]["embedding"] == "bfloat16"     # bfloat16 measured at half float32's time
         assert conf["dtypes"]["llm_prefill"] == "float32"    # 0.9x float32's time: not worth bfloat16's error
         tpl["entries"]["linear|q4_1/bfloat16|m256|n576|k576|t2"]["median_s"]["onednn"] = 0.7
         assert yr.auto_configure_backend()["dtypes"]["llm_prefill"] == "bfloat16"
+        # a CPU that only emulates bfloat16 (an AMD Zen 3): never recommended, however it measured
+        monkeypatch.setattr(cpu_precision, "native_precision_flag", lambda d: None)
+        assert set(yr.auto_configure_backend()["dtypes"].values()) == {"float32"}
     finally:
         tuning.matching_template.cache_clear()
         monkeypatch.undo()

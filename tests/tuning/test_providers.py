@@ -44,9 +44,10 @@ CASES = [("float32", None, name) for name in ("yirage", "mkl", "onednn")] + \
 @pytest.mark.parametrize("epilogue", [False, True])
 @pytest.mark.parametrize("dtype,group,provider", CASES)
 @pytest.mark.parametrize("M,N,K", [(1, 40, 64), (203, 96, 64), (37, 1000, 96)])
-def test_every_provider_computes_the_reference(dtype, group, provider, epilogue, M, N, K, monkeypatch):
+def test_every_provider_computes_the_reference(dtype, group, provider, epilogue, M, N, K, monkeypatch, provider_runs):
     """Each provider, pinned (YIRAGE_TUNE=off with it as the default), against the reference
     interpreter; with the epilogue, a vendor GEMM runs in row blocks (N=1000: blocks of 64 rows)."""
+    provider_runs(provider, dtype)
     monkeypatch.setenv("YIRAGE_TUNE", "off")
     monkeypatch.setitem(cpu_providers.DEFAULTS, dtype, provider)
     g, ins = _graph(M, N, K, "float32" if dtype == "int8" else dtype, epilogue, group)
@@ -73,10 +74,35 @@ def test_packing_providers_need_a_constant_weight():
     wb = w.bfloat16()
     assert set(cpu_providers.candidates(cpu_providers.case_of("linear", [x, wb], torch.empty(8, 12)))) == {"onednn"}
     cpu_embed.mark_constant(wb)
+    packed = {"onednn-packed"} if _onednn_reorders_bfloat16() else set()   # as the CPU (and YIRAGE_ISA) allow
     assert set(cpu_providers.candidates(cpu_providers.case_of("linear", [x, wb], torch.empty(8, 12)))) == {
-        "yirage", "onednn", "onednn-packed"}
+        "yirage", "onednn"} | packed
     case = cpu_providers.case_of("linear", [x, w], torch.empty(8, 12), compute_dtype="bfloat16")
-    assert set(cpu_providers.candidates(case)) == {"yirage", "onednn", "onednn-packed", "yirage-f32"}
+    assert set(cpu_providers.candidates(case)) == {"yirage", "onednn", "yirage-f32"} | packed
+
+
+def _onednn_reorders_bfloat16() -> bool:
+    """Does oneDNN itself reorder a bfloat16 weight here (the step onednn-packed needs)?"""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 16).bfloat16(), 4)
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_a_provider_is_a_candidate_exactly_where_the_cpu_runs_it():
+    """onednn-packed (bfloat16) is offered exactly where oneDNN reorders a bfloat16 weight on this
+    CPU (with YIRAGE_ISA=avx2 oneDNN is capped to AVX2 and refuses, as on an AMD Zen 3); where it
+    is left out, ``unavailable`` says why."""
+    wb = torch.randn(12, 16).bfloat16()
+    cpu_embed.mark_constant(wb)
+    case = cpu_providers.case_of("linear", [torch.randn(8, 16), wb], torch.empty(8, 12))
+    runs = _onednn_reorders_bfloat16()
+    assert ("onednn-packed" in cpu_providers.candidates(case)) == runs
+    why = cpu_providers.unavailable(case).get("onednn-packed")
+    assert (why is None) == runs
+    if not runs:
+        assert "bfloat16" in why
 
 
 def test_first_use_measures_records_and_drops_the_losers_copies(monkeypatch):
@@ -736,11 +762,12 @@ def test_sdpa_kernel_masked_rows_over_vectors_and_tail(head_dim):
 
 @pytest.mark.parametrize("provider", ["yirage", "onednn-packed", "onednn", "yirage-f32"])
 @pytest.mark.parametrize("M,N,K", [(1, 40, 64), (203, 1000, 96)])
-def test_bfloat16_compute_providers_compute_the_reference(provider, M, N, K, monkeypatch):
+def test_bfloat16_compute_providers_compute_the_reference(provider, M, N, K, monkeypatch, provider_runs):
     """A float32 weight with bfloat16 compute (torch.compile's dtype option), each provider
     pinned, with a residual + LayerNorm + GELU epilogue (N=1000: the vendor-style providers run
     in row blocks, each block's x and sums rounded in the thread's scratch), against the
     reference interpreter: one bfloat16 ulp of a sum may round the other way."""
+    provider_runs(provider, "float32/bfloat16")
     monkeypatch.setenv("YIRAGE_TUNE", "off")
     monkeypatch.setitem(cpu_providers.DEFAULTS, "float32/bfloat16", provider)
     g = yr.new_kernel_graph(backend="cpu")

@@ -25,6 +25,7 @@ import torch
 from ..tuning import profile as tuning
 from ..dtypes import DType
 from ..ir.conv import ACTIVATIONS_INPLACE, ConvInputs, bn_scale_shift, conv_class, conv_inputs
+from ..runtime.machine import Needs
 from ..runtime.toolchain import load_kernel_library
 from . import cpu_embed
 
@@ -118,9 +119,12 @@ def _conv_aten(c: ConvInputs, x, y, r, attrs, via_nchw: bool = False):
         conv(xs, c.weight, c.bias, stride, padding, dilation, False, [0, 0], attrs["groups"], out=ys)
         if via_nchw:
             y.copy_(ys)
-        if bn:
+        if bn:   # in float32, rounded once to y's dtype (as eager's batch norm of a bfloat16 input)
             scale, shift = _bn_scale_shift(c, bn["eps"])
-            y.mul_(scale.view(-1, 1, 1).to(y.dtype)).add_(shift.view(-1, 1, 1).to(y.dtype))
+            if y.dtype == torch.float32:
+                y.mul_(scale.view(-1, 1, 1)).add_(shift.view(-1, 1, 1))
+            else:
+                y.copy_(y.float().mul_(scale.view(-1, 1, 1)).add_(shift.view(-1, 1, 1)))
         if r is not None:
             y.add_(r)
         if act:
@@ -292,6 +296,11 @@ def _conv_depthwise(c: ConvInputs, x, y, r, attrs):
     return run
 
 
+#: what oneDNN's reordered convolution (``onednn-packed``, ``onednn-copy``) needs per dtype: a
+#: bfloat16 weight reorder raises where oneDNN has no bfloat16 path on this CPU
+ONEDNN_NEEDS = {torch.float32: Needs(library=("mkldnn",)), torch.bfloat16: Needs(library=("mkldnn", "mkldnn_bf16"))}
+
+
 def _conv2d(node, graph, args, out, status):
     """``conv2d`` with its epilogue on the provider chosen by measurement per shape class:
     torch's convolution plus in-place epilogue ops (``aten``; for NHWC also ``aten-nchw``,
@@ -313,7 +322,7 @@ def _conv2d(node, graph, args, out, status):
     if nhwc:
         cands["aten-nchw"] = functools.partial(_conv_aten, via_nchw=True)
     weights = [t for t in (c.weight, c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None]
-    if (nhwc and x.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    if (nhwc and x.dtype in (torch.float32, torch.bfloat16) and ONEDNN_NEEDS[x.dtype].unmet() is None
             and all(cpu_embed.is_constant(t) for t in weights)):
         cands["onednn-packed"] = _conv_onednn
         if c.residual is None:

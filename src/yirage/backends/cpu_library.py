@@ -56,6 +56,7 @@ SIGNATURES: dict[str, tuple] = {
     **{f"yr_dequant_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},   # src, dst floats, nblocks, blocks per row
     **{f"yr_repack_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},    # plain src, dst, N, blocks per row
     "yr_embedding_q8_0r16": (_P, _P, _P, _I, _I, _I, _P),
+    "yr_simd_bits": (_P,),   # out int64 [1]: 512, 256, 128 (NEON) or 0, the widest SIMD path compiled in
     "yr_row_groups_native": (_P,),   # out int64 [1]: 1 where row_groups.h has its AVX-512 VNNI kernels
     "yr_linear_q8_0_q8": (_P, _P, _P, _P, _I, _I, _I),
     "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
@@ -600,6 +601,14 @@ def row_groups_native() -> bool:
     out = torch.zeros(1, dtype=torch.int64)
     library().yr_row_groups_native(out.data_ptr())
     return bool(out[0])
+
+
+def simd_bits() -> int:
+    """The widest SIMD path this machine's kernel library was built with: 512 (AVX-512), 256
+    (AVX2/FMA/F16C), 128 (Arm NEON) or 0 (scalar); ``YIRAGE_ISA`` lowers it (toolchain flags)."""
+    out = torch.zeros(1, dtype=torch.int64)
+    library().yr_simd_bits(out.data_ptr())
+    return int(out[0])
 
 
 def to_row_groups(w: torch.Tensor, dtype: DType) -> torch.Tensor:

@@ -61,6 +61,7 @@ from ..config import logger
 from ..dtypes import DType
 from ..ir.ops import PLAIN_TYPES, ROW_GROUP, quantize_rows_int8
 from ..runtime import timing
+from ..runtime.machine import Needs
 from ..tuning import profile as tuning
 from . import cpu_embed
 
@@ -111,10 +112,13 @@ Epilogue = tuple[int, int]          # (address of a row task entry, address of i
 # ---- providers -------------------------------------------------------------------------------
 class Provider:
     """One implementation of a linear case. ``packs``: keeps its own packed copy of the weight
-    under ``cpu_embed``'s cache kind ``kind(case)`` (constant weights only)."""
+    under ``cpu_embed``'s cache kind ``kind(case)`` (constant weights only). ``needs``: what it
+    needs of this machine (``runtime.machine.Needs``); where that does not hold it is never a
+    candidate (``candidates``; ``unavailable`` says why)."""
 
     name = ""
     packs = False
+    needs = Needs()
 
     def applies(self, case: Case) -> bool:
         """Can it run ``case`` (its dtype, a constant weight if it packs)?"""
@@ -205,9 +209,12 @@ class OneDnnPacked(Provider):
 
     def __init__(self, dtype: str, name: str):
         self.dtype, self.name = dtype, name
+        # a bfloat16 weight reorder raises where oneDNN has no bfloat16 path (x86 without
+        # AVX512BW/VL/DQ or AVX-NE-CONVERT: "bf16 path needs the cpu support ...")
+        self.needs = Needs(library=("mkldnn",) if dtype == "float32" else ("mkldnn", "mkldnn_bf16"))
 
     def applies(self, case):
-        return case.dtype == self.dtype and case.constant and torch.backends.mkldnn.is_available()
+        return case.dtype == self.dtype and case.constant
 
     def kind(self, case):
         return (f"onednn/{tuning.m_bucket(case.M)}" + ("/bf16" if case.dtype == "float32/bfloat16" else "")
@@ -328,6 +335,7 @@ class OneDnnInt8(Provider):
     a group's scale would need one integer GEMM per group."""
 
     name = "onednn"
+    needs = Needs(library=("int_mm",))
 
     def applies(self, case):
         return case.dtype == "int8" and case.group == 0
@@ -534,8 +542,13 @@ def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0
 
 
 def candidates(case: Case) -> dict[str, Provider]:
-    """The providers that can run ``case``, by name."""
-    return {p.name: p for p in PROVIDERS if p.applies(case)}
+    """The providers that can run ``case`` on this machine (``Provider.needs`` holds), by name."""
+    return {p.name: p for p in PROVIDERS if p.applies(case) and p.needs.unmet() is None}
+
+
+def unavailable(case: Case) -> dict[str, str]:
+    """The providers that apply to ``case`` but cannot run on this machine: {name: why}."""
+    return {p.name: why for p in PROVIDERS if p.applies(case) and (why := p.needs.unmet()) is not None}
 
 
 def default_provider(case: Case, cands: dict[str, Provider]) -> str:
@@ -609,4 +622,5 @@ def bind_linear(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int
 
 
 __all__ = ["Case", "Provider", "PROVIDERS", "DEFAULTS", "EPILOGUE_BLOCK_BYTES", "VENDOR_QUANT_MIN_M",
-           "DEQUANT_SCRATCH_BYTES", "bind_linear", "case_of", "candidates", "choose", "measure", "quant_format"]
+           "DEQUANT_SCRATCH_BYTES", "bind_linear", "case_of", "candidates", "unavailable", "choose", "measure",
+           "quant_format"]

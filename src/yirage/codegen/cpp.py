@@ -29,7 +29,7 @@ from ..transforms.fusion import RS, VEC, FusedKernel, phases
 HEADER = '#include "yirage_prelude.h"\n'
 
 
-_CTYPE = {DType.float32: "float", DType.float16: "_Float16", DType.bfloat16: "uint16_t", DType.bool: "uint8_t",
+_CTYPE = {DType.float32: "float", DType.float16: "yr_f16", DType.bfloat16: "uint16_t", DType.bool: "uint8_t",
           DType.int32: "int32_t", DType.int64: "int64_t"}   # integers: loaded only (a cast's input)
 
 _UNARY = {

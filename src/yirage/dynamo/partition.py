@@ -33,6 +33,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..backends import get_backend_impl, resolve_backend
+from ..backends.cpu_precision import warn_if_emulated
 from ..config import logger
 from ..dtypes import as_dtype
 from ..errors import TorchCompileError, YirageFallbackWarning
@@ -140,6 +141,9 @@ def lower_graph(gm: GraphModule, options: CompileOptions, static_inputs: frozens
     Raises TorchCompileError (``fallback="raise"``) when a partition cannot be lowered or
     compiled; BackendUnavailableError for an unavailable ``options.backend``."""
     backend = resolve_backend(options.backend).value
+    if options.dtype == "bfloat16" and backend == "cpu":
+        warn_if_emulated("bfloat16", "torch.compile(options={'dtype': 'bfloat16'})")
+
     def in_torch(target) -> bool:
         return _kept_in_torch(options, op_name(target))
     rewrite_linear(gm, in_torch)

@@ -46,7 +46,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..backends import get_backend_impl, resolve_backend
+from ..backends import Backend, get_backend_impl, resolve_backend
+from ..backends.cpu_precision import warn_if_emulated
 from ..config import logger
 from ..errors import ModelLoadError, YirageError
 from ..kernel import KNGraph
@@ -98,6 +99,10 @@ class EmbeddingModel:
         self.max_seq_length = self.spec.max_seq_length
         self.backend = resolve_backend(backend)
         self.device = get_backend_impl(self.backend).torch_device
+        if self.backend == Backend.CPU and quantization == "int8":
+            warn_if_emulated("int8", "EmbeddingModel(quantization='int8')")
+        elif self.backend == Backend.CPU and dtype == "bfloat16":
+            warn_if_emulated("bfloat16", "EmbeddingModel(dtype='bfloat16')")
         self.tokenizer = _load_tokenizer(directory)
         self._fast_tokenizer = _truncating_backend(self.tokenizer, self.max_seq_length)
         weights = load_bert_weights(directory, self.config)

@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..backends import Backend, get_backend_impl, resolve_backend
+from ..backends.cpu_precision import warn_if_emulated
 from ..dtypes import DType, as_dtype
 from ..config import logger
 from ..errors import GenerationError
@@ -333,6 +334,10 @@ class LLM:
         if self.decode_dtype is not None and not any(w.dtype in INT8_COMPUTE_WEIGHTS for w in loaded.weights.values()):
             raise GenerationError(f"decode_dtype='int8' quantizes the inputs of GEMVs on q4_1/q8_0 weights; "
                                   f"{self.name} has none: leave decode_dtype at None")
+        if self.prefill_dtype is not None:
+            warn_if_emulated("bfloat16", "LLM(prefill_dtype='bfloat16')")
+        if self.decode_dtype is not None:
+            warn_if_emulated("int8", "LLM(decode_dtype='int8')")
         self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype, self.prefill_dtype,
                                 self.decode_dtype, self.kv_cache_dtype)
         if persistent is None:

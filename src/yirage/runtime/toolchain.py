@@ -1,6 +1,6 @@
 """Builds C++ into shared libraries and loads them with ctypes, from a verified disk cache.
 
-A translation unit is built with the system compiler (``CXXFLAGS``, plus ``-I`` for the
+A translation unit is built with the system compiler (``cxx_flags()``, plus ``-I`` for the
 kernel sources of ``yirage/kernels/cpu``, so generated code can include
 ``yirage_prelude.h``); a library of several units (``load_library`` given a tuple: the
 hand-written CPU library, ``KERNEL_LIBRARIES``) has them compiled to objects in parallel and
@@ -21,6 +21,12 @@ another library's bytes, no or a foreign checksum file) is treated as absent: it
 once, with a warning on the ``yirage`` logger, and so is a verified library that ``dlopen``
 rejects or that lacks an entry point the caller asked for. If the rebuilt entry fails
 again, ``ToolchainError`` is raised. Loaded libraries are also memoized per process.
+
+Build flags per target (``cxx_flags``): ``-march=native`` on x86-64, or the ``YIRAGE_ISA`` cap's
+level (``-march=x86-64-v3 -mtune=native``: the AVX2 paths of every kernel, as an AVX2-only CPU
+builds them); ``-mcpu=native`` on Arm; ``-fopenmp`` where the compiler has OpenMP, Homebrew's
+libomp for Apple's clang, else ``-fopenmp-simd`` alone (the kernels then run on one thread:
+``kernels/cpu/yr_threads.h``), with one warning.
 
 This module must never generate code (it only builds and loads what it is given), and
 must never ``dlopen`` a cached file whose checksum has not just matched: mapping a
@@ -51,8 +57,8 @@ try:
 except ImportError:  # not POSIX: builders are not serialized (writes stay atomic)
     fcntl = None
 
-CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
-            "-fno-math-errno", "-ffp-contract=fast")
+#: flags of every build besides the target's (``target_flags``) and OpenMP's (``openmp_flags``)
+BASE_CXXFLAGS = ("-O3", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno", "-ffp-contract=fast")
 
 _INSTALL_HINT = ("install a C++ compiler with OpenMP (Debian/Ubuntu: 'apt-get install g++'; "
                  "Fedora: 'dnf install gcc-c++'; macOS: 'brew install gcc'), "
@@ -66,6 +72,60 @@ _respell = itertools.count(1)
 #: Library path -> the spelling its rebuilt file was loaded under in this process (the
 #: plain path still names the rejected handle here).
 _spellings: dict[str, str] = {}
+
+
+def target_flags() -> tuple[str, ...]:
+    """The code-generation target: ``-march=native`` on x86-64 (``-march=<level> -mtune=native``
+    under ``YIRAGE_ISA``'s cap), ``-mcpu=native`` elsewhere (Arm: NEON, and dotprod/i8mm/bf16
+    where the CPU has them). Raises ConfigError for a bad ``YIRAGE_ISA``."""
+    from .machine import is_x86, isa_cap
+
+    level = isa_cap()
+    if level != "native":
+        return (f"-march={level}", "-mtune=native")
+    return ("-march=native",) if is_x86() else ("-mcpu=native",)
+
+
+#: where Homebrew installs libomp (Apple's clang has OpenMP's pragmas but not its runtime)
+_LIBOMP_PREFIXES = ("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp")
+
+
+def openmp_flags(cxx: str | None = None) -> tuple[str, ...]:
+    """The flags that give the compiler ``cxx`` (default ``find_compiler``'s) OpenMP: ``-fopenmp``
+    where a probe program builds with it, else libomp's ``-Xpreprocessor -fopenmp ... -lomp`` where
+    Homebrew's is installed, else ``-fopenmp-simd`` alone (the ``omp simd`` loops still vectorize;
+    ``#pragma omp parallel`` is ignored and the kernels run on one thread), with one warning.
+    Probed once per compiler and process."""
+    return _openmp_flags(cxx or find_compiler()[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _openmp_flags(cxx: str) -> tuple[str, ...]:
+    probe = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+    tries = [("-fopenmp",)] + [("-Xpreprocessor", "-fopenmp", f"-I{p}/include", f"-L{p}/lib", "-lomp")
+                               for p in _LIBOMP_PREFIXES if os.path.isdir(p)]
+    with tempfile.TemporaryDirectory(prefix="yirage-omp-") as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text(probe)
+        for flags in tries:
+            try:
+                ok = subprocess.run([cxx, *flags, str(src), "-o", str(Path(tmp) / "probe")],
+                                    capture_output=True, timeout=120).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                ok = False
+            if ok:
+                return flags
+    logger.warning("the C++ compiler %s has no OpenMP (macOS: 'brew install libomp'): yirage's CPU kernels "
+                   "will run on one thread", cxx)
+    return ("-fopenmp-simd",)
+
+
+def cxx_flags() -> tuple[str, ...]:
+    """The flags of every kernel build on this machine now: ``-O3``, ``target_flags()``,
+    ``openmp_flags()`` and ``BASE_CXXFLAGS``' rest. Part of every cache key, so a ``YIRAGE_ISA``
+    cap builds (and caches) its own libraries. Raises ConfigError for a bad ``YIRAGE_ISA``,
+    ToolchainError without a compiler."""
+    return (BASE_CXXFLAGS[0], *target_flags(), *openmp_flags(), *BASE_CXXFLAGS[1:])
 
 
 def kernel_dir() -> Path:
@@ -96,11 +156,11 @@ def kernel_library_sources(name: str) -> tuple[str, ...]:
     return tuple(kernel_source(unit) for unit in KERNEL_LIBRARIES[name])
 
 
-def load_kernel_library(name: str, flags: Sequence[str] = CXXFLAGS, symbols: Sequence[str] = ()) -> ctypes.CDLL:
+def load_kernel_library(name: str, flags: Sequence[str] | None = None, symbols: Sequence[str] = ()) -> ctypes.CDLL:
     """``load_library`` of the hand-written library ``name`` (a key of ``KERNEL_LIBRARIES``),
-    e.g. ``load_kernel_library("strided", symbols=("yr_strided_copy",))``. Raises as
-    ``load_library``."""
-    return load_library(kernel_library_sources(name), tuple(flags), tuple(symbols))
+    e.g. ``load_kernel_library("strided", symbols=("yr_strided_copy",))``; ``flags`` default to
+    ``cxx_flags()``. Raises as ``load_library``."""
+    return load_library(kernel_library_sources(name), tuple(flags or cxx_flags()), tuple(symbols))
 
 
 def cache_folder(name: str) -> Path:
@@ -159,15 +219,16 @@ def _units(source: str | Sequence[str]) -> tuple[str, ...]:
     return (source,) if isinstance(source, str) else tuple(source)
 
 
-def library_path(source: str | Sequence[str], flags: Sequence[str] = CXXFLAGS) -> Path:
+def library_path(source: str | Sequence[str], flags: Sequence[str] | None = None) -> Path:
     """Where the library built from ``source`` (one translation unit, or a tuple of them) with
-    ``flags`` is cached (it may not exist yet).
+    ``flags`` (default ``cxx_flags()``) is cached (it may not exist yet).
 
     Raises:
         ToolchainError: no compiler (the compiler is part of the cache key).
         CacheError: no usable cache directory.
     """
     cxx, version = find_compiler()
+    flags = tuple(flags or cxx_flags())
     units = _units(source)
     head = list(units) if len(units) == 1 else [f"{len(units)} translation units", *units]
     parts = [*head, _headers_digest(), cxx, version, *flags]
@@ -285,8 +346,9 @@ def _load(path: Path, symbols: tuple[str, ...], spelling: str) -> tuple[ctypes.C
     return lib, ""
 
 
-def build_library(source: str | Sequence[str], flags: Sequence[str] = CXXFLAGS) -> Path:
-    """Build ``source`` unless a verified entry is cached; return the library's path.
+def build_library(source: str | Sequence[str], flags: Sequence[str] | None = None) -> Path:
+    """Build ``source`` with ``flags`` (default ``cxx_flags()``) unless a verified entry is
+    cached; return the library's path.
 
     Does not load the library. A cached entry that fails its checksum is rebuilt with a
     warning.
@@ -295,16 +357,16 @@ def build_library(source: str | Sequence[str], flags: Sequence[str] = CXXFLAGS) 
         ToolchainError: no compiler, or the compiler rejected the source.
         CacheError: no usable cache directory, or the entry cannot be written.
     """
-    flags, source = tuple(flags), _units(source)
+    flags, source = tuple(flags or cxx_flags()), _units(source)
     path = library_path(source, flags)
     _ensure_built(source, path, flags)
     return path
 
 
-@functools.lru_cache(maxsize=None)
-def load_library(source: str | tuple[str, ...], flags: Sequence[str] = CXXFLAGS,
+def load_library(source: str | tuple[str, ...], flags: Sequence[str] | None = None,
                  symbols: Sequence[str] = ()) -> ctypes.CDLL:
-    """Build ``source`` (unless a verified entry is cached) and load it.
+    """Build ``source`` (unless a verified entry is cached) and load it; ``flags`` default to
+    ``cxx_flags()`` (the ``YIRAGE_ISA`` cap's build).
 
     The cached library is loaded only after its size and sha256 matched its checksum file.
     A truncated, corrupt, foreign or unloadable entry, or one lacking a name of
@@ -324,7 +386,13 @@ def load_library(source: str | tuple[str, ...], flags: Sequence[str] = CXXFLAGS,
         still cannot be loaded or lacks one of ``symbols``.
         CacheError: no usable cache directory, or the entry cannot be written.
     """
-    flags, symbols, source = tuple(flags), tuple(symbols), _units(source)
+    return _load_library(source, tuple(flags or cxx_flags()), tuple(symbols))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_library(source: str | tuple[str, ...], flags: tuple[str, ...], symbols: tuple[str, ...]) -> ctypes.CDLL:
+    """``load_library`` with its arguments resolved (memoized per process)."""
+    source = _units(source)
     path = library_path(source, flags)
     built = _ensure_built(source, path, flags)
     lib, problem = _load(path, symbols, _spellings.get(str(path), str(path)))
@@ -342,6 +410,9 @@ def load_library(source: str | tuple[str, ...], flags: Sequence[str] = CXXFLAGS,
     raise ToolchainError(f"the kernel library {path}, built just now, {problem}: "
                          f"check the compiler ({find_compiler()[0]}) and the source's extern \"C\" "
                          f"entry points, or remove {path.parent} and retry")
+
+
+load_library.cache_clear = _load_library.cache_clear   # forget this process's loaded libraries
 
 
 def kernel_libraries() -> tuple[str, ...]:
@@ -367,10 +438,11 @@ def prebuild(jobs: int | None = None) -> list[tuple[str, Path, bool, float]]:
     def one(name: str) -> tuple[str, Path, bool, float]:
         t0 = time.perf_counter()
         source = kernel_library_sources(name)
-        path = library_path(source)
-        built = _ensure_built(source, path, CXXFLAGS)   # the compiler runs as a subprocess: threads overlap
+        path = library_path(source, flags)
+        built = _ensure_built(source, path, flags)   # the compiler runs as a subprocess: threads overlap
         return name, path, built, time.perf_counter() - t0
 
+    flags = cxx_flags()
     names = kernel_libraries()
     # the longest first, so that it never starts last
     order = sorted(names, key=lambda n: -sum(map(len, kernel_library_sources(n))))

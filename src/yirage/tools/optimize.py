@@ -22,6 +22,7 @@ import torch
 
 from ..backends import Backend, get_available_backends, get_backend_info, resolve_backend
 from ..backends import cpu_providers
+from ..backends.cpu_precision import is_native
 from ..errors import YirageError
 from ..runtime.machine import machine_record, usable_cpu_count
 from ..tuning import profile as tuning
@@ -246,13 +247,17 @@ def _bfloat16_pays(entries: dict, float32: str, bfloat16: str) -> bool:
 
 
 def _recommended_dtypes(backend: Backend, entries: dict) -> dict[str, str]:
-    """The dtype per workload: on GPUs bfloat16 (their tensor cores); on the CPU the embedding
+    """The dtype per workload: on GPUs bfloat16 (their tensor cores); on the CPU float32 wherever
+    bfloat16 is emulated (``cpu_precision.is_native``: no AMX-BF16, AVX512-BF16 or AVX-NE-CONVERT
+    under ``YIRAGE_ISA``'s cap), else the embedding
     model's bfloat16 when its measured GEMMs take under 0.8x float32's time at the encoder's batch
     sizes, else float32; an LLM's activations float32, its ``prefill_dtype`` bfloat16 when the
     quantized prefill GEMMs in bfloat16 compute measured under 0.8x float32's; kernel graphs
     float32."""
     if backend not in (Backend.CPU, Backend.TRITON_INTERPRET):
         return {"embedding": "bfloat16", "llm": "bfloat16", "llm_prefill": "bfloat16", "kernel_graph": "float32"}
+    if not is_native("bfloat16"):   # emulated here: never recommended, whatever was measured
+        return {"embedding": "float32", "llm": "float32", "llm_prefill": "float32", "kernel_graph": "float32"}
     formats = {key.split("|")[1].split("/")[0] for key in entries if key.split("|")[1].endswith("/bfloat16")}
     prefill = any(_bfloat16_pays(entries, f, f"{f}/bfloat16") for f in formats)
     return {"embedding": "bfloat16" if _bfloat16_pays(entries, "float32", "bfloat16") else "float32",

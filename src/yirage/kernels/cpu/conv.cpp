@@ -9,7 +9,7 @@
 // that does not match the window formula). Work is split over the N*C planes with OpenMP.
 #include "yirage_prelude.h"
 
-#include <omp.h>
+#include "yr_threads.h"
 
 #include <algorithm>
 #include <cstring>
@@ -19,19 +19,19 @@ namespace {
 
 template <typename T> inline float load(const T* p, int64_t i);
 template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
-template <> inline float load<_Float16>(const _Float16* p, int64_t i) { return (float)p[i]; }
+template <> inline float load<yr_f16>(const yr_f16* p, int64_t i) { return (float)p[i]; }
 template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return yr_bf16_to_f32(p[i]); }
 
 template <typename T> inline void store(T* p, int64_t i, float v);
 template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
-template <> inline void store<_Float16>(_Float16* p, int64_t i, float v) { p[i] = (_Float16)v; }
+template <> inline void store<yr_f16>(yr_f16* p, int64_t i, float v) { p[i] = (yr_f16)v; }
 template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = yr_f32_to_bf16(v); }
 
 // Calls fn.template operator()<T>() with the element type of `code`; false for an unknown code.
 template <typename F> bool dispatch(int64_t code, F fn) {
     switch (code) {
         case 0: fn((float*)nullptr); return true;
-        case 1: fn((_Float16*)nullptr); return true;
+        case 1: fn((yr_f16*)nullptr); return true;
         case 2: fn((uint16_t*)nullptr); return true;
         default: return false;
     }

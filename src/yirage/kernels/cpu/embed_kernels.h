@@ -60,6 +60,8 @@ constexpr int64_t EMB_MC = YR_EMB_MC;   // rows of x per cache block
 constexpr int EMB_MR = YR_EMB_MR512;    // 11 x 2 vectors = 22 accumulators of 32 zmm
 #elif defined(YR_AVX2)
 constexpr int EMB_MR = 3;           // 3 x 4 vectors = 12 accumulators of 16 ymm
+#elif defined(YR_NEON)
+constexpr int EMB_MR = 3;           // 3 x 8 vectors = 24 accumulators of 32 q registers
 #else
 constexpr int EMB_MR = 4;
 #endif

@@ -1246,9 +1246,9 @@ struct ScalarFormat {
     static constexpr int PREP = 0;
     template <class V>
     static inline void visit(const uint8_t* b, V&& v) {
-        float w[QB_];
+        alignas(16) float w[QB_];
         deq(b, w);
-        for (int j = 0; j < QB_; ++j) v(j, w[j]);
+        for (int j = 0; j < QB_; j += VL) v(j, vload(w + j));   // VL floats at a time (NEON: 4, scalar: 1)
     }
 };
 using Q4_0 = ScalarFormat<scalar_q4_0, 32, Q4_0_BYTES>;

@@ -13,7 +13,7 @@
 
 #include <type_traits>
 #include <cstring>
-#include <omp.h>
+#include "yr_threads.h"
 
 namespace {
 

@@ -44,6 +44,21 @@ extern "C" {
 // Quantized W: N rows of K/32 blocks (K % 32 == 0).
 // =================================================================================
 
+// The widest SIMD path this build compiled in (out[0]): 512 (AVX-512), 256 (AVX2/FMA/F16C),
+// 128 (Arm NEON) or 0 (the portable scalar code). The target comes from the build flags
+// (runtime/toolchain.py: -march=native, or YIRAGE_ISA's level), never from the CPU at run time.
+void yr_simd_bits(int64_t* out) {
+#if defined(YR_AVX512)
+    out[0] = 512;
+#elif defined(YR_AVX2)
+    out[0] = 256;
+#elif defined(__ARM_NEON)
+    out[0] = 128;
+#else
+    out[0] = 0;
+#endif
+}
+
 // Sets where prefetch_bytes prefetches: 0 L1, 1 L2; other values leave it unchanged. Not
 // to be called while kernels run.
 void yr_set_prefetch_level(int64_t level) {

@@ -13,19 +13,24 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
+#include "yr_threads.h"
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 #include "yirage_prelude.h"
 
+// The SIMD path of a build (runtime/toolchain.py's target flags decide it): AVX-512, AVX2,
+// NEON (every AArch64 CPU has it: Apple silicon, Graviton, Ampere, Raspberry Pi), else scalar.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #define YR_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define YR_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define YR_NEON 1
 #endif
 
 namespace {
@@ -47,10 +52,15 @@ constexpr int64_t GEMM_MIN_M = 6;
 
 inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
-// IEEE half -> float, exact (F16C, or bit manipulation covering subnormals/inf/nan).
+// IEEE half -> float, exact (F16C, AArch64's fcvt, or bit manipulation covering
+// subnormals/inf/nan).
 inline float fp16_to_fp32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 v;
+    std::memcpy(&v, &h, 2);
+    return (float)v;
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     const uint32_t exp = (h >> 10) & 0x1fu;
@@ -76,6 +86,11 @@ inline float fp16_to_fp32(uint16_t h) {
 inline uint16_t fp32_to_fp16(float f) {
 #if defined(__F16C__)
     return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__aarch64__)
+    const __fp16 v = (__fp16)f;   // fcvt: the FPCR's rounding, nearest even by default
+    uint16_t h;
+    std::memcpy(&h, &v, 2);
+    return h;
 #else
     uint32_t x;
     std::memcpy(&x, &f, 4);
@@ -184,6 +199,20 @@ inline float vhmax(vf a) {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
+#elif defined(YR_NEON)
+typedef float32x4_t vf;
+constexpr int VL = 4;
+#define YR_PM 8                 // 8 x rows x 2 vectors = 16 accumulators of 32 registers
+inline vf vzero() { return vdupq_n_f32(0.0f); }
+inline vf vload(const float* p) { return vld1q_f32(p); }
+inline void vstore(float* p, vf a) { vst1q_f32(p, a); }
+inline vf vbroadcast(const float* p) { return vld1q_dup_f32(p); }
+inline vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
+inline vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+inline float vsum(vf a) { return vaddvq_f32(a); }
+inline vf vmax(vf a, vf b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }   // b where either is NaN (as maxps)
+inline float vhmax(vf a) { return vmaxvq_f32(a); }
 #else
 typedef float vf;
 constexpr int VL = 1;
@@ -248,6 +277,8 @@ void rotary_rows(const void* xv, const void* cv, const void* sv, void* ov, const
 inline vf vload(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #elif defined(YR_AVX2)
 inline vf vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#elif defined(YR_NEON)
+inline vf vload(const f16* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 #else
 inline vf vload(const f16* p) { return fp16_to_fp32(*p); }
 #endif
@@ -264,6 +295,9 @@ inline void store_kv(f16* dst, const float* src, int64_t n) {
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT |
                                                                                          _MM_FROUND_NO_EXC));
+#elif defined(YR_NEON)
+    for (; i + 4 <= n; i += 4)   // fcvtn rounds to nearest even (the FPCR default)
+        vst1_u16(dst + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + i))));
 #endif
     for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
 }
@@ -302,6 +336,21 @@ inline vf vexp(vf x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(normal, vmul(p, _mm256_castsi256_ps(e)));
 #endif
+#elif defined(YR_NEON)
+    const uint32x4_t normal = vmvnq_u32(vcltq_f32(x, vdupq_n_f32(-87.3365447504f)));   // NaN too
+    x = vminq_f32(vdupq_n_f32(88.0f), vmaxq_f32(vdupq_n_f32(-87.3365447504f), x));   // NaN stays NaN
+    const vf n = vrndnq_f32(vmulq_n_f32(x, 1.44269504088896341f));
+    vf r = vfmaq_n_f32(x, n, -0.693359375f);              // x - n ln2, ln2 split in two
+    r = vfmaq_n_f32(r, n, 2.12194440e-4f);
+    vf p = vdupq_n_f32(1.9875691500e-4f);
+    p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+    p = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.0f)), p, vmulq_f32(r, r));   // e^r
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vreinterpretq_f32_u32(vandq_u32(normal, vreinterpretq_u32_f32(vmulq_f32(p, vreinterpretq_f32_s32(e)))));
 #else
     return std::exp(x);
 #endif
@@ -501,6 +550,35 @@ inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, in
         const float s = vsum(acc[r]) + macc[r];
         y[r] = bias ? s + bias[r] : s;
     }
+#elif defined(YR_NEON)
+    // the nibbles widened to floats (u8 -> u16 -> u32 -> f32) against x's 8 vectors of the
+    // block, one d per block, m times the block's sum of x (sx) on the side
+    float32x4_t acc[R];
+    float macc[R];
+    for (int r = 0; r < R; ++r) { acc[r] = vdupq_n_f32(0.0f); macc[r] = 0.0f; }
+    for (int64_t b = 0; b < nb; ++b) {
+        float32x4_t xv[8];
+        for (int i = 0; i < 8; ++i) xv[i] = vld1q_f32(x + b * QK + 4 * i);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
+            const uint8x16_t raw = vld1q_u8(blk + 4);
+            const uint8x16_t lo = vandq_u8(raw, vdupq_n_u8(0x0F)), hi = vshrq_n_u8(raw, 4);   // weights 0..15, 16..31
+            const uint16x8_t h[4] = {vmovl_u8(vget_low_u8(lo)), vmovl_high_u8(lo), vmovl_u8(vget_low_u8(hi)),
+                                     vmovl_high_u8(hi)};
+            float32x4_t t = vmulq_f32(xv[0], vcvtq_f32_u32(vmovl_u16(vget_low_u16(h[0]))));
+            t = vfmaq_f32(t, xv[1], vcvtq_f32_u32(vmovl_high_u16(h[0])));
+            for (int i = 1; i < 4; ++i) {
+                t = vfmaq_f32(t, xv[2 * i], vcvtq_f32_u32(vmovl_u16(vget_low_u16(h[i]))));
+                t = vfmaq_f32(t, xv[2 * i + 1], vcvtq_f32_u32(vmovl_high_u16(h[i])));
+            }
+            acc[r] = vfmaq_n_f32(acc[r], t, fp16_to_fp32(load_u16(blk)));
+            macc[r] += fp16_to_fp32(load_u16(blk + 2)) * sx[b];
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vaddvq_f32(acc[r]) + macc[r];
+        y[r] = bias ? s + bias[r] : s;
+    }
 #else
     for (int r = 0; r < R; ++r) {
         float s = 0.0f;
@@ -598,6 +676,31 @@ inline void gemv_q8_0_rows(const float* x, const uint8_t* w, int64_t rb, int64_t
     }
     for (int r = 0; r < R; ++r) {
         const float s = vsum(acc[r]);
+        y[r] = bias ? s + bias[r] : s;
+    }
+#elif defined(YR_NEON)
+    // the int8 quants widened to floats (s8 -> s16 -> s32 -> f32) against x's 8 vectors
+    float32x4_t acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        float32x4_t xv[8];
+        for (int i = 0; i < 8; ++i) xv[i] = vld1q_f32(x + b * QK + 4 * i);
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q8_0_BYTES;
+            const int8x16_t q0 = vld1q_s8((const int8_t*)(blk + 2)), q1 = vld1q_s8((const int8_t*)(blk + 18));
+            const int16x8_t h[4] = {vmovl_s8(vget_low_s8(q0)), vmovl_high_s8(q0), vmovl_s8(vget_low_s8(q1)),
+                                    vmovl_high_s8(q1)};
+            float32x4_t t = vmulq_f32(xv[0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[0]))));
+            t = vfmaq_f32(t, xv[1], vcvtq_f32_s32(vmovl_high_s16(h[0])));
+            for (int i = 1; i < 4; ++i) {
+                t = vfmaq_f32(t, xv[2 * i], vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[i]))));
+                t = vfmaq_f32(t, xv[2 * i + 1], vcvtq_f32_s32(vmovl_high_s16(h[i])));
+            }
+            acc[r] = vfmaq_n_f32(acc[r], t, fp16_to_fp32(load_u16(blk)));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vaddvq_f32(acc[r]);
         y[r] = bias ? s + bias[r] : s;
     }
 #else
@@ -1141,6 +1244,21 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_
 #endif
 #endif
 
+#if defined(YR_NEON)
+// sum over 4 int32 lanes = a0 . b0 + a1 . b1 (32 signed bytes each side), exact: sdot
+// (ARMv8.2 dotprod) where the target has it, else widening multiplies (smull/smlal2: a pair
+// of products fits int16, |127 * 128| * 2 < 2^15) and pairwise adds into int32.
+inline int32x4_t dot_s8x32(int8x16_t a0, int8x16_t b0, int8x16_t a1, int8x16_t b1) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), a0, b0), a1, b1);
+#else
+    const int16x8_t p0 = vmlal_high_s8(vmull_s8(vget_low_s8(a0), vget_low_s8(b0)), a0, b0);
+    const int16x8_t p1 = vmlal_high_s8(vmull_s8(vget_low_s8(a1), vget_low_s8(b1)), a1, b1);
+    return vpadalq_s16(vpaddlq_s16(p0), p1);
+#endif
+}
+#endif
+
 // q4_1 x int8: R weight rows; xq/dx/sxq: one x row quantized (quantize_blocks_q8).
 template <int R>
 inline void gemv_q4_1_q8_rows(const int8_t* xq, const float* dx, const float* sxq, const uint8_t* w, int64_t rb,
@@ -1175,6 +1293,27 @@ inline void gemv_q4_1_q8_rows(const int8_t* xq, const float* dx, const float* sx
     }
     for (int r = 0; r < R; ++r) {
         const float s = hsum8(acc[r]) + macc[r];
+        y[r] = bias ? s + bias[r] : s;
+    }
+#elif defined(YR_NEON)
+    float32x4_t acc[R];
+    float macc[R];
+    for (int r = 0; r < R; ++r) { acc[r] = vdupq_n_f32(0.0f); macc[r] = 0.0f; }
+    for (int64_t b = 0; b < nb; ++b) {
+        const int8x16_t x0 = vld1q_s8(xq + b * QK), x1 = vld1q_s8(xq + b * QK + 16);
+        const float dxb = dx[b], sb = sxq[b];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
+            const uint8x16_t raw = vld1q_u8(blk + 4);
+            // quants 0..15 (low nibbles) pair with x[0..15], 16..31 (high nibbles) with x[16..31]
+            const int32x4_t s = dot_s8x32(vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F))), x0,
+                                          vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), x1);
+            acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(s), fp16_to_fp32(load_u16(blk)) * dxb);
+            macc[r] += fp16_to_fp32(load_u16(blk + 2)) * sb;
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vaddvq_f32(acc[r]) + macc[r];
         y[r] = bias ? s + bias[r] : s;
     }
 #else
@@ -1231,6 +1370,22 @@ inline void gemv_q8_0_q8_rows(const int8_t* xq, const float* dx, const float*, c
     }
     for (int r = 0; r < R; ++r) {
         const float s = hsum8(acc[r]);
+        y[r] = bias ? s + bias[r] : s;
+    }
+#elif defined(YR_NEON)
+    float32x4_t acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const int8x16_t x0 = vld1q_s8(xq + b * QK), x1 = vld1q_s8(xq + b * QK + 16);
+        const float dxb = dx[b];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * rb + b * Q8_0_BYTES;
+            const int32x4_t s = dot_s8x32(vld1q_s8((const int8_t*)(blk + 2)), x0, vld1q_s8((const int8_t*)(blk + 18)), x1);
+            acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(s), fp16_to_fp32(load_u16(blk)) * dxb);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float s = vaddvq_f32(acc[r]);
         y[r] = bias ? s + bias[r] : s;
     }
 #else

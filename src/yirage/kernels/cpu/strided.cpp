@@ -9,7 +9,7 @@
 // inner chunk as the contiguous (vectorized) axis, accumulating in a float32 row buffer.
 #include "yirage_prelude.h"
 
-#include <omp.h>
+#include "yr_threads.h"
 
 #include <type_traits>
 
@@ -19,12 +19,12 @@ constexpr int64_t CHUNK = 256;  // inner elements per work item: one float32 buf
 
 template <typename T> inline float load(const T* p, int64_t i);
 template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
-template <> inline float load<_Float16>(const _Float16* p, int64_t i) { return (float)p[i]; }
+template <> inline float load<yr_f16>(const yr_f16* p, int64_t i) { return (float)p[i]; }
 template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return yr_bf16_to_f32(p[i]); }
 
 template <typename T> inline void store(T* p, int64_t i, float v);
 template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
-template <> inline void store<_Float16>(_Float16* p, int64_t i, float v) { p[i] = (_Float16)v; }
+template <> inline void store<yr_f16>(yr_f16* p, int64_t i, float v) { p[i] = (yr_f16)v; }
 template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = yr_f32_to_bf16(v); }
 
 enum Reduce { SUM = 0, MEAN = 1, AMAX = 2, AMIN = 3, VAR = 4 };
@@ -104,7 +104,7 @@ void softmax_mid(const T* x, T* out, int64_t outer, int64_t n, int64_t inner, bo
 
 template <typename F> void by_dtype(int dtype, const void* x, void* out, F fn) {
     if (dtype == 0) fn((const float*)x, (float*)out);
-    else if (dtype == 1) fn((const _Float16*)x, (_Float16*)out);
+    else if (dtype == 1) fn((const yr_f16*)x, (yr_f16*)out);
     else fn((const uint16_t*)x, (uint16_t*)out);
 }
 

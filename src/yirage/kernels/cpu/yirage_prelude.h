@@ -1,6 +1,6 @@
 // Helpers that every generated fused row kernel (yirage/codegen/cpp.py) includes.
-// All arithmetic in generated kernels is float32; float16 uses the compiler's _Float16,
-// bfloat16 is stored as uint16_t and converted with the two functions below.
+// All arithmetic in generated kernels is float32; float16 is stored as yr_f16 (the compiler's
+// half type, converted by casts), bfloat16 as uint16_t and converted with the two functions below.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +9,15 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+// IEEE binary16: __fp16 on Arm (g++'s C++ has no _Float16 there; __fp16 converts to and from
+// float with casts, which is all the kernels do with it), _Float16 elsewhere (x86-64: SSE2 and up).
+#if defined(__aarch64__) || defined(__arm__)
+typedef __fp16 yr_f16;
+#else
+typedef _Float16 yr_f16;
+#endif
+static_assert(sizeof(yr_f16) == 2, "yr_f16 must be a 16-bit float");
 
 // bfloat16 -> float32: the 16 bits are the high half of a float32 (exact).
 static inline float yr_bf16_to_f32(uint16_t h) {
