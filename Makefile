@@ -30,9 +30,11 @@ $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 	$(PY) -m yirage.runtime.toolchain
 	touch $@
 
+# tests/cross/install.sh: the aarch64 cross compiler and qemu-user for the Arm kernel tests
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
 	$(PIP) install -e ".[test]"
 	$(VENV)/bin/yirage models pull gemma3-270m
+	tests/cross/install.sh
 	touch $@
 
 setup: $(VENV)/.setup
@@ -42,8 +44,20 @@ demo: setup
 	$(VENV)/bin/yirage info
 	$(VENV)/bin/yirage generate "$(PROMPT)"
 
+# make test runs the suite twice: as this CPU is, then as an AVX2-only x86-64 CPU (an AMD Zen 3,
+# an Intel client chip: YIRAGE_ISA=avx2 builds the kernels for x86-64-v3 and caps oneDNN, MKL and
+# torch to AVX2), the second time only the tests whose code the instruction set changes. Where the
+# cap cannot apply (not x86-64, or no AVX2) the second pass is skipped with a line saying so.
+TEST_WORKERS ?= 2
+ISA_CAP ?= avx2
+ISA_TESTS ?= tests/backends tests/codegen tests/kernels tests/tuning tests/runtime tests/models tests/engines \
+	tests/tools/test_conformance.py tests/tools/test_optimize.py tests/dynamo/test_freeze.py tests/dynamo/test_model_suite.py
 test: setup-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	@if YIRAGE_ISA=$(ISA_CAP) $(PY) -c "from yirage.runtime.machine import isa_cap; isa_cap()" 2>/dev/null; then \
+		echo "== the tests the instruction set changes, again as an $(ISA_CAP)-only CPU (YIRAGE_ISA=$(ISA_CAP))"; \
+		YIRAGE_ISA=$(ISA_CAP) $(PY) -m pytest -q -n $(TEST_WORKERS) -k "not triton and not aarch64" $(ISA_TESTS); \
+	else echo "(YIRAGE_ISA=$(ISA_CAP) cannot cap this CPU: the second pass is skipped)"; fi
 
 # Every model of the registry that is not shipped with the set-up (`yirage models` lists them).
 models: setup
