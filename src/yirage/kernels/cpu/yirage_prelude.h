@@ -61,12 +61,15 @@ static inline float yr_erf(float x) {
 
 // exp(x) in float32 without libm (Cephes expf: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
 // polynomial, times 2^n built in the exponent bits), within 1.3 ulp of float64 exp (measured on
-// a 4e6-point grid over [-87, 88]). Pure arithmetic, so GCC vectorizes it in the `omp simd` row loops;
-// std::exp is a scalar libm call there (softmax, SiLU and sigmoid ran several times slower).
-// x > 88.72 gives inf, x < -87.33 gives 0 (libm gives a subnormal there, below 1.2e-38), NaN
-// stays NaN. n is rounded with the 1.5 * 2^23 trick (round to nearest; exact for |n| < 2^22).
+// a 4e6-point grid over [-87, 88]). Pure arithmetic, so GCC vectorizes it in the `omp simd` row
+// loops; std::exp is a scalar libm call there (softmax, SiLU and sigmoid ran several times slower).
+// x >= 88.7228 gives inf (x is clamped to 88.8: n = 128 and e^r > 1, so the scaling overflows),
+// x < -87.33 gives 0 (libm gives a subnormal there, below 1.2e-38), NaN stays NaN. n is rounded
+// with the 1.5 * 2^23 trick (round to nearest; exact for |n| < 2^22); 2^n is applied as
+// 2^(n >> 1) * 2^(n - (n >> 1)), both factors normal for n in [-126, 128], so one select (the
+// flush below -87.33) is the only branch-like step left: the AVX2 loops were 4 blends a value.
 static inline float yr_exp(float x) {
-    const float xc = std::min(std::max(x, -87.33654475f), 88.72283905f);
+    const float xc = std::min(std::max(x, -87.33654475f), 88.8f);
     const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
@@ -77,14 +80,13 @@ static inline float yr_exp(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + (r + 1.0f);
-    // 2^n as 2^(n-1) * 2 or 2^(n+1) / 2: n reaches 128 just below the overflow bound and
-    // -126 at the underflow bound, where 2^n alone would leave the exponent's normal range
-    const bool up = n > 0.0f;
-    const int32_t bits = ((int32_t)n + (up ? 126 : 128)) << 23;
-    float s;
-    std::memcpy(&s, &bits, 4);
-    const float y = (p * s) * (up ? 2.0f : 0.5f);
-    return x < -87.33654475f ? 0.0f : (x > 88.72283905f ? std::numeric_limits<float>::infinity() : y);
+    const int32_t ni = (int32_t)n, n1 = ni >> 1;
+    const int32_t b1 = (n1 + 127) << 23, b2 = (ni - n1 + 127) << 23;
+    float s1, s2;
+    std::memcpy(&s1, &b1, 4);
+    std::memcpy(&s2, &b2, 4);
+    const float y = (p * s1) * s2;
+    return x < -87.33654475f ? 0.0f : y;
 }
 
 // tanh(x): an odd polynomial for |x| < 0.625 (Cephes tanhf), else sign(x) (1 - 2 / (e^2|x| + 1))
