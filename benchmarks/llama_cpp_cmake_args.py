@@ -16,6 +16,10 @@ llama-cpp-python 0.3.36 sdist (``GGML_AVX512`` adds ``-mavx512f -mavx512cd -mavx
 
     python benchmarks/llama_cpp_cmake_args.py [--cpuinfo /proc/cpuinfo]
 
+With ``YIRAGE_ISA=avx2`` (or ``x86-64-v3``, ``x86-64-v2``) it builds llama.cpp for that level, as
+yirage's kernels are built under the same cap: every option above the level OFF (``GGML_AVX512``,
+``GGML_AVX_VNNI``, ...), so both sides of ``benchmarks/decode.py`` run as on an AVX2-only CPU.
+
 On a CPU that is not x86 (or where /proc/cpuinfo has no ``flags`` line) it prints nothing:
 llama.cpp's native build is used there. Standard library only (it runs before any
 dependency is installed); it must never print an AMX option other than OFF.
@@ -23,6 +27,7 @@ dependency is installed); it must never print an AMX option other than OFF.
 from __future__ import annotations
 
 import argparse
+import os
 
 #: ggml's x86 options, in ggml's order, and the /proc/cpuinfo flags each one needs
 X86_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -40,6 +45,19 @@ X86_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 #: never ON: the kernels these enable crash llama-cpp-python 0.3.36 on AMX CPUs
 AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+
+
+#: the flags of X86_OPTIONS each YIRAGE_ISA level keeps (the x86-64 psABI levels)
+LEVEL_FLAGS = {"x86-64-v2": {"sse4_2"}, "x86-64-v3": {"sse4_2", "avx", "avx2", "bmi2", "fma", "f16c"}}
+LEVEL_NAMES = {"avx2": "x86-64-v3", "x86-64-v3": "x86-64-v3", "x86-64-v2": "x86-64-v2"}
+
+
+def capped(flags: set[str], isa: str | None) -> set[str]:
+    """``flags`` under a ``YIRAGE_ISA`` value (None, '' or 'native': all of them)."""
+    level = LEVEL_NAMES.get((isa or "").strip().lower())
+    if level is None:
+        return flags
+    return {f for f in flags if f in LEVEL_FLAGS[level] or not any(f in need for need in X86_OPTIONS.values())}
 
 
 def cpu_flags(cpuinfo: str) -> set[str] | None:
@@ -69,7 +87,7 @@ def main() -> None:
     except OSError:
         flags = None
     if flags is not None:
-        print(" ".join(cmake_args(flags)))
+        print(" ".join(cmake_args(capped(flags, os.environ.get("YIRAGE_ISA")))))
 
 
 if __name__ == "__main__":

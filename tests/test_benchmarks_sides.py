@@ -146,3 +146,18 @@ def test_llama_cpp_cmake_args(flags, on, off):
     cpuinfo = f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
     assert llama_cpp_cmake_args.cpu_flags(cpuinfo) == set(flags.split())
     assert llama_cpp_cmake_args.cpu_flags("processor\t: 0\nFeatures\t: fp asimd\n") is None
+
+
+def test_llama_cpp_cmake_args_under_an_isa_cap():
+    """YIRAGE_ISA=avx2 builds llama.cpp as for an AVX2-only CPU (the x86-64-v3 level), like yirage's own kernels."""
+    zen5 = set("sse4_2 avx avx2 fma f16c bmi2 avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi "
+               "avx512_vnni avx512_bf16".split())
+    for isa in ("avx2", "x86-64-v3"):
+        values = dict(a.removeprefix("-D").split("=") for a in
+                      llama_cpp_cmake_args.cmake_args(llama_cpp_cmake_args.capped(zen5, isa)))
+        assert {k for k, v in values.items() if v == "ON"} == {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2",
+                                                             "GGML_FMA", "GGML_F16C"}
+    assert llama_cpp_cmake_args.capped(zen5, None) == zen5 == llama_cpp_cmake_args.capped(zen5, "native")
+    values = dict(a.removeprefix("-D").split("=") for a in
+                  llama_cpp_cmake_args.cmake_args(llama_cpp_cmake_args.capped(zen5, "x86-64-v2")))
+    assert {k for k, v in values.items() if v == "ON"} == {"GGML_SSE42"}
