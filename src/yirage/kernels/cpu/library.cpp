@@ -69,12 +69,10 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
                     int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
-#if defined(YR_AVX512)
     if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
         gemm_quant_rows<DecodeQ4_1>(x, w, bias, y, M, N, K);
         return;
     }
-#endif
     if (M >= GEMM_MIN_M) {
         linear_packed(x, bias, y, M, N, K, [&](int64_t n0, int nr, float* P) {
             pack_quant<dequant_block_q4_1, Q4_1_BYTES>(w + n0 * rb, rb, K, nr, P);
@@ -102,12 +100,10 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
                     int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q8_0_BYTES;
-#if defined(YR_AVX512)
     if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
         gemm_quant_rows<DecodeQ8_0>(x, w, bias, y, M, N, K);
         return;
     }
-#endif
     if (M >= GEMM_MIN_M) {
         linear_packed(x, bias, y, M, N, K, [&](int64_t n0, int nr, float* P) {
             pack_quant<dequant_block_q8_0, Q8_0_BYTES>(w + n0 * rb, rb, K, nr, P);
@@ -693,13 +689,11 @@ extern "C" {
 // YR_TASK_GROUPS).
 void yr_task_linear_q4_1(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
-#if defined(YR_AVX512)
     if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {   // as yr_linear_q4_1: the small-batch row tiles
         gemm_quant_rows_range<DecodeQ4_1>(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*),
                                           YR_ARG(2, const float*), YR_ARG(3, float*), M, N, K, lo, hi);
         return;
     }
-#endif
     gemv_q4_1(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*), YR_ARG(3, float*),
               M, N, K, YR_TASK_GROUPS);
 }
@@ -707,13 +701,11 @@ void yr_task_linear_q4_1(const int64_t* a, int64_t lo, int64_t hi) {
 // a = {x, w, bias|0, y, M, N, K, stride}; [lo, hi): weight rows.
 void yr_task_linear_q8_0(const int64_t* a, int64_t lo, int64_t hi) {
     const int64_t M = a[4], N = a[5], K = a[6];
-#if defined(YR_AVX512)
     if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
         gemm_quant_rows_range<DecodeQ8_0>(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*),
                                           YR_ARG(2, const float*), YR_ARG(3, float*), M, N, K, lo, hi);
         return;
     }
-#endif
     gemv_q8_0(YR_ARG(0, const float*), YR_ARG(1, const uint8_t*), YR_ARG(2, const float*), YR_ARG(3, float*),
               M, N, K, YR_TASK_GROUPS);
 }
@@ -761,11 +753,7 @@ void yr_task_linear_f32(const int64_t* a, int64_t lo, int64_t hi) {
 // task forms compute as the launches do (the row tiles, or the GEMV below GEMM_MIN_M rows); with
 // more rows the launch's packed GEMM is the better kernel, and a task form would be a GEMV per row.
 void yr_linear_task_rows(int64_t* out) {
-#if defined(YR_AVX512)
     out[0] = QUANT_ROWS_MAX_M;
-#else
-    out[0] = GEMM_MIN_M - 1;
-#endif
     out[1] = GEMM_MIN_M - 1;
 }
 
