@@ -1511,14 +1511,15 @@ inline void quant_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t
 }
 
 #else
-// The same small-batch GEMM without AVX-512 (AVX2, NEON, scalar): each weight block of the two
-// rows is dequantized once per tile of up to TILE_M x rows (dequant_block_*: vectorized) into a
-// 32-float scratch in L1, and the tile's dot products read it from there: 2 x TILE_M
-// accumulators (AVX2: 12 of 16 ymm). The packed GEMM dequantizes and transposes every weight
-// into panels, which costs more than it saves up to about 128 rows: q4_1 / q8_0 1536 x 576 on 2
-// threads at YIRAGE_ISA=avx2 (AMD EPYC Zen 5), these tiles against the packed GEMM: 2 rows 31 vs
-// 43 us (the GEMV), 16 rows 182 vs 240, 64 rows 726 vs 852, 128 rows 1454 vs 1644, 256 rows even.
-// TILE_M per format from the same runs (q4_1: 6 rows 2-5% ahead of 4; q8_0: 4 rows 10-15% ahead).
+// The same small-batch GEMM without AVX-512 (AVX2, NEON, scalar), in dot-product form. Up to
+// QROWS_BLOCK_M x rows, one weight row at a time, each block dequantized (dequant_block_*:
+// vectorized) into 32 floats in L1 and multiplied against the rows (8 accumulators; up to 4
+// rows, both weight rows at once); above, two weight rows dequantized whole into a row buffer
+// once per call, then tiles of QROWS_TILE_M x rows against it (2 x 6 accumulators: 12 of 16 ymm).
+// The packed GEMM dequantizes and transposes every weight into panels, which costs more than it
+// saves up to about 128 rows. q4_1 1536 x 576 on 2 threads at YIRAGE_ISA=avx2 (AMD EPYC Zen 5),
+// blocks / row buffer / packed GEMM: 8 rows 76 / 101 / 147 us, 32 rows 365 / 332 / 451, 128 rows
+// 1454 / 1233 / 1709; 256 rows even; 2 rows, both weight rows per block 31 us, one 43, the GEMV 44.
 constexpr int64_t QUANT_ROWS_MIN_M = 2;
 #ifndef YR_QROWS_MAX_M
 #define YR_QROWS_MAX_M 128
@@ -1527,19 +1528,22 @@ constexpr int64_t QUANT_ROWS_MAX_M = YR_QROWS_MAX_M;
 
 struct DecodeQ4_1 {
     static constexpr int64_t BYTES = Q4_1_BYTES;
-    static constexpr int64_t TILE_M = 6;
     static inline void decode(const uint8_t* blk, float* out) { dequant_block_q4_1(blk, out); }
 };
 
 struct DecodeQ8_0 {
     static constexpr int64_t BYTES = Q8_0_BYTES;
-    static constexpr int64_t TILE_M = 4;
     static inline void decode(const uint8_t* blk, float* out) { dequant_block_q8_0(blk, out); }
 };
 
+constexpr int QROWS_TILE_M = 6;
+constexpr int64_t QROWS_BLOCK_M = 16;
+
+// y[i, r] = x[i] . w_r (+ bias[r]) for i < MR, r < NR: the NR weight rows (rb bytes apart)
+// read block by block.
 template <typename D, int MR, int NR>
-inline void quant_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t nb,
-                            const float* bias, float* y, int64_t ldy) {
+inline void quant_rows_blocks(const float* x, int64_t K, const uint8_t* w, int64_t rb, int64_t nb, const float* bias,
+                              float* y, int64_t ldy) {
     alignas(64) float wb[NR][QK];
     vf acc[NR][MR];
     for (int r = 0; r < NR; ++r)
@@ -1547,13 +1551,17 @@ inline void quant_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t
     for (int64_t b = 0; b < nb; ++b) {
         for (int r = 0; r < NR; ++r) D::decode(w + r * rb + b * D::BYTES, wb[r]);
 #pragma GCC unroll 8
-        for (int v = 0; v < QK; v += VL)
+        for (int v = 0; v < QK; v += VL) {
+            vf wv[NR];
+#pragma GCC unroll 2
+            for (int r = 0; r < NR; ++r) wv[r] = vload(wb[r] + v);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
                 const vf xv = vload(x + i * K + b * QK + v);
-#pragma GCC unroll 4
-                for (int r = 0; r < NR; ++r) acc[r][i] = vfma(xv, vload(wb[r] + v), acc[r][i]);
+#pragma GCC unroll 2
+                for (int r = 0; r < NR; ++r) acc[r][i] = vfma(xv, wv[r], acc[r][i]);
             }
+        }
     }
     for (int r = 0; r < NR; ++r)
         for (int i = 0; i < MR; ++i) {
@@ -1561,21 +1569,84 @@ inline void quant_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t
             y[i * ldy + r] = bias ? s + bias[r] : s;
         }
 }
+
+// y[i, r] = x[i] . wr[r] (+ bias[r]) for i < MR, r < NR: dequantized weight rows wr (K floats
+// each, ldw apart) against MR rows of x.
+template <int MR, int NR>
+inline void quant_rows_dots(const float* x, int64_t K, const float* wr, int64_t ldw, const float* bias, float* y,
+                            int64_t ldy) {
+    vf acc[NR][MR];
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MR; ++i) acc[r][i] = vzero();
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf wv[NR];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) wv[r] = vload(wr + r * ldw + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            const vf xv = vload(x + i * K + k);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; ++r) acc[r][i] = vfma(xv, wv[r], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int i = 0; i < MR; ++i) {
+            float s = vsum(acc[r][i]);
+            for (int64_t t = k; t < K; ++t) s += x[i * K + t] * wr[r * ldw + t];   // K % VL (never: K % 32 == 0)
+            y[i * ldy + r] = bias ? s + bias[r] : s;
+        }
+}
+
+// Outputs (weight rows) n0 and n0 + 1 (n0 alone when n0 + 1 == n_end) of every x row.
+template <typename D>
+inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                            int64_t K, int64_t n0, int64_t n_end) {
+    static thread_local std::vector<float> buf;
+    const int64_t nb = K / QK, rb = nb * D::BYTES;
+    const int nr = n0 + 1 < n_end ? 2 : 1;
+    const float* bn = bias ? bias + n0 : nullptr;
+    if (M <= 4) {   // both weight rows per block: 2 x M accumulators
+#define YR_CALL(R) (nr == 2 ? quant_rows_blocks<D, R, 2>(x, K, w + n0 * rb, rb, nb, bn, y + n0, N) \
+                            : quant_rows_blocks<D, R, 1>(x, K, w + n0 * rb, rb, nb, bn, y + n0, N))
+        YR_DISPATCH_ROWS((int)M, YR_CALL)
+#undef YR_CALL
+        return;
+    }
+    if (M <= QROWS_BLOCK_M) {   // one weight row at a time: two rows' blocks and 2 x 8 sums outgrow 16 ymm
+        for (int r = 0; r < nr; ++r)
+            for (int64_t m0 = 0; m0 < M; m0 += 8) {
+                const int mr = (int)std::min<int64_t>(8, M - m0);
+                const float* br = bias ? bias + n0 + r : nullptr;
+#define YR_CALL(R) quant_rows_blocks<D, R, 1>(x + m0 * K, K, w + (n0 + r) * rb, rb, nb, br, y + m0 * N + n0 + r, N)
+                YR_DISPATCH_ROWS(mr, YR_CALL)
+#undef YR_CALL
+            }
+        return;
+    }
+    float* wr = scratch(buf, (size_t)(2 * K));
+    for (int r = 0; r < nr; ++r)
+        for (int64_t b = 0; b < nb; ++b) D::decode(w + (n0 + r) * rb + b * D::BYTES, wr + r * K + b * QK);
+    for (int64_t m0 = 0; m0 < M; m0 += QROWS_TILE_M) {
+        const int mr = (int)std::min<int64_t>(QROWS_TILE_M, M - m0);
+        const float* xm = x + m0 * K;
+        float* yo = y + m0 * N + n0;
+#define YR_CALL(R) (nr == 2 ? quant_rows_dots<R, 2>(xm, K, wr, K, bn, yo, N) : quant_rows_dots<R, 1>(xm, K, wr, K, bn, yo, N))
+        YR_DISPATCH_ROWS(mr, YR_CALL)
+#undef YR_CALL
+    }
+}
 #endif
 
+#if defined(YR_AVX512)
 // Outputs (weight rows) n0 and n0 + 1 (n0 alone when n0 + 1 == n_end) of every x row.
 template <typename D>
 inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                             int64_t K, int64_t n0, int64_t n_end) {
     const int64_t nb = K / QK, rb = nb * D::BYTES;
     const bool two = n0 + 1 < n_end;
-#if defined(YR_AVX512)
-    constexpr int64_t TILE_M = 8;
-#else
-    constexpr int64_t TILE_M = D::TILE_M;
-#endif
-    for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-        const int mr = (int)std::min<int64_t>(TILE_M, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int mr = (int)std::min<int64_t>(8, M - m0);
         const float* xm = x + m0 * K;
         const float* bn = bias ? bias + n0 : nullptr;
         float* yo = y + m0 * N + n0;
@@ -1585,6 +1656,7 @@ inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias,
 #undef YR_CALL
     }
 }
+#endif
 
 template <typename D>
 void gemm_quant_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
