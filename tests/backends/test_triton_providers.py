@@ -122,7 +122,7 @@ def test_each_provider_computes_what_torch_eager_does(case, provider, measuring,
 
 
 def test_first_use_measures_both_with_the_device_sync_and_records_the_choice(measuring, monkeypatch):
-    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
+    monkeypatch.setattr(tuning, "busy_reason", lambda *a: None)
     syncs = []
     monkeypatch.setattr(TritonInterpreterBackend, "synchronize", lambda self: syncs.append(1))
     g, ins, want = _linear("nk", True)

@@ -29,7 +29,7 @@ def small(monkeypatch, tmp_path):
         opt.Workload("small q4_1", 40, 64, ("q4_1", "q4_1/bfloat16"), rows=(16,), weight=blocks)])
     monkeypatch.setattr(opt, "_embedding_threads", lambda budget: None)
     monkeypatch.setattr(tuning, "unsteady_reason", lambda c: None)
-    monkeypatch.setattr(tuning, "busy_reason", lambda: None)   # record() saves unless the machine is busy
+    monkeypatch.setattr(tuning, "busy_reason", lambda *a: None)   # record() saves unless the machine is busy
 
 
 def test_optimize_writes_a_profile_and_apply_makes_it_the_one_used(small):

@@ -3,6 +3,10 @@ measurement (tuning/profile.py): every provider computes the op as the reference
 does, with and without a fused row epilogue; the first use measures and records; the profile,
 then a matching template, answer later uses; YIRAGE_TUNE=off gives the fixed defaults."""
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -109,7 +113,7 @@ def test_first_use_measures_records_and_drops_the_losers_copies(monkeypatch):
     """The first bind of a shape class times every candidate on it and stores the fastest in this
     machine's profile (file and memory); packed copies made only for the measurement are dropped;
     a later bind of the class reads the profile and measures nothing."""
-    monkeypatch.setattr(tuning, "busy_reason", lambda: None)   # however busy the machine is
+    monkeypatch.setattr(tuning, "busy_reason", lambda *a: None)   # however busy the machine is
     g, ins = _graph(64, 52, 36, "float32", False)     # a shape class no other test measures
     w = ins[1]
     cpu_embed.mark_constant(w)
@@ -192,7 +196,7 @@ def test_tune_off_and_bad_values(monkeypatch):
 def test_a_busy_machines_measurement_serves_the_process_but_is_not_saved(monkeypatch):
     """A first-use measurement on a busy machine (load above the cores) decides for this
     process only; the next process measures again."""
-    monkeypatch.setattr(tuning, "busy_reason", lambda: "load average 9.0 on 2 cores")
+    monkeypatch.setattr(tuning, "busy_reason", lambda *a: "load average 9.0 on 2 cores")
     x, w = torch.randn(4, 16), torch.randn(72, 16)
     cpu_embed.mark_constant(w)
     case = cpu_providers.case_of("linear", [x, w], torch.empty(4, 72))
@@ -204,11 +208,39 @@ def test_a_busy_machines_measurement_serves_the_process_but_is_not_saved(monkeyp
     assert not path.exists() or case.key() not in json.loads(path.read_text())["entries"]
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
+def test_another_processs_load_makes_a_measurement_busy(tmp_path):
+    """A process spinning on a core while candidates are timed makes the figures noisy (not
+    saved); the measurement's own threads never do (on 2 cores they made the load average read
+    as busy, so no first-use choice was ever saved)."""
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 30\nwhile time.time() < t: pass"])
+    try:
+        time.sleep(0.3)
+        c = tuning.measure({"a": lambda: sum(range(2000))}, budget_s=0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert c.others_cores is not None and c.others_cores >= 0.6, c.others_cores
+    assert "other processes kept" in tuning.busy_reason(c)
+
+
+def test_a_high_load_average_from_our_own_threads_is_not_busy(monkeypatch, tmp_path):
+    """With the measurement's own share of the machine known, the load average is not consulted:
+    a choice measured while only this process worked is saved however high the load average."""
+    monkeypatch.setattr(tuning.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    quiet = tuning.timing.Comparison([{"a": 1.0, "b": 2.0}] * 3, {"a": 1, "b": 1}, others_cores=0.1)
+    assert tuning.busy_reason(quiet) is None
+    assert tuning.busy_reason() == f"load average 9.0 on {tuning.usable_cpu_count()} cores"   # no figure: the load
+    prof = tuning.Profile(tmp_path / "p.json")
+    tuning.record("k", quiet, "first use", prof)
+    assert "noisy" not in prof.entries["k"] and json.loads((tmp_path / "p.json").read_text())["entries"]["k"]
+
+
 def test_a_close_race_is_saved_as_such_and_not_measured_again(monkeypatch):
     """A winner faster than the runner-up in fewer than 2/3 of the rounds won within noise:
     the choice is saved, marked ``close``, and a later process reads it instead of measuring
     (and packing every candidate's weights) again."""
-    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
+    monkeypatch.setattr(tuning, "busy_reason", lambda *a: None)
     clear = tuning.timing.Comparison([{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.1}, {"a": 1.0, "b": 1.9}],
                                      {"a": 1, "b": 1})
     assert tuning.close_race(clear) is None             # a won 2 of 3 rounds (one spike of its own)
@@ -242,7 +274,7 @@ def test_first_use_spent_counts_each_measured_class_and_its_preparation(monkeypa
     from the profile costs nothing."""
     import time
 
-    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
+    monkeypatch.setattr(tuning, "busy_reason", lambda *a: None)
     monkeypatch.setattr(tuning, "_SPENT", {"measured": 0, "seconds": 0.0})
     key = "linear|float32|m4|n12|k8|t1"   # a class of this test's own
 
@@ -257,7 +289,7 @@ def test_first_use_spent_counts_each_measured_class_and_its_preparation(monkeypa
 
 
 def test_a_damaged_profile_is_measured_again(monkeypatch):
-    monkeypatch.setattr(tuning, "busy_reason", lambda: None)
+    monkeypatch.setattr(tuning, "busy_reason", lambda *a: None)
     path = tuning.profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("{not json")

@@ -58,15 +58,16 @@ def _probe_args(dtype: str) -> tuple[cpu_providers.Case, list[torch.Tensor]]:
     return case, args
 
 
-def _fastest(dtype: str) -> tuple[str, float]:
-    """(provider, median seconds) of the fastest provider of ``dtype`` on ``PROBE_SHAPE``."""
+def _fastest(dtype: str) -> tuple[str, float, str | None]:
+    """(provider, median seconds, why the figure is noisy or None) of the fastest provider of
+    ``dtype`` on ``PROBE_SHAPE``."""
     case, args = _probe_args(dtype)
     comparison = cpu_providers.measure(case, args, PROBE_BUDGET_S)
     best = comparison.fastest()
     for name, p in cpu_providers.candidates(case).items():   # drop the probe's packed copies
         if p.packs:
             cpu_embed.forget_packed(args[1], p.kind(case))
-    return best, comparison.median(best)
+    return best, comparison.median(best), tuning.busy_reason(comparison)
 
 
 def measured_speed(dtype: str) -> dict:
@@ -84,13 +85,13 @@ def measured_speed(dtype: str) -> dict:
         # outside any tracing mode (torch.compile asks while its fake tensors are active)
         from torch.utils._python_dispatch import _disable_current_modes
         with _disable_current_modes():
-            p_low, s_low = _fastest(dtype)
-            p_f32, s_f32 = _fastest("float32")
+            p_low, s_low, busy_low = _fastest(dtype)
+            p_f32, s_f32, busy_f32 = _fastest("float32")
         M, N, K = PROBE_SHAPE
         entry = {"speed_vs_float32": round(s_f32 / s_low, 3), "shape": f"{M}x{N}x{K}", "threads": threads,
                  "provider": p_low, "float32_provider": p_f32}
         prof.extra.setdefault("precision", {})[key] = entry
-        if tuning.busy_reason() is None and prof.path is not None:
+        if busy_low is None and busy_f32 is None and prof.path is not None:
             prof.save()
         return entry
 

@@ -69,6 +69,8 @@ class Comparison:
 
     rounds: list[dict[str, float]] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
+    #: cores other processes kept busy while it was measured (``tuning.measure`` sets it), or None
+    others_cores: float | None = None
 
     @property
     def names(self) -> list[str]:

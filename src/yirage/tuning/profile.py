@@ -259,9 +259,13 @@ def measure(candidates: Mapping[str, Callable[[], object]], budget_s: float = FI
             min_sample_s: float = 0.001, sync: Callable[[], None] = timing.no_sync) -> timing.Comparison:
     """Time ready-to-run candidates ({name: thunk}) in interleaved rounds for about
     ``budget_s`` seconds (at least 3 rounds); ``sync`` waits for a device's queued work after
-    each sample (GPU candidates)."""
-    return timing.compare(candidates, rounds=9, min_sample_s=min_sample_s, sync=sync,
-                          deadline=time.perf_counter() + budget_s, min_rounds=3)
+    each sample (GPU candidates). The comparison's ``others_cores`` says how many cores other
+    processes kept busy meanwhile (``busy_reason`` judges by it)."""
+    start = cpu_sample()
+    comparison = timing.compare(candidates, rounds=9, min_sample_s=min_sample_s, sync=sync,
+                                deadline=time.perf_counter() + budget_s, min_rounds=3)
+    comparison.others_cores = others_cores(start)
+    return comparison
 
 
 #: a winner faster than the runner-up in fewer than this share of the paired rounds won a close
@@ -269,9 +273,45 @@ def measure(candidates: Mapping[str, Callable[[], object]], budget_s: float = FI
 STEADY_SHARE = 2 / 3
 
 
-def busy_reason() -> str | None:
-    """Why this machine is too busy for measurements worth keeping (the 1-minute load average
-    above its usable cores: other processes take cores from the candidates), or None."""
+#: cores of other processes' work during a measurement above which its figures are not kept
+OTHERS_CORES_LIMIT = 0.5
+
+
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(CPU seconds the whole machine has been busy, CPU seconds of this process, monotonic
+    seconds) from /proc/stat and ``os.times``; None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    busy = sum(ticks[:3]) + sum(ticks[5:8])   # user nice system, irq softirq steal (not idle, iowait)
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic()
+
+
+def others_cores(since: tuple[float, float, float] | None) -> float | None:
+    """Cores kept busy by other processes (the machine's busy time less this process's) since the
+    ``cpu_sample`` ``since``, on average; None when unknown."""
+    now = cpu_sample()
+    if since is None or now is None or now[2] - since[2] <= 0:
+        return None
+    return max(0.0, ((now[0] - since[0]) - (now[1] - since[1])) / (now[2] - since[2]))
+
+
+def busy_reason(comparison: timing.Comparison | None = None) -> str | None:
+    """Why figures measured now (or ``comparison``'s) are not worth keeping, or None: other
+    processes kept more than ``OTHERS_CORES_LIMIT`` cores busy while ``comparison`` was measured
+    (this process's own threads do not count: on 2 cores a measurement's own 2 threads made the
+    load average read as busy, so no first-use choice was ever saved and every process measured
+    again); without such a figure, a 1-minute load average above the usable cores."""
+    others = getattr(comparison, "others_cores", None)
+    if others is not None:
+        return f"other processes kept {others:.1f} cores busy while it was measured" if others > OTHERS_CORES_LIMIT \
+            else None
     try:
         load = os.getloadavg()[0]
     except OSError:
@@ -298,7 +338,7 @@ def close_race(comparison: timing.Comparison) -> str | None:
 def unsteady_reason(comparison: timing.Comparison) -> str | None:
     """Why ``comparison``'s figures are not a clear verdict, or None: a busy machine
     (``busy_reason``) or a close race (``close_race``)."""
-    return busy_reason() or close_race(comparison)
+    return busy_reason(comparison) or close_race(comparison)
 
 
 def record(key: str, comparison: timing.Comparison, source: str, profile: Profile | None = None) -> Choice:
@@ -311,7 +351,7 @@ def record(key: str, comparison: timing.Comparison, source: str, profile: Profil
     best = comparison.fastest()
     medians = {n: comparison.median(n) for n in comparison.names}
     profile = profile if profile is not None else active_profile()
-    busy = busy_reason()
+    busy = busy_reason(comparison)
     close = close_race(comparison)
     profile.entries[key] = {"choice": best, "median_s": medians, "source": source,
                             "when": datetime.date.today().isoformat(), **({"noisy": busy} if busy else {}),
