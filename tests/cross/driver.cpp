@@ -41,20 +41,16 @@ struct Reader {
     void need(size_t n) {
         if (n > data.size() - at) fail("CALLS.bin is truncated");
     }
-    int64_t i64() {
-        need(8);
-        int64_t v;
-        std::memcpy(&v, data.data() + at, 8);
-        at += 8;
+    template <typename T>
+    T get() {
+        need(sizeof(T));
+        T v;
+        std::memcpy(&v, data.data() + at, sizeof(T));
+        at += sizeof(T);
         return v;
     }
-    float f32() {
-        need(4);
-        float v;
-        std::memcpy(&v, data.data() + at, 4);
-        at += 4;
-        return v;
-    }
+    int64_t i64() { return get<int64_t>(); }
+    float f32() { return get<float>(); }
     char byte() {
         need(1);
         return data[at++];

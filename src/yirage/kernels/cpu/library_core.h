@@ -495,6 +495,20 @@ void dequant_row(const uint8_t* row, float* out, int64_t K) {
 // GEMV (few x rows, decode): R weight rows at a time, read straight from the blocks
 // =================================================================================
 
+#if defined(YR_NEON)
+// The 32 products of a block's quants (as 4 x 8 int16, widened to float here) with x's 8
+// vectors of the block, summed per lane.
+inline float32x4_t neon_dot_block(const float32x4_t* xv, const int16x8_t* h) {
+    float32x4_t t = vmulq_f32(xv[0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[0]))));
+    t = vfmaq_f32(t, xv[1], vcvtq_f32_s32(vmovl_high_s16(h[0])));
+    for (int i = 1; i < 4; ++i) {
+        t = vfmaq_f32(t, xv[2 * i], vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[i]))));
+        t = vfmaq_f32(t, xv[2 * i + 1], vcvtq_f32_s32(vmovl_high_s16(h[i])));
+    }
+    return t;
+}
+#endif
+
 // q4_1: y[r] = sum_b d * (sum_j x[32b+j] q_j) + m * sx[b], sx[b] = sum of x over block b.
 template <int R>
 inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, int64_t rb,
@@ -562,16 +576,12 @@ inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, in
         for (int r = 0; r < R; ++r) {
             const uint8_t* blk = w + r * rb + b * Q4_1_BYTES;
             const uint8x16_t raw = vld1q_u8(blk + 4);
-            const uint8x16_t lo = vandq_u8(raw, vdupq_n_u8(0x0F)), hi = vshrq_n_u8(raw, 4);   // weights 0..15, 16..31
-            const uint16x8_t h[4] = {vmovl_u8(vget_low_u8(lo)), vmovl_high_u8(lo), vmovl_u8(vget_low_u8(hi)),
-                                     vmovl_high_u8(hi)};
-            float32x4_t t = vmulq_f32(xv[0], vcvtq_f32_u32(vmovl_u16(vget_low_u16(h[0]))));
-            t = vfmaq_f32(t, xv[1], vcvtq_f32_u32(vmovl_high_u16(h[0])));
-            for (int i = 1; i < 4; ++i) {
-                t = vfmaq_f32(t, xv[2 * i], vcvtq_f32_u32(vmovl_u16(vget_low_u16(h[i]))));
-                t = vfmaq_f32(t, xv[2 * i + 1], vcvtq_f32_u32(vmovl_high_u16(h[i])));
-            }
-            acc[r] = vfmaq_n_f32(acc[r], t, fp16_to_fp32(load_u16(blk)));
+            // weights 0..15 (low nibbles), 16..31 (high nibbles)
+            const uint16x8_t h[4] = {vmovl_u8(vget_low_u8(vandq_u8(raw, vdupq_n_u8(0x0F)))),
+                                     vmovl_high_u8(vandq_u8(raw, vdupq_n_u8(0x0F))),
+                                     vmovl_u8(vget_low_u8(vshrq_n_u8(raw, 4))), vmovl_high_u8(vshrq_n_u8(raw, 4))};
+            const int16x8_t* hs = reinterpret_cast<const int16x8_t*>(h);   // 0..15: the same bits signed
+            acc[r] = vfmaq_n_f32(acc[r], neon_dot_block(xv, hs), fp16_to_fp32(load_u16(blk)));
             macc[r] += fp16_to_fp32(load_u16(blk + 2)) * sx[b];
         }
     }
@@ -690,13 +700,7 @@ inline void gemv_q8_0_rows(const float* x, const uint8_t* w, int64_t rb, int64_t
             const int8x16_t q0 = vld1q_s8((const int8_t*)(blk + 2)), q1 = vld1q_s8((const int8_t*)(blk + 18));
             const int16x8_t h[4] = {vmovl_s8(vget_low_s8(q0)), vmovl_high_s8(q0), vmovl_s8(vget_low_s8(q1)),
                                     vmovl_high_s8(q1)};
-            float32x4_t t = vmulq_f32(xv[0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[0]))));
-            t = vfmaq_f32(t, xv[1], vcvtq_f32_s32(vmovl_high_s16(h[0])));
-            for (int i = 1; i < 4; ++i) {
-                t = vfmaq_f32(t, xv[2 * i], vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[i]))));
-                t = vfmaq_f32(t, xv[2 * i + 1], vcvtq_f32_s32(vmovl_high_s16(h[i])));
-            }
-            acc[r] = vfmaq_n_f32(acc[r], t, fp16_to_fp32(load_u16(blk)));
+            acc[r] = vfmaq_n_f32(acc[r], neon_dot_block(xv, h), fp16_to_fp32(load_u16(blk)));
         }
     }
     for (int r = 0; r < R; ++r) {
