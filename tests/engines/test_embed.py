@@ -383,3 +383,15 @@ def test_attention_bidir_op(backend):
     torch.testing.assert_close(out, expect.reshape(B, S, H * Dh), atol=1e-5, rtol=1e-5)
     with pytest.raises(yr.GraphError, match="key_mask"):
         g.attention_bidir(Q, g.new_input((B, S + 1)), H)
+
+
+def test_a_loaded_model_freezes_the_heap_so_full_collections_stay_short():
+    """After load the process's objects sit in the collector's permanent generation: a full
+    collection (which a first encode's plan building triggers) no longer walks them."""
+    import gc
+
+    gc.unfreeze()
+    before = len(gc.get_objects(generation=2))
+    yr.EmbeddingModel(backend="cpu")
+    assert gc.get_freeze_count() >= before > 0
+    assert len(gc.get_objects(generation=2)) < before // 10

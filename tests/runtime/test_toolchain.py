@@ -145,3 +145,23 @@ def test_several_translation_units_link_into_one_library(fresh_cache):
         toolchain.load_library((UNIT_A, "this is not C++"))
     kept = list((fresh_cache / "cpp").glob("*.failed.cpp"))
     assert len(kept) == 1 and kept[0].name.endswith(".1.failed.cpp") and kept[0].read_text() == "this is not C++"
+
+
+def test_openmp_flags_are_probed_once_per_compiler_and_remembered(fresh_cache, tmp_path, caplog):
+    """A compiler without OpenMP (a stand-in that refuses -fopenmp) gets -fopenmp-simd and one
+    warning; the answer is kept in the cache, so a later process does not probe again."""
+    import logging
+
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *--version*) echo 'fake c++ 1.0';; *-fopenmp*) exit 1;; "
+                    "*) exec g++ \"$@\";; esac\n")
+    fake.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="yirage"):
+        assert toolchain.openmp_flags(str(fake)) == ("-fopenmp-simd",)
+    assert any("has no OpenMP" in r.getMessage() for r in caplog.records)
+    memo = list((fresh_cache / "cpp").glob("openmp-*.flags"))
+    assert len(memo) == 1 and memo[0].read_text() == "-fopenmp-simd"
+    toolchain._openmp_flags.cache_clear()
+    fake.write_text("#!/bin/sh\necho 'fake c++ 1.0'\nexit 1\n")   # probing again would now fail differently
+    assert toolchain.openmp_flags(str(fake)) == ("-fopenmp-simd",)   # read from the cache, not probed
+    toolchain._openmp_flags.cache_clear()

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from ..backends import Backend, get_backend_impl, resolve_backend
 from ..backends.cpu_precision import warn_if_emulated
+from . import freeze_loaded_objects
 from ..config import logger
 from ..errors import ModelLoadError, YirageError
 from ..kernel import KNGraph
@@ -121,6 +122,7 @@ class EmbeddingModel:
         self.plan_shapes: set[tuple[int, int]] = set()  # every (batch, padded length) compiled so far
         logger.info("loaded embedding model %s on %s (dim %d, max_seq_length %d)", directory,
                     self.backend.value, self.spec.embedding_dim, self.max_seq_length)
+        freeze_loaded_objects()
 
     def get_sentence_embedding_dimension(self) -> int:
         """Length of the embedding vectors (hidden size times the number of pooling modes)."""

@@ -22,6 +22,7 @@ import torch
 
 from ..backends import Backend, get_backend_impl, resolve_backend
 from ..backends.cpu_precision import warn_if_emulated
+from . import freeze_loaded_objects
 from ..dtypes import DType, as_dtype
 from ..config import logger
 from ..errors import GenerationError
@@ -361,6 +362,7 @@ class LLM:
         self._batch_lock = threading.Lock()
         logger.info("loaded %s on %s (max_seq_length=%d, dtype=%s)", self.name, self.backend.value,
                     self.max_seq_length, self.dtype.value)
+        freeze_loaded_objects()
 
     def write_trace(self, path) -> int:
         """Write the decode tasks recorded in ``profiler_tensor`` as a Chrome/Perfetto JSON

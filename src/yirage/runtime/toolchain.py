@@ -100,12 +100,34 @@ def openmp_flags(cxx: str | None = None) -> tuple[str, ...]:
     where a probe program builds with it, else libomp's ``-Xpreprocessor -fopenmp ... -lomp`` where
     Homebrew's is installed, else ``-fopenmp-simd`` alone (the ``omp simd`` loops still vectorize;
     ``#pragma omp parallel`` is ignored and the kernels run on one thread), with one warning.
-    Probed once per compiler and process."""
+    Probed once per compiler (its path and version line) and remembered in the kernel cache: a
+    probe compiles and links a program, about 40 ms that every process's first kernel waited for."""
     return _openmp_flags(cxx or find_compiler()[0])
 
 
 @functools.lru_cache(maxsize=None)
 def _openmp_flags(cxx: str) -> tuple[str, ...]:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] \
+        if cxx != find_compiler()[0] else [find_compiler()[1]]
+    memo = cache_folder("cpp") / f"openmp-{hashlib.sha256(chr(0).join([cxx, *version]).encode()).hexdigest()[:16]}.flags"
+    try:
+        known = memo.read_text().split()
+        if known and all(f.startswith("-") for f in known):
+            return tuple(known)
+    except OSError:
+        pass
+    flags = _probe_openmp(cxx)
+    try:   # written whole under another name, then renamed: a reader sees all of it or nothing
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(" ".join(flags))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return flags
+
+
+def _probe_openmp(cxx: str) -> tuple[str, ...]:
+    """The OpenMP flags of ``openmp_flags``, found by building a probe program with each."""
     probe = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
     tries = [("-fopenmp",)] + [("-Xpreprocessor", "-fopenmp", f"-I{p}/include", f"-L{p}/lib", "-lomp")
                                for p in _LIBOMP_PREFIXES if os.path.isdir(p)]
