@@ -1541,7 +1541,10 @@ struct DecodeQ8_0 {
 };
 
 constexpr int QROWS_TILE_M = 6;
-constexpr int64_t QROWS_BLOCK_M = 16;
+#ifndef YR_QROWS_BLOCK_M
+#define YR_QROWS_BLOCK_M 16
+#endif
+constexpr int64_t QROWS_BLOCK_M = YR_QROWS_BLOCK_M;
 
 // y[i, r] = x[i] . w_r (+ bias[r]) for i < MR, r < NR: the NR weight rows (rb bytes apart)
 // read block by block.
