@@ -483,8 +483,10 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
 @click.option("--decode-dtype", type=click.Choice(["float32", "int8"]), default=None,
               help="int8: quantize the inputs of q4_1/q8_0 projections to int8 per block of 32 (CPU; "
                    "llama-server's numerics: replies may differ from float32's).")
+@click.option("--max-body-bytes", type=int, default=32 << 20, show_default=True,
+              help="The largest request body; a larger one gets HTTP 413.")
 def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_batch_tokens, api_key, api_key_file,
-          max_queue, timeout, kv_cache_dtype, decode_dtype) -> None:
+          max_queue, timeout, kv_cache_dtype, decode_dtype, max_body_bytes) -> None:
     """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
     /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
     try:
@@ -494,7 +496,8 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
     except ImportError as e:
         _fail(f"yirage serve needs the serve extra ({e.name} is missing): pip install 'yirage[serve]'")
     try:
-        for name, value in (("--parallel", parallel), ("--ctx-size", ctx_size), ("--max-queue", max_queue)):
+        for name, value in (("--parallel", parallel), ("--ctx-size", ctx_size), ("--max-queue", max_queue),
+                            ("--max-body-bytes", max_body_bytes)):
             if value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value}")
         if max_batch_tokens is not None and parallel == 1:
@@ -522,7 +525,7 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         from .serve import ServeOptions, run_server
 
         options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel,
-                               max_batch_tokens, kv_cache_dtype, decode_dtype)
+                               max_batch_tokens, kv_cache_dtype, decode_dtype, max_body_bytes)
         click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
                    "GET /health answers 200 when ready)", err=True)
         error = run_server(options, host, port)

@@ -256,6 +256,47 @@ def test_bad_requests_get_one_clear_4xx(url, body, status, words):
     assert words in err["message"] and err["code"] == status
 
 
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+@pytest.mark.slow
+def test_bodies_no_endpoint_can_hold_get_one_4xx(url):
+    """JSON nested 5,000 levels deep (Python's JSON decoder gives up at about 1,000: it was a 500),
+    invalid UTF-8, and a lone UTF-16 surrogate in a string (valid JSON, not text: the tokenizer
+    raised, a 500 on /v1/embeddings) get one OpenAI-style 400 on every endpoint."""
+    deep_object = b'{"a":' * 5000 + b"1" + b"}" * 5000
+    cases = [(deep_object, "nests deeper than 128 levels"), (b"[" * 5000 + b"]" * 5000, "nests deeper than 128 levels"),
+             (b'{"model": "' + b"[" * 200 + b'"}', None),
+             (json.dumps({"model": LLM_NAME, "input": [[["x"]] * 3] * 200}).encode(), None),
+             (b'{"model": "\xff\xfe", "prompt": "a"}', "not valid JSON")]
+    for path in ENDPOINTS:
+        field = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}[path]
+        value = [{"role": "user", "content": "a \ud800 b"}] if field == "messages" else "a \ud800 b"
+        surrogate = json.dumps({"model": EMB_NAME if field == "input" else LLM_NAME, field: value, "max_tokens": 2}
+                               if field != "input" else {"model": EMB_NAME, "input": value})
+        for body, words in [*cases, (surrogate.encode(), "lone UTF-16 surrogate")]:
+            r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert 400 <= r.status_code < 500, (path, body[:60], r.status_code, r.text[:200])
+            err = r.json()["error"]
+            assert err["code"] == r.status_code and (words is None or words in err["message"]), (path, err)
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(smollm, embedder):
+    app = create_app(ServeOptions(LLM_NAME, EMB_NAME, max_body_bytes=1000), llm=smollm, embedder=embedder)
+    with running(app) as base:
+        big = json.dumps({"model": EMB_NAME, "input": "word " * 400})
+        r = httpx.post(f"{base}/v1/embeddings", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "more than --max-body-bytes 1000" in r.json()["error"]["message"]
+
+        def chunks():   # no Content-Length: the limit holds while the body streams in
+            yield big[:600].encode()
+            yield big[600:].encode()
+        r = httpx.post(f"{base}/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+        ok = httpx.post(f"{base}/v1/embeddings", json={"model": EMB_NAME, "input": "a short one"})
+        assert ok.status_code == 200
+
+
 @pytest.mark.slow
 def test_bad_completion_and_embedding_requests(url):
     cases = [("/v1/completions", {"model": LLM_NAME, "prompt": [10 ** 9]}, 400, "out of range"),

@@ -13,8 +13,10 @@ Endpoints (OpenAI's API reference; vLLM's and llama-server's extensions where na
 | ``GET /metrics`` | Prometheus text format |
 
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with a
-4xx status for what the client can fix (malformed JSON, a bad or unsupported field, an unknown
-model: 400/404; no or a wrong API key: 401), 503 with ``Retry-After`` when ``max_queue``
+4xx status for what the client can fix (malformed JSON, invalid UTF-8, JSON nested deeper than
+``MAX_JSON_DEPTH``, a string with a lone UTF-16 surrogate, a bad or unsupported field, an unknown
+model: 400/404; a body over ``max_body_bytes``: 413; no or a wrong API key: 401), never a 5xx for
+a body (a hypothesis fuzz test posts generated ones), 503 with ``Retry-After`` when ``max_queue``
 requests already wait, and 503 while
 loading; a request that runs past ``timeout_s`` gets 504. Generations run on one engine thread
 (``engine.py``): continuous batching of up to ``parallel`` sequences, or one at a time with
@@ -62,7 +64,8 @@ class ServeOptions:
     ``parallel`` (sequences decoded together by continuous batching; 1: one at a time on the
     persistent decode kernel), ``max_batch_tokens`` (rows per batching step; None:
     ``BatchingEngine``'s default), ``kv_cache_dtype`` (the LLM's: None or 'float16'),
-    ``decode_dtype`` (the LLM's: None or 'int8')."""
+    ``decode_dtype`` (the LLM's: None or 'int8'), ``max_body_bytes`` (a larger request body gets
+    413 before it is read whole)."""
 
     model: str | None = None
     embedding_model: str | None = None
@@ -75,6 +78,36 @@ class ServeOptions:
     max_batch_tokens: int | None = None
     kv_cache_dtype: str | None = None
     decode_dtype: str | None = None
+    max_body_bytes: int = 32 << 20
+
+
+#: JSON nesting deeper than this is refused (400): OpenAI bodies nest a few levels, a tool's
+#: JSON Schema a few dozen; Python's JSON decoder raised RecursionError (a 500) at about 1000
+MAX_JSON_DEPTH = 128
+
+
+def check_json(value: Any) -> None:
+    """BadRequest unless ``value`` (parsed JSON) nests at most ``MAX_JSON_DEPTH`` levels and every
+    string in it is Unicode text (JSON's ``\\ud800`` escapes can spell lone UTF-16 surrogates,
+    which no tokenizer takes). Iterative: never recurses, whatever the depth."""
+    stack = [(value, 1, "body")]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): "
+                                 "not Unicode text", param=where) from None
+            continue
+        if isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at {where})")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, item in items:
+                if isinstance(k, str):
+                    stack.append((k, depth + 1, f"{where} key"))
+                stack.append((item, depth + 1, f"{where}.{k}" if isinstance(v, dict) else f"{where}[{k}]"))
 
 
 @dataclass
@@ -205,11 +238,26 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
         return state
 
     async def body(request: Request) -> Any:
-        raw = await request.body()
+        limit = options.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise BadRequest(f"the request body is {declared} bytes, more than --max-body-bytes {limit}", 413,
+                             kind="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"the request body is more than --max-body-bytes {limit} bytes", 413,
+                                 kind="request_too_large")
+            chunks.append(chunk)
         try:
-            return json.loads(raw)
+            value = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        check_json(value)
+        return value
 
     def check_model(name: str, kind: str) -> None:
         names = state.names(kind)
