@@ -1,5 +1,7 @@
 """yr.LLM end to end against Hugging Face transformers (the independent reference)."""
 
+import re
+
 import pytest
 import torch
 
@@ -350,3 +352,40 @@ def test_an_open_stream_in_the_same_thread_is_a_clear_error(smollm):
     stream.close()
     assert stream.result is None
     assert smollm.generate(PROMPTS[1], max_new_tokens=2).token_ids   # the model is free again
+
+
+@pytest.mark.slow
+def test_logit_bias_is_added_to_the_logits_before_the_pick(smollm, hf_smollm):
+    """Greedy with logit_bias equals transformers' argmax of (logits + bias) at every step: the
+    token greedy picks first is banned (-100) and another raised (+3); alone, in a batch, and
+    sampled (a banned token never comes out)."""
+    ids = smollm.prompt_ids("The capital of France is", False)
+    with torch.inference_mode():
+        first = int(hf_smollm(torch.tensor([ids])).logits[0, -1].argmax())
+    bias = {first: -100.0, str(first + 7): 3.0}
+    dense = torch.zeros(smollm.config.vocab_size)
+    dense[first], dense[first + 7] = -100.0, 3.0
+    seq, want = list(ids), []
+    with torch.inference_mode():
+        for _ in range(6):
+            tok = int((hf_smollm(torch.tensor([seq])).logits[0, -1].float() + dense).argmax())
+            want.append(tok)
+            seq.append(tok)
+    got = smollm.generate(ids, max_new_tokens=6, chat=False, ignore_eos=True, logit_bias=bias)
+    assert got.token_ids == want and first not in got.token_ids
+    batch = smollm.generate([ids, ids[:-1]], max_new_tokens=6, chat=False, ignore_eos=True, logit_bias=bias)
+    assert batch[0].token_ids == want
+    sampled = smollm.generate(ids, max_new_tokens=20, chat=False, ignore_eos=True, temperature=1.0, seed=5,
+                              logit_bias={first: -100})
+    assert first not in sampled.token_ids
+
+
+@pytest.mark.parametrize("bias,message", [({"x": 1.0}, "'x' is not a token id"), ({-1: 1.0}, "-1 is not a token id"),
+                                          ({10 ** 9: 1.0}, "is not a token id in [0, 49152)"),
+                                          ({5: 101}, "must be a number in [-100, 100]"),
+                                          ({5: "a"}, "must be a number"), ([5], "must map token ids")])
+def test_bad_logit_bias_is_one_clear_error(bias, message):
+    from yirage.engines.generate import check_logit_bias
+
+    with pytest.raises(yr.GenerationError, match=re.escape(message)):
+        check_logit_bias(bias, 49152)

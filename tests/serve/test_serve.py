@@ -231,6 +231,9 @@ BAD = [  # (body, status, words in the message)
         "name": "x", "schema": "not a schema"}}}, 400, "response_format.json_schema.schema"),
     ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ({"model": LLM_NAME, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "logit_bias": {"5": 300}}, 400, "must be a number in [-100, 100]"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "logit_bias": {"999999": 1}}, 400, "not a token id in [0, 49152)"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "logit_bias": {"a": 1}}, 400, "'a' is not a token id"),
     ({"model": LLM_NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages"),
     ({"model": "gpt-4o", "messages": MESSAGES}, 404, "not served here"),
@@ -254,6 +257,25 @@ def test_bad_requests_get_one_clear_4xx(url, body, status, words):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["code"] == status
+
+
+@pytest.mark.slow
+def test_logit_bias_as_the_openai_client_sends_it(client, smollm):
+    """logit_bias (token id strings to biases) gives the engine's own answer with that bias, in
+    chat and completions, streamed or not; -100 bans the token the model would pick."""
+    ref = smollm.generate(MESSAGES, max_new_tokens=8)
+    banned = ref.token_ids[0]
+    want = smollm.generate(MESSAGES, max_new_tokens=8, logit_bias={banned: -100})
+    got = client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=8, temperature=0,
+                                         logit_bias={str(banned): -100})
+    assert got.choices[0].message.content == want.text and want.token_ids[0] != banned
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=LLM_NAME, messages=MESSAGES, max_tokens=8, temperature=0, logit_bias={str(banned): -100}, stream=True))
+    assert streamed == want.text
+    plain = smollm.generate("The sky is", max_new_tokens=5, chat=False, logit_bias={"13": 4.5})
+    text = client.completions.create(model=LLM_NAME, prompt="The sky is", max_tokens=5, temperature=0,
+                                     logit_bias={"13": 4.5})
+    assert text.choices[0].text == plain.text
 
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")

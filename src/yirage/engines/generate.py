@@ -78,6 +78,8 @@ class _Sampling:
     top_p: float | None
     generator: torch.Generator | None = field(default=None)
     constraint: object | None = field(default=None)
+    #: (token ids int64 [k], biases float32 [k]) added to the logits before anything else
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
 
     def filtered(self, logits: torch.Tensor) -> torch.Tensor:
         """Scores [vocab] after temperature, top-k and top-p (-inf where filtered out);
@@ -97,7 +99,13 @@ class _Sampling:
         """The next token id from ``logits`` [1, vocab] (``argmax`` [1] their argmax, used by
         greedy decoding without a constraint). With a constraint, the tokens it forbids are
         masked out first (greedy: the best allowed token) and the constraint advances by the
-        token picked. GenerationError when the constraint fails."""
+        token picked. GenerationError when the constraint fails. A ``logit_bias`` is added to the
+        logits first (before the constraint's mask and the sampling filters, as OpenAI's is)."""
+        if self.logit_bias is not None:
+            ids, bias = self.logit_bias
+            logits = logits.float().clone()
+            logits[0, ids] += bias
+            argmax = logits.argmax(dim=-1)
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
             argmax = logits.argmax(dim=-1)
@@ -112,17 +120,45 @@ class _Sampling:
 
 
 def make_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                  seed: int | None = None, constraint=None) -> _Sampling:
+                  seed: int | None = None, constraint=None, logit_bias=None, vocab_size: int | None = None) -> _Sampling:
     """The sampler of one sequence, as ``LLM.generate`` makes it (for ``BatchEngine.add``):
     temperature (0, or below 1e-30: greedy), top-k, top-p, a CPU ``torch.Generator``
-    seeded with ``seed`` (None: torch's default generator) and an optional grammar
+    seeded with ``seed`` (None: torch's default generator), an optional grammar
     ``constraint`` (``ResponseFormat.constraint()``; one per sequence: it holds the sequence's
-    grammar state). Raises GenerationError for values ``check_generation_args`` rejects."""
+    grammar state) and an optional ``logit_bias`` ({token id: bias}, checked against
+    ``vocab_size`` by ``check_logit_bias``). Raises GenerationError for values
+    ``check_generation_args`` or ``check_logit_bias`` rejects."""
     check_generation_args(1, temperature, top_k, top_p, seed)
     gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
     return _Sampling(float(temperature) if temperature >= _GREEDY_BELOW else 0.0,
                      int(top_k) if top_k is not None else None, float(top_p) if top_p is not None else None, gen,
-                     constraint)
+                     constraint, check_logit_bias(logit_bias, vocab_size))
+
+
+#: OpenAI's range of a logit bias; -100 bans a token, 100 all but forces it
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def check_logit_bias(logit_bias, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``logit_bias`` ({token id: bias}; ids as ints or decimal strings, OpenAI's JSON form) as
+    (ids int64 [k], biases float32 [k]), or None for None or {}. GenerationError for an id that
+    is not an integer in [0, ``vocab_size``) or a bias that is not a number in [-100, 100]."""
+    if logit_bias is None or (isinstance(logit_bias, Mapping) and not logit_bias):
+        return None
+    if not isinstance(logit_bias, Mapping):
+        raise GenerationError(f"logit_bias must map token ids to biases, got {type(logit_bias).__name__}")
+    ids, biases = [], []
+    for key, value in logit_bias.items():
+        tid = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        if isinstance(tid, bool) or not isinstance(tid, numbers.Integral) or not (
+                vocab_size is None or 0 <= tid < vocab_size) or tid < 0:
+            raise GenerationError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                -LOGIT_BIAS_LIMIT <= float(value) <= LOGIT_BIAS_LIMIT):
+            raise GenerationError(f"logit_bias: the bias of token {tid} must be a number in [-100, 100], got {value!r}")
+        ids.append(int(tid))
+        biases.append(float(value))
+    return torch.tensor(ids, dtype=torch.int64), torch.tensor(biases, dtype=torch.float32)
 
 
 def _activation_dtype(dtype, backend) -> DType:
@@ -424,7 +460,7 @@ class LLM:
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: "str | Sequence[str] | None" = None, stream: bool = False, chat: bool = True,
-                 ignore_eos: bool = False, response_format=None):
+                 ignore_eos: bool = False, response_format=None, logit_bias=None):
         """Generate a continuation of ``prompt``.
 
         Args:
@@ -456,6 +492,9 @@ class LLM:
                 among those the grammar allows; the generation ends ('stop') when the JSON is
                 complete, or is cut by ``max_new_tokens`` ('length': then not valid JSON).
                 Not with ``ignore_eos``.
+            logit_bias: None or {token id: bias in [-100, 100]} (OpenAI's; ids may be decimal
+                strings): added to the float32 logits before every pick, before the grammar's
+                mask and the sampling filters; -100 in effect bans a token.
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True; a list of
             GenerationResult for a batch.
@@ -463,7 +502,8 @@ class LLM:
             that is not text, is empty or does not fit in max_seq_length, a chat template
             that fails to render (see ``encode_prompt``), ``stream`` with a batch, a second
             generation started in a thread whose earlier stream on this LLM is still open, or
-            a bad ``response_format`` (see ``engines.structured.compile_response_format``).
+            a bad ``response_format`` (see ``engines.structured.compile_response_format``) or
+            ``logit_bias`` (see ``check_logit_bias``).
 
         Safe to call from several threads: each call gets the answer it would get alone.
         Generations run one at a time (a call waits for the one before to finish; a stream
@@ -479,8 +519,11 @@ class LLM:
             raise GenerationError("ignore_eos cannot be combined with a JSON response_format: the JSON ends the "
                                   "generation")
 
+        check_logit_bias(logit_bias, self.config.vocab_size)
+
         def sampling() -> _Sampling:
-            return make_sampling(temperature, top_k, top_p, seed, None if fmt is None else fmt.constraint())
+            return make_sampling(temperature, top_k, top_p, seed, None if fmt is None else fmt.constraint(),
+                                 logit_bias, self.config.vocab_size)
 
         if is_batch(prompt):
             if stream:
@@ -601,7 +644,8 @@ class GenerationStream:
         prefill_s, t_first = 0.0, t0
         # Greedy decode on the persistent kernel runs GREEDY_CHUNK steps per call (the
         # decode loop inside the scheduler); the tokens are then streamed one by one.
-        chunked = self.sampling.temperature == 0 and llm.steps.persistent and self.sampling.constraint is None
+        chunked = (self.sampling.temperature == 0 and llm.steps.persistent and self.sampling.constraint is None
+                   and self.sampling.logit_bias is None)
         pending: collections.deque[int] = collections.deque()
         chunked = chunked and not self.ignore_eos   # the greedy loop stops at EOS by itself
         while len(out) < budget:

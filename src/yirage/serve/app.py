@@ -365,8 +365,19 @@ def _encode_vector(v, fmt: str):
 def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool, response_format=None) -> GenerationJob:
     kwargs = {"max_new_tokens": limit or s.llm.max_seq_length, "temperature": req.temperature,
               "top_p": req.top_p if req.top_p < 1.0 else None, "seed": req.seed, "stop": req.stops() or None,
-              "ignore_eos": ignore_eos, "response_format": response_format}
+              "ignore_eos": ignore_eos, "response_format": response_format, "logit_bias": _logit_bias(s, req)}
     return GenerationJob(ids, kwargs, n=req.n, chat=False)
+
+
+def _logit_bias(s: _State, req) -> dict[int, float] | None:
+    """The request's ``logit_bias`` checked against the LLM's vocabulary; BadRequest if bad."""
+    from ..engines.generate import check_logit_bias
+
+    try:
+        check_logit_bias(req.logit_bias, s.llm.config.vocab_size)
+    except YirageError as e:
+        raise BadRequest(str(e), param="logit_bias") from None
+    return req.logit_bias or None
 
 
 def _check_limit(s: _State, ids: list[int], limit: int | None, param: str) -> None:

@@ -238,7 +238,8 @@ class BatchingEngine:
         seed, fmt = kw.get("seed"), kw.get("response_format")
         samplings = [make_sampling(kw.get("temperature", 0.0), kw.get("top_k"), kw.get("top_p"),
                                    None if seed is None else (seed + i) % 2**64,
-                                   None if fmt is None else fmt.constraint()) for i in range(job.n)]
+                                   None if fmt is None else fmt.constraint(), kw.get("logit_bias"),
+                                   self.llm.config.vocab_size) for i in range(job.n)]
         seqs = []
         try:
             for sampling in samplings:

@@ -115,7 +115,7 @@ class _Sampling(_Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: bool | int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None   # token id (a decimal string) -> bias in [-100, 100]
     user: str | None = None
 
     @field_validator("stop")
@@ -132,7 +132,7 @@ class _Sampling(_Strict):
     def check_supported(self) -> None:
         """BadRequest for a defined field asking for what yirage does not implement."""
         unsupported = {"frequency_penalty": self.frequency_penalty != 0, "presence_penalty": self.presence_penalty != 0,
-                       "logprobs": bool(self.logprobs), "logit_bias": bool(self.logit_bias)}
+                       "logprobs": bool(self.logprobs)}
         for name, asked in unsupported.items():
             if asked:
                 raise BadRequest(f"'{name}' is not supported by yirage serve: leave it out", param=name)
