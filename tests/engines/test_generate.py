@@ -389,3 +389,78 @@ def test_bad_logit_bias_is_one_clear_error(bias, message):
 
     with pytest.raises(yr.GenerationError, match=re.escape(message)):
         check_logit_bias(bias, 49152)
+
+
+def _reference_logprobs(hf_model, ids: list[int], new: list[int], k: int):
+    """transformers' log-softmax (float32) of the logits at each of ``new``'s positions after
+    ``ids``: [(logprob of the token, top-k (id, logprob))]."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids + new])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    out = []
+    for j, tok in enumerate(new):
+        row = lp[len(ids) - 1 + j]
+        top = torch.topk(row, k)
+        out.append((float(row[tok]), [(int(i), float(v)) for v, i in zip(top.values, top.indices)]))
+    return out
+
+
+def _assert_logprobs_match(got, want, tol=1e-4):
+    assert len(got) == len(want)
+    for g, (lp, top) in zip(got, want):
+        assert abs(g.logprob - lp) < tol, (g, lp)
+        assert len(g.top) == len(top)
+        # ids agree wherever the reference's neighbours are not within the tolerance of each other
+        for (gi, gv), (wi, wv) in zip(g.top, top):
+            assert abs(gv - wv) < tol
+            assert gi == wi or abs(dict(top).get(gi, -1e9) - gv) < 2 * tol
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_log_softmax_of_transformers_logits(smollm, hf_smollm):
+    """generate(logprobs=k): every generated token's logprob and its top k equal transformers'
+    log-softmax of the float32 logits to 1e-4: greedy, sampled (at temperature 1.3, the logprob is
+    still the model's, not the sampler's), with a logit_bias (the raw logits'), in a batch, and
+    streamed."""
+    ids = smollm.prompt_ids("The capital of France is", False)
+    greedy = smollm.generate(ids, max_new_tokens=8, chat=False, ignore_eos=True, logprobs=5)
+    assert [x.token_id for x in greedy.logprobs] == greedy.token_ids
+    _assert_logprobs_match(greedy.logprobs, _reference_logprobs(hf_smollm, ids, greedy.token_ids, 5))
+    assert all(x.top[0][0] == x.token_id for x in greedy.logprobs)   # greedy picks the best
+    assert smollm.generate(ids, max_new_tokens=8, chat=False, ignore_eos=True).token_ids == greedy.token_ids
+    sampled = smollm.generate(ids, max_new_tokens=8, chat=False, ignore_eos=True, temperature=1.3, seed=3,
+                              logprobs=2, logit_bias={greedy.token_ids[0]: -100})
+    _assert_logprobs_match(sampled.logprobs, _reference_logprobs(hf_smollm, ids, sampled.token_ids, 2))
+    batch = smollm.generate([ids, ids[:-1]], max_new_tokens=6, chat=False, ignore_eos=True, logprobs=0)
+    for prompt, r in zip([ids, ids[:-1]], batch):
+        _assert_logprobs_match(r.logprobs, _reference_logprobs(hf_smollm, prompt, r.token_ids, 0))
+        assert all(x.top == [] for x in r.logprobs)
+    stream = smollm.generate(ids, max_new_tokens=8, chat=False, ignore_eos=True, logprobs=5, stream=True)
+    "".join(stream)
+    assert [(x.token_id, x.logprob) for x in stream.result.logprobs] == \
+        [(x.token_id, x.logprob) for x in greedy.logprobs]
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_score_every_prompt_token_as_transformers(smollm, hf_smollm):
+    """prompt_logprobs: the first token None, then each token's log-probability given the ones
+    before it, with its top k, equal to transformers' to 1e-4; and generating afterwards is
+    unaffected (its KV cache is the scorer's own)."""
+    before = smollm.generate("Two plus two equals", max_new_tokens=6, chat=False)
+    ids = smollm.prompt_ids("Two plus two equals four, and the sky is blue.", False)
+    got = smollm.prompt_logprobs(ids, k=3)
+    assert got[0] is None and [x.token_id for x in got[1:]] == ids[1:]
+    _assert_logprobs_match(got[1:], _reference_logprobs(hf_smollm, ids[:1], ids[1:], 3))
+    assert smollm.prompt_logprobs("Two plus two equals four, and the sky is blue.")[5].logprob == \
+        pytest.approx(got[5].logprob, abs=1e-6)
+    assert smollm.generate("Two plus two equals", max_new_tokens=6, chat=False).text == before.text
+    with pytest.raises(yr.GenerationError, match=re.escape("logprobs must be None or an integer in [0, 20]")):
+        smollm.prompt_logprobs(ids, k=21)
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.0, True, "3"])
+def test_bad_logprobs_is_one_clear_error(value):
+    from yirage.engines.generate import check_logprobs
+
+    with pytest.raises(yr.GenerationError, match=re.escape("logprobs must be None or an integer in [0, 20]")):
+        check_logprobs(value)

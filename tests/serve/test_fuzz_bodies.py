@@ -34,7 +34,9 @@ fields = st.fixed_dictionaries(
               "input": json_values | st.lists(st.text(max_size=10), max_size=3),
               "max_tokens": st.integers(-3, 4) | json_values, "temperature": json_values, "top_p": json_values,
               "stop": json_values, "n": st.integers(-1, 3) | json_values, "stream": st.booleans() | json_values,
-              "response_format": json_values, "seed": json_values, "logprobs": json_values, "tools": json_values,
+              "response_format": json_values, "seed": json_values, "logprobs": st.integers(-1, 21) | json_values,
+              "top_logprobs": st.integers(-1, 21) | json_values, "echo": st.booleans() | json_values,
+              "logit_bias": json_values, "tools": json_values,
               "encoding_format": st.sampled_from(["float", "base64", "x"]) | json_values})
 bodies = (fields.map(lambda d: json.dumps(d).encode())
           | json_values.map(lambda v: json.dumps(v).encode())

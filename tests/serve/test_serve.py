@@ -230,7 +230,9 @@ BAD = [  # (body, status, words in the message)
     ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": "not a schema"}}}, 400, "response_format.json_schema.schema"),
     ({"model": LLM_NAME, "messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
-    ({"model": LLM_NAME, "messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": LLM_NAME, "messages": MESSAGES, "logprobs": 3}, 400, "logprobs"),
     ({"model": LLM_NAME, "messages": MESSAGES, "logit_bias": {"5": 300}}, 400, "must be a number in [-100, 100]"),
     ({"model": LLM_NAME, "messages": MESSAGES, "logit_bias": {"999999": 1}}, 400, "not a token id in [0, 49152)"),
     ({"model": LLM_NAME, "messages": MESSAGES, "logit_bias": {"a": 1}}, 400, "'a' is not a token id"),
@@ -276,6 +278,74 @@ def test_logit_bias_as_the_openai_client_sends_it(client, smollm):
     text = client.completions.create(model=LLM_NAME, prompt="The sky is", max_tokens=5, temperature=0,
                                      logit_bias={"13": 4.5})
     assert text.choices[0].text == plain.text
+
+
+@pytest.mark.slow
+def test_chat_logprobs_as_openai_returns_them(client, smollm):
+    """logprobs/top_logprobs: each generated token's text, logprob, UTF-8 bytes and alternatives,
+    the engine's own values (which its tests hold to transformers'), streamed or not."""
+    ref = smollm.generate(MESSAGES, max_new_tokens=8, logprobs=3)
+    got = client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    tokens = [smollm.tokenizer.decode([x.token_id]) for x in ref.logprobs]
+    assert [c.token for c in content] == tokens and "".join(tokens) == got.choices[0].message.content
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    for c, x in zip(content, ref.logprobs):
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in x.top], abs=1e-5)
+        assert [t.token for t in c.top_logprobs] == [smollm.tokenizer.decode([i]) for i, _ in x.top]
+    plain = client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+                                           logprobs=True)
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+    none = client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert none.choices[0].logprobs is None
+    streamed = [c for c in client.chat.completions.create(model=LLM_NAME, messages=MESSAGES, max_tokens=8,
+                                                          temperature=0, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs is not None]
+    items = [x for c in streamed for x in c.choices[0].logprobs.content]
+    assert [x.token for x in items] == [c.token for c in content]
+    assert [x.logprob for x in items] == pytest.approx([c.logprob for c in content], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_completion_logprobs_with_echo_score_the_prompt(client, smollm):
+    """/v1/completions with logprobs k and echo: the prompt's text then the completion's, and the
+    legacy logprobs (tokens, token_logprobs with the first prompt token's null, top_logprobs,
+    text_offset) of every prompt and generated token: the engine's prompt_logprobs and generate
+    values. max_tokens 1 with echo is how evaluation harnesses score a text."""
+    prompt = "The capital of France is Paris"
+    ids = smollm.prompt_ids(prompt, False)
+    scored = smollm.prompt_logprobs(ids, 2)
+    ref = smollm.generate(prompt, max_new_tokens=3, chat=False, logprobs=2)
+    got = client.completions.create(model=LLM_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                    echo=True)
+    ch = got.choices[0]
+    assert ch.text == prompt + ref.text
+    lp = ch.logprobs
+    every = ids + ref.token_ids
+    assert lp.tokens == [smollm.tokenizer.decode([t]) for t in every]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [x.logprob for x in scored[1:]] + [x.logprob for x in ref.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(every))]
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert list(lp.top_logprobs[-1].values()) == pytest.approx([v for _, v in ref.logprobs[-1].top], abs=1e-5)
+    # without echo: only the generated tokens; streamed: the same, piece by piece
+    alone = client.completions.create(model=LLM_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
+    assert alone.choices[0].text == ref.text
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    chunks = list(client.completions.create(model=LLM_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ch.text
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    offsets = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset and values[0] is None
+    assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    # echo without logprobs: the prompt's text only
+    echoed = client.completions.create(model=LLM_NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + ref.text and echoed.choices[0].logprobs is None
 
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -326,6 +396,8 @@ def test_bad_completion_and_embedding_requests(url):
              ("/v1/completions", {"model": LLM_NAME, "prompt": "x", "max_tokens": 10 ** 30}, 400, "ask for at most"),
              ("/v1/completions", {"model": LLM_NAME, "prompt": "x", "ignore_eos": "no"}, 400, "ignore_eos"),
              ("/v1/completions", {"model": LLM_NAME, "prompt": [True]}, 400, "prompt"),
+             ("/v1/completions", {"model": LLM_NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+             ("/v1/completions", {"model": LLM_NAME, "prompt": "x", "logprobs": True}, 400, "logprobs"),
              ("/v1/embeddings", {"model": EMB_NAME, "input": []}, 400, "empty"),
              ("/v1/embeddings", {"model": EMB_NAME, "input": [[1, 2, 10 ** 9]]}, 400, "token ids are integers"),
              ("/v1/embeddings", {"model": LLM_NAME, "input": "x"}, 404, "not served here"),

@@ -110,6 +110,7 @@ class Sequence:
         self.prompt_ids, self.max_new_tokens = prompt_ids, max_new_tokens
         self.sampling, self.stops, self.ignore_eos = sampling, stops, ignore_eos
         self.token_ids: list[int] = []
+        self.logprobs: list | None = None if sampling.logprobs is None else []   # a TokenLogprob per token
         self.text = ""
         self.finish_reason: str | None = None
         self.slot: int | None = None
@@ -153,7 +154,8 @@ class Sequence:
         decode_s = self._t_end - first
         tps = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
         return GenerationResult(self.text, list(self.token_ids), self.finish_reason, first - self._t_add, tps,
-                                len(self.prompt_ids), self.cached_tokens)
+                                len(self.prompt_ids), self.cached_tokens,
+                                None if self.logprobs is None else list(self.logprobs))
 
     def __repr__(self) -> str:
         state = self.finish_reason or ("waiting" if self.slot is None else
@@ -422,6 +424,8 @@ class BatchEngine:
             self._finish(seq, "stop")
             return StepEvent(seq, None, "stop")
         seq.token_ids.append(tok)
+        if seq.logprobs is not None:
+            seq.logprobs.append(seq.sampling.last_logprob)
         text = self.llm.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
         cut = _first_stop(text, seq.stops)
         seq.text = text if cut is None else text[:cut]

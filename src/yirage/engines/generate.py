@@ -33,6 +33,29 @@ from ..models.loading import load_model
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+#: the most alternatives per token ``logprobs`` may ask for (OpenAI's top_logprobs limit)
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """A generated (or prompt) token's log-probability under the model: ``logprob`` is the
+    log-softmax of the float32 logits at its position (before temperature, filters, biases or a
+    grammar), ``top`` the ``k`` most likely tokens there as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """``TokenLogprob`` of ``token`` from ``logits`` [vocab] (any float dtype, any device)."""
+    lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    top = torch.topk(lp, k) if k > 0 else None
+    return TokenLogprob(int(token), float(lp[token]),
+                        [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices)])
+
+
 @dataclass
 class GenerationResult:
     """What ``LLM.generate`` returns.
@@ -48,6 +71,8 @@ class GenerationResult:
         prompt_tokens: number of prompt tokens.
         cached_tokens: how many of them were found in the KV cache and not prefilled (the
             batch engine's prefix reuse; 0 elsewhere).
+        logprobs: with ``generate(logprobs=k)``, one ``TokenLogprob`` per token of
+            ``token_ids`` (with its ``k`` most likely alternatives); else None.
     """
 
     text: str
@@ -57,6 +82,7 @@ class GenerationResult:
     decode_tokens_per_s: float
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -80,6 +106,9 @@ class _Sampling:
     constraint: object | None = field(default=None)
     #: (token ids int64 [k], biases float32 [k]) added to the logits before anything else
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
+    #: None, or how many alternatives each pick records with its logprob (``last_logprob``)
+    logprobs: int | None = field(default=None)
+    last_logprob: TokenLogprob | None = field(default=None)
 
     def filtered(self, logits: torch.Tensor) -> torch.Tensor:
         """Scores [vocab] after temperature, top-k and top-p (-inf where filtered out);
@@ -100,7 +129,9 @@ class _Sampling:
         greedy decoding without a constraint). With a constraint, the tokens it forbids are
         masked out first (greedy: the best allowed token) and the constraint advances by the
         token picked. GenerationError when the constraint fails. A ``logit_bias`` is added to the
-        logits first (before the constraint's mask and the sampling filters, as OpenAI's is)."""
+        logits first (before the constraint's mask and the sampling filters, as OpenAI's is).
+        With ``logprobs``, the pick's ``TokenLogprob`` (of the raw logits) is ``last_logprob``."""
+        raw = logits
         if self.logit_bias is not None:
             ids, bias = self.logit_bias
             logits = logits.float().clone()
@@ -116,23 +147,38 @@ class _Sampling:
             tok = int(torch.multinomial(probs, 1, generator=self.generator)[0])
         if self.constraint is not None:
             self.constraint.accept(tok)
+        if self.logprobs is not None:
+            self.last_logprob = token_logprob(raw[0], tok, self.logprobs)
         return tok
 
 
 def make_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                  seed: int | None = None, constraint=None, logit_bias=None, vocab_size: int | None = None) -> _Sampling:
+                  seed: int | None = None, constraint=None, logit_bias=None, vocab_size: int | None = None,
+                  logprobs: int | None = None) -> _Sampling:
     """The sampler of one sequence, as ``LLM.generate`` makes it (for ``BatchEngine.add``):
     temperature (0, or below 1e-30: greedy), top-k, top-p, a CPU ``torch.Generator``
     seeded with ``seed`` (None: torch's default generator), an optional grammar
     ``constraint`` (``ResponseFormat.constraint()``; one per sequence: it holds the sequence's
-    grammar state) and an optional ``logit_bias`` ({token id: bias}, checked against
-    ``vocab_size`` by ``check_logit_bias``). Raises GenerationError for values
-    ``check_generation_args`` or ``check_logit_bias`` rejects."""
+    grammar state), an optional ``logit_bias`` ({token id: bias}, checked against
+    ``vocab_size`` by ``check_logit_bias``) and ``logprobs`` (None, or how many alternatives
+    every pick records: ``check_logprobs``). Raises GenerationError for values
+    ``check_generation_args``, ``check_logit_bias`` or ``check_logprobs`` rejects."""
     check_generation_args(1, temperature, top_k, top_p, seed)
     gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
     return _Sampling(float(temperature) if temperature >= _GREEDY_BELOW else 0.0,
                      int(top_k) if top_k is not None else None, float(top_p) if top_p is not None else None, gen,
-                     constraint, check_logit_bias(logit_bias, vocab_size))
+                     constraint, check_logit_bias(logit_bias, vocab_size), check_logprobs(logprobs))
+
+
+def check_logprobs(logprobs) -> int | None:
+    """``logprobs`` as the number of alternatives per token (None: no logprobs). GenerationError
+    unless it is None or an integer in [0, ``MAX_TOP_LOGPROBS``]."""
+    if logprobs is None:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise GenerationError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+                              f"per token), got {logprobs!r}")
+    return int(logprobs)
 
 
 #: OpenAI's range of a logit bias; -100 bans a token, 100 all but forces it
@@ -396,6 +442,7 @@ class LLM:
         self._max_batch_tokens = max_batch_tokens
         self._batch_engine = None
         self._batch_lock = threading.Lock()
+        self._score_cache = None   # prompt_logprobs' KV cache (one slot), made on first use
         logger.info("loaded %s on %s (max_seq_length=%d, dtype=%s)", self.name, self.backend.value,
                     self.max_seq_length, self.dtype.value)
         freeze_loaded_objects()
@@ -460,7 +507,7 @@ class LLM:
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: "str | Sequence[str] | None" = None, stream: bool = False, chat: bool = True,
-                 ignore_eos: bool = False, response_format=None, logit_bias=None):
+                 ignore_eos: bool = False, response_format=None, logit_bias=None, logprobs: int | None = None):
         """Generate a continuation of ``prompt``.
 
         Args:
@@ -495,6 +542,9 @@ class LLM:
             logit_bias: None or {token id: bias in [-100, 100]} (OpenAI's; ids may be decimal
                 strings): added to the float32 logits before every pick, before the grammar's
                 mask and the sampling filters; -100 in effect bans a token.
+            logprobs: None, or k in [0, 20]: the result's ``logprobs`` holds every generated
+                token's log-probability (the log-softmax of its float32 logits) and the k most
+                likely tokens at its position.
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True; a list of
             GenerationResult for a batch.
@@ -520,10 +570,11 @@ class LLM:
                                   "generation")
 
         check_logit_bias(logit_bias, self.config.vocab_size)
+        check_logprobs(logprobs)
 
         def sampling() -> _Sampling:
             return make_sampling(temperature, top_k, top_p, seed, None if fmt is None else fmt.constraint(),
-                                 logit_bias, self.config.vocab_size)
+                                 logit_bias, self.config.vocab_size, logprobs)
 
         if is_batch(prompt):
             if stream:
@@ -539,6 +590,35 @@ class LLM:
             pass
         return stream_obj.result
 
+
+    def prompt_logprobs(self, prompt, k: int = 0, chat: bool = False) -> list[TokenLogprob | None]:
+        """The log-probability of every prompt token given the ones before it (the first, with
+        nothing before it, None), with the ``k`` most likely tokens at each position: a forward
+        pass over the whole prompt that keeps every position's logits (a plan of the batch
+        graph with all rows sampled, on a KV cache of its own; float32 log-softmax). For
+        scoring: OpenAI's ``echo`` with ``logprobs``, lm-evaluation-harness' log-likelihoods.
+
+        Raises GenerationError for a bad prompt (as ``generate``) or ``k`` (``check_logprobs``).
+        Runs one prompt at a time, like ``generate``."""
+        k = check_logprobs(k)
+        ids = self.prompt_ids(prompt, chat)
+        T = len(ids)
+        with self._sequence_lock:
+            if self._score_cache is None:
+                self._score_cache = self.model.new_batch_cache(1)
+            g, tensors = self.model.build_batch_graph(T, T, self._score_cache)
+            dev = self.model.device
+            rows = torch.arange(T, dtype=torch.int64, device=dev)
+            inputs = [torch.tensor(ids, dtype=torch.int64, device=dev), rows,
+                      torch.zeros(T, dtype=torch.int64, device=dev), rows]
+            logits = g.compile(self.model.backend.value).plan([*inputs, *tensors]).run()[0]
+        lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+        out: list[TokenLogprob | None] = [None]
+        for t in range(1, T):
+            top = torch.topk(lp[t - 1], k) if k > 0 else None
+            out.append(TokenLogprob(ids[t], float(lp[t - 1, ids[t]]),
+                                    [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices)]))
+        return out
 
     def response_format(self, response_format):
         """``response_format`` (OpenAI's dict, see ``generate``) checked and compiled for this
@@ -603,6 +683,8 @@ class GenerationStream:
         self.llm, self.prompt_ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
         self.sampling, self.stops, self.ignore_eos = sampling, stops, ignore_eos
         self.result: GenerationResult | None = None
+        #: with logprobs asked for: a TokenLogprob per token generated so far (grows as it runs)
+        self.logprobs: list[TokenLogprob] | None = None if sampling.logprobs is None else []
         self._pieces: Iterator[str] | None = None
         self._cancelled = threading.Event()
         self.generated = 0   # new tokens so far (the KV cache holds prompt + generated - 1 rows)
@@ -645,7 +727,8 @@ class GenerationStream:
         # Greedy decode on the persistent kernel runs GREEDY_CHUNK steps per call (the
         # decode loop inside the scheduler); the tokens are then streamed one by one.
         chunked = (self.sampling.temperature == 0 and llm.steps.persistent and self.sampling.constraint is None
-                   and self.sampling.logit_bias is None)
+                   and self.sampling.logit_bias is None and self.sampling.logprobs is None)
+        logprobs = self.logprobs
         pending: collections.deque[int] = collections.deque()
         chunked = chunked and not self.ignore_eos   # the greedy loop stops at EOS by itself
         while len(out) < budget:
@@ -672,6 +755,8 @@ class GenerationStream:
                 finish = "stop"
                 break
             out.append(tok)
+            if logprobs is not None:
+                logprobs.append(self.sampling.last_logprob)
             self.generated = len(out)
             text = llm.tokenizer.decode(out, skip_special_tokens=True)
             cut = _first_stop(text, self.stops)
@@ -687,7 +772,8 @@ class GenerationStream:
             yield text[emitted:]
         decode_s = time.perf_counter() - t_first
         tps = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0
-        self.result = GenerationResult(text, out, finish, prefill_s, tps, len(self.prompt_ids))
+        self.result = GenerationResult(text, out, finish, prefill_s, tps, len(self.prompt_ids), 0,
+                                       None if logprobs is None else list(logprobs))
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

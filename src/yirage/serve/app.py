@@ -48,6 +48,7 @@ from ..config import logger
 from ..errors import YirageError
 from .engine import BatchingEngine, GenerationJob, LLMEngine, QueueFull
 from .metrics import Metrics
+from ..engines.generate import TokenLogprob
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 
 
@@ -305,8 +306,17 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
         s = ready()
         req = parse(CompletionRequest, await body(request))
         check_model(req.model, "llm")
-        ids = _prompt_ids(s.llm, req.single_prompt(), chat=False)
-        return await _respond(s, request, req, ids, req.max_tokens, "text", ignore_eos=req.ignore_eos)
+        prompt = req.single_prompt()
+        ids = _prompt_ids(s.llm, prompt, chat=False)
+        echo = None
+        if req.echo:   # the prompt as given, then (with logprobs) its tokens' logprobs
+            text = prompt if isinstance(prompt, str) else s.llm.tokenizer.decode(ids, skip_special_tokens=False)
+            scored = None
+            if req.logprobs is not None:
+                scored = await run_in_threadpool(s.llm.prompt_logprobs, ids, req.logprobs)
+                scored[0] = TokenLogprob(ids[0], None)   # the first token, scored against nothing
+            echo = (text, scored)
+        return await _respond(s, request, req, ids, req.max_tokens, "text", ignore_eos=req.ignore_eos, echo=echo)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -365,8 +375,40 @@ def _encode_vector(v, fmt: str):
 def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool, response_format=None) -> GenerationJob:
     kwargs = {"max_new_tokens": limit or s.llm.max_seq_length, "temperature": req.temperature,
               "top_p": req.top_p if req.top_p < 1.0 else None, "seed": req.seed, "stop": req.stops() or None,
-              "ignore_eos": ignore_eos, "response_format": response_format, "logit_bias": _logit_bias(s, req)}
+              "ignore_eos": ignore_eos, "response_format": response_format, "logit_bias": _logit_bias(s, req),
+              "logprobs": req.logprobs_k()}
     return GenerationJob(ids, kwargs, n=req.n, chat=False)
+
+
+def _token_text(llm, token_id: int) -> str:
+    """A token's text as OpenAI's logprobs show it: the token decoded alone (special ones too)."""
+    return llm.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(llm, items) -> dict:
+    """Chat's ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]} of ``items``
+    (``TokenLogprob``s)."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _token_text(llm, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                        for x in items]}
+
+
+def _completion_logprobs(llm, items, offset: int = 0) -> dict:
+    """Completions' ``logprobs`` (the legacy form): tokens, token_logprobs, top_logprobs ({token:
+    logprob} per position) and text_offset (characters before each token, from ``offset``) of
+    ``items`` (``TokenLogprob``s; an echoed prompt's first token, scored against nothing, has
+    logprob None and no alternatives)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for x in items:
+        offsets.append(offset)
+        text = _token_text(llm, x.token_id)
+        tokens.append(text)
+        values.append(x.logprob)
+        tops.append({_token_text(llm, t): lp for t, lp in x.top} if x.logprob is not None else None)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _logit_bias(s: _State, req) -> dict[int, float] | None:
@@ -392,7 +434,7 @@ def _check_limit(s: _State, ids: list[int], limit: int | None, param: str) -> No
 
 
 async def _respond(s: _State, request: Request, req, ids: list[int], limit: int | None, kind: str,
-                   ignore_eos: bool, response_format=None):
+                   ignore_eos: bool, response_format=None, echo: tuple | None = None):
     _check_limit(s, ids, limit, "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
                  else "max_tokens")
     try:
@@ -404,19 +446,22 @@ async def _respond(s: _State, request: Request, req, ids: list[int], limit: int 
     meta = {"id": rid, "created": int(time.time()), "model": req.model}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _JobStream(job, _sse(s, job, meta, kind, len(ids), include_usage))
+        return _JobStream(job, _sse(s, job, meta, kind, len(ids), include_usage, req.logprobs_k() is not None, echo))
     try:
         results = await _results_unless_gone(job, request, s.options.timeout_s)
     finally:   # answered, failed, timed out, or the client went away: the job ends here
         job.cancelled.set()
     completion = sum(len(r.token_ids) for r in results)
     if kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": None if r.logprobs is None else _chat_logprobs(s.llm, r.logprobs),
                     "finish_reason": r.finish_reason} for i, r in enumerate(results)]
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
-                   for i, r in enumerate(results)]
+        head, scored = echo if echo is not None else ("", None)
+        choices = [{"index": i, "text": head + r.text,
+                    "logprobs": None if r.logprobs is None else _completion_logprobs(s.llm, (scored or []) + r.logprobs),
+                    "finish_reason": r.finish_reason} for i, r in enumerate(results)]
         obj = "text_completion"
     cached = results[0].cached_tokens if results else 0   # the prefix its (first) slot already held
     return {**meta, "object": obj, "choices": choices,
@@ -483,21 +528,40 @@ def _sse_data(obj) -> bytes:
 
 
 async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_tokens: int,
-               include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE events of a streamed completion: chunks as the pieces come, each choice's final
-    chunk with its finish reason, the usage chunk if asked for, then ``data: [DONE]``."""
+               include_usage: bool, logprobs: bool = False, echo: tuple | None = None) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed completion: chunks as the pieces come (with the logprobs of
+    their tokens when asked for), each choice's final chunk with its finish reason (and the
+    logprobs of tokens no piece carried), the usage chunk if asked for, then ``data: [DONE]``.
+    ``echo`` (completions): (prompt text, its TokenLogprobs or None), each choice's first chunk."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(i: int, text: str | None, finish: str | None = None, first: bool = False) -> bytes:
+    def chunk(i: int, text: str | None, finish: str | None = None, first: bool = False, items=None) -> bytes:
+        lp = None
+        if logprobs and items is not None:
+            lp = (_chat_logprobs(s.llm, items) if kind == "chat"
+                  else _completion_logprobs(s.llm, items, chars.get(i, 0)))
+        chars[i] = chars.get(i, 0) + len(text or "")
         if kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         return _sse_data({**meta, "object": obj, "choices": [choice]})
 
     deadline = time.monotonic() + s.options.timeout_s
     started: set[int] = set()
+    sent: dict[int, int] = {}   # choice -> logprobs sent so far
+    chars: dict[int, int] = {}  # choice -> characters of text sent so far (text_offset)
+
+    def opening(i: int) -> list[bytes]:   # a choice's first chunk(s): the role, or the echoed prompt
+        if i in started:
+            return []
+        started.add(i)
+        if kind == "chat":
+            return [chunk(i, None, first=True)]
+        if echo is not None:
+            return [chunk(i, echo[0], items=echo[1] or [])]
+        return []
     try:
         while True:
             try:
@@ -508,11 +572,11 @@ async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_toke
                                                       "(--timeout)", "type": "timeout", "param": None, "code": 504}})
                 break
             if event[0] == "piece":
-                _, i, text = event
-                if kind == "chat" and i not in started:
-                    started.add(i)
-                    yield chunk(i, None, first=True)
-                yield chunk(i, text)
+                _, i, text, items = event
+                for c in opening(i):
+                    yield c
+                sent[i] = sent.get(i, 0) + len(items)
+                yield chunk(i, text, items=items)
             elif event[0] == "error":
                 yield _sse_data({"error": {"message": event[1], "type": "invalid_request_error", "param": None,
                                            "code": 400}})
@@ -520,9 +584,10 @@ async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_toke
             else:
                 results = event[1]
                 for i, r in enumerate(results):
-                    if kind == "chat" and i not in started:
-                        yield chunk(i, None, first=True)
-                    yield chunk(i, None, r.finish_reason)
+                    for c in opening(i):
+                        yield c
+                    tail = None if r.logprobs is None else r.logprobs[sent.get(i, 0):]
+                    yield chunk(i, None, r.finish_reason, items=tail)
                 if include_usage:
                     completion = sum(len(r.token_ids) for r in results)
                     yield _sse_data({**meta, "object": obj, "choices": [],

@@ -38,8 +38,9 @@ class QueueFull(YirageError):
 class GenerationJob:
     """One request's generations: ``prompt`` (text, chat messages or token ids) with the
     ``generate`` keyword arguments ``kwargs``, ``n`` choices (choice i gets seed + i when a seed
-    is given). ``events`` receives ("piece", choice index, text), ("done", [GenerationResult])
-    or ("error", message); ``cancelled`` stops it (from any thread)."""
+    is given). ``events`` receives ("piece", choice index, text, [TokenLogprob] of the tokens
+    since the choice's last piece (empty without logprobs)), ("done", [GenerationResult]) or
+    ("error", message); ``cancelled`` stops it (from any thread)."""
 
     prompt: Any
     kwargs: dict
@@ -115,7 +116,7 @@ class LLMEngine:
             if kwargs.get("seed") is not None:
                 kwargs["seed"] = (kwargs["seed"] + i) % 2**64
             stream = self.llm.generate(job.prompt, stream=True, chat=job.chat, **kwargs)
-            start, last = time.perf_counter(), None
+            start, last, sent = time.perf_counter(), None, 0
             for piece in stream:
                 now = time.perf_counter()
                 if last is None:
@@ -123,7 +124,9 @@ class LLMEngine:
                 else:
                     self.metrics.inter_token.observe(now - last)
                 last = now
-                job.emit("piece", i, piece)
+                new = stream.logprobs[sent:] if stream.logprobs is not None else []
+                sent += len(new)
+                job.emit("piece", i, piece, new)
                 self.metrics.kv_usage.set((len(stream.prompt_ids) + stream.generated) / self.llm.max_seq_length)
                 if job.cancelled.is_set():
                     stream.cancel()
@@ -179,6 +182,7 @@ class BatchingEngine:
         self._jobs: dict[int, tuple[GenerationJob, list]] = {}   # id(job) -> (job, its sequences)
         self._owner: dict[int, tuple[GenerationJob, int]] = {}  # sequence id -> (job, choice index)
         self._last: dict[int, float] = {}                        # sequence id -> time of its last piece
+        self._sent: dict[int, int] = {}                          # sequence id -> logprobs sent with its pieces
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="yirage-engine", daemon=True)
         self._thread.start()
@@ -239,7 +243,7 @@ class BatchingEngine:
         samplings = [make_sampling(kw.get("temperature", 0.0), kw.get("top_k"), kw.get("top_p"),
                                    None if seed is None else (seed + i) % 2**64,
                                    None if fmt is None else fmt.constraint(), kw.get("logit_bias"),
-                                   self.llm.config.vocab_size) for i in range(job.n)]
+                                   self.llm.config.vocab_size, kw.get("logprobs")) for i in range(job.n)]
         seqs = []
         try:
             for sampling in samplings:
@@ -264,13 +268,16 @@ class BatchingEngine:
                 continue
             piece = ev.seq.take_text()
             if piece:
+                sent = self._sent.get(ev.seq.id, 0)
+                new = ev.seq.logprobs[sent:] if ev.seq.logprobs is not None else []
+                self._sent[ev.seq.id] = sent + len(new)
                 last = self._last.get(ev.seq.id)
                 if last is None:
                     self.metrics.ttft.observe(now - job.submitted)
                 else:
                     self.metrics.inter_token.observe(now - last)
                 self._last[ev.seq.id] = now
-                job.emit("piece", i, piece)
+                job.emit("piece", i, piece, new)
             if ev.finish is not None:
                 ended[id(job)] = job
         for job in ended.values():
@@ -290,6 +297,7 @@ class BatchingEngine:
         for s, r in zip(seqs, results):
             self._owner.pop(s.id, None)
             self._last.pop(s.id, None)
+            self._sent.pop(s.id, None)
             self.metrics.prompt_tokens.inc(r.prompt_tokens)
             self.metrics.cached_prompt_tokens.inc(r.cached_tokens)
             self.metrics.generation_tokens.inc(len(r.token_ids))

@@ -114,7 +114,6 @@ class _Sampling(_Strict):
     # defined by the API, implemented only at their neutral values
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None   # token id (a decimal string) -> bias in [-100, 100]
     user: str | None = None
 
@@ -131,8 +130,7 @@ class _Sampling(_Strict):
 
     def check_supported(self) -> None:
         """BadRequest for a defined field asking for what yirage does not implement."""
-        unsupported = {"frequency_penalty": self.frequency_penalty != 0, "presence_penalty": self.presence_penalty != 0,
-                       "logprobs": bool(self.logprobs)}
+        unsupported = {"frequency_penalty": self.frequency_penalty != 0, "presence_penalty": self.presence_penalty != 0}
         for name, asked in unsupported.items():
             if asked:
                 raise BadRequest(f"'{name}' is not supported by yirage serve: leave it out", param=name)
@@ -146,7 +144,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -155,8 +154,8 @@ class ChatCompletionRequest(_Sampling):
         super().check_supported()
         if self.tools or self.tool_choice not in (None, "none"):
             raise BadRequest("tool calls are not supported by yirage serve: leave 'tools' out", param="tools")
-        if self.top_logprobs:
-            raise BadRequest("'top_logprobs' is not supported by yirage serve", param="top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if self.response_format is not None:
             self.response_format.as_dict()
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -166,6 +165,10 @@ class ChatCompletionRequest(_Sampling):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprobs_k(self) -> int | None:
+        """None without logprobs, else the alternatives per token (``top_logprobs``, default 0)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` a string or token ids (one prompt; a list of
@@ -173,6 +176,7 @@ class CompletionRequest(_Sampling):
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -180,9 +184,13 @@ class CompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo or self.suffix or (self.best_of not in (None, 1)):
-            name = "echo" if self.echo else "suffix" if self.suffix else "best_of"
+        if self.suffix or (self.best_of not in (None, 1)):
+            name = "suffix" if self.suffix else "best_of"
             raise BadRequest(f"'{name}' is not supported by yirage serve", param=name)
+
+    def logprobs_k(self) -> int | None:
+        """None without logprobs, else the alternatives per token."""
+        return self.logprobs
 
     def single_prompt(self) -> "str | list[int]":
         """The one prompt: a string or a list of token ids. BadRequest for several or none."""
