@@ -485,8 +485,11 @@ def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, outpu
                    "llama-server's numerics: replies may differ from float32's).")
 @click.option("--max-body-bytes", type=int, default=32 << 20, show_default=True,
               help="The largest request body; a larger one gets HTTP 413.")
+@click.option("--chat-template-file", type=click.Path(dir_okay=False), default=None,
+              help="A jinja2 chat template used instead of the model's (llama-server's flag), e.g. one with a "
+                   "tool-call format for a model whose own template has none.")
 def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_batch_tokens, api_key, api_key_file,
-          max_queue, timeout, kv_cache_dtype, decode_dtype, max_body_bytes) -> None:
+          max_queue, timeout, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template_file) -> None:
     """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
     /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
     try:
@@ -522,10 +525,11 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         llm = None if model.lower() == "none" else model
         if llm is None and embedding_model is None:
             raise GenerationError("nothing to serve: give an LLM (-m) or an --embedding-model")
+        chat_template = None if chat_template_file is None else _read_chat_template(chat_template_file, llm)
         from .serve import ServeOptions, run_server
 
         options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel,
-                               max_batch_tokens, kv_cache_dtype, decode_dtype, max_body_bytes)
+                               max_batch_tokens, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template)
         click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
                    "GET /health answers 200 when ready)", err=True)
         error = run_server(options, host, port)
@@ -533,6 +537,26 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         _fail(str(e))
     if error:
         _fail(error)
+
+
+def _read_chat_template(path: str, llm: str | None) -> str:
+    """The text of --chat-template-file, checked to compile; GenerationError if it cannot be
+    read, is empty, does not compile, or there is no LLM to use it."""
+    from .models.tokenizer import check_chat_template
+
+    if llm is None:
+        raise GenerationError("--chat-template-file is the LLM's chat template: give an LLM (-m)")
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerationError(f"cannot read --chat-template-file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        raise GenerationError(f"--chat-template-file {path} is empty")
+    try:
+        check_chat_template(text)
+    except ValueError as e:
+        raise GenerationError(f"--chat-template-file {path} is not a jinja2 template: {e}") from None
+    return text
 
 
 @cli.command()

@@ -73,6 +73,8 @@ class GenerationResult:
             batch engine's prefix reuse; 0 elsewhere).
         logprobs: with ``generate(logprobs=k)``, one ``TokenLogprob`` per token of
             ``token_ids`` (with its ``k`` most likely alternatives); else None.
+        tool_calls: with ``generate(tools=...)``, the ``engines.tools.ToolCall``s parsed out of
+            the reply (``text`` is then the rest of it); else None.
     """
 
     text: str
@@ -83,11 +85,13 @@ class GenerationResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list | None = None
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "prefill_s": self.prefill_s, "decode_tokens_per_s": self.decode_tokens_per_s,
-                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                **({} if self.tool_calls is None else {"tool_calls": [c.to_openai() for c in self.tool_calls]})}
 
 
 #: Greedy decode steps per call of the persistent decode loop (then streamed one by one).
@@ -456,9 +460,14 @@ class LLM:
         return self.steps.decode.write_trace(path)
 
     # ---- prompts ------------------------------------------------------------------------
-    def encode_prompt(self, prompt: "str | Sequence[dict]", chat: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: "str | Sequence[dict]", chat: bool = True, tools: list[dict] | None = None,
+                      chat_template: str | None = None) -> list[int]:
         """Token ids of ``prompt``: a string (wrapped as one user message when ``chat`` and
-        the tokenizer has a chat template) or a list of {'role', 'content'} messages.
+        the tokenizer has a chat template) or a list of {'role', 'content'} messages (OpenAI's:
+        assistant turns may carry ``tool_calls``, whose JSON ``arguments`` the template gets as a
+        dict, and ``tool`` turns a ``tool_call_id``). ``tools``: function definitions the
+        template renders (``engines.tools.check_tools``' form); ``chat_template``: a jinja2
+        template used instead of the model's.
 
         Raises GenerationError: the prompt is neither a string nor a non-empty list of
         messages, holds invalid Unicode (lone surrogates), is a message list for a model
@@ -467,13 +476,18 @@ class LLM:
         """
         _check_prompt(prompt)
         tok = self.tokenizer
-        if isinstance(prompt, str) and not (chat and getattr(tok, "chat_template", None)):
+        template = chat_template or getattr(tok, "chat_template", None)
+        if isinstance(prompt, str) and not (chat and template):
             return list(tok.encode(prompt, add_special_tokens=True))
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if not getattr(tok, "chat_template", None):
+        if not template:
             raise GenerationError("this model's tokenizer has no chat template: pass a plain string prompt")
+        from .tools import messages_for_template
+
+        messages = messages_for_template(messages)
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(messages, tools=tools, chat_template=chat_template,
+                                          add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # the template is the model's code: any failure is the template's
             detail = " ".join(f"{type(exc).__name__}: {exc}".split()).rstrip(".")
             raise GenerationError(f"the model's chat template failed: {detail}; pass chat=False (a plain "
@@ -483,10 +497,12 @@ class LLM:
         return list(ids)
 
     # ---- generation ---------------------------------------------------------------------
-    def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
-        """The token ids ``generate`` feeds for ``prompt``: ``encode_prompt``'s, or a list of
-        token ids as given (each checked against the vocabulary). GenerationError for a prompt
-        that is not text, messages or token ids, is empty, or does not fit in max_seq_length."""
+    def prompt_ids(self, prompt, chat: bool = True, tools: list[dict] | None = None,
+                   chat_template: str | None = None) -> list[int]:
+        """The token ids ``generate`` feeds for ``prompt``: ``encode_prompt``'s (with ``tools``
+        and ``chat_template`` as there), or a list of token ids as given (each checked against
+        the vocabulary). GenerationError for a prompt that is not text, messages or token ids, is
+        empty, or does not fit in max_seq_length."""
         if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)) and prompt and all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             vocab = self.config.vocab_size
@@ -496,7 +512,7 @@ class LLM:
                                       "model's vocabulary")
             ids = [int(t) for t in prompt]
         else:
-            ids = self.encode_prompt(prompt, chat)
+            ids = self.encode_prompt(prompt, chat, tools, chat_template)
         if not ids:
             raise GenerationError("the prompt encodes to 0 tokens: give a non-empty prompt")
         if len(ids) >= self.max_seq_length:
@@ -507,7 +523,9 @@ class LLM:
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: "str | Sequence[str] | None" = None, stream: bool = False, chat: bool = True,
-                 ignore_eos: bool = False, response_format=None, logit_bias=None, logprobs: int | None = None):
+                 ignore_eos: bool = False, response_format=None, logit_bias=None, logprobs: int | None = None,
+                 tools: list[dict] | None = None, tool_choice=None, parallel_tool_calls: bool | None = None,
+                 chat_template: str | None = None):
         """Generate a continuation of ``prompt``.
 
         Args:
@@ -545,6 +563,13 @@ class LLM:
             logprobs: None, or k in [0, 20]: the result's ``logprobs`` holds every generated
                 token's log-probability (the log-softmax of its float32 logits) and the k most
                 likely tokens at its position.
+            tools, tool_choice, parallel_tool_calls: OpenAI's tool calling (``engines.tools``):
+                the chat template renders the function definitions; the calls the model makes
+                are parsed out of its reply into the result's ``tool_calls`` (``text`` keeps the
+                rest; ``finish_reason`` 'tool_calls'); ``tool_choice`` 'required' or
+                {'type': 'function', 'function': {'name': ...}} forces a call with a grammar.
+                A template without a tool format is refused.
+            chat_template: a jinja2 chat template used instead of the model's.
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True; a list of
             GenerationResult for a batch.
@@ -565,6 +590,11 @@ class LLM:
             raise GenerationError(f"stop must be a string, a list of strings or None, got {stop!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         fmt = self.response_format(response_format)
+        calling = self.tool_calling(tools, tool_choice, parallel_tool_calls, chat_template)
+        if calling is not None and calling.response_format is not None:
+            if fmt is not None:
+                raise GenerationError("a response_format cannot be combined with a tool_choice that forces a call")
+            fmt = calling.response_format
         if fmt is not None and ignore_eos:
             raise GenerationError("ignore_eos cannot be combined with a JSON response_format: the JSON ends the "
                                   "generation")
@@ -579,16 +609,28 @@ class LLM:
         if is_batch(prompt):
             if stream:
                 raise GenerationError("stream=True takes one prompt; a batch of prompts returns a list of results")
-            all_ids = [self.prompt_ids(p, chat) for p in prompt]
-            return self._generate_batch(all_ids, int(max_new_tokens), sampling, stops, bool(ignore_eos))
-        ids = self.prompt_ids(prompt, chat)
+            rendered_tools = None if calling is None else calling.tools
+            all_ids = [self.prompt_ids(p, chat, rendered_tools, chat_template) for p in prompt]
+            results = self._generate_batch(all_ids, int(max_new_tokens), sampling, stops, bool(ignore_eos))
+            return [_with_tool_calls(r, calling) for r in results]
+        ids = self.prompt_ids(prompt, chat, None if calling is None else calling.tools, chat_template)
         sampling = sampling()
-        stream_obj = GenerationStream(self, ids, int(max_new_tokens), sampling, stops, bool(ignore_eos))
+        stream_obj = GenerationStream(self, ids, int(max_new_tokens), sampling, stops, bool(ignore_eos), calling)
         if stream:
             return stream_obj
         for _ in stream_obj:
             pass
         return stream_obj.result
+
+    def tool_calling(self, tools, tool_choice=None, parallel_tool_calls: bool | None = None,
+                     chat_template: str | None = None):
+        """OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` checked and compiled for
+        this model and its chat template (or ``chat_template``): an ``engines.tools.ToolCalling``
+        (what ``generate`` does with them), or None without tools. GenerationError as
+        ``engines.tools.compile_tools`` raises it (a template without a tool format, ...)."""
+        from .tools import compile_tools
+
+        return compile_tools(self, tools, tool_choice, parallel_tool_calls, chat_template)
 
 
     def prompt_logprobs(self, prompt, k: int = 0, chat: bool = False) -> list[TokenLogprob | None]:
@@ -679,8 +721,9 @@ class GenerationStream:
     and a new generation in the same thread is a GenerationError."""
 
     def __init__(self, llm: LLM, prompt_ids: list[int], max_new_tokens: int, sampling: _Sampling,
-                 stops: list[str], ignore_eos: bool = False):
+                 stops: list[str], ignore_eos: bool = False, tool_calling=None):
         self.llm, self.prompt_ids, self.max_new_tokens = llm, prompt_ids, max_new_tokens
+        self.tool_calling = tool_calling   # with tools: the result's text is parsed for calls
         self.sampling, self.stops, self.ignore_eos = sampling, stops, ignore_eos
         self.result: GenerationResult | None = None
         #: with logprobs asked for: a TokenLogprob per token generated so far (grows as it runs)
@@ -772,8 +815,24 @@ class GenerationStream:
             yield text[emitted:]
         decode_s = time.perf_counter() - t_first
         tps = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0
-        self.result = GenerationResult(text, out, finish, prefill_s, tps, len(self.prompt_ids), 0,
-                                       None if logprobs is None else list(logprobs))
+        self.result = _with_tool_calls(GenerationResult(text, out, finish, prefill_s, tps, len(self.prompt_ids), 0,
+                                                        None if logprobs is None else list(logprobs)),
+                                       self.tool_calling)
+
+
+def _with_tool_calls(result: GenerationResult, calling) -> GenerationResult:
+    """``result`` with the tool calls in its text parsed out (``engines.tools.ToolCalling``):
+    ``tool_calls`` the calls, ``text`` the rest, ``finish_reason`` 'tool_calls' when the model
+    stopped after making some. Unchanged without tools."""
+    if calling is None:
+        return result
+    content, calls = calling.parse(result.text)
+    result.tool_calls = calls
+    if calls:
+        result.text = content or ""
+        if result.finish_reason == "stop":
+            result.finish_reason = "tool_calls"
+    return result
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

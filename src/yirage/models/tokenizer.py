@@ -527,6 +527,17 @@ def _alias_reasoning_fields(chat: list) -> list:
     return out
 
 
+def check_chat_template(template: str) -> None:
+    """ValueError with jinja2's message (and line) unless ``template`` compiles as a chat template
+    (the environment ``apply_chat_template`` renders in)."""
+    import jinja2.exceptions
+
+    try:
+        _compile_template(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"line {e.lineno}: {e.message}") from None
+
+
 @lru_cache(maxsize=16)
 def _compile_template(template: str) -> Any:
     """``template`` compiled in transformers' chat-template environment (jinja2 >= 3.1.6 required,

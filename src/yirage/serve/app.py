@@ -66,7 +66,8 @@ class ServeOptions:
     persistent decode kernel), ``max_batch_tokens`` (rows per batching step; None:
     ``BatchingEngine``'s default), ``kv_cache_dtype`` (the LLM's: None or 'float16'),
     ``decode_dtype`` (the LLM's: None or 'int8'), ``max_body_bytes`` (a larger request body gets
-    413 before it is read whole)."""
+    413 before it is read whole), ``chat_template`` (a jinja2 chat template, the text of
+    ``--chat-template-file``, used instead of the model's; None: the model's)."""
 
     model: str | None = None
     embedding_model: str | None = None
@@ -80,6 +81,7 @@ class ServeOptions:
     kv_cache_dtype: str | None = None
     decode_dtype: str | None = None
     max_body_bytes: int = 32 << 20
+    chat_template: str | None = None
 
 
 #: JSON nesting deeper than this is refused (400): OpenAI bodies nest a few levels, a tool's
@@ -295,11 +297,18 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
         s = ready()
         req = parse(ChatCompletionRequest, await body(request))
         check_model(req.model, "llm")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-        ids = _prompt_ids(s.llm, messages, chat=True)
+        messages = [m.for_template() for m in req.messages]
+        calling = await _tool_calling(s, req)
         fmt = await _response_format(s.llm, req.response_format)
-        return await _respond(s, request, req, ids, req.token_limit(), "chat", ignore_eos=False, response_format=fmt)
+        if calling is not None and calling.response_format is not None:
+            if fmt is not None:
+                raise BadRequest("a response_format cannot be combined with a tool_choice that forces a call",
+                                 param="response_format")
+            fmt = calling.response_format
+        ids = _prompt_ids(s.llm, messages, chat=True, tools=None if calling is None else calling.tools,
+                          chat_template=s.options.chat_template)
+        return await _respond(s, request, req, ids, req.token_limit(), "chat", ignore_eos=False, response_format=fmt,
+                              calling=calling)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -345,12 +354,26 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
     return app
 
 
-def _prompt_ids(llm, prompt, chat: bool) -> list[int]:
-    """The prompt's token ids (checked here, before the request queues); BadRequest if bad."""
+def _prompt_ids(llm, prompt, chat: bool, tools=None, chat_template: str | None = None) -> list[int]:
+    """The prompt's token ids (checked here, before the request queues), rendered with ``tools``
+    and ``chat_template`` (--chat-template-file) for chat; BadRequest if bad."""
     try:
-        return llm.prompt_ids(prompt, chat)
+        return llm.prompt_ids(prompt, chat, tools, chat_template)
     except YirageError as e:
         raise BadRequest(str(e), param="messages" if chat else "prompt") from None
+
+
+async def _tool_calling(s: _State, req):
+    """The request's tools compiled for the LLM and the served chat template
+    (``engines.tools.ToolCalling``; in a worker thread: a forcing grammar takes a while), or None
+    without tools; BadRequest for bad tools, tool_choice, or a template without a tool format."""
+    if not req.tools and req.tool_choice is None:
+        return None
+    try:
+        return await run_in_threadpool(s.llm.tool_calling, req.tools, req.tool_choice, req.parallel_tool_calls,
+                                       s.options.chat_template)
+    except YirageError as e:
+        raise BadRequest(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
 
 
 async def _response_format(llm, response_format):
@@ -378,6 +401,17 @@ def _job(s: _State, req, ids: list[int], limit: int | None, ignore_eos: bool, re
               "ignore_eos": ignore_eos, "response_format": response_format, "logit_bias": _logit_bias(s, req),
               "logprobs": req.logprobs_k()}
     return GenerationJob(ids, kwargs, n=req.n, chat=False)
+
+
+def _assistant_message(text: str, calling) -> dict:
+    """The chat reply's ``message``: with tools, the calls parsed out of ``text`` go to
+    ``tool_calls`` (``content`` keeps the rest, null when nothing is left)."""
+    if calling is None:
+        return {"role": "assistant", "content": text}
+    content, calls = calling.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
 
 
 def _token_text(llm, token_id: int) -> str:
@@ -434,7 +468,7 @@ def _check_limit(s: _State, ids: list[int], limit: int | None, param: str) -> No
 
 
 async def _respond(s: _State, request: Request, req, ids: list[int], limit: int | None, kind: str,
-                   ignore_eos: bool, response_format=None, echo: tuple | None = None):
+                   ignore_eos: bool, response_format=None, echo: tuple | None = None, calling=None):
     _check_limit(s, ids, limit, "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
                  else "max_tokens")
     try:
@@ -446,16 +480,20 @@ async def _respond(s: _State, request: Request, req, ids: list[int], limit: int 
     meta = {"id": rid, "created": int(time.time()), "model": req.model}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _JobStream(job, _sse(s, job, meta, kind, len(ids), include_usage, req.logprobs_k() is not None, echo))
+        return _JobStream(job, _sse(s, job, meta, kind, len(ids), include_usage, req.logprobs_k() is not None, echo,
+                                    calling))
     try:
         results = await _results_unless_gone(job, request, s.options.timeout_s)
     finally:   # answered, failed, timed out, or the client went away: the job ends here
         job.cancelled.set()
     completion = sum(len(r.token_ids) for r in results)
     if kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+        choices = [{"index": i, "message": _assistant_message(r.text, calling),
                     "logprobs": None if r.logprobs is None else _chat_logprobs(s.llm, r.logprobs),
                     "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+        for c in choices:
+            if c["message"].get("tool_calls") and c["finish_reason"] == "stop":
+                c["finish_reason"] = "tool_calls"
         obj = "chat.completion"
     else:
         head, scored = echo if echo is not None else ("", None)
@@ -528,21 +566,28 @@ def _sse_data(obj) -> bytes:
 
 
 async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_tokens: int,
-               include_usage: bool, logprobs: bool = False, echo: tuple | None = None) -> AsyncIterator[bytes]:
+               include_usage: bool, logprobs: bool = False, echo: tuple | None = None,
+               calling=None) -> AsyncIterator[bytes]:
     """The SSE events of a streamed completion: chunks as the pieces come (with the logprobs of
     their tokens when asked for), each choice's final chunk with its finish reason (and the
-    logprobs of tokens no piece carried), the usage chunk if asked for, then ``data: [DONE]``.
-    ``echo`` (completions): (prompt text, its TokenLogprobs or None), each choice's first chunk."""
+    logprobs of tokens no chunk carried yet), the usage chunk if asked for, then ``data: [DONE]``.
+    ``echo`` (completions): (prompt text, its TokenLogprobs or None), each choice's first chunk.
+    ``calling`` (chat with tools, ``engines.tools.ToolCalling``): text that may be a tool call
+    is held back until it is known; each call goes out as OpenAI streams one, a
+    ``delta.tool_calls`` chunk with its index, id, type and name, then one with its arguments."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(i: int, text: str | None, finish: str | None = None, first: bool = False, items=None) -> bytes:
+    def chunk(i: int, text: str | None, finish: str | None = None, first: bool = False, items=None,
+              delta: dict | None = None) -> bytes:
         lp = None
         if logprobs and items is not None:
             lp = (_chat_logprobs(s.llm, items) if kind == "chat"
                   else _completion_logprobs(s.llm, items, chars.get(i, 0)))
+            sent[i] = sent.get(i, 0) + len(items)
         chars[i] = chars.get(i, 0) + len(text or "")
         if kind == "chat":
-            delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
@@ -552,6 +597,8 @@ async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_toke
     started: set[int] = set()
     sent: dict[int, int] = {}   # choice -> logprobs sent so far
     chars: dict[int, int] = {}  # choice -> characters of text sent so far (text_offset)
+    parsers: dict = {}          # choice -> its ToolCallStream (chat with tools)
+    calls: dict[int, int] = {}  # choice -> tool calls sent so far
 
     def opening(i: int) -> list[bytes]:   # a choice's first chunk(s): the role, or the echoed prompt
         if i in started:
@@ -560,8 +607,27 @@ async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_toke
         if kind == "chat":
             return [chunk(i, None, first=True)]
         if echo is not None:
-            return [chunk(i, echo[0], items=echo[1] or [])]
+            out = [chunk(i, echo[0], items=echo[1] or [])]
+            sent[i] = 0   # the echoed prompt's logprobs are not the generation's
+            return out
         return []
+
+    def pieces(i: int, parts: list, items) -> list[bytes]:
+        """Chunks of what choice ``i``'s tool-call parser let out (text and ToolCalls); the
+        logprobs ``items`` ride on the first, or wait for the final chunk if nothing went out."""
+        out = []
+        for part in parts:
+            if isinstance(part, str):
+                out.append(chunk(i, part, items=items))
+            else:
+                k = calls.get(i, 0)
+                calls[i] = k + 1
+                head = {"index": k, "id": part.id, "type": "function", "function": {"name": part.name, "arguments": ""}}
+                out.append(chunk(i, None, items=items, delta={"tool_calls": [head]}))
+                out.append(chunk(i, None, delta={"tool_calls": [{"index": k, "function": {"arguments": part.arguments}}]}))
+            items = None
+        return out
+
     try:
         while True:
             try:
@@ -575,8 +641,12 @@ async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_toke
                 _, i, text, items = event
                 for c in opening(i):
                     yield c
-                sent[i] = sent.get(i, 0) + len(items)
-                yield chunk(i, text, items=items)
+                if calling is None:
+                    yield chunk(i, text, items=items)
+                    continue
+                parser = parsers.setdefault(i, calling.stream())
+                for c in pieces(i, parser.feed(text), items):
+                    yield c
             elif event[0] == "error":
                 yield _sse_data({"error": {"message": event[1], "type": "invalid_request_error", "param": None,
                                            "code": 400}})
@@ -586,8 +656,12 @@ async def _sse(s: _State, job: GenerationJob, meta: dict, kind: str, prompt_toke
                 for i, r in enumerate(results):
                     for c in opening(i):
                         yield c
+                    if calling is not None:
+                        for c in pieces(i, parsers.setdefault(i, calling.stream()).finish(), None):
+                            yield c
                     tail = None if r.logprobs is None else r.logprobs[sent.get(i, 0):]
-                    yield chunk(i, None, r.finish_reason, items=tail)
+                    finish = "tool_calls" if calls.get(i) and r.finish_reason == "stop" else r.finish_reason
+                    yield chunk(i, None, finish, items=tail)
                 if include_usage:
                     completion = sum(len(r.token_ids) for r in results)
                     yield _sse_data({**meta, "object": obj, "choices": [],

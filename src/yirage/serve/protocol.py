@@ -3,7 +3,7 @@ checks that turn a bad body into one clear message (``BadRequest``, answered wit
 
 The fields follow OpenAI's API reference (``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``). A field the API defines but yirage does not implement is refused when it
-asks for something (``logprobs: true``, a non-zero penalty, tools);
+asks for something (a non-zero penalty, ``suffix``, ``best_of``);
 a field the API does not define is refused by name. Nothing is silently ignored.
 
 This module must never touch an engine: it only parses and checks.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 #: the most stop strings a request may give (OpenAI's limit)
 MAX_STOPS = 4
@@ -42,13 +42,41 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    """A call's ``function``: the ``name`` and the ``arguments`` as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(_Strict):
+    """One of an assistant message's ``tool_calls``: ``id``, ``type`` 'function', ``function``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     """A chat message: ``role`` and ``content`` (a string, a list of text parts, or null for an
-    assistant turn); ``name`` is accepted and not used."""
+    assistant turn); an assistant turn may carry ``tool_calls``, a ``tool`` turn answers one by
+    its ``tool_call_id``; ``name`` goes to the template as it is."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has a tool_call_id")
+        return self
 
     def text(self) -> str:
         """The content as one string (parts joined)."""
@@ -57,6 +85,19 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as a chat template takes it: 'developer' as 'system', the content as one
+        string (null for an assistant turn with calls and no text), calls and ids as dicts."""
+        out: dict = {"role": "system" if self.role == "developer" else self.role,
+                     "content": None if self.content is None and self.tool_calls else self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(_Strict):
@@ -146,14 +187,12 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise BadRequest("tool calls are not supported by yirage serve: leave 'tools' out", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if self.response_format is not None:
