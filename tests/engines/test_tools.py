@@ -65,6 +65,11 @@ def test_calls_are_parsed_out_of_replies(fmt, text, content, calls):
     assert calling(fmt, "none").parse(text) == (text, [])
 
 
+def test_one_call_only_without_parallel_tool_calls():
+    one = ToolCalling(TOOLS, "auto", False, HERMES, names=["get_weather", "add"])
+    assert summary(one.parse(REPLIES[1][1])) == ("Let me check.", [("get_weather", {"city": "Oslo", "unit": "C"})])
+
+
 @settings(max_examples=60, deadline=None)
 @given(case=st.sampled_from(REPLIES), cuts=st.lists(st.integers(0, 200), max_size=8))
 def test_a_streamed_reply_in_any_pieces_gives_the_same_content_and_calls(case, cuts):

@@ -71,3 +71,11 @@ def test_greedy_matches_transformers_on_plain_prompts(gemma, hf_gemma):
         out = gemma.generate(prompt, max_new_tokens=N_TOKENS)
         matches.append(out.token_ids == ref)
     assert sum(matches) >= 5, matches
+
+
+def test_gemma3_template_has_no_tool_format_and_says_so(gemma):
+    """Gemma 3's own chat template renders no tools: a request with tools is one clear error
+    naming the model (serve answers it with a 400), not a prompt that silently drops them."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with pytest.raises(yr.GenerationError, match="the chat template of gemma3-270m has no tool format"):
+        gemma.generate("What is the weather in Paris?", max_new_tokens=4, tools=tools)

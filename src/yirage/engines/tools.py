@@ -184,7 +184,9 @@ class ToolCalling:
     """A request's tools, compiled for one model (``compile_tools``).
 
     Attributes: ``tools`` (normalised), ``choice`` ('none', 'auto', 'required' or a function's
-    name), ``parallel`` (more than one call allowed), ``format`` (``ToolFormat``),
+    name), ``parallel`` (more than one call allowed: with ``parallel_tool_calls`` false or a
+    named function, the calls after the first are dropped, as vLLM drops them), ``format``
+    (``ToolFormat``),
     ``response_format`` (the grammar forcing a call, a ``ResponseFormat`` for
     ``LLM.generate``'s ``response_format``; None unless the choice forces one).
     """
@@ -247,6 +249,7 @@ class ToolCallStream:
     def __init__(self, calling: ToolCalling):
         self.calling = calling
         self.fmt = calling.format
+        self.calls = 0   # calls let out so far
         self.buffer = ""
         self.inside = False   # within a call (hermes: after <tool_call>; others: the whole reply)
         self.decided = calling.choice == "none"   # single-value formats: whether the reply is a call
@@ -262,7 +265,15 @@ class ToolCallStream:
         if self.calling.choice == "none":
             out, self.buffer = ([self.buffer] if self.buffer else []), ""
             return out
-        return self._drain_blocks(final) if self.fmt.end is not None else self._drain_value(final)
+        parts = self._drain_blocks(final) if self.fmt.end is not None else self._drain_value(final)
+        out = []
+        for part in parts:
+            if isinstance(part, ToolCall):
+                self.calls += 1
+                if self.calls > 1 and not self.calling.parallel:
+                    continue   # one call only: the rest are dropped
+            out.append(part)
+        return _merge(out)
 
     def _drain_blocks(self, final: bool) -> list:
         start, end = self.fmt.start, self.fmt.end
@@ -367,6 +378,10 @@ def compile_tools(llm, tools, tool_choice=None, parallel_tool_calls: bool | None
     names = [t["function"]["name"] for t in tools]
     choice = check_tool_choice(tool_choice, names)
     template = _template_text(llm, chat_template)
+    if not template:
+        raise GenerationError(f"the chat template of {llm.name} has no tool format (the model has no chat template): "
+                              "give one that has (serve: --chat-template-file F; Python: generate(..., "
+                              "chat_template=...))")
     probe = [{"role": "user", "content": "hello"}]
     try:
         rendered = llm.tokenizer.apply_chat_template(probe, tools=tools, chat_template=template or None,
@@ -382,11 +397,11 @@ def compile_tools(llm, tools, tool_choice=None, parallel_tool_calls: bool | None
     if fmt is None:
         raise GenerationError(f"the chat template of {llm.name} renders tools, but its call format is not one yirage "
                               "parses (hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] list)")
-    parallel = parallel_tool_calls is not False and choice not in names and fmt is not LLAMA3_JSON
+    parallel = parallel_tool_calls is not False and choice not in names
     calling = ToolCalling(tools, choice, parallel, fmt, names=names)
     if choice == "required" or choice in names:
         allowed = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
-        calling.response_format = _forcing_grammar(llm, allowed, fmt, parallel)
+        calling.response_format = _forcing_grammar(llm, allowed, fmt, parallel and fmt is not LLAMA3_JSON)
     return calling
 
 
