@@ -98,7 +98,7 @@ def test_linear_quant(lib, fmt, M, N, K):
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("M,N,K", [(1, 1536, 576), (1, 576, 1536), (1, 4099, 64), (16, 1536, 576), (13, 577, 1536),
-                                   (64, 1536, 576), (130, 37, 320)])
+                                   (64, 1536, 576), (130, 37, 320), (257, 65, 576), (4100, 6, 1024)])
 def test_linear_quant_model_shapes(lib, fmt, M, N, K):
     """Shapes of a small LLM, large enough for the parallel paths."""
     g = torch.Generator().manual_seed(N + K + M)

@@ -69,7 +69,7 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
                     int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q4_1_BYTES;
-    if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
+    if (quant_rows_launch(M, K)) {
         gemm_quant_rows<DecodeQ4_1>(x, w, bias, y, M, N, K);
         return;
     }
@@ -100,7 +100,7 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
                     int64_t M, int64_t N, int64_t K) {
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / QK, rb = nb * Q8_0_BYTES;
-    if (M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M) {
+    if (quant_rows_launch(M, K)) {
         gemm_quant_rows<DecodeQ8_0>(x, w, bias, y, M, N, K);
         return;
     }

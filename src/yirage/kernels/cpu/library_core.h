@@ -165,6 +165,7 @@ inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vreg(vf& a) { __asm__("" : "+v"(a)); }   // see the AVX2 vreg
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 // [vsum(a0), vsum(a1), vsum(a2), vsum(a3)]: the four halved to ymm, then three hadds.
 inline __m128 vsum4(vf a0, vf a1, vf a2, vf a3) {
@@ -187,6 +188,9 @@ inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+// Keeps a loaded vector in a register: g++ otherwise folds a load that feeds two FMAs into both
+// as a memory operand, one load per FMA (quant_rows_dots: 14 loads per 12 FMAs instead of 8).
+inline void vreg(vf& a) { __asm__("" : "+x"(a)); }
 inline float vsum(vf a) { return hsum8(a); }
 // [vsum(a0), vsum(a1), vsum(a2), vsum(a3)] by three hadds.
 inline __m128 vsum4(vf a0, vf a1, vf a2, vf a3) {
@@ -210,6 +214,7 @@ inline vf vbroadcast(const float* p) { return vld1q_dup_f32(p); }
 inline vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
 inline vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+inline void vreg(vf&) {}   // NEON FMAs take no memory operand
 inline float vsum(vf a) { return vaddvq_f32(a); }
 inline vf vmax(vf a, vf b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }   // b where either is NaN (as maxps)
 inline float vhmax(vf a) { return vmaxvq_f32(a); }
@@ -224,6 +229,7 @@ inline vf vbroadcast(const float* p) { return *p; }
 inline vf vadd(vf a, vf b) { return a + b; }
 inline vf vmul(vf a, vf b) { return a * b; }
 inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline void vreg(vf&) {}
 inline float vsum(vf a) { return a; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }   // b where either is NaN
 inline float vhmax(vf a) { return a; }
@@ -1466,6 +1472,7 @@ void gemv_q8_act(const QuantizedRows& q, const uint8_t* w, const float* bias, fl
 // From 2 rows on: the GEMV decodes each block once per x row, the tiles once per 8 rows (a
 // SmolLM2-135M step of 2 / 4 rows on 2 Zen 4 cores: 14.9 -> 11.5 / 27.4 -> 16.5 ms).
 constexpr int64_t QUANT_ROWS_MIN_M = 2, QUANT_ROWS_MAX_M = 16;
+inline bool quant_rows_launch(int64_t M, int64_t) { return M >= QUANT_ROWS_MIN_M && M <= QUANT_ROWS_MAX_M; }
 
 // A block's 32 weights as two vectors (0..15, 16..31).
 struct DecodeQ4_1 {
@@ -1529,6 +1536,15 @@ constexpr int64_t QUANT_ROWS_MIN_M = 2;
 #define YR_QROWS_MAX_M 128
 #endif
 constexpr int64_t QUANT_ROWS_MAX_M = YR_QROWS_MAX_M;
+// A launch (not a task slice) takes the row path above QUANT_ROWS_MAX_M rows too while x holds
+// at most this many floats (8 MiB: each group of weight rows reads x once, from L2/L3): with
+// the x vectors kept in registers (vreg) it beats the packed GEMM, whose dequantize-and-pack of
+// every weight costs it; q4_1 785 x 576 -> 1536 on 2 threads at YIRAGE_ISA=avx2: 9877 us packed,
+// 5978 rows.
+constexpr int64_t QUANT_ROWS_MAX_X = int64_t(1) << 21;
+inline bool quant_rows_launch(int64_t M, int64_t K) {
+    return M >= QUANT_ROWS_MIN_M && (M <= QUANT_ROWS_MAX_M || M * K <= QUANT_ROWS_MAX_X);
+}
 
 struct DecodeQ4_1 {
     static constexpr int64_t BYTES = Q4_1_BYTES;
@@ -1541,6 +1557,21 @@ struct DecodeQ8_0 {
 };
 
 constexpr int QROWS_TILE_M = 6;
+#ifndef YR_QROWS_GROUP_PAIRS
+#define YR_QROWS_GROUP_PAIRS 4
+#endif
+#ifndef YR_QROWS_GROUP_MAX_PAIRS
+#define YR_QROWS_GROUP_MAX_PAIRS 48
+#endif
+constexpr int64_t QROWS_GROUP_PAIRS = YR_QROWS_GROUP_PAIRS, QROWS_GROUP_MAX_PAIRS = YR_QROWS_GROUP_MAX_PAIRS;
+
+// Weight rows per group of gemm_quant_rows (even): more rows per pass over x, up to 96 (the x
+// rows are read once per group: 128 x 576 -> 1536, 8 rows per group 1249 us, 96 rows 1003;
+// 785 rows 6749 -> 5837 us), while every thread still gets 4 groups or more.
+inline int64_t quant_rows_group_rows(int64_t N) {
+    const int64_t per_thread = N / (4 * (int64_t)omp_get_max_threads());
+    return 2 * std::max(QROWS_GROUP_PAIRS, std::min(QROWS_GROUP_MAX_PAIRS, per_thread / 2));
+}
 #ifndef YR_QROWS_BLOCK_M
 #define YR_QROWS_BLOCK_M 16
 #endif
@@ -1564,7 +1595,8 @@ inline void quant_rows_blocks(const float* x, int64_t K, const uint8_t* w, int64
             for (int r = 0; r < NR; ++r) wv[r] = vload(wb[r] + v);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
-                const vf xv = vload(x + i * K + b * QK + v);
+                vf xv = vload(x + i * K + b * QK + v);
+                if (NR > 1) vreg(xv);   // one load for the NR FMAs
 #pragma GCC unroll 2
                 for (int r = 0; r < NR; ++r) acc[r][i] = vfma(xv, wv[r], acc[r][i]);
             }
@@ -1592,7 +1624,8 @@ inline void quant_rows_dots(const float* x, int64_t K, const float* wr, int64_t 
         for (int r = 0; r < NR; ++r) wv[r] = vload(wr + r * ldw + k);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
-            const vf xv = vload(x + i * K + k);
+            vf xv = vload(x + i * K + k);
+            if (NR > 1) vreg(xv);   // one load for the NR FMAs
 #pragma GCC unroll 4
             for (int r = 0; r < NR; ++r) acc[r][i] = vfma(xv, wv[r], acc[r][i]);
         }
@@ -1605,11 +1638,14 @@ inline void quant_rows_dots(const float* x, int64_t K, const float* wr, int64_t 
         }
 }
 
+template <typename D>
+inline void quant_rows_group(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                             int64_t K, int64_t n0, int64_t n1);
+
 // Outputs (weight rows) n0 and n0 + 1 (n0 alone when n0 + 1 == n_end) of every x row.
 template <typename D>
 inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                             int64_t K, int64_t n0, int64_t n_end) {
-    static thread_local std::vector<float> buf;
     const int64_t nb = K / QK, rb = nb * D::BYTES;
     const int nr = n0 + 1 < n_end ? 2 : 1;
     const float* bn = bias ? bias + n0 : nullptr;
@@ -1631,16 +1667,37 @@ inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias,
             }
         return;
     }
-    float* wr = scratch(buf, (size_t)(2 * K));
-    for (int r = 0; r < nr; ++r)
+    quant_rows_group<D>(x, w, bias, y, M, N, K, n0, n0 + nr);
+}
+
+// Above QROWS_BLOCK_M rows: the weight rows [n0, n1) (up to 2 * QROWS_GROUP_PAIRS) dequantized
+// whole into a row buffer (L2), then for each tile of QROWS_TILE_M x rows (kept in L1) every
+// pair of them: 2 x 6 accumulators. Walking the pairs inside the tile streams the weights, 2
+// loads per 12 FMAs, from L2 instead of the x rows, 6 per 12: with one pair per pass over x,
+// the x rows (M x K floats, more than L1 holds) came from L2 at 6 loads per 12 FMAs. With vreg
+// keeping each x vector in a register for both FMAs, q4_1 on 2 threads at YIRAGE_ISA=avx2 (AMD
+// EPYC Zen 5), 128 x 576 -> 1536: 1337 us (169 GFLOP/s) -> 1249 (groups) -> 1001 (226 GFLOP/s);
+// 128 x 1536 -> 576: 1383 -> 972 us; 64 x 576 -> 1536: 683 -> 523 us.
+template <typename D>
+inline void quant_rows_group(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                             int64_t K, int64_t n0, int64_t n1) {
+    static thread_local std::vector<float> buf;
+    const int64_t nb = K / QK, rb = nb * D::BYTES, rows = n1 - n0;
+    float* wr = scratch(buf, (size_t)(rows * K));
+    for (int64_t r = 0; r < rows; ++r)
         for (int64_t b = 0; b < nb; ++b) D::decode(w + (n0 + r) * rb + b * D::BYTES, wr + r * K + b * QK);
     for (int64_t m0 = 0; m0 < M; m0 += QROWS_TILE_M) {
         const int mr = (int)std::min<int64_t>(QROWS_TILE_M, M - m0);
         const float* xm = x + m0 * K;
-        float* yo = y + m0 * N + n0;
-#define YR_CALL(R) (nr == 2 ? quant_rows_dots<R, 2>(xm, K, wr, K, bn, yo, N) : quant_rows_dots<R, 1>(xm, K, wr, K, bn, yo, N))
-        YR_DISPATCH_ROWS(mr, YR_CALL)
+        for (int64_t p = 0; p < rows; p += 2) {
+            const int nr = p + 1 < rows ? 2 : 1;
+            const float* wp = wr + p * K;
+            const float* bn = bias ? bias + n0 + p : nullptr;
+            float* yo = y + m0 * N + n0 + p;
+#define YR_CALL(R) (nr == 2 ? quant_rows_dots<R, 2>(xm, K, wp, K, bn, yo, N) : quant_rows_dots<R, 1>(xm, K, wp, K, bn, yo, N))
+            YR_DISPATCH_ROWS(mr, YR_CALL)
 #undef YR_CALL
+        }
     }
 }
 #endif
@@ -1667,6 +1724,15 @@ inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias,
 
 template <typename D>
 void gemm_quant_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+#if !defined(YR_AVX512)
+    if (M > QROWS_BLOCK_M) {   // groups of weight rows against L1-sized tiles of x
+        const int64_t per = quant_rows_group_rows(N), groups = (N + per - 1) / per;
+#pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
+        for (int64_t g = 0; g < groups; ++g)
+            quant_rows_group<D>(x, w, bias, y, M, N, K, g * per, std::min(N, (g + 1) * per));
+        return;
+    }
+#endif
     const int64_t pairs = (N + 1) / 2;
 #pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
     for (int64_t p = 0; p < pairs; ++p) quant_rows_pair<D>(x, w, bias, y, M, N, K, 2 * p, N);
@@ -1676,6 +1742,13 @@ void gemm_quant_rows(const float* x, const uint8_t* w, const float* bias, float*
 template <typename D>
 void gemm_quant_rows_range(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                            int64_t K, int64_t lo, int64_t hi) {
+#if !defined(YR_AVX512)
+    if (M > QROWS_BLOCK_M) {
+        const int64_t per = 2 * QROWS_GROUP_PAIRS;   // a task's slice: already one of many
+        for (int64_t n0 = lo; n0 < hi; n0 += per) quant_rows_group<D>(x, w, bias, y, M, N, K, n0, std::min(hi, n0 + per));
+        return;
+    }
+#endif
     for (int64_t n0 = lo; n0 < hi; n0 += 2) quant_rows_pair<D>(x, w, bias, y, M, N, K, n0, hi);
 }
 
