@@ -1507,7 +1507,11 @@ inline void quant_rows_tile(const float* x, int64_t K, const uint8_t* w, int64_t
         __m512 lo[NR], hi[NR];
         for (int r = 0; r < NR; ++r) D::decode(w + r * rb + b * D::BYTES, lo[r], hi[r]);
         for (int i = 0; i < MR; ++i) {
-            const __m512 xlo = _mm512_loadu_ps(x + i * K + b * QK), xhi = _mm512_loadu_ps(x + i * K + b * QK + 16);
+            __m512 xlo = _mm512_loadu_ps(x + i * K + b * QK), xhi = _mm512_loadu_ps(x + i * K + b * QK + 16);
+            if (NR > 1) {   // one load for the NR FMAs (see vreg)
+                vreg(xlo);
+                vreg(xhi);
+            }
             for (int r = 0; r < NR; ++r) {
                 acc[r][i] = _mm512_fmadd_ps(xlo, lo[r], acc[r][i]);
                 acc[r][i] = _mm512_fmadd_ps(xhi, hi[r], acc[r][i]);
