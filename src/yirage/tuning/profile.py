@@ -188,20 +188,30 @@ def profile_path(suffix: str = "") -> Path:
     return folder / f"{machine_key()}{suffix}.json"
 
 
-_active: dict[Path, Profile] = {}
+_active: dict[tuple, Profile] = {}
+
+
+def _where() -> tuple:
+    """What decides ``profile_path()``, without touching the file system: the environment it
+    reads and the machine key. A plan's kernel choices ask for the profile hundreds of times
+    (an embedding model's first encode: 361 times); ``profile_path`` creates and checks the
+    cache directory each time (~0.1 ms)."""
+    env = os.environ
+    return env.get(PROFILE_DIR_ENV), env.get("YIRAGE_CACHE_DIR"), env.get("HOME"), machine_key()
 
 
 def active_profile() -> Profile:
     """This machine's profile (read once per process and cache directory)."""
-    path = profile_path()
-    if path not in _active:
-        _active[path] = Profile.read(path)
-    return _active[path]
+    where = _where()
+    profile = _active.get(where)
+    if profile is None:
+        profile = _active[where] = Profile.read(profile_path())
+    return profile
 
 
 def reload_profile() -> Profile:
     """Forget the profile read by this process (after ``yirage optimize --apply`` wrote it)."""
-    _active.pop(profile_path(), None)
+    _active.pop(_where(), None)
     return active_profile()
 
 
