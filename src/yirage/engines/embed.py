@@ -94,6 +94,7 @@ class EmbeddingModel:
             raise YirageError("EmbeddingModel: quantization='int8' has int8 linear layers; it cannot also be "
                               f"dtype={dtype!r} (drop one of the two)")
         self.quantization, self.dtype = quantization, dtype
+        self.name_or_path = name_or_path
         directory = resolve_embedding_model(name_or_path)
         self.spec = read_sentence_transformer(directory)
         self.config = self.spec.config
@@ -123,6 +124,53 @@ class EmbeddingModel:
         logger.info("loaded embedding model %s on %s (dim %d, max_seq_length %d)", directory,
                     self.backend.value, self.spec.embedding_dim, self.max_seq_length)
         freeze_loaded_objects()
+
+    # ---- several processes (sentence-transformers' multi-process pool) --------------------
+    def start_multi_process_pool(self, target_devices: list[str] | None = None) -> dict:
+        """Start worker processes that each load this model (same name, backend, quantization
+        and dtype) and share this host's cores: one per ``target_devices`` entry ('cpu'; None:
+        one per 2 cores, 1 to 4). sentence-transformers' API: pass the pool to
+        ``encode_multi_process``, then to ``stop_multi_process_pool``. Workers are started with
+        ``spawn``, so a script that starts a pool needs the ``if __name__ == "__main__":``
+        guard, as with sentence-transformers.
+
+        Returns: the pool (a dict). Raises YirageError: a device other than 'cpu', or a worker
+        that could not load the model or died while starting (``engines.embed_pool``)."""
+        from .embed_pool import start_pool
+
+        return start_pool({"name_or_path": self.name_or_path, "backend": self.backend.value,
+                           "quantization": self.quantization, "dtype": self.dtype}, target_devices)
+
+    def encode_multi_process(self, sentences: list[str], pool: dict, prompt_name: str | None = None,
+                             prompt: str | None = None, batch_size: int = 32, chunk_size: int | None = None,
+                             show_progress_bar: bool | None = None, precision: str = "float32",
+                             normalize_embeddings: bool = False) -> np.ndarray:
+        """float32 numpy [len(sentences), dim] embeddings of ``sentences`` computed by ``pool``'s
+        workers (sentence-transformers' signature), equal to ``encode``'s: chunks of
+        ``chunk_size`` sentences (None: about ten per worker, at most 5000) go to whichever
+        worker is free. ``prompt`` is prepended to every sentence. Raises YirageError:
+        ``prompt_name`` (this model defines no prompts), a ``precision`` other than 'float32'
+        (quantize with ``EmbeddingModel(quantization='int8')`` instead), bad sentences or
+        sizes, or a worker that failed or died."""
+        from .embed_pool import encode_with_pool
+
+        if prompt_name is not None:
+            raise YirageError(f"encode_multi_process: prompt_name {prompt_name!r}: this model defines no prompts; "
+                              "pass the text as prompt=...")
+        if precision != "float32":
+            raise YirageError(f"encode_multi_process: precision must be 'float32', got {precision!r} (for int8 "
+                              "vectors' speed use EmbeddingModel(quantization='int8'))")
+        items = _as_list([sentences] if isinstance(sentences, str) else sentences)
+        if prompt is not None:
+            items = [prompt + s for s in items]
+        return encode_with_pool(items, pool, batch_size, chunk_size, show_progress_bar, normalize_embeddings)
+
+    @staticmethod
+    def stop_multi_process_pool(pool: dict) -> None:
+        """Stop ``pool``'s workers and close its queues (safe to call twice)."""
+        from .embed_pool import stop_pool
+
+        stop_pool(pool)
 
     def get_sentence_embedding_dimension(self) -> int:
         """Length of the embedding vectors (hidden size times the number of pooling modes)."""
