@@ -378,6 +378,37 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
                    f"ttft {result.prefill_s:.2f} s, decode {result.decode_tokens_per_s:.1f} tokens/s]", err=True)
 
 
+def _embed_job(sources, model, backend, int8, dtype, normalize, batch_size, output, input_format, text_column,
+               id_column, skip_empty, workers, shard_rows) -> None:
+    """``yirage embed INPUT... -o OUT.parquet``: tools/embed_job.py, one-line errors."""
+    from .tools.embed_job import expand_inputs, read_rows, run_job
+
+    try:
+        if output is None:
+            raise GenerationError("a Parquet job writes a directory of shards: give it with -o OUT.parquet")
+        if not sources or "-" in sources:
+            raise GenerationError("a Parquet job reads files (text, JSONL, CSV, Parquet), directories or globs, "
+                                  "not stdin")
+        for name, value in (("--batch-size", batch_size), ("--workers", workers), ("--shard-rows", shard_rows)):
+            if value < 1:
+                raise GenerationError(f"{name} must be a positive integer, got {value}")
+        files = expand_inputs(list(sources), input_format)
+        rows = read_rows(files, text_column, id_column, skip_empty)
+        from .engines.embed import EmbeddingModel
+
+        quantization = "int8" if int8 else None
+        m = EmbeddingModel(model, backend=backend, quantization=quantization, dtype=dtype)
+        job = {"inputs": [str(f.resolve()) for f, _ in files], "model": model, "dtype": dtype,
+               "quantization": quantization, "normalize": normalize, "text_column": text_column,
+               "id_column": id_column, "skip_empty": skip_empty}
+        result = run_job(m, rows, output, job, shard_rows, batch_size, normalize, workers)
+    except YirageError as e:
+        _fail(str(e))
+    _check_interrupted()
+    click.echo(f"[{result['rows']} rows in {result['shards']} shards under {output}: {result['written']} written, "
+               f"{result['skipped']} already there]", err=True)
+
+
 def _read_sentences(source: str) -> list[str]:
     """The lines of ``source`` (a file path, or '-' for stdin) as UTF-8 text, one sentence per line
     (the line break removed; empty lines are empty sentences). GenerationError for a file that
@@ -402,7 +433,7 @@ def _read_sentences(source: str) -> list[str]:
 
 
 @cli.command()
-@click.argument("source", default="-", metavar="[FILE|-]")
+@click.argument("sources", nargs=-1, metavar="[INPUT...|-]")
 @click.option("-m", "--model", default="all-minilm-l6-v2", show_default=True,
               help="Embedding model: short name, sentence-transformers directory or hub id.")
 @click.option("--backend", default=None, help="cpu, cuda, rocm, xpu, mps or auto (default: YIRAGE_BACKEND or auto).")
@@ -411,13 +442,34 @@ def _read_sentences(source: str) -> list[str]:
               help="bfloat16: bfloat16 GEMMs with float32 accumulation (cosine >= 0.9999 to float32).")
 @click.option("--normalize", is_flag=True, help="L2-normalize every vector.")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="A positive integer.")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "npy"]), default="jsonl", show_default=True,
-              help="jsonl: one JSON array per line; npy: one float32 [n, dim] array (needs -o).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "npy", "parquet"]), default=None,
+              help="Output: jsonl (one JSON array per line; the default), npy (one float32 [n, dim] array, "
+                   "needs -o) or parquet (a resumable job: -o names a directory of shards; the default for "
+                   "-o *.parquet).")
+@click.option("-o", "--output", type=click.Path(), default=None,
               help="Write here instead of stdout.")
-def embed(source, model, backend, int8, dtype, normalize, batch_size, fmt, output) -> None:
-    """Embed sentences, one per line of FILE (or stdin with '-', the default): one vector per line
-    (JSON lines) or an .npy file. Progress goes to stderr."""
+@click.option("--input-format", type=click.Choice(["text", "jsonl", "csv", "parquet"]), default=None,
+              help="The inputs' format (default: from each file's extension).")
+@click.option("--text-column", default="text", show_default=True, help="JSONL/CSV/Parquet inputs: the text.")
+@click.option("--id-column", default=None, help="JSONL/CSV/Parquet inputs: the id (default: FILE:ROW).")
+@click.option("--skip-empty", is_flag=True, help="Skip rows whose text is empty or null (default: an error).")
+@click.option("--workers", type=int, default=1, show_default=True,
+              help="Processes on this host (parquet jobs), the cores split between them.")
+@click.option("--shard-rows", type=int, default=10000, show_default=True, help="Rows per Parquet shard.")
+def embed(sources, model, backend, int8, dtype, normalize, batch_size, fmt, output, input_format, text_column,
+          id_column, skip_empty, workers, shard_rows) -> None:
+    """Embed sentences: one per line of FILE (or stdin with '-', the default), written as JSON
+    lines or an .npy file; or a job over text/JSONL/CSV/Parquet files, directories and globs,
+    written as Parquet shards that a rerun resumes (-o OUT.parquet). Progress goes to stderr."""
+    if fmt is None:
+        fmt = "parquet" if output is not None and output.endswith(".parquet") else "jsonl"
+    if fmt == "parquet":
+        _embed_job(sources, model, backend, int8, dtype, normalize, batch_size, output, input_format, text_column,
+                   id_column, skip_empty, workers, shard_rows)
+        return
+    if len(sources) > 1 or input_format not in (None, "text") or workers != 1:
+        _fail("several inputs, --input-format and --workers make a Parquet job: give -o OUT.parquet")
+    source = sources[0] if sources else "-"
     try:
         if batch_size < 1:
             raise GenerationError(f"--batch-size must be a positive integer, got {batch_size}")
