@@ -15,20 +15,15 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-TEMPLATE = (pathlib.Path(__file__).parents[1] / "serve" / "data" / "chatml_tools.jinja").read_text()
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+DATA = pathlib.Path(__file__).parents[1] / "serve" / "data"   # shared with tests/serve/test_serve_tools.py
+TEMPLATE = (DATA / "chatml_tools.jinja").read_text()
+_TOOLS = json.loads((DATA / "tools.json").read_text())
+WEATHER, ADD = _TOOLS["get_weather"], _TOOLS["add"]
 TOOLS = check_tools([WEATHER, ADD])
 
 
 def calling(fmt, choice="auto"):
-    return ToolCalling(TOOLS, choice, True, fmt, names=["get_weather", "add"])
+    return ToolCalling(TOOLS, choice, True, fmt)
 
 
 def summary(parsed):
@@ -66,7 +61,7 @@ def test_calls_are_parsed_out_of_replies(fmt, text, content, calls):
 
 
 def test_one_call_only_without_parallel_tool_calls():
-    one = ToolCalling(TOOLS, "auto", False, HERMES, names=["get_weather", "add"])
+    one = ToolCalling(TOOLS, "auto", False, HERMES)
     assert summary(one.parse(REPLIES[1][1])) == ("Let me check.", [("get_weather", {"city": "Oslo", "unit": "C"})])
 
 

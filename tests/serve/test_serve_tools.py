@@ -19,14 +19,8 @@ from test_serve import LLM_NAME, running  # noqa: E402  (tests/serve is on sys.p
 
 TEMPLATE_FILE = pathlib.Path(__file__).parent / "data" / "chatml_tools.jinja"
 TEMPLATE = TEMPLATE_FILE.read_text()
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+_TOOLS = json.loads((pathlib.Path(__file__).parent / "data" / "tools.json").read_text())   # shared with tests/engines
+WEATHER, ADD = _TOOLS["get_weather"], _TOOLS["add"]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 ASK = [{"role": "user", "content": "What is the weather in Paris, in Celsius?"}]
 

@@ -50,7 +50,11 @@ class TokenLogprob:
 
 def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     """``TokenLogprob`` of ``token`` from ``logits`` [vocab] (any float dtype, any device)."""
-    lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    return _from_log_probs(torch.log_softmax(logits.float().cpu(), dim=-1), token, k)
+
+
+def _from_log_probs(lp: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """``TokenLogprob`` of ``token`` from float32 log-probabilities ``lp`` [vocab]."""
     top = torch.topk(lp, k) if k > 0 else None
     return TokenLogprob(int(token), float(lp[token]),
                         [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices)])
@@ -655,12 +659,7 @@ class LLM:
                       torch.zeros(T, dtype=torch.int64, device=dev), rows]
             logits = g.compile(self.model.backend.value).plan([*inputs, *tensors]).run()[0]
         lp = torch.log_softmax(logits.float().cpu(), dim=-1)
-        out: list[TokenLogprob | None] = [None]
-        for t in range(1, T):
-            top = torch.topk(lp[t - 1], k) if k > 0 else None
-            out.append(TokenLogprob(ids[t], float(lp[t - 1, ids[t]]),
-                                    [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices)]))
-        return out
+        return [None, *(_from_log_probs(lp[t - 1], ids[t], k) for t in range(1, T))]
 
     def response_format(self, response_format):
         """``response_format`` (OpenAI's dict, see ``generate``) checked and compiled for this

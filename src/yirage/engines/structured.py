@@ -112,17 +112,28 @@ def compile_response_format(llm, response_format) -> ResponseFormat | None:
             json.dumps(schema)
         except (TypeError, ValueError) as e:
             raise GenerationError(f"response_format json_schema.schema is not JSON: {e}") from None
+    grammar, tok = checked_grammar(
+        llm, lambda m: m.grammar_from_json_schema(schema if schema is not None else {"type": "object"}),
+        "response_format json_schema.schema is not a valid JSON Schema",
+        "response_format json_schema.schema is not a JSON Schema yirage can follow")
+    return ResponseFormat(kind, grammar, schema, tok)
+
+
+def checked_grammar(llm, make, invalid: str, unfollowable: str) -> tuple[str, Any]:
+    """(grammar, llguidance tokenizer of ``llm``): ``make(llguidance.LLMatcher)`` builds the
+    grammar, then llguidance checks it against the tokenizer. GenerationError
+    ``"<invalid>: <detail>"`` when it cannot be built, ``"<unfollowable>: <warnings>"`` when the
+    check fails, or when llguidance is not installed."""
     llg = _llguidance()
     tok = grammar_tokenizer(llm)
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"})
+        grammar = make(llg.LLMatcher)
     except (ValueError, TypeError) as e:
-        raise GenerationError(f"response_format json_schema.schema is not a valid JSON Schema: {e}") from None
+        raise GenerationError(f"{invalid}: {e}") from None
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tok)
     if is_error:
-        raise GenerationError("response_format json_schema.schema is not a JSON Schema yirage can follow: "
-                              f"{' '.join(' '.join(messages).split())}")
-    return ResponseFormat(kind, grammar, schema, tok)
+        raise GenerationError(f"{unfollowable}: {' '.join(' '.join(messages).split())}")
+    return grammar, tok
 
 
 class TokenConstraint:

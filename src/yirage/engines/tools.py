@@ -28,11 +28,11 @@ import re
 import secrets
 import string
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GenerationError
-from .structured import ResponseFormat, _llguidance, grammar_tokenizer
+from .structured import ResponseFormat, checked_grammar
 
 #: OpenAI's rule for a function's name
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -196,7 +196,11 @@ class ToolCalling:
     parallel: bool
     format: ToolFormat
     response_format: ResponseFormat | None = None
-    names: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        """The tools' function names."""
+        return [t["function"]["name"] for t in self.tools]
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole generated ``text``: content is the text outside the calls
@@ -252,7 +256,7 @@ class ToolCallStream:
         self.calls = 0   # calls let out so far
         self.buffer = ""
         self.inside = False   # within a call (hermes: after <tool_call>; others: the whole reply)
-        self.decided = calling.choice == "none"   # single-value formats: whether the reply is a call
+        self.decided = False   # single-value formats: whether the reply is a call is known
 
     def feed(self, piece: str) -> list:
         self.buffer += piece
@@ -302,7 +306,7 @@ class ToolCallStream:
             calls = self.calling._calls_in(body.strip())
             out.extend(calls if calls else [start + body + end])
             self.buffer, self.inside = self.buffer[at + len(end):], False
-        return _merge(out)
+        return out
 
     def _drain_value(self, final: bool) -> list:
         if not self.decided:
@@ -398,7 +402,7 @@ def compile_tools(llm, tools, tool_choice=None, parallel_tool_calls: bool | None
         raise GenerationError(f"the chat template of {llm.name} renders tools, but its call format is not one yirage "
                               "parses (hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] list)")
     parallel = parallel_tool_calls is not False and choice not in names
-    calling = ToolCalling(tools, choice, parallel, fmt, names=names)
+    calling = ToolCalling(tools, choice, parallel, fmt)
     if choice == "required" or choice in names:
         allowed = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
         calling.response_format = _forcing_grammar(llm, allowed, fmt, parallel and fmt is not LLAMA3_JSON)
@@ -409,8 +413,6 @@ def _forcing_grammar(llm, tools: list[dict], fmt: ToolFormat, parallel: bool) ->
     """The llguidance grammar (Lark with an embedded JSON Schema) of one call, or several when
     ``parallel``, of one of ``tools`` in ``fmt``: markers, then ``{"name": <one of the names>,
     <args_key>: <arguments valid against its parameters>}``."""
-    llg = _llguidance()
-    tok = grammar_tokenizer(llm)
     schema = {"anyOf": [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]}, fmt.args_key: t["function"]["parameters"]},
         "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools],
@@ -424,14 +426,8 @@ def _forcing_grammar(llm, tools: list[dict], fmt: ToolFormat, parallel: bool) ->
     else:
         body = "call"   # Llama 3: the bare JSON object
     lark = f"start: {body}\ncall: %json {json.dumps(schema)}\n"
-    try:
-        grammar = llg.LLMatcher.grammar_from_lark(lark)
-    except (ValueError, TypeError) as e:
-        raise GenerationError(f"a tool's parameters are not a JSON Schema yirage can follow: {e}") from None
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tok)
-    if is_error:
-        raise GenerationError("a tool's parameters are not a JSON Schema yirage can follow: "
-                              f"{' '.join(' '.join(messages).split())}")
+    problem = "a tool's parameters are not a JSON Schema yirage can follow"
+    grammar, tok = checked_grammar(llm, lambda m: m.grammar_from_lark(lark), problem, problem)
     return ResponseFormat("tool_calls", grammar, schema, tok)
 
 

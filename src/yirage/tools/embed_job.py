@@ -164,7 +164,7 @@ def run_job(model, rows: list[Row], output: str, job: dict, shard_rows: int = 10
             raise YirageError(f"{output} holds the shards of a different job ({JOB_FILE} differs): give another "
                               "-o, or delete it to start over")
     else:
-        _atomic_write(job_path, json.dumps(record, indent=1, sort_keys=True).encode())
+        _commit(job_path, lambda tmp: tmp.write_bytes(json.dumps(record, indent=1, sort_keys=True).encode()))
     n_shards = -(-len(rows) // shard_rows)
     meta = {b"yirage.model": str(job.get("model")).encode(), b"yirage.dtype": str(job.get("dtype")).encode(),
             b"yirage.quantization": str(job.get("quantization")).encode(),
@@ -185,12 +185,7 @@ def run_job(model, rows: list[Row], output: str, job: dict, shard_rows: int = 10
                 table = pa.table({"id": pa.array([r.id for r in chunk], type=pa.string()),
                                   "embedding": pa.FixedSizeListArray.from_arrays(flat, dim)})
                 table = table.replace_schema_metadata(meta)
-                tmp = out / f".{path.name}.{os.getpid()}.tmp"
-                try:
-                    pq.write_table(table, tmp)
-                    os.replace(tmp, path)
-                except OSError as e:
-                    raise YirageError(f"cannot write {path}: {e.strerror or e}") from None
+                _commit(path, lambda tmp: pq.write_table(table, tmp))
                 written += 1
             done += len(chunk)
             if progress:
@@ -207,10 +202,14 @@ def run_job(model, rows: list[Row], output: str, job: dict, shard_rows: int = 10
             "seconds": time.perf_counter() - t0}
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _commit(path: Path, write) -> None:
+    """``write(tmp)`` a file beside ``path``, then rename it over ``path`` (whole or not at all);
+    the temporary file is removed if anything fails. YirageError naming ``path`` on OSError."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(data)
+        write(tmp)
         os.replace(tmp, path)
     except OSError as e:
         raise YirageError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)

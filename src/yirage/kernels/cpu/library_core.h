@@ -1569,9 +1569,10 @@ constexpr int QROWS_TILE_M = 6;
 #endif
 constexpr int64_t QROWS_GROUP_PAIRS = YR_QROWS_GROUP_PAIRS, QROWS_GROUP_MAX_PAIRS = YR_QROWS_GROUP_MAX_PAIRS;
 
-// Weight rows per group of gemm_quant_rows (even): more rows per pass over x, up to 96 (the x
-// rows are read once per group: 128 x 576 -> 1536, 8 rows per group 1249 us, 96 rows 1003;
-// 785 rows 6749 -> 5837 us), while every thread still gets 4 groups or more.
+// Weight rows per group of gemm_quant_rows (even): more rows per pass over x, up to 96, while
+// every thread still gets 4 groups or more. x is read once per group: q4_1 on 2 threads at
+// YIRAGE_ISA=avx2 (AMD EPYC Zen 5), 785 x 576 -> 1536 with 8 rows per group 6749 us, 32 rows
+// 6049, 96 rows 5837; at 128 x 576 -> 1536 alike (1001-1032 us).
 inline int64_t quant_rows_group_rows(int64_t N) {
     const int64_t per_thread = N / (4 * (int64_t)omp_get_max_threads());
     return 2 * std::max(QROWS_GROUP_PAIRS, std::min(QROWS_GROUP_MAX_PAIRS, per_thread / 2));
@@ -1642,11 +1643,8 @@ inline void quant_rows_dots(const float* x, int64_t K, const float* wr, int64_t 
         }
 }
 
-template <typename D>
-inline void quant_rows_group(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
-                             int64_t K, int64_t n0, int64_t n1);
-
-// Outputs (weight rows) n0 and n0 + 1 (n0 alone when n0 + 1 == n_end) of every x row.
+// Outputs (weight rows) n0 and n0 + 1 (n0 alone when n0 + 1 == n_end) of every x row, for up to
+// QROWS_BLOCK_M rows (more take quant_rows_group).
 template <typename D>
 inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                             int64_t K, int64_t n0, int64_t n_end) {
@@ -1660,22 +1658,19 @@ inline void quant_rows_pair(const float* x, const uint8_t* w, const float* bias,
 #undef YR_CALL
         return;
     }
-    if (M <= QROWS_BLOCK_M) {   // one weight row at a time: two rows' blocks and 2 x 8 sums outgrow 16 ymm
-        for (int r = 0; r < nr; ++r)
-            for (int64_t m0 = 0; m0 < M; m0 += 8) {
-                const int mr = (int)std::min<int64_t>(8, M - m0);
-                const float* br = bias ? bias + n0 + r : nullptr;
+    // one weight row at a time: two rows' blocks and 2 x 8 sums outgrow 16 ymm
+    for (int r = 0; r < nr; ++r)
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int mr = (int)std::min<int64_t>(8, M - m0);
+            const float* br = bias ? bias + n0 + r : nullptr;
 #define YR_CALL(R) quant_rows_blocks<D, R, 1>(x + m0 * K, K, w + (n0 + r) * rb, rb, nb, br, y + m0 * N + n0 + r, N)
-                YR_DISPATCH_ROWS(mr, YR_CALL)
+            YR_DISPATCH_ROWS(mr, YR_CALL)
 #undef YR_CALL
-            }
-        return;
-    }
-    quant_rows_group<D>(x, w, bias, y, M, N, K, n0, n0 + nr);
+        }
 }
 
-// Above QROWS_BLOCK_M rows: the weight rows [n0, n1) (up to 2 * QROWS_GROUP_PAIRS) dequantized
-// whole into a row buffer (L2), then for each tile of QROWS_TILE_M x rows (kept in L1) every
+// Above QROWS_BLOCK_M rows: the weight rows [n0, n1) (up to 2 * QROWS_GROUP_MAX_PAIRS)
+// dequantized whole into a row buffer (L2), then for each tile of QROWS_TILE_M x rows (kept in L1) every
 // pair of them: 2 x 6 accumulators. Walking the pairs inside the tile streams the weights, 2
 // loads per 12 FMAs, from L2 instead of the x rows, 6 per 12: with one pair per pass over x,
 // the x rows (M x K floats, more than L1 holds) came from L2 at 6 loads per 12 FMAs. With vreg
