@@ -110,6 +110,9 @@ def _cpu_flags() -> set[str]:
 _LIB_VARIANT_FLAGS = {"avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"],
                       "avxvnni": ["-march=native", "-mno-avx512f"], "avx512": ["-march=native", "-mno-avx512bf16"],
                       "scalar": ["-march=x86-64"]}
+#: the builds without OpenMP (-fopenmp-simd alone, as a compiler without it gets): their
+#: parallel loops run on yirage's own thread pool (kernels/cpu/yr_threads.h)
+_LIB_VARIANTS_WITHOUT_OPENMP = {"scalar"}
 _LIB_VARIANTS: dict = {}
 
 
@@ -117,9 +120,11 @@ _LIB_VARIANTS: dict = {}
 def lib(request):
     """The C++ kernel library (kernels/cpu/library.cpp and its headers) as each build the CPU
     backend may select: native (AVX-512 here), AVX2 (-mno-avx512f -mno-avxvnni), the portable
-    scalar path (-march=x86-64) and aarch64 (ARMv8.2 with dotprod, NEON paths; cross-built and
-    run under qemu-user: tests/cross), so that every ``#if`` branch is tested; each built once
-    per session. ``lib_vnni`` adds the AVX2 + AVX-VNNI build (the int8 GEMM's ymm vpdpbusd path)."""
+    scalar path (-march=x86-64), built without OpenMP so that its parallel loops run on yirage's
+    own thread pool (kernels/cpu/yr_threads.h), and aarch64 (ARMv8.2 with dotprod, NEON paths;
+    cross-built and run under qemu-user: tests/cross), so that every ``#if`` branch and both
+    thread runtimes are tested; each built once per session. ``lib_vnni`` adds the AVX2 +
+    AVX-VNNI build (the int8 GEMM's ymm vpdpbusd path)."""
     return _lib_variant(request.param)
 
 
@@ -140,14 +145,30 @@ def _variant_unavailable(name: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _environ(**values: str):
+    """The environment variables ``values`` set while the block runs, then restored."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _lib_variant(name: str):
-    """The library build ``name`` (native, avx2, avxvnni, avx512, scalar); skips where the CPU
-    cannot run it. The first ISA variant asked for builds every variant this machine runs, two
-    compilers at a time (4 builds of 14-28 s each on 2 cores, one after another before)."""
+    """The library build ``name`` (native, avx2, avxvnni, avx512, scalar: the last without
+    OpenMP, on yirage's thread pool); skips where the CPU cannot run it. The first ISA variant
+    asked for builds every variant this machine runs, two compilers at a time (4 builds of
+    14-28 s each on 2 cores, one after another before)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from yirage.backends.cpu_library import bind_signatures, library
-    from yirage.runtime.toolchain import cxx_flags, load_kernel_library
+    from yirage.runtime.toolchain import cxx_flags, load_kernel_library, openmp_flags
 
     if name.startswith("aarch64"):
         return _cross_variant(name)
@@ -160,8 +181,17 @@ def _lib_variant(name: str):
         todo = [v for v in _LIB_VARIANT_FLAGS if v not in _LIB_VARIANTS and not _variant_unavailable(v)]
 
         def build(v):
-            flags = [f for f in cxx_flags() if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[v]
-            return bind_signatures(load_kernel_library("library", tuple(flags)))
+            if v not in _LIB_VARIANTS_WITHOUT_OPENMP:
+                flags = [f for f in cxx_flags() if not f.startswith("-march")] + _LIB_VARIANT_FLAGS[v]
+                return bind_signatures(load_kernel_library("library", tuple(flags)))
+            omp = set(openmp_flags())
+            flags = [f for f in cxx_flags() if not f.startswith("-march") and f not in omp]
+            # the pool reads OMP_NUM_THREADS as the library loads: 2 threads at least, so that
+            # the kernels run on a real team also where xdist gives a worker one core's share
+            share = os.environ.get("OMP_NUM_THREADS", "").split(",")[0]
+            flags += [*_LIB_VARIANT_FLAGS[v], "-fopenmp-simd"]
+            with _environ(OMP_NUM_THREADS=str(max(2, int(share) if share.isdigit() else os.cpu_count() or 1))):
+                return bind_signatures(load_kernel_library("library", tuple(flags)))
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             _LIB_VARIANTS.update(zip(todo, pool.map(build, todo)))

@@ -256,7 +256,7 @@ def test_generated_code_shape():
     tb.new_output(tb.forloop_accum(tb.exp(tb.new_input(X, (0, -1, -1), 1))), (0, -1, -1))
     src = render_threadblock(tb, 0, "k")
     assert 'extern "C" void k(void** args)' in src
-    assert "#pragma omp for collapse(3)" in src and "for (int64_t it = 0; it < 2; ++it)" in src
+    assert "yr::for_static(2, [&](int64_t b) {" in src and "for (int64_t it = 0; it < 2; ++it)" in src
 
 
 def test_float16_runs_the_reference():

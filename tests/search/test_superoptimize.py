@@ -180,7 +180,7 @@ def test_partition_block_graph_then_the_rest_equals_the_graph(make, rest):
 
 def test_thread_widths_are_part_of_the_search_and_compute_the_same(monkeypatch):
     """The search tries the top schedules on one CPU thread too (a block graph's cpu_threads,
-    rendered as OpenMP num_threads; kept through the JSON cache), and on GPU backends 8 and 2
+    rendered as the team size of its yr::parallel region; kept through the JSON cache), and on GPU backends 8 and 2
     warps per block; every width computes the same function."""
     torch.set_num_threads(2)
     g = gated_mlp()
@@ -192,7 +192,7 @@ def test_thread_widths_are_part_of_the_search_and_compute_the_same(monkeypatch):
     one = mugraph.lower(g, p, *mugraph.schedules(p, 2)[0], type(g), cpu_threads=1)
     tb = next(n.attrs["tb"] for n in one.ops if n.op == "customized")
     from yirage.codegen.threadblock_cpp import render_threadblock
-    assert "num_threads(1)" in render_threadblock(tb, 0, "k") and tb.to_dict()["cpu_threads"] == 1
+    assert "yr::parallel(true, 1, " in render_threadblock(tb, 0, "k") and tb.to_dict()["cpu_threads"] == 1
     assert type(tb).from_dict(tb.to_dict()).cpu_threads == 1
     xs = _inputs(g)
     torch.testing.assert_close(one(xs, backend="cpu")[0], g.interpret(xs)[0], atol=2e-5, rtol=2e-5)

@@ -5,9 +5,11 @@ input pointers then the output pointers, in the order of ``kernel.inputs`` and
 ``kernel.outputs``; ``R`` is the number of rows (a run-time value, so one build serves
 every row count). The row width ``D`` is a constant of the code, or, for a kernel with
 ``runtime_d`` (graphs specialized from symbolic shapes), one more ``args`` slot after the
-outputs holding D as an integer, so one build serves every width too. A second entry, ``NAME_task(const int64_t* args, int64_t lo,
-int64_t hi)``, runs rows lo..hi-1 on the calling thread: a task of the persistent kernel
-runtime (kernels/cpu/persistent.cpp). The row loop is OpenMP-parallel; the loop over a row is split into
+outputs holding D as an integer, so one build serves every width too. A second entry,
+``NAME_task(const int64_t* args, int64_t lo, int64_t hi)``, runs rows lo..hi-1 on the calling
+thread: a task of the persistent kernel runtime (kernels/cpu/persistent.cpp); ``NAME`` runs it
+on every thread (``yr::parallel_chunks`` of kernels/cpu/yr_threads.h: OpenMP, or yirage's own
+pool), a contiguous slice of the rows each. The loop over a row is split into
 *phases* at each row reduction, each phase one ``omp simd`` loop. A vec value defined in
 one phase and read in a later one is kept in a per-thread row buffer; plain input loads
 are simply reloaded. All arithmetic is float32; float16/bfloat16 are converted on load
@@ -24,8 +26,9 @@ import hashlib
 from ..dtypes import DType
 from ..transforms.fusion import RS, VEC, FusedKernel, phases
 
-# Generated kernels include the prelude (kernels/cpu/yirage_prelude.h: bf16 conversions);
-# runtime/toolchain.py puts its directory on the include path and hashes its contents.
+# Generated kernels include the prelude (kernels/cpu/yirage_prelude.h: bf16 conversions, and
+# yr_threads.h's parallel loops); runtime/toolchain.py puts its directory on the include path
+# and hashes its contents.
 HEADER = '#include "yirage_prelude.h"\n'
 
 
@@ -184,15 +187,15 @@ def render_kernel(kernel: FusedKernel, name: str) -> str:
         for n, d in outs:
             lines.append(f"    out{n}[r] = {_store(d, f'v{sid}')};")
     lines.append("  }")
-    body = "\n".join(lines)
-    # The launch entry (OpenMP over all R rows) and the task entry for the persistent kernel
-    # runtime (rows lo..hi-1 on the calling worker; args as int64, see kernels/cpu/persistent.cpp).
-    launch = body.replace(_LOOP, "  #pragma omp parallel for schedule(static) if (R * D >= 32768)\n"
-                                 "  for (int64_t r = 0; r < R; ++r) {")
-    task = body.replace(_LOOP, "  for (int64_t r = lo; r < hi; ++r) {")
-    return (f'extern "C" void {name}(void** args, int64_t R) {{\n{launch}\n}}\n\n'
-            f'extern "C" void {name}_task(const int64_t* task_args, int64_t lo, int64_t hi) {{\n'
-            f"  void* const* args = (void* const*)task_args;\n{task}\n}}")
+    task = "\n".join(lines).replace(_LOOP, "  for (int64_t r = lo; r < hi; ++r) {")
+    # The task entry (rows lo..hi-1 on the calling thread: a worker of the persistent kernel
+    # runtime, args as int64, see kernels/cpu/persistent.cpp), and the launch entry running it
+    # on every thread (yr_threads.h), a contiguous slice of the R rows each.
+    return (f'extern "C" void {name}_task(const int64_t* task_args, int64_t lo, int64_t hi) {{\n'
+            f"  void* const* args = (void* const*)task_args;\n{task}\n}}\n\n"
+            f'extern "C" void {name}(void** args, int64_t R) {{\n{lines[0]}\n'
+            f"  yr::parallel_chunks(R, R * D >= 32768, [&](int64_t lo, int64_t hi) {{\n"
+            f"    {name}_task((const int64_t*)args, lo, hi);\n  }});\n}}")
 
 
 _LOOP = "  @ROW_LOOP@"

@@ -6,8 +6,10 @@ inputs (in ``new_input`` order, contiguous float32) and then output ``k``; with 
 of output indices, one kernel computes all of them (the ops they share run once: Mirage's
 attention block graph has three outputs from one Q K^T) and ``args`` ends with them in that
 order. The code follows
-Mirage's µGraph levels on a CPU: the grid is an OpenMP ``collapse(3)`` loop (one block per
-iteration, blocks independent), each block runs the for-loop sequentially, every block tile
+Mirage's µGraph levels on a CPU: the grid is one statically scheduled loop over the blocks of
+all three dims (``yr::for_static`` in a ``yr::parallel`` region of ``tb.cpu_threads`` threads,
+0: all; kernels/cpu/yr_threads.h: OpenMP, or yirage's own pool; one block per iteration,
+blocks independent), each block runs the for-loop sequentially, every block tile
 lives in a per-thread buffer (an arena allocated once per thread, sized by the tile shapes,
 so tiles stay L1/L2-resident), input tiles are copied in at each iteration, accumulators stay
 in their buffers across iterations, and the innermost loops are unit-stride ``omp simd``
@@ -228,21 +230,21 @@ class _Renderer:
         for s in self.bufs:
             offs[s] = total
             total += -(-self.numel(s) // 16) * 16
-        self.lines = ["#include <algorithm>", "#include <cmath>", "#include <cstdint>", "#include <vector>", "",
+        self.lines = ["#include <algorithm>", "#include <cmath>", "#include <cstdint>", "#include <vector>",
+                      '#include "yr_threads.h"', "",
                       f'extern "C" void {name}(void** args) {{']
         for n, _ in self.inputs:
             self.emit("  ", f"const float* in{n} = static_cast<const float*>(args[{n}]);")
         for j in range(len(self.ks)):
             self.emit("  ", f"float* out{j} = static_cast<float*>(args[{len(tb.inputs) + j}]);")
-        threads = f" num_threads({tb.cpu_threads})" if tb.cpu_threads else ""
-        self.emit("  ", f"  #pragma omp parallel{threads}", "  {",
-                  f"    std::vector<float> arena({max(total, 1)});")
+        # a team of tb.cpu_threads threads (0: all), each with its arena; blocks split statically
+        self.emit("  ", f"yr::parallel(true, {tb.cpu_threads or 0}, [&] {{",
+                  f"  std::vector<float> arena({max(total, 1)});")
         for s in self.bufs:
             self.emit("    ", f"float* s{s} = arena.data() + {offs[s]};")
         gx, gy, gz = tb.grid_dim
-        self.emit("    ", "#pragma omp for collapse(3) schedule(static)",
-                  f"for (int64_t b0 = 0; b0 < {gx}; ++b0)", f"for (int64_t b1 = 0; b1 < {gy}; ++b1)",
-                  f"for (int64_t b2 = 0; b2 < {gz}; ++b2) {{")
+        self.emit("    ", f"yr::for_static({gx * gy * gz}, [&](int64_t b) {{",
+                  f"  const int64_t b0 = b / {gy * gz}, b1 = b / {gz} % {gy}, b2 = b % {gz};")
         for op in self.ops:
             init = ("-INFINITY" if op.op in ("forloop_accum_max", "reduction_max") else
                     "0.0f" if op.stage == ACCUM else None)
@@ -266,7 +268,7 @@ class _Renderer:
         for j, k in enumerate(self.ks):
             out = tb.outputs[k]
             self.copy(ind, f"out{j}", out.dshape, out.output_map, -1, out.sid, store=True, loop=False)
-        self.emit("    ", "}", "  }", "}", "")
+        self.lines += ["    });", "  });", "}", ""]
         return "\n".join(self.lines)
 
 

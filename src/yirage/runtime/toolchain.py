@@ -25,8 +25,9 @@ again, ``ToolchainError`` is raised. Loaded libraries are also memoized per proc
 Build flags per target (``cxx_flags``): ``-march=native`` on x86-64, or the ``YIRAGE_ISA`` cap's
 level (``-march=x86-64-v3 -mtune=native``: the AVX2 paths of every kernel, as an AVX2-only CPU
 builds them); ``-mcpu=native`` on Arm; ``-fopenmp`` where the compiler has OpenMP, Homebrew's
-libomp for Apple's clang, else ``-fopenmp-simd`` alone (the kernels then run on one thread:
-``kernels/cpu/yr_threads.h``), with one warning.
+libomp for Apple's clang, else (or under ``YIRAGE_OPENMP=0``) ``-fopenmp-simd`` alone: the
+kernels then run on yirage's own thread pool (``kernels/cpu/yr_threads.h``), with one warning
+where the compiler lacks OpenMP.
 
 This module must never generate code (it only builds and loads what it is given), and
 must never ``dlopen`` a cached file whose checksum has not just matched: mapping a
@@ -95,13 +96,23 @@ def target_flags() -> tuple[str, ...]:
 _LIBOMP_PREFIXES = ("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp")
 
 
+#: ``YIRAGE_OPENMP=0`` builds every kernel without OpenMP (``openmp_flags``).
+OPENMP_ENV = "YIRAGE_OPENMP"
+
+
 def openmp_flags(cxx: str | None = None) -> tuple[str, ...]:
     """The flags that give the compiler ``cxx`` (default ``find_compiler``'s) OpenMP: ``-fopenmp``
     where a probe program builds with it, else libomp's ``-Xpreprocessor -fopenmp ... -lomp`` where
-    Homebrew's is installed, else ``-fopenmp-simd`` alone (the ``omp simd`` loops still vectorize;
-    ``#pragma omp parallel`` is ignored and the kernels run on one thread), with one warning.
-    Probed once per compiler (its path and version line) and remembered in the kernel cache: a
-    probe compiles and links a program, about 40 ms that every process's first kernel waited for."""
+    Homebrew's is installed, else ``-fopenmp-simd`` alone, with one warning. Without OpenMP the
+    ``omp simd`` loops still vectorize and the kernels' parallel loops run on yirage's own thread
+    pool (``kernels/cpu/yr_threads.h``: ``OMP_NUM_THREADS`` threads, else one per hardware
+    thread). ``YIRAGE_OPENMP=0`` in the environment forces that build (``-fopenmp-simd`` alone,
+    no probe, no warning) on any compiler; the flags are part of every cache key, so the two
+    builds are cached apart. Probed once per compiler (its path and version line) and remembered
+    in the kernel cache: a probe compiles and links a program, about 40 ms that every process's
+    first kernel waited for."""
+    if os.environ.get(OPENMP_ENV, "").strip() == "0":
+        return ("-fopenmp-simd",)
     return _openmp_flags(cxx or find_compiler()[0])
 
 
@@ -143,7 +154,7 @@ def _probe_openmp(cxx: str) -> tuple[str, ...]:
             if ok:
                 return flags
     logger.warning("the C++ compiler %s has no OpenMP (macOS: 'brew install libomp'): yirage's CPU kernels "
-                   "will run on one thread", cxx)
+                   "will run on yirage's own thread pool instead of OpenMP's", cxx)
     return ("-fopenmp-simd",)
 
 

@@ -6,7 +6,7 @@
 // NaN in a window wins; F.avg_pool2d with count_include_pad; F.adaptive_avg_pool2d's windows
 // floor(i*H/o) .. ceil((i+1)*H/o)). Sizes come from the graph's static shapes; each entry still
 // returns without touching memory when they are inconsistent (a non-positive size, an output
-// that does not match the window formula). Work is split over the N*C planes with OpenMP.
+// that does not match the window formula). Work is split over the N*C planes on threads (yr_threads.h).
 #include "yirage_prelude.h"
 
 #include "yr_threads.h"
@@ -51,8 +51,7 @@ struct Window {
 };
 
 template <typename T> void max_pool(const T* x, T* y, const Window& w) {
-    #pragma omp parallel for schedule(static) if (w.N * w.C * w.Ho * w.Wo * w.kh * w.kw >= 65536)
-    for (int64_t plane = 0; plane < w.N * w.C; ++plane) {
+    yr::parallel_for(w.N * w.C, w.N * w.C * w.Ho * w.Wo * w.kh * w.kw >= 65536, [&](int64_t plane) {
         const T* xp = x + plane * w.H * w.W;
         T* yp = y + plane * w.Ho * w.Wo;
         for (int64_t oy = 0; oy < w.Ho; ++oy)
@@ -72,12 +71,11 @@ template <typename T> void max_pool(const T* x, T* y, const Window& w) {
                 }
                 store(yp, oy * w.Wo + ox, nan ? std::numeric_limits<float>::quiet_NaN() : m);
             }
-    }
+    });
 }
 
 template <typename T> void avg_pool(const T* x, T* y, const Window& w, bool count_pad) {
-    #pragma omp parallel for schedule(static) if (w.N * w.C * w.Ho * w.Wo * w.kh * w.kw >= 65536)
-    for (int64_t plane = 0; plane < w.N * w.C; ++plane) {
+    yr::parallel_for(w.N * w.C, w.N * w.C * w.Ho * w.Wo * w.kh * w.kw >= 65536, [&](int64_t plane) {
         const T* xp = x + plane * w.H * w.W;
         T* yp = y + plane * w.Ho * w.Wo;
         for (int64_t oy = 0; oy < w.Ho; ++oy)
@@ -94,13 +92,12 @@ template <typename T> void avg_pool(const T* x, T* y, const Window& w, bool coun
                 const int64_t div = count_pad ? padded : std::max<int64_t>((ye - ys) * (xe - xs), 1);
                 store(yp, oy * w.Wo + ox, s / (float)div);
             }
-    }
+    });
 }
 
 template <typename T> void adaptive_avg(const T* x, T* y, int64_t planes, int64_t H, int64_t W, int64_t oh,
                                         int64_t ow) {
-    #pragma omp parallel for schedule(static) if (planes * H * W >= 65536)
-    for (int64_t plane = 0; plane < planes; ++plane) {
+    yr::parallel_for(planes, planes * H * W >= 65536, [&](int64_t plane) {
         const T* xp = x + plane * H * W;
         T* yp = y + plane * oh * ow;
         for (int64_t i = 0; i < oh; ++i) {
@@ -113,13 +110,12 @@ template <typename T> void adaptive_avg(const T* x, T* y, int64_t planes, int64_
                 store(yp, i * ow + j, s / (float)((ye - ys) * (xe - xs)));
             }
         }
-    }
+    });
 }
 
 template <typename T> void batch_norm(const T* x, T* y, const float* mean, const float* var, const float* w,
                                       const float* b, int64_t N, int64_t C, int64_t S, float eps) {
-    #pragma omp parallel for schedule(static) if (N * C * S >= 65536)
-    for (int64_t plane = 0; plane < N * C; ++plane) {
+    yr::parallel_for(N * C, N * C * S >= 65536, [&](int64_t plane) {
         const int64_t c = plane % C;
         const float scale = (w ? w[c] : 1.0f) / std::sqrt(var[c] + eps);
         const float shift = (b ? b[c] : 0.0f) - mean[c] * scale;
@@ -127,7 +123,7 @@ template <typename T> void batch_norm(const T* x, T* y, const float* mean, const
         T* yp = y + plane * S;
         #pragma omp simd
         for (int64_t i = 0; i < S; ++i) store(yp, i, load(xp, i) * scale + shift);
-    }
+    });
 }
 
 // The activations of the convolution epilogues (codes as yr_conv_epilogue's), a template
@@ -161,8 +157,7 @@ static void depthwise_nhwc(const float* x, const float* wt, const float* bias, c
                            int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
                            float a, float b) {
     constexpr int64_t CB = 64;
-    #pragma omp parallel for schedule(static) if (N * Ho * Wo * C * kh * kw >= 65536)
-    for (int64_t row = 0; row < N * Ho; ++row) {
+    yr::parallel_for(N * Ho, N * Ho * Wo * C * kh * kw >= 65536, [&](int64_t row) {
         const int64_t n = row / Ho, ho = row % Ho;
         for (int64_t wo = 0; wo < Wo; ++wo) {
             float* yp = y + ((n * Ho + ho) * Wo + wo) * C;
@@ -197,7 +192,7 @@ static void depthwise_nhwc(const float* x, const float* wt, const float* bias, c
                 }
             }
         }
-    }
+    });
 }
 
 template <int ACT> static void epilogue_rows(float* y, const float* r, int64_t cols, int64_t lo, int64_t hi,

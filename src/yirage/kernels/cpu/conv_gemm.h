@@ -91,11 +91,9 @@ void yr_conv_igemm_f32(const float* x, const float* P, const float* bias, float*
     while (t.mblocks * t.pgroups < YR_EMB_TASKS * emb_threads() && t.pgroups * 8 <= npanels) t.pgroups *= 2;
     t.per_group = (npanels + t.pgroups - 1) / t.pgroups;
     const EmbRowEpilogue ep(epi, epi_args, t, M);
-#pragma omp parallel if (emb_mul(M, O, K) >= PAR_MIN_MACS)
-    {
+    yr::parallel(emb_mul(M, O, K) >= PAR_MIN_MACS, [&] {
         float* A = conv_gather_scratch(mc * K);
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
+        yr::for_dynamic_nowait(t.mblocks * t.pgroups, [&](int64_t task) {
             const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
             const int64_t m0 = mb * mc, m1 = std::min(M, m0 + mc), rows = m1 - m0;
             const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
@@ -117,9 +115,9 @@ void yr_conv_igemm_f32(const float* x, const float* P, const float* bias, float*
                 }
             }
             ep.task_done(mb);
-        }
+        });
         ep.help();
-    }
+    });
 }
 
 }  // extern "C"

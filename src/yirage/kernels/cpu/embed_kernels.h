@@ -334,14 +334,8 @@ inline uint16_t* emb_bf16_scratch(int64_t n) {
 struct EmbTiles {
     int64_t mblocks, pgroups, per_group, npanels, mc;
 };
-// Threads a parallel region here gets (1 without OpenMP).
-inline int emb_threads() {
-#if defined(_OPENMP)
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
+// Threads a parallel region here gets (yr_threads.h).
+inline int emb_threads() { return yr::max_threads(); }
 // Panels are split into the fewest power-of-two groups that give YR_EMB_TASKS tasks per
 // thread, of ceil(npanels / pgroups) panels each (an even split into more, smaller tasks
 // measured up to 13% slower for the float32 GEMM with M <= 128; 2, 4 or 8 tasks per thread
@@ -371,13 +365,7 @@ inline EmbTiles emb_tiles(int64_t M, int64_t N, int64_t mc = EMB_MC) {
 // M = 128 (221 -> 270 GFLOP/s on 512 x 512, 228 -> 276 on 3072 x 768), 1.1x at M = 1024.
 
 // Threads of the enclosing parallel region (1 outside one).
-inline int64_t emb_team() {
-#if defined(_OPENMP)
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
+inline int64_t emb_team() { return yr::team_size(); }
 
 // The first panel of the task after the one at (m0, p0) that this thread likely runs, or -1.
 inline int64_t emb_guess_next_p0(const EmbTiles& t, int64_t m0, int64_t p0) {
@@ -472,18 +460,18 @@ struct EmbRowEpilogue {
 };
 
 // Runs body(m0, m1, p0, p1) for every task of the tiling t (rows [m0, m1) x panels [p0, p1))
-// as an orphaned `omp for` (shared by the team of the enclosing parallel region, or run by
-// the calling thread alone), and the row epilogue ep on each block of rows once it is done.
+// as a dynamic loop without a barrier (yr::for_dynamic_nowait: shared by the team of the
+// enclosing parallel region, or run by the calling thread alone), and the row epilogue ep on
+// each block of rows once it is done.
 template <typename Body>
 void emb_for_tasks(const EmbTiles& t, int64_t M, const EmbRowEpilogue& ep, const Body& body) {
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t task = 0; task < t.mblocks * t.pgroups; ++task) {
+    yr::for_dynamic_nowait(t.mblocks * t.pgroups, [&](int64_t task) {
         const int64_t mb = task / t.pgroups, pg = task % t.pgroups;
         const int64_t m0 = mb * t.mc, m1 = std::min(M, m0 + t.mc);
         const int64_t p0 = pg * t.per_group, p1 = std::min(t.npanels, p0 + t.per_group);
         body(m0, m1, p0, p1);
         ep.task_done(mb);
-    }
+    });
     ep.help();
 }
 
@@ -953,8 +941,7 @@ void yr_emb_pack_f32(const float* w, float* P, int64_t N, int64_t K, int64_t p_l
     // 64 contiguous floats read), panels in parallel: packing is a one-time copy, but of every
     // weight of the model (BERT-base: 340 MB), and a model's first call waits for it.
     constexpr int64_t KB = 64;
-#pragma omp parallel for schedule(static) if (emb_mul(np, EMB_NR, K) >= (int64_t)1 << 18)
-    for (int64_t p = 0; p < np; ++p)
+    yr::parallel_for(np, emb_mul(np, EMB_NR, K) >= (int64_t)1 << 18, [&](int64_t p) {
         for (int64_t k0 = 0; k0 < K; k0 += KB) {
             const int64_t k1 = std::min(K, k0 + KB);
             for (int64_t j = 0; j < EMB_NR; ++j) {
@@ -968,6 +955,7 @@ void yr_emb_pack_f32(const float* w, float* P, int64_t N, int64_t K, int64_t p_l
                 }
             }
         }
+    });
 }
 
 }  // extern "C"
@@ -989,31 +977,32 @@ void emb_gemm_f32_to(const float* x, const float* P, const float* bias, int64_t 
                      const Out& out, EmbEpilogue epi, const int64_t* epi_args) {
     const EmbTiles t = emb_tiles(M, N, EMB_MC_F32);
     const EmbRowEpilogue ep(epi, epi_args, t, M);
-#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
-    emb_for_tasks(t, M, ep, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-        const int64_t tiles = (m1 - m0 + EMB_MR - 1) / EMB_MR, guess_p0 = emb_guess_next_p0(t, m0, p0);
-        const auto base = [&](int64_t q, int64_t q0) { return P + (q * K + q0) * EMB_NR; };
-        for (int64_t k0 = 0; k0 < K; k0 += EMB_KC) {
-            const int64_t kc = std::min(EMB_KC, K - k0);
-            for (int64_t p = p0; p < p1; ++p) {
-                const int64_t n0 = p * EMB_NR;
-                const EmbPanelOut o = out(n0);
-                const float* B = P + (p * K + k0) * EMB_NR;
-                const float* bp = (bias && k0 == 0 && o.nr == EMB_NR) ? bias + n0 : nullptr;
-                const EmbPrefetch pf(p, k0, p0, p1, K, EMB_KC, guess_p0, tiles, 2, base);   // 2 lines per k
-                for (int64_t m = m0, i = 0; m < m1; m += EMB_MR, ++i) {
-                    const int mr = (int)std::min<int64_t>(EMB_MR, m1 - m);
-                    const char* pfp;
-                    int64_t npf;
-                    pf.tile(i, kc, &pfp, &npf);
-                    emb_f32_rows<EMB_MR>(mr, x + m * K + k0, K, B, kc, o.yp + m * o.ld, o.ld, bp, k0 > 0, o.nr,
-                                         pfp, npf);
+    yr::parallel(emb_mul(M, N, K) >= PAR_MIN_MACS, [&] {
+        emb_for_tasks(t, M, ep, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+            const int64_t tiles = (m1 - m0 + EMB_MR - 1) / EMB_MR, guess_p0 = emb_guess_next_p0(t, m0, p0);
+            const auto base = [&](int64_t q, int64_t q0) { return P + (q * K + q0) * EMB_NR; };
+            for (int64_t k0 = 0; k0 < K; k0 += EMB_KC) {
+                const int64_t kc = std::min(EMB_KC, K - k0);
+                for (int64_t p = p0; p < p1; ++p) {
+                    const int64_t n0 = p * EMB_NR;
+                    const EmbPanelOut o = out(n0);
+                    const float* B = P + (p * K + k0) * EMB_NR;
+                    const float* bp = (bias && k0 == 0 && o.nr == EMB_NR) ? bias + n0 : nullptr;
+                    const EmbPrefetch pf(p, k0, p0, p1, K, EMB_KC, guess_p0, tiles, 2, base);   // 2 lines per k
+                    for (int64_t m = m0, i = 0; m < m1; m += EMB_MR, ++i) {
+                        const int mr = (int)std::min<int64_t>(EMB_MR, m1 - m);
+                        const char* pfp;
+                        int64_t npf;
+                        pf.tile(i, kc, &pfp, &npf);
+                        emb_f32_rows<EMB_MR>(mr, x + m * K + k0, K, B, kc, o.yp + m * o.ld, o.ld, bp, k0 > 0, o.nr,
+                                             pfp, npf);
+                    }
+                    if (bias && k0 == 0 && o.nr < EMB_NR)   // partial panel: bias added here
+                        for (int64_t m = m0; m < m1; ++m)
+                            for (int j = 0; j < o.nr; ++j) o.yp[m * o.ld + j] += bias[n0 + j];
                 }
-                if (bias && k0 == 0 && o.nr < EMB_NR)   // partial panel: bias added here
-                    for (int64_t m = m0; m < m1; ++m)
-                        for (int j = 0; j < o.nr; ++j) o.yp[m * o.ld + j] += bias[n0 + j];
             }
-        }
+        });
     });
 }
 
@@ -1134,10 +1123,8 @@ void yr_emb_gemm_bf16(const float* x, const uint16_t* P, const float* bias, floa
     if (M == 0) return;
     uint16_t* A = emb_bf16_scratch(M * Kp);
     const EmbRowEpilogue ep(epi, epi_args, t, M);
-#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) emb_bf16_row(x + m * K, K, A + m * Kp, Kp);
+    yr::parallel(emb_mul(M, N, K) >= PAR_MIN_MACS, [&] {
+        yr::for_static(M, [&](int64_t m) { emb_bf16_row(x + m * K, K, A + m * Kp, Kp); });
         emb_for_tasks(t, M, ep, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
             const int64_t tiles = (m1 - m0 + EMB_MR16 - 1) / EMB_MR16, guess_p0 = emb_guess_next_p0(t, m0, p0);
             const auto base = [&](int64_t q, int64_t q0) { return P + (q * Kp + q0) * EMB_NR; };
@@ -1160,7 +1147,7 @@ void yr_emb_gemm_bf16(const float* x, const uint16_t* P, const float* bias, floa
                 }
             }
         });
-    }
+    });
 }
 
 // Packs Wt [K, N] int8 (in x out features) for activation groups of `group` features (0: the
@@ -1217,10 +1204,8 @@ void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_
     if (M == 0) return;
     const int64_t kq = gr.Kp / 4;
     const EmbRowEpilogue ep(epi, epi_args, t, M);
-#pragma omp parallel if (emb_mul(M, N, K) >= PAR_MIN_MACS)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) emb_quantize_row(x + m * K, gr, qbuf + m * gr.Kp, sbuf + m * gr.ng);
+    yr::parallel(emb_mul(M, N, K) >= PAR_MIN_MACS, [&] {
+        yr::for_static(M, [&](int64_t m) { emb_quantize_row(x + m * K, gr, qbuf + m * gr.Kp, sbuf + m * gr.ng); });
         emb_for_tasks(t, M, ep, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
             for (int64_t p = p0; p < p1; ++p) {
                 const int64_t n0 = p * EMB_NR;
@@ -1233,7 +1218,7 @@ void yr_emb_linear_w8a8(const float* x, uint8_t* qbuf, float* sbuf, const uint8_
                 }
             }
         });
-    }
+    });
 }
 
 // Bidirectional attention over B sentences packed back to back in qkv [T, 3 * H * Dh]
@@ -1264,13 +1249,12 @@ void yr_emb_attention_varlen(const float* qkv, const int64_t* offsets, float* ou
     // every thread.
     const int threads = emb_threads();
     const int64_t groups = B >= 4 * threads ? 1 : std::min<int64_t>(H, (4 * threads + B - 1) / std::max<int64_t>(B, 1));
-#pragma omp parallel for schedule(dynamic, 1) if (work * HD >= (double)PAR_MIN_MACS)
-    for (int64_t task = 0; task < B * groups; ++task) {
+    yr::parallel_for_dynamic(B * groups, work * HD >= (double)PAR_MIN_MACS, [&](int64_t task) {
         const int64_t b = task / groups, g = task % groups;
         const int64_t s = offsets[b], L = offsets[b + 1] - s;
         for (int64_t h = g * H / groups; h < (g + 1) * H / groups && L > 0; ++h)
             emb_attention_head(qkv, out, s, L, h, H, Dh, scale);
-    }
+    });
 }
 
 // Scaled dot-product attention (the IR's sdpa; torch's F.scaled_dot_product_attention):
@@ -1319,8 +1303,7 @@ void yr_sdpa_f32(const float* q, const float* k, const float* v, const float* ma
     int64_t chunk = std::min<int64_t>(Tq, 256);
     while (chunk > YR_EMB_ATT_RB && B * Hq * ((Tq + chunk - 1) / chunk) < 4 * threads) chunk = (chunk + 1) / 2;
     const int64_t chunks = (Tq + chunk - 1) / chunk, G = Hq / Hkv;
-#pragma omp parallel for schedule(dynamic, 1) if (emb_mul(B, Hq, Tq, Tk, Dh) >= PAR_MIN_MACS)
-    for (int64_t task = 0; task < B * Hq * chunks; ++task) {
+    yr::parallel_for_dynamic(B * Hq * chunks, emb_mul(B, Hq, Tq, Tk, Dh) >= PAR_MIN_MACS, [&](int64_t task) {
         const int64_t b = task / (Hq * chunks), h = task / chunks % Hq, c = task % chunks;
         const int64_t i0 = c * chunk, n = std::min(chunk, Tq - i0);
         const int64_t keys = causal ? std::min(Tk, i0 + n) : Tk;   // causal: the later keys are all masked
@@ -1329,7 +1312,7 @@ void yr_sdpa_f32(const float* q, const float* k, const float* v, const float* ma
         attention_head({qh, k + b * ks[0] + hk * ks[1], v + b * vs[0] + hk * vs[1], out + b * os[0] + h * os[1] + i0 * os[2],
                         qs[2], ks[2], vs[2], os[2], n, keys, Dh, scale, mask ? mask + b * sb + h * sh : nullptr, si, i0,
                         causal});
-    }
+    });
 }
 
 }  // extern "C"

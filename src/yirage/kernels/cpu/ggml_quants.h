@@ -1554,8 +1554,9 @@ void task_embedding_fmt(const int64_t* a, int64_t lo, int64_t hi) {
 // dst[0 .. nblocks * QB) = nblocks consecutive blocks at src, dequantized.
 template <class F>
 void dequant_fmt(const uint8_t* src, float* dst, int64_t nblocks) {
-#pragma omp parallel for schedule(static) if (nblocks * F::QB >= PAR_MIN_ELEMS)
-    for (int64_t b = 0; b < nblocks; ++b) dequant_block_fmt<F>(src + b * F::BYTES, dst + b * F::QB);
+    yr::parallel_for(nblocks, nblocks * F::QB >= PAR_MIN_ELEMS, [&](int64_t b) {
+        dequant_block_fmt<F>(src + b * F::BYTES, dst + b * F::QB);
+    });
 }
 
 }  // namespace

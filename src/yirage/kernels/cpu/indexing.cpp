@@ -36,8 +36,7 @@ void index_copy(const T* src, const int64_t* index, T* dst, int64_t ndim, const 
     const int64_t last = sizes[ndim - 1];
     int64_t rows = 1;
     for (int64_t d = 0; d < ndim - 1; ++d) rows *= sizes[d];
-    #pragma omp parallel for schedule(static) if (rows * last >= 65536)
-    for (int64_t r = 0; r < rows; ++r) {
+    yr::parallel_for(rows, rows * last >= 65536, [&](int64_t r) {
         int64_t rem = r, s_at = 0, m_dim = 0;
         for (int64_t d = ndim - 2; d >= 0; --d) {
             const int64_t i = rem % sizes[d];
@@ -58,7 +57,7 @@ void index_copy(const T* src, const int64_t* index, T* dst, int64_t ndim, const 
             const int64_t off = dim == ndim - 1 ? s_at + v * ls : s_at + v * ss[dim] + j * ls;
             out[j] = src[off];
         }
-    }
+    });
 }
 
 template <typename F> void by_size(int64_t elem_bytes, F fn) {

@@ -28,9 +28,10 @@
 //   (11-bit d times a <= 8-bit integer), so d*q + m rounds once whether fused or not.
 //   Dot products accumulate in float32, in any order.
 //
-// Threads: OpenMP, with the omp_get_max_threads() of the process (torch's set_num_threads
-// sets it too: torch and this library share libgomp). Small problems run on the calling
-// thread, because a parallel region costs microseconds.
+// Threads: yr_threads.h's loops and regions; with OpenMP, the omp_get_max_threads() of the
+// process (torch's set_num_threads sets it too: torch and this library share libgomp), else
+// yirage's own pool. Small problems run on the calling thread, because a parallel region
+// costs microseconds.
 //
 // The kernels of this file are built on library_core.h; library_quants.cpp and
 // library_encoder.cpp hold the rest of the library's entry points.
@@ -83,7 +84,7 @@ void yr_linear_q4_1(const float* x, const uint8_t* w, const float* bias, float* 
 }
 
 // y = x @ W^T (+ bias) with x quantized to int8 per block of 32 (compute_dtype='int8'; see
-// gemv_q8_act): a GEMV per x row for any M, weight rows split over OpenMP threads.
+// gemv_q8_act): a GEMV per x row for any M, weight rows split over the threads.
 void yr_linear_q4_1_q8(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                        int64_t K) {
     if (M <= 0 || N <= 0) return;
@@ -117,13 +118,13 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
 // gguf.quants.dequantize (the vendor GEMM providers of cpu_providers.py dequantize a block of
 // weight rows per call; the other formats' yr_dequant_T are in ggml_quants.h).
 void yr_dequant_q4_1(const uint8_t* src, float* dst, int64_t nblocks) {
-#pragma omp parallel for schedule(static) if (nblocks * QK >= PAR_MIN_ELEMS)
-    for (int64_t b = 0; b < nblocks; ++b) dequant_block_q4_1(src + b * Q4_1_BYTES, dst + b * QK);
+    yr::parallel_for(nblocks, nblocks * QK >= PAR_MIN_ELEMS,
+                     [&](int64_t b) { dequant_block_q4_1(src + b * Q4_1_BYTES, dst + b * QK); });
 }
 
 void yr_dequant_q8_0(const uint8_t* src, float* dst, int64_t nblocks) {
-#pragma omp parallel for schedule(static) if (nblocks * QK >= PAR_MIN_ELEMS)
-    for (int64_t b = 0; b < nblocks; ++b) dequant_block_q8_0(src + b * Q8_0_BYTES, dst + b * QK);
+    yr::parallel_for(nblocks, nblocks * QK >= PAR_MIN_ELEMS,
+                     [&](int64_t b) { dequant_block_q8_0(src + b * Q8_0_BYTES, dst + b * QK); });
 }
 
 void yr_linear_f32(const float* x, const float* w, const float* bias, float* y,
@@ -180,8 +181,8 @@ void yr_rope(const float* x, const float* cos_table, const float* sin_table, con
         report(status, p0, 0, S - T + 1);
         return;
     }
-#pragma omp parallel for schedule(static) if (T * H * Dh >= PAR_MIN_ELEMS)
-    for (int64_t th = 0; th < T * H; ++th) rope_row(x, cos_table, sin_table, p0, out, th, H, Dh);
+    yr::parallel_for(T * H, T * H * Dh >= PAR_MIN_ELEMS,
+                     [&](int64_t th) { rope_row(x, cos_table, sin_table, p0, out, th, H, Dh); });
 }
 
 // =================================================================================
@@ -218,9 +219,7 @@ void attention_window(const float* q, const float* k, const float* v, KV* k_cach
     }
     const int64_t group = Hq / Hkv;
     const int64_t work = T * Hq * (p0 + T - first_key(p0, window)) * Dh;
-    (void)work;  // read by the OpenMP if clause only
-#pragma omp parallel for schedule(dynamic, 1) if (work >= PAR_MIN_MACS / 4)
-    for (int64_t th = 0; th < T * Hq; ++th) {
+    yr::parallel_for_dynamic(T * Hq, work >= PAR_MIN_MACS / 4, [&](int64_t th) {
         static thread_local std::vector<float> score_buf;
         const int64_t t = th / Hq, h = th % Hq, kvh = h / group;
         const int64_t j0 = first_key(p0 + t, window);   // keys j0 .. p0+t
@@ -228,7 +227,7 @@ void attention_window(const float* q, const float* k, const float* v, KV* k_cach
         float* s = scratch(score_buf, (size_t)(std::max<int64_t>(max_seq, L) + VL));
         attend_keys(q + th * Dh, k_cache + kvh * Dh + j0 * kv_row, v_cache + kvh * Dh + j0 * kv_row, kv_row, L, Dh,
                     scale, s, out + th * Dh);
-    }
+    });
 }
 }  // namespace
 
@@ -266,11 +265,10 @@ void yr_rope_rows(const float* x, const float* cos_table, const float* sin_table
                   float* out, int64_t T, int64_t H, int64_t Dh, int64_t S, int64_t* status) {
     if (!rows_in_range(positions, T, S, status)) return;
     const int64_t half = Dh / 2;
-#pragma omp parallel for schedule(static) if (T * H * Dh >= PAR_MIN_ELEMS)
-    for (int64_t th = 0; th < T * H; ++th) {
+    yr::parallel_for(T * H, T * H * Dh >= PAR_MIN_ELEMS, [&](int64_t th) {
         const int64_t p = positions[th / H];
         rope_vec(x + th * Dh, cos_table + p * half, sin_table + p * half, out + th * Dh, Dh);
-    }
+    });
 }
 
 // yr_rotary_emb: rotate-half RoPE with per-element tables (the IR's rotary_emb; transformers'
@@ -346,7 +344,7 @@ extern "C" {
 // (in row order), and query head h of row t (p = positions[t]) attends keys
 // first_key(p, window) .. p of its slot, kv head h / (Hq / Hkv): out = softmax(scale * q.k) @ v,
 // max subtracted first. One (row, KV head) per work item (its query heads together: each key
-// and value read and converted once for them), OpenMP dynamic schedule.
+// and value read and converted once for them), dynamic schedule.
 // yr_attention_rows_f16kv: the same over float16 caches (as yr_attention_window_f16kv).
 }  // extern "C"
 
@@ -363,10 +361,9 @@ void attention_rows(const float* q, const float* k, const float* v, KV* k_cache,
     attention_rows_append(k, v, k_cache, v_cache, slots, positions, T, kv_row, slot_len);
     int64_t work = 0;
     for (int64_t t = 0; t < T; ++t) work += (positions[t] + 1 - first_key(positions[t], window)) * Hq * Dh;
-    (void)work;  // read by the OpenMP if clause only
-#pragma omp parallel for schedule(dynamic, 1) if (work >= PAR_MIN_MACS / 4)
-    for (int64_t pair = 0; pair < T * Hkv; ++pair)
+    yr::parallel_for_dynamic(T * Hkv, work >= PAR_MIN_MACS / 4, [&](int64_t pair) {
         attention_row_group(q, k_cache, v_cache, slots, positions, out, pair, Hq, Hkv, Dh, slot_len, scale, window);
+    });
 }
 }  // namespace
 
@@ -394,15 +391,14 @@ void yr_attention_rows_f16kv(const float* q, const float* k, const float* v, uin
 
 void yr_argmax(const float* x, int64_t* out, int64_t R, int64_t D) {
     if (D <= 0) return;
-#pragma omp parallel for schedule(static) if (R * D >= PAR_MIN_ELEMS && R > 1)
-    for (int64_t r = 0; r < R; ++r) out[r] = argmax_row(x + r * D, D);
+    yr::parallel_for(R, R * D >= PAR_MIN_ELEMS && R > 1, [&](int64_t r) { out[r] = argmax_row(x + r * D, D); });
 }
 
 // =================================================================================
 // Task entry points for the persistent kernel runtime (persistent.cpp).
 // void yr_task_X(const int64_t* a, int64_t lo, int64_t hi): a holds the op's arguments as
 // int64 (pointers, sizes, a float's bits), [lo, hi) is the slice of the op's work this
-// task does (listed per function). They never start OpenMP regions: the runtime's workers
+// task does (listed per function). They never start parallel regions: the runtime's workers
 // are the parallelism. Shapes were checked when the task graph was built; run-time indices
 // (ids, start_pos) are checked here, as in the entry points above.
 // =================================================================================
@@ -625,8 +621,7 @@ void attention_prefill_tiled(const float* q, const KV* k_cache, const KV* v_cach
     constexpr int64_t PQ = 16, PK = 64;
     const int64_t group = Hq / Hkv, kv_row = Hkv * Dh, qtiles = (T + PQ - 1) / PQ;
     const int nv = head_vectors(Dh);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < Hkv * qtiles; ++task) {
+    yr::parallel_for_dynamic(Hkv * qtiles, true, [&](int64_t task) {
         const int64_t qt = qtiles - 1 - task / Hkv, kvh = task % Hkv;   // longest (last) tiles first
         const int64_t t0 = qt * PQ, t1 = std::min(T, t0 + PQ), rows = (t1 - t0) * group;
         static thread_local std::vector<float> buf;
@@ -671,7 +666,7 @@ void attention_prefill_tiled(const float* q, const KV* k_cache, const KV* v_cach
             float* dst = out + (t * Hq + h) * Dh;
             for (int64_t d = 0; d < Dh; ++d) dst[d] = O[r * Dh + d] * inv;
         }
-    }
+    });
 }
 
 inline float float_arg(int64_t bits) {
@@ -1002,7 +997,7 @@ void yr_task_argmax_reduce(const int64_t* a, int64_t lo, int64_t hi) {
 
 // Runs a row task (void fn(const int64_t* args, int64_t lo, int64_t hi): a fused row program's
 // task entry) over rows [lo, hi), cut into chunks of at least min_rows rows shared by the
-// OpenMP threads: the epilogue of a GEMM whose provider has no epilogue hook (a vendor GEMM
+// threads (yr_threads.h): the epilogue of a GEMM whose provider has no epilogue hook (a vendor GEMM
 // through torch), run on each row block right after the GEMM wrote it. Rows outside
 // [0, rows) are refused (status), nothing is run then. One chunk per thread at most.
 void yr_rows_parallel(void (*fn)(const int64_t*, int64_t, int64_t), const int64_t* args, int64_t lo, int64_t hi,
@@ -1010,11 +1005,10 @@ void yr_rows_parallel(void (*fn)(const int64_t*, int64_t, int64_t), const int64_
     if (lo < 0 || lo > hi) { report(status, lo, 0, hi + 1); return; }
     if (hi > rows) { report(status, hi, 0, rows + 1); return; }
     if (fn == nullptr || lo == hi) return;
-    const int64_t threads = omp_get_max_threads();
+    const int64_t threads = yr::max_threads();
     const int64_t step = std::max<int64_t>(std::max<int64_t>(1, min_rows), (hi - lo + threads - 1) / threads);
     const int64_t chunks = (hi - lo + step - 1) / step;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-    for (int64_t c = 0; c < chunks; ++c) fn(args, lo + c * step, std::min(hi, lo + (c + 1) * step));
+    yr::parallel_for(chunks, chunks > 1, [&](int64_t c) { fn(args, lo + c * step, std::min(hi, lo + (c + 1) * step)); });
 }
 
 }  // extern "C"

@@ -264,8 +264,7 @@ void rotary_rows(const void* xv, const void* cv, const void* sv, void* ov, const
     T* out = (T*)ov;
     const int64_t half = n[3] / 2, rows = n[0] * n[1] * n[2];
     const int64_t *xs = st, *cs = st + 4, *ss = st + 8, *os = st + 12;
-#pragma omp parallel for schedule(static) if (rows * n[3] >= PAR_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; ++r) {
+    yr::parallel_for(rows, rows * n[3] >= PAR_MIN_ELEMS, [&](int64_t r) {
         const int64_t i2 = r % n[2], i1 = r / n[2] % n[1], i0 = r / (n[1] * n[2]);
         const T* xr = x + i0 * xs[0] + i1 * xs[1] + i2 * xs[2];
         const T* cr = cos + i0 * cs[0] + i1 * cs[1] + i2 * cs[2];
@@ -277,7 +276,7 @@ void rotary_rows(const void* xv, const void* cv, const void* sv, void* ov, const
             store_f32(o, j, a * load_f32(cr, j) - b * load_f32(sr, j));
             store_f32(o, j + half, b * load_f32(cr, j + half) + a * load_f32(sr, j + half));
         }
-    }
+    });
 }
 #if defined(YR_AVX512)
 inline vf vload(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
@@ -792,22 +791,14 @@ inline void gemv_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn
     }
 }
 
-// Runs fn(u0, u1) on each OpenMP thread's contiguous, equal slice [u0, u1) of [0, units) (on the
+// Runs fn(u0, u1) on each thread's contiguous, equal slice [u0, u1) of [0, units) (on the
 // calling thread alone below PAR_MIN_MACS multiply-adds).
 template <typename Fn>
 void parallel_slices(int64_t units, int64_t macs, Fn fn) {
-#pragma omp parallel if (macs >= PAR_MIN_MACS)
-    {
-#if defined(_OPENMP)
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-        const int64_t nt = 1, t = 0;
-#endif
-        fn(units * t / nt, units * (t + 1) / nt);
-    }
+    yr::parallel_chunks(units, macs >= PAR_MIN_MACS, fn);
 }
 
-// Runs rows(n0, r) over groups of GEMV_ROWS weight rows: each OpenMP thread takes one
+// Runs rows(n0, r) over groups of GEMV_ROWS weight rows: each thread takes one
 // contiguous, equal slice of whole groups (gemv_range).
 template <typename RowsFn>
 void gemv_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
@@ -976,8 +967,7 @@ template <typename Pack>
 void linear_packed(const float* x, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
                    Pack pack) {
     const int64_t npanels = (N + PR - 1) / PR;
-#pragma omp parallel for schedule(dynamic, 1) if (M * N * K >= PAR_MIN_MACS)
-    for (int64_t p = 0; p < npanels; ++p) {
+    yr::parallel_for_dynamic(npanels, M * N * K >= PAR_MIN_MACS, [&](int64_t p) {
         static thread_local std::vector<float> buf;
         float* P = scratch(buf, (size_t)(K * PR));
         const int64_t n0 = p * PR;
@@ -986,7 +976,7 @@ void linear_packed(const float* x, const float* bias, float* y, int64_t M, int64
         for (int64_t m0 = 0; m0 < M; m0 += PM)
             panel_any((int)std::min<int64_t>(PM, M - m0), x + m0 * K, K, P,
                       bias ? bias + n0 : nullptr, y + m0 * N + n0, N, nr);
-    }
+    });
 }
 
 // Records an out-of-range run-time index: status = {1, value, lo, hi} (the first one wins).
@@ -1016,12 +1006,11 @@ template <typename RowFn>
 void embedding_rows(const int64_t* ids, float* out, int64_t T, int64_t D, int64_t V, int64_t* status,
                     RowFn row_fn) {
     const bool all_ok = ids_in_range(ids, T, V, status);
-#pragma omp parallel for schedule(static) if (T * D >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; ++t) {
+    yr::parallel_for(T, T * D >= PAR_MIN_ELEMS, [&](int64_t t) {
         const int64_t id = ids[t];
         if (!all_ok && (id < 0 || id >= V)) std::fill(out + t * D, out + (t + 1) * D, 0.0f);
         else row_fn(id, out + t * D);
-    }
+    });
 }
 
 // The embedding task of the block formats: a = {ids, table, out, T, D, V, status, *}; [lo, hi):
@@ -1138,7 +1127,7 @@ void attention_prefill_tiled(const float* q, const KV* k_cache, const KV* v_cach
                              float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t Dh, float scale,
                              int64_t window);
 // GEMV (M < GEMM_MIN_M rows of x) for each weight format: y[m, n] for the weight rows that
-// groups(w, row_bytes, rows) hands to rows(n0, r): all of N under OpenMP (gemv_groups, the
+// groups(w, row_bytes, rows) hands to rows(n0, r): all of N on every thread (gemv_groups, the
 // yr_linear_* launches) or one task's slice (gemv_range, the yr_task_linear_* tasks).
 template <typename Groups>
 void gemv_q4_1(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
@@ -1574,7 +1563,7 @@ constexpr int64_t QROWS_GROUP_PAIRS = YR_QROWS_GROUP_PAIRS, QROWS_GROUP_MAX_PAIR
 // YIRAGE_ISA=avx2 (AMD EPYC Zen 5), 785 x 576 -> 1536 with 8 rows per group 6749 us, 32 rows
 // 6049, 96 rows 5837; at 128 x 576 -> 1536 alike (1001-1032 us).
 inline int64_t quant_rows_group_rows(int64_t N) {
-    const int64_t per_thread = N / (4 * (int64_t)omp_get_max_threads());
+    const int64_t per_thread = N / (4 * (int64_t)yr::max_threads());
     return 2 * std::max(QROWS_GROUP_PAIRS, std::min(QROWS_GROUP_MAX_PAIRS, per_thread / 2));
 }
 #ifndef YR_QROWS_BLOCK_M
@@ -1726,15 +1715,15 @@ void gemm_quant_rows(const float* x, const uint8_t* w, const float* bias, float*
 #if !defined(YR_AVX512)
     if (M > QROWS_BLOCK_M) {   // groups of weight rows against L1-sized tiles of x
         const int64_t per = quant_rows_group_rows(N), groups = (N + per - 1) / per;
-#pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
-        for (int64_t g = 0; g < groups; ++g)
+        yr::parallel_for(groups, M * N * K >= PAR_MIN_MACS, [&](int64_t g) {
             quant_rows_group<D>(x, w, bias, y, M, N, K, g * per, std::min(N, (g + 1) * per));
+        });
         return;
     }
 #endif
     const int64_t pairs = (N + 1) / 2;
-#pragma omp parallel for schedule(static) if (M * N * K >= PAR_MIN_MACS)
-    for (int64_t p = 0; p < pairs; ++p) quant_rows_pair<D>(x, w, bias, y, M, N, K, 2 * p, N);
+    yr::parallel_for(pairs, M * N * K >= PAR_MIN_MACS,
+                     [&](int64_t p) { quant_rows_pair<D>(x, w, bias, y, M, N, K, 2 * p, N); });
 }
 
 // The same for the weight rows [lo, hi) (a task's slice; lo even, as GEMV_ROWS slices are).

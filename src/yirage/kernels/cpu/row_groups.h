@@ -411,13 +411,13 @@ inline void rg_range(int64_t lo, int64_t hi, const void* w, int64_t rb, RowsFn r
     for (int64_t n0 = lo; n0 + RG_ROWS <= hi; n0 += RG_ROWS) rows(n0, (int)RG_ROWS);
 }
 
-// All of N's groups over the OpenMP threads, an equal contiguous slice each.
+// All of N's groups over the threads, an equal contiguous slice each.
 template <typename RowsFn>
 void rg_all_groups(int64_t N, int64_t macs, const void* w, int64_t rb, RowsFn rows) {
     parallel_slices(N / RG_ROWS, macs, [&](int64_t g0, int64_t g1) { rg_range(g0 * RG_ROWS, g1 * RG_ROWS, w, rb, rows); });
 }
 
-// Hands out whole 16-row groups: all of N over OpenMP threads, or one task's [lo, hi).
+// Hands out whole 16-row groups: all of N over the threads, or one task's [lo, hi).
 #define YR_RG_ALL_GROUPS [&](const void* wp, int64_t rowb, auto rows) { rg_all_groups(N, M * N * K, wp, rowb, rows); }
 #define YR_RG_TASK_GROUPS [&](const void* wp, int64_t rowb, auto rows) { rg_range(lo, hi, wp, rowb, rows); }
 
@@ -460,8 +460,7 @@ template <class F>
 void rg_repack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
     if (N <= 0 || nb <= 0) return;
     const int64_t groups = N / RG_ROWS, rb = nb * F::BYTES;
-#pragma omp parallel for schedule(static) if (groups * rb * RG_ROWS >= (1 << 20))
-    for (int64_t g = 0; g < groups; ++g)
+    yr::parallel_for(groups, groups * rb * RG_ROWS >= (1 << 20), [&](int64_t g) {
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t* u = dst + (g * nb + b) * F::UNIT;
             for (int r = 0; r < RG_ROWS; ++r) {
@@ -471,14 +470,16 @@ void rg_repack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
                     std::memcpy(u + rg_qs<F>(j, r), blk + 2 * F::FIELDS + 4 * j, 4);
             }
         }
+    });
 }
 
 template <class F>
 void rg_dequant(const uint8_t* src, float* dst, int64_t nblocks, int64_t nb) {
     if (nb <= 0 || nblocks <= 0) return;
     const int64_t rows = nblocks / nb / RG_ROWS * RG_ROWS;
-#pragma omp parallel for schedule(static) if (rows * nb * QK >= PAR_MIN_ELEMS)
-    for (int64_t n = 0; n < rows; ++n) rg_dequant_row<F>(src, nb, n, dst + n * nb * QK);   // dst in order
+    yr::parallel_for(rows, rows * nb * QK >= PAR_MIN_ELEMS, [&](int64_t n) {
+        rg_dequant_row<F>(src, nb, n, dst + n * nb * QK);   // dst in order
+    });
 }
 
 }  // namespace

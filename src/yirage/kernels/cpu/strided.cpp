@@ -5,8 +5,8 @@
 //
 // Every entry takes its element type as a code (0 float32, 1 float16, 2 bfloat16), computes in
 // float32 and stores in that type. No entry reads an index from memory, so none needs a status.
-// Work is split over (outer, a chunk of inner) pairs with OpenMP; each pair walks n with the
-// inner chunk as the contiguous (vectorized) axis, accumulating in a float32 row buffer.
+// Work is split over (outer, a chunk of inner) pairs on threads (yr_threads.h); each pair walks
+// n with the inner chunk as the contiguous (vectorized) axis, accumulating in a float32 row buffer.
 #include "yirage_prelude.h"
 
 #include "yr_threads.h"
@@ -36,11 +36,10 @@ inline float nan_min(float a, float b) { return (a != a || b != b) ? a + b : std
 // Calls fn(o, i0, len) for every (outer index, inner chunk) pair, in parallel.
 template <typename F> void for_chunks(int64_t outer, int64_t n, int64_t inner, F fn) {
     const int64_t chunks = (inner + CHUNK - 1) / CHUNK;
-    #pragma omp parallel for schedule(static) if (outer * n * inner >= 32768)
-    for (int64_t w = 0; w < outer * chunks; ++w) {
+    yr::parallel_for(outer * chunks, outer * n * inner >= 32768, [&](int64_t w) {
         const int64_t o = w / chunks, i0 = (w % chunks) * CHUNK;
         fn(o, i0, std::min(CHUNK, inner - i0));
-    }
+    });
 }
 
 template <typename T>
@@ -116,8 +115,7 @@ void strided_copy(const T* src, T* dst, int64_t ndim, const int64_t* sizes, cons
     const int64_t last = sizes[ndim - 1], ls = ss[ndim - 1], ld = ds[ndim - 1];
     int64_t rows = 1;
     for (int64_t d = 0; d < ndim - 1; ++d) rows *= sizes[d];
-    #pragma omp parallel for schedule(static) if (rows * last >= 65536)
-    for (int64_t r = 0; r < rows; ++r) {
+    yr::parallel_for(rows, rows * last >= 65536, [&](int64_t r) {
         int64_t rem = r, s_at = so, d_at = doff;
         for (int64_t d = ndim - 2; d >= 0; --d) {
             const int64_t i = rem % sizes[d];
@@ -126,7 +124,7 @@ void strided_copy(const T* src, T* dst, int64_t ndim, const int64_t* sizes, cons
             d_at += i * ds[d];
         }
         for (int64_t j = 0; j < last; ++j) dst[d_at + j * ld] = src[s_at + j * ls];
-    }
+    });
 }
 
 // out[o, i, :] = sum_{j <= i} x[o, j, :] with the running sums in A (double for floats, as

@@ -1,4 +1,5 @@
-// Helpers that every generated fused row kernel (yirage/codegen/cpp.py) includes.
+// Helpers that every generated fused row kernel (yirage/codegen/cpp.py) includes, with
+// yr_threads.h's parallel loops.
 // All arithmetic in generated kernels is float32; float16 is stored as yr_f16 (the compiler's
 // half type, converted by casts), bfloat16 as uint16_t and converted with the two functions below.
 #pragma once
@@ -9,6 +10,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "yr_threads.h"
 
 // IEEE binary16: __fp16 on Arm (g++'s C++ has no _Float16 there; __fp16 converts to and from
 // float with casts, which is all the kernels do with it), _Float16 elsewhere (x86-64: SSE2 and up).
