@@ -35,7 +35,7 @@ $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 
 # tests/cross/install.sh: the aarch64 cross compiler and qemu-user for the Arm kernel tests
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test,scale]"
 	$(VENV)/bin/yirage models pull gemma3-270m
 	tests/cross/install.sh
 	touch $@

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import NoReturn
 
 import click
@@ -379,8 +380,9 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
 
 
 def _embed_job(sources, model, backend, int8, dtype, normalize, batch_size, output, input_format, text_column,
-               id_column, skip_empty, workers, shard_rows) -> None:
-    """``yirage embed INPUT... -o OUT.parquet``: tools/embed_job.py, one-line errors."""
+               id_column, skip_empty, workers, shard_rows, ray_address=None, cpus_per_worker=1) -> None:
+    """``yirage embed INPUT... -o OUT.parquet``: tools/embed_job.py, or scale/embed_job.py on Ray
+    (``ray_address``), one-line errors."""
     from .tools.embed_job import expand_inputs, read_rows, run_job
 
     try:
@@ -389,24 +391,39 @@ def _embed_job(sources, model, backend, int8, dtype, normalize, batch_size, outp
         if not sources or "-" in sources:
             raise GenerationError("a Parquet job reads files (text, JSONL, CSV, Parquet), directories or globs, "
                                   "not stdin")
-        for name, value in (("--batch-size", batch_size), ("--workers", workers), ("--shard-rows", shard_rows)):
-            if value < 1:
+        for name, value in (("--batch-size", batch_size), ("--workers", workers), ("--shard-rows", shard_rows),
+                            ("--cpus-per-worker", cpus_per_worker)):
+            if value is not None and value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value}")
+        if ray_address is None and cpus_per_worker != 1:
+            raise GenerationError("--cpus-per-worker sets each Ray actor's CPUs: give --ray (--workers N alone "
+                                  "splits this host's cores between N processes)")
         files = expand_inputs(list(sources), input_format)
-        rows = read_rows(files, text_column, id_column, skip_empty)
-        from .engines.embed import EmbeddingModel
-
         quantization = "int8" if int8 else None
-        m = EmbeddingModel(model, backend=backend, quantization=quantization, dtype=dtype)
         job = {"inputs": [str(f.resolve()) for f, _ in files], "model": model, "dtype": dtype,
                "quantization": quantization, "normalize": normalize, "text_column": text_column,
                "id_column": id_column, "skip_empty": skip_empty}
-        result = run_job(m, rows, output, job, shard_rows, batch_size, normalize, workers)
+        if ray_address is not None:
+            from .scale.embed_job import run_ray_embed_job
+
+            result = run_ray_embed_job(files, output, {**job, "backend": backend}, address=ray_address,
+                                       actors=workers, cpus_per_actor=cpus_per_worker, shard_rows=shard_rows,
+                                       batch_size=batch_size, normalize=normalize, text_column=text_column,
+                                       id_column=id_column, skip_empty=skip_empty)
+        else:
+            rows = read_rows(files, text_column, id_column, skip_empty)
+            from .engines.embed import EmbeddingModel
+
+            t0 = time.perf_counter()
+            m = EmbeddingModel(model, backend=backend, quantization=quantization, dtype=dtype)
+            loaded_s = time.perf_counter() - t0
+            result = run_job(m, rows, output, job, shard_rows, batch_size, normalize, workers)
+            result["seconds"] += loaded_s   # as the Ray job's, which counts its actors' model loads
     except YirageError as e:
         _fail(str(e))
     _check_interrupted()
     click.echo(f"[{result['rows']} rows in {result['shards']} shards under {output}: {result['written']} written, "
-               f"{result['skipped']} already there]", err=True)
+               f"{result['skipped']} already there, in {result['seconds']:.1f} s]", err=True)
 
 
 def _read_sentences(source: str) -> list[str]:
@@ -453,11 +470,18 @@ def _read_sentences(source: str) -> list[str]:
 @click.option("--text-column", default="text", show_default=True, help="JSONL/CSV/Parquet inputs: the text.")
 @click.option("--id-column", default=None, help="JSONL/CSV/Parquet inputs: the id (default: FILE:ROW).")
 @click.option("--skip-empty", is_flag=True, help="Skip rows whose text is empty or null (default: an error).")
-@click.option("--workers", type=int, default=1, show_default=True,
-              help="Processes on this host (parquet jobs), the cores split between them.")
+@click.option("--workers", type=int, default=None,
+              help="Parquet jobs: processes on this host, the cores split between them (default 1); with --ray, "
+                   "Ray actors (default: the cluster's CPUs / --cpus-per-worker).")
 @click.option("--shard-rows", type=int, default=10000, show_default=True, help="Rows per Parquet shard.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run the Parquet job on Ray Data: --ray alone starts Ray on this machine; 'auto' joins the "
+                   "cluster started here with 'ray start'; HOST:PORT its head (docs/scaling.md). Needs the "
+                   "scale extra.")
+@click.option("--cpus-per-worker", type=int, default=1, show_default=True,
+              help="With --ray: CPUs (and torch/OpenMP threads) per Ray actor.")
 def embed(sources, model, backend, int8, dtype, normalize, batch_size, fmt, output, input_format, text_column,
-          id_column, skip_empty, workers, shard_rows) -> None:
+          id_column, skip_empty, workers, shard_rows, ray_address, cpus_per_worker) -> None:
     """Embed sentences: one per line of FILE (or stdin with '-', the default), written as JSON
     lines or an .npy file; or a job over text/JSONL/CSV/Parquet files, directories and globs,
     written as Parquet shards that a rerun resumes (-o OUT.parquet). Progress goes to stderr."""
@@ -465,10 +489,11 @@ def embed(sources, model, backend, int8, dtype, normalize, batch_size, fmt, outp
         fmt = "parquet" if output is not None and output.endswith(".parquet") else "jsonl"
     if fmt == "parquet":
         _embed_job(sources, model, backend, int8, dtype, normalize, batch_size, output, input_format, text_column,
-                   id_column, skip_empty, workers, shard_rows)
+                   id_column, skip_empty, workers if ray_address is not None or workers is not None else 1, shard_rows, ray_address,
+                   cpus_per_worker)
         return
-    if len(sources) > 1 or input_format not in (None, "text") or workers != 1:
-        _fail("several inputs, --input-format and --workers make a Parquet job: give -o OUT.parquet")
+    if len(sources) > 1 or input_format not in (None, "text") or workers is not None or ray_address is not None:
+        _fail("several inputs, --input-format, --workers and --ray make a Parquet job: give -o OUT.parquet")
     source = sources[0] if sources else "-"
     try:
         if batch_size < 1:
@@ -540,8 +565,20 @@ def embed(sources, model, backend, int8, dtype, normalize, batch_size, fmt, outp
 @click.option("--chat-template-file", type=click.Path(dir_okay=False), default=None,
               help="A jinja2 chat template used instead of the model's (llama-server's flag), e.g. one with a "
                    "tool-call format for a model whose own template has none.")
+@click.option("--replicas", type=int, default=None,
+              help="Serve N replicas on Ray Serve (one engine each), behind one address (docs/scaling.md). "
+                   "Needs the scale extra.")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="With --replicas/--autoscale: 'auto' (the cluster started here with 'ray start') or HOST:PORT "
+                   "of its head; default: start Ray on this machine.")
+@click.option("--cpus-per-replica", type=int, default=None,
+              help="With --replicas/--autoscale: CPUs (and threads) per replica (default: the cluster's CPUs / "
+                   "--replicas; 1 when autoscaled).")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="Ray Serve autoscaling between MIN and MAX replicas (target: --parallel requests per replica).")
 def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_batch_tokens, api_key, api_key_file,
-          max_queue, timeout, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template_file) -> None:
+          max_queue, timeout, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template_file, replicas, ray_address,
+          cpus_per_replica, autoscale) -> None:
     """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
     /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
     try:
@@ -578,10 +615,28 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         if llm is None and embedding_model is None:
             raise GenerationError("nothing to serve: give an LLM (-m) or an --embedding-model")
         chat_template = None if chat_template_file is None else _read_chat_template(chat_template_file, llm)
+        on_ray = replicas is not None or autoscale is not None
+        if not on_ray and (ray_address is not None or cpus_per_replica is not None):
+            raise GenerationError("--ray-address and --cpus-per-replica place replicas: give --replicas N or "
+                                  "--autoscale MIN:MAX")
+        if replicas is not None and autoscale is not None:
+            raise GenerationError("give --replicas N (a fixed count) or --autoscale MIN:MAX, not both")
+        for name, value in (("--replicas", replicas), ("--cpus-per-replica", cpus_per_replica)):
+            if value is not None and value < 1:
+                raise GenerationError(f"{name} must be a positive integer, got {value}")
         from .serve import ServeOptions, run_server
 
         options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel,
                                max_batch_tokens, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template)
+        if on_ray:
+            from .scale.replicas import parse_autoscale, run_replicas
+
+            bounds = None if autoscale is None else parse_autoscale(autoscale)
+            click.echo(f"yirage serve: starting {replicas if bounds is None else f'{bounds[0]}-{bounds[1]}'} replicas on Ray "
+                       f"({ray_address or 'this machine'}); http://{host}:{port}/v1 once they are up", err=True)
+            run_replicas(options, host, port, replicas=replicas, address=ray_address,
+                         cpus_per_replica=cpus_per_replica, autoscale=bounds)
+            return
         click.echo(f"yirage serve: http://{host}:{port}/v1 (loading {', '.join(filter(None, (llm, embedding_model)))}; "
                    "GET /health answers 200 when ready)", err=True)
         error = run_server(options, host, port)

@@ -75,31 +75,41 @@ def expand_inputs(inputs: list[str], fmt: str | None) -> list[tuple[Path, str]]:
 
 def read_rows(files: list[tuple[Path, str]], text_column: str = "text", id_column: str | None = None,
               skip_empty: bool = False) -> list[Row]:
-    """Every row of ``files`` in order. YirageError naming the file (and row): a missing column,
-    a line that is not JSON, an empty or null text (unless ``skip_empty``), no rows at all."""
-    rows: list[Row] = []
-    for path, kind in files:
-        for i, record in enumerate(_records(path, kind)):
-            if kind == "text":
-                text, rid = record, None
-            else:
-                if text_column not in record:
-                    raise YirageError(f"{path}: row {i} has no column {text_column!r} (--text-column); it has "
-                                      f"{', '.join(map(repr, list(record)[:8]))}")
-                text = record[text_column]
-                if id_column is not None and id_column not in record:
-                    raise YirageError(f"{path}: row {i} has no column {id_column!r} (--id-column)")
-                rid = None if id_column is None else record[id_column]
-            if text is None or (isinstance(text, str) and not text.strip()):
-                if skip_empty:
-                    continue
-                raise YirageError(f"{path}: row {i} has an empty or null text: fix it or pass --skip-empty")
-            if not isinstance(text, str):
-                raise YirageError(f"{path}: row {i}: the text is a {type(text).__name__}, not a string")
-            rows.append(Row(f"{path.name}:{i}" if rid is None else str(rid), text))
+    """Every row of ``files`` in order (``file_rows`` of each). YirageError naming the file (and
+    row): a missing column, a line that is not JSON, an empty or null text (unless
+    ``skip_empty``), no rows at all."""
+    rows = [row for path, kind in files for row in file_rows(path, kind, text_column, id_column, skip_empty)]
     if not rows:
         raise YirageError(f"no rows to embed in {', '.join(str(p) for p, _ in files)}")
     return rows
+
+
+def file_rows(path: Path, kind: str, text_column: str = "text", id_column: str | None = None,
+              skip_empty: bool = False):
+    """Yield the ``Row``s of one input file in order: the text from ``text_column`` (a text
+    file's line), the id from ``id_column`` (None: ``<file name>:<row>``, the row counted from 0
+    over every record, skipped ones included). The one definition of a row for the local job and
+    the Ray job (scale/embed_job.py), so both give the same ids. YirageError naming the file and
+    row: a missing column, an empty or null text (unless ``skip_empty``), a text that is not a
+    string, or the file's own read errors (``_records``)."""
+    for i, record in enumerate(_records(path, kind)):
+        if kind == "text":
+            text, rid = record, None
+        else:
+            if text_column not in record:
+                raise YirageError(f"{path}: row {i} has no column {text_column!r} (--text-column); it has "
+                                  f"{', '.join(map(repr, list(record)[:8]))}")
+            text = record[text_column]
+            if id_column is not None and id_column not in record:
+                raise YirageError(f"{path}: row {i} has no column {id_column!r} (--id-column)")
+            rid = None if id_column is None else record[id_column]
+        if text is None or (isinstance(text, str) and not text.strip()):
+            if skip_empty:
+                continue
+            raise YirageError(f"{path}: row {i} has an empty or null text: fix it or pass --skip-empty")
+        if not isinstance(text, str):
+            raise YirageError(f"{path}: row {i}: the text is a {type(text).__name__}, not a string")
+        yield Row(f"{path.name}:{i}" if rid is None else str(rid), text)
 
 
 def _records(path: Path, kind: str):
@@ -138,22 +148,17 @@ def _records(path: Path, kind: str):
         raise YirageError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {e})") from None
 
 
-def run_job(model, rows: list[Row], output: str, job: dict, shard_rows: int = 10000, batch_size: int = 32,
-            normalize: bool = False, workers: int = 1, progress: bool = True) -> dict:
-    """Embed ``rows`` into Parquet shards in the directory ``output``, skipping the shards a
-    previous run of the same ``job`` (a JSON-able description) finished. Returns {"rows",
-    "shards", "written", "skipped", "seconds"}. YirageError: ``output`` holds a different job
-    or is not a directory, a shard cannot be written, pyarrow missing."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise YirageError("Parquet output needs pyarrow: pip install pyarrow") from None
+def open_job(output: str, record: dict) -> Path:
+    """The job directory ``output``, created with ``record`` (a JSON-able description of the job)
+    in its ``_job.json``, or found holding the same record (a rerun: its shards are kept).
+    YirageError: ``output`` is a file, holds a different job, or cannot be written."""
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise YirageError(f"{output} exists and is not a directory (the job writes its shards there)")
-    out.mkdir(parents=True, exist_ok=True)
-    record = {**job, "rows": len(rows), "shard_rows": shard_rows}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise YirageError(f"cannot create {output}: {e.strerror or e}") from None
     job_path = out / JOB_FILE
     if job_path.exists():
         try:
@@ -165,12 +170,71 @@ def run_job(model, rows: list[Row], output: str, job: dict, shard_rows: int = 10
                               "-o, or delete it to start over")
     else:
         _commit(job_path, lambda tmp: tmp.write_bytes(json.dumps(record, indent=1, sort_keys=True).encode()))
-    n_shards = -(-len(rows) // shard_rows)
-    meta = {b"yirage.model": str(job.get("model")).encode(), b"yirage.dtype": str(job.get("dtype")).encode(),
+    return out
+
+
+def shard_metadata(job: dict) -> dict[bytes, bytes]:
+    """The Parquet metadata of every shard of ``job``: the model, its dtype and quantization."""
+    return {b"yirage.model": str(job.get("model")).encode(), b"yirage.dtype": str(job.get("dtype")).encode(),
             b"yirage.quantization": str(job.get("quantization")).encode(),
             b"yirage.vectors": b"float32 (every dtype and quantization writes float32 vectors)"}
+
+
+def write_shard(path: Path, ids: list[str], vectors, meta: dict[bytes, bytes]) -> None:
+    """Write one shard: an ``id`` string column and an ``embedding`` fixed-size list of float32
+    (``vectors``: a float32 array [len(ids), dim]), with ``meta`` as the file's metadata,
+    renamed into place whole. YirageError if it cannot be written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    flat = pa.array(vectors.reshape(-1), type=pa.float32())
+    table = pa.table({"id": pa.array(ids, type=pa.string()),
+                      "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])})
+    table = table.replace_schema_metadata(meta)
+    _commit(path, lambda tmp: pq.write_table(table, tmp))
+
+
+class Progress:
+    """``rows``/``total`` rows, rows/s and the ETA, redrawn on one stderr line (``update``),
+    ended with a line break (``close``); silent when ``enabled`` is false."""
+
+    def __init__(self, total: int | None, enabled: bool = True):
+        self.total, self.enabled, self.t0, self.done = total, enabled, time.perf_counter(), 0
+
+    def update(self, rows: int) -> None:
+        self.done += rows
+        if not self.enabled:
+            return
+        rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+        if self.total is None:
+            line = f"embed: {self.done} rows, {rate:.0f} rows/s"
+        else:
+            eta = (self.total - self.done) / rate if rate > 0 else 0.0
+            line = f"embed: {self.done}/{self.total} rows, {rate:.0f} rows/s, ETA {eta:.0f} s"
+        print(f"\r{line}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+def run_job(model, rows: list[Row], output: str, job: dict, shard_rows: int = 10000, batch_size: int = 32,
+            normalize: bool = False, workers: int = 1, progress: bool = True) -> dict:
+    """Embed ``rows`` into Parquet shards in the directory ``output``, skipping the shards a
+    previous run of the same ``job`` (a JSON-able description) finished. Returns {"rows",
+    "shards", "written", "skipped", "seconds"} (seconds: the job, the workers' start and model
+    loads included). YirageError: ``output`` holds a different job
+    or is not a directory, a shard cannot be written, pyarrow missing."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise YirageError("Parquet output needs pyarrow: pip install pyarrow") from None
+    out = open_job(output, {**job, "rows": len(rows), "shard_rows": shard_rows})
+    n_shards = -(-len(rows) // shard_rows)
+    meta = shard_metadata(job)
+    t0 = time.perf_counter()
     pool = model.start_multi_process_pool(["cpu"] * workers) if workers > 1 else None
-    t0, done, written = time.perf_counter(), 0, 0
+    written, bar = 0, Progress(len(rows), progress)
     try:
         for s in range(n_shards):
             path = out / f"part-{s:05d}.parquet"
@@ -180,24 +244,13 @@ def run_job(model, rows: list[Row], output: str, job: dict, shard_rows: int = 10
                 vectors = (model.encode_multi_process(texts, pool, batch_size=batch_size,
                                                       normalize_embeddings=normalize) if pool is not None
                            else model.encode(texts, batch_size=batch_size, normalize_embeddings=normalize))
-                dim = vectors.shape[1]
-                flat = pa.array(vectors.reshape(-1), type=pa.float32())
-                table = pa.table({"id": pa.array([r.id for r in chunk], type=pa.string()),
-                                  "embedding": pa.FixedSizeListArray.from_arrays(flat, dim)})
-                table = table.replace_schema_metadata(meta)
-                _commit(path, lambda tmp: pq.write_table(table, tmp))
+                write_shard(path, [r.id for r in chunk], vectors, meta)
                 written += 1
-            done += len(chunk)
-            if progress:
-                rate = done / max(time.perf_counter() - t0, 1e-9)
-                eta = (len(rows) - done) / rate if rate > 0 else 0.0
-                print(f"\rembed: {done}/{len(rows)} rows, {rate:.0f} rows/s, ETA {eta:.0f} s", end="",
-                      file=sys.stderr, flush=True)
+            bar.update(len(chunk))
     finally:
         if pool is not None:
             model.stop_multi_process_pool(pool)
-        if progress:
-            print(file=sys.stderr, flush=True)
+        bar.close()
     return {"rows": len(rows), "shards": n_shards, "written": written, "skipped": n_shards - written,
             "seconds": time.perf_counter() - t0}
 
