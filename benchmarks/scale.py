@@ -184,7 +184,6 @@ def bench_serve(args) -> dict:
     for name, cmd in sides.items():
         port = serve_bench.free_port()
         server = serve_bench.ServerProcess(name, cmd(port), port, env={"OMP_NUM_THREADS": threads})
-        server.name = "yirage"   # its requests are yirage's
         rss = None
         if name.startswith("ray") and server.wait_ready(args.timeout) is None:
             rss = replica_rss_mb()

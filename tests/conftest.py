@@ -145,21 +145,6 @@ def _variant_unavailable(name: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _environ(**values: str):
-    """The environment variables ``values`` set while the block runs, then restored."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _lib_variant(name: str):
     """The library build ``name`` (native, avx2, avxvnni, avx512, scalar: the last without
     OpenMP, on yirage's thread pool); skips where the CPU cannot run it. The first ISA variant
@@ -168,6 +153,7 @@ def _lib_variant(name: str):
     from concurrent.futures import ThreadPoolExecutor
 
     from yirage.backends.cpu_library import bind_signatures, library
+    from yirage.config import scoped_environ
     from yirage.runtime.toolchain import cxx_flags, load_kernel_library, openmp_flags
 
     if name.startswith("aarch64"):
@@ -190,7 +176,7 @@ def _lib_variant(name: str):
             # the kernels run on a real team also where xdist gives a worker one core's share
             share = os.environ.get("OMP_NUM_THREADS", "").split(",")[0]
             flags += [*_LIB_VARIANT_FLAGS[v], "-fopenmp-simd"]
-            with _environ(OMP_NUM_THREADS=str(max(2, int(share) if share.isdigit() else os.cpu_count() or 1))):
+            with scoped_environ({"OMP_NUM_THREADS": str(max(2, int(share) if share.isdigit() else os.cpu_count() or 1))}):
                 return bind_signatures(load_kernel_library("library", tuple(flags)))
 
         with ThreadPoolExecutor(max_workers=2) as pool:

@@ -31,6 +31,7 @@ This module must never import a backend, torch, or any yirage module but ``error
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -202,6 +203,28 @@ _REPAIR = "run 'yirage set --unset' to reset it, or edit or delete the file"
 
 #: path -> ((mtime_ns, size, inode), parsed object): a file is parsed again only when it changes
 _parsed: dict[str, tuple[tuple[int, int, int], dict]] = {}
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment variables that give a new process ``threads`` OpenMP and MKL threads
+    (read once, when their runtimes load: so set before the process starts)."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+@contextlib.contextmanager
+def scoped_environ(values: dict[str, str]):
+    """``values`` set in ``os.environ`` while the block runs (e.g. for the processes it
+    starts), then each variable restored to what it was, or removed."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def user_config_path() -> Path:

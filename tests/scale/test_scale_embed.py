@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import kill_one
+from conftest import kill_one, ray_worker_pids
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -104,7 +104,7 @@ def test_a_killed_actor_is_retried_and_every_id_is_written_once(ray_local, tmp_p
     thread.join(300)
     assert not thread.is_alive(), "the job hung after its actor was killed"
     assert "error" not in result, result.get("error")
-    assert killed not in __import__("conftest").ray_worker_pids("ray::MapWorker(MapBatches(Embedder))")
+    assert killed not in ray_worker_pids("ray::MapWorker(MapBatches(Embedder))")
     found = read_job(out)
     assert sorted(found) == sorted(f"d{i}" for i in range(90))
     import yirage as yr

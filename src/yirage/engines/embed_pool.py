@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import scoped_environ, thread_env
 from ..errors import YirageError
 
 #: seconds a new worker may take to import torch and load its model
@@ -81,19 +82,11 @@ def start_pool(spec: dict, target_devices: list[str] | None = None) -> dict:
     ctx = mp.get_context("spawn")
     inq, outq = ctx.Queue(), ctx.Queue()
     pool = {"input": inq, "output": outq, "processes": [], "threads": threads}
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    try:
-        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)   # the children's
+    with scoped_environ(thread_env(threads)):   # the children's, as they start
         for i in range(len(target_devices)):
             p = ctx.Process(target=_worker, args=(spec, i, inq, outq), daemon=True, name=f"yirage-embed-{i}")
             p.start()
             pool["processes"].append(p)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     ready: set[int] = set()
     deadline = time.monotonic() + START_TIMEOUT_S
     try:

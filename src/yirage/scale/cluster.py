@@ -57,8 +57,7 @@ def connect(address: str | None = None, num_cpus: int | None = None):
     target = os.environ.get("RAY_ADDRESS") if local else address
     if target and target != "auto":
         _probe(target)
-    kwargs = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False,
-              "configure_logging": True}
+    kwargs = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
     if local and not target:
         kwargs["num_cpus"] = num_cpus
     outcome: list = []

@@ -29,6 +29,7 @@ import re
 import time
 from pathlib import Path
 
+from ..config import thread_env
 from ..errors import YirageError
 from ..tools.embed_job import Progress, file_rows, open_job, shard_metadata, write_shard
 
@@ -97,11 +98,6 @@ def _datasource(files: list[tuple[Path, str]], out: Path, shard_rows: int, text_
             yield block()
 
     return InputFiles()
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """The environment variables that give a Ray worker process ``threads`` OpenMP/MKL threads."""
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 class _ShardEmbedder:

@@ -20,14 +20,12 @@ import signal
 import threading
 import time
 
+from ..config import thread_env
 from ..errors import YirageError
 from ..serve import ServeOptions
-from .embed_job import thread_env
 
 #: the Ray Serve application's name (``serve status`` shows it)
 APP_NAME = "yirage"
-#: seconds the replicas may take to load their models before ``run_replicas`` gives up
-START_TIMEOUT_S = 900.0
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
@@ -85,8 +83,8 @@ def start_replicas(options: ServeOptions, host: str = "127.0.0.1", port: int = 8
     Returns: the connected ``ray`` module.
 
     Raises: YirageError: bad counts, Ray missing or not answering, more CPUs per replica than
-    the cluster has, a replica that failed to load its models (the error), or replicas not up
-    within ``START_TIMEOUT_S``.
+    the cluster has, or a deployment that failed (a replica that could not load its models:
+    ``serve.run`` waits for every replica and raises with Ray Serve's message).
     """
     from .cluster import connect
 
@@ -109,23 +107,7 @@ def start_replicas(options: ServeOptions, host: str = "127.0.0.1", port: int = 8
         serve.run(deployment(options, replicas, cpus_per_replica, autoscale), name=APP_NAME, route_prefix="/")
     except Exception as e:  # noqa: BLE001 - Ray Serve's deployment errors carry the replica's
         raise YirageError(f"the replicas failed to start: {_last_line(e)}") from None
-    wait_until_running(serve)
     return ray
-
-
-def wait_until_running(serve, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Return once the application's status is RUNNING; YirageError if it is DEPLOY_FAILED (with
-    Ray Serve's message) or not RUNNING within ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = serve.status().applications.get(APP_NAME)
-        if status is not None and status.status == "RUNNING":
-            return
-        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise YirageError(f"the replicas failed to start: {_last_line(status.message)}")
-        if time.monotonic() > deadline:
-            raise YirageError(f"the replicas were not up within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def _last_line(e) -> str:
