@@ -23,6 +23,7 @@ reference's result off as the backend's: what it reports is what the backend com
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -150,12 +151,28 @@ def _fallback_ops(graph: KNGraph, backend: Backend) -> tuple[str, ...]:
 
 # ---- running ----------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def ieee_float32():
+    """float32 GEMMs and convolutions in IEEE float32 inside the block, TF32 off for both
+    (torch's default turns it on for cuDNN's convolutions, whose 10-bit mantissa puts a
+    40-channel convolution's sums about 1e-3 from float32's). The conformance cases check
+    float32 semantics, so yirage's choice of torch's cuDNN convolution must compute them too;
+    the previous settings are restored on exit (a process-wide setting: not for concurrent
+    callers that want TF32)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def _run_on_backend(graph: KNGraph, inputs: list[torch.Tensor], backend: Backend) -> list[torch.Tensor]:
     """The graph's outputs, then the inputs it writes in place, computed on ``backend`` from
-    copies of ``inputs`` on its device; returned on the CPU."""
+    copies of ``inputs`` on its device, in IEEE float32 (``ieee_float32``); returned on the CPU."""
     dev = get_backend_impl(backend).torch_device
     on_device = [x.to(dev, copy=True) for x in inputs]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), ieee_float32():
         # Triton's interpreter computes the padded lanes of a block too (exp(-inf - -inf), 1/0) and
         # numpy warns; those lanes are never stored, and what is stored is compared below
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
