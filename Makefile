@@ -33,11 +33,13 @@ $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 	$(PY) -m yirage.tools.warmup
 	touch $@
 
-# tests/cross/install.sh: the aarch64 cross compiler and qemu-user for the Arm kernel tests
+# tests/cross/install.sh: the aarch64 cross compiler and qemu-user for the Arm kernel tests;
+# tests/webgpu/install.sh: Mesa's software Vulkan driver (lavapipe) for the webgpu backend's tests
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
-	$(PIP) install -e ".[test,scale]"
+	$(PIP) install -e ".[test,scale,webgpu]"
 	$(VENV)/bin/yirage models pull gemma3-270m
 	tests/cross/install.sh
+	tests/webgpu/install.sh
 	touch $@
 
 setup: $(VENV)/.setup
@@ -59,7 +61,7 @@ test: setup-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 	@if YIRAGE_ISA=$(ISA_CAP) $(PY) -c "from yirage.runtime.machine import isa_cap; isa_cap()" 2>/dev/null; then \
 		echo "== the tests the instruction set changes, again as an $(ISA_CAP)-only CPU (YIRAGE_ISA=$(ISA_CAP))"; \
-		YIRAGE_ISA=$(ISA_CAP) $(PY) -m pytest -q -n $(TEST_WORKERS) -k "not triton and not aarch64" $(ISA_TESTS); \
+		YIRAGE_ISA=$(ISA_CAP) $(PY) -m pytest -q -n $(TEST_WORKERS) -k "not triton and not aarch64 and not webgpu" $(ISA_TESTS); \
 	else echo "(YIRAGE_ISA=$(ISA_CAP) cannot cap this CPU: the second pass is skipped)"; fi
 
 # Every model of the registry that is not shipped with the set-up (`yirage models` lists them).

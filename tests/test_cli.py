@@ -66,7 +66,7 @@ def test_generate_llamacpp_numerics_options(option, value, bad_dtype):
 @pytest.mark.parametrize("args,fragments", [
     (["-m", "no-such-model", "hi"], ["no-such-model"]),
     (["-m", "/nonexistent/model.gguf", "hi"], ["no such file"]),
-    (["--backend", "tpu", "hi"], ["tpu", "Available backends: cpu"]),
+    (["--backend", "tpu", "hi"], ["tpu", "Available backends:", "cpu"]),
     (["--backend", "cuda", "hi"], ["cuda", "unavailable"]),
     (["--max-new-tokens", "0", "hi"], ["max_new_tokens"]),
     (["--max-new-tokens", "abc", "hi"], ["abc"]),

@@ -17,6 +17,8 @@ import yirage as yr
 from yirage.backends import get_backend_impl
 from yirage.tools.conformance import CASES, quantized, run_case
 
+WEBGPU = True   # every case runs on webgpu too (lavapipe here): see the backend fixture
+
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_conformance_case(case, backend):

@@ -3,7 +3,8 @@
 The default backend is, in this order: the one given to ``set_backend``, else the
 ``YIRAGE_BACKEND`` environment variable (a name or 'auto'), else the ``backend`` of the user
 config file (``yirage set NAME``; read by ``yirage.config``), else 'auto', which picks the
-first available backend by priority CUDA > ROCm > XPU > MPS > CPU. Names are accepted
+first available backend by priority CUDA > ROCm > XPU > WebGPU (a real GPU adapter only, never a
+software one) > MPS > CPU. Names are accepted
 case-insensitively, as are ``Backend`` members. 'triton-interpret' (Triton's CPU
 interpreter, for testing kernels) is listed after CPU, so 'auto' never picks it.
 
@@ -27,6 +28,7 @@ from yirage.backends.cuda import CUDABackend
 from yirage.backends.mps import MPSBackend
 from yirage.backends.rocm import ROCmBackend
 from yirage.backends.triton import TritonInterpreterBackend
+from yirage.backends.webgpu import WebGPUBackend
 from yirage.backends.xpu import XPUBackend
 from yirage.config import user_backend, user_config_path
 from yirage.errors import BackendUnavailableError
@@ -52,7 +54,7 @@ ENV_VAR = "YIRAGE_BACKEND"
 # One instance per backend, in 'auto' priority order.
 _IMPLS: dict[Backend, BackendImpl] = {
     impl.name: impl
-    for impl in (CUDABackend(), ROCmBackend(), XPUBackend(), MPSBackend(), CPUBackend(),
+    for impl in (CUDABackend(), ROCmBackend(), XPUBackend(), WebGPUBackend(), MPSBackend(), CPUBackend(),
                  TritonInterpreterBackend())
 }
 
@@ -76,13 +78,15 @@ def _is_auto(name: str | Backend) -> bool:
 
 
 def _auto_backend() -> Backend:
-    """The first available backend by priority (CPU is always available)."""
-    return get_available_backends()[0]
+    """The first available backend by priority that 'auto' may pick (CPU is always available;
+    webgpu only on a real GPU adapter, ``BackendImpl.auto_eligible``)."""
+    return next(b for b in get_available_backends() if _IMPLS[b].auto_eligible())
 
 
 def get_available_backends() -> list[Backend]:
-    """Backends usable on this machine, in priority order CUDA, ROCm, XPU, MPS, CPU
-    (then 'triton-interpret' when TRITON_INTERPRET=1)."""
+    """Backends usable on this machine, in priority order CUDA, ROCm, XPU, WebGPU, MPS, CPU
+    (then 'triton-interpret' when TRITON_INTERPRET=1). WebGPU is listed wherever wgpu finds an
+    adapter, a software one too ('auto' skips that one)."""
     return [b for b, impl in _IMPLS.items() if impl.is_available()]
 
 

@@ -1,7 +1,9 @@
 """The contract every backend module implements, and the records it reports.
 
-A backend is one device kind (CPU, an NVIDIA/AMD/Intel GPU, Apple silicon) seen through
-torch: torch owns tensors, allocation and streams. ``BackendImpl`` is the contract the
+A backend is one device kind (CPU, an NVIDIA/AMD/Intel GPU, Apple silicon, a WebGPU adapter).
+Where torch owns the device's memory (every backend but webgpu), a plan's buffers are torch
+tensors; a backend with memory of its own allocates them itself (``alloc``) and moves a graph's
+inputs and outputs across as torch CPU tensors (``stage_inputs``, ``fetch``). ``BackendImpl`` is the contract the
 compiler and executor talk to: availability, description and memory, which library ops the
 backend has kernels for (``supports``), compiling fused kernels (``compile`` -> ``Kernel``),
 binding library ops (``bind_library_op``) and ``synchronize``.
@@ -32,6 +34,7 @@ Thunk = Callable[[], None]
 class Backend(enum.Enum):
     """The device kinds yirage knows; ``.value`` is the lower-case name ('cpu', 'cuda', ...).
 
+    ``WEBGPU`` is any adapter wgpu finds (Metal, Vulkan, D3D12), kernels in WGSL.
     ``TRITON_INTERPRET`` is Triton's CPU interpreter running the GPU kernels on CPU tensors:
     a testing backend, available only with ``TRITON_INTERPRET=1``, never chosen by 'auto'.
     """
@@ -41,6 +44,7 @@ class Backend(enum.Enum):
     ROCM = "rocm"
     XPU = "xpu"
     MPS = "mps"
+    WEBGPU = "webgpu"
     TRITON_INTERPRET = "triton-interpret"
 
 
@@ -379,6 +383,49 @@ class BackendImpl(ABC):
     def default_dtype(self) -> DType:
         """The activation dtype LLMs use here when the user names none: float32 by default."""
         return DType.float32
+
+    # ---- device memory (the executor's buffers and the data that crosses) -------------------
+    # A backend whose memory torch owns (every one but webgpu) keeps these defaults: buffers are
+    # torch tensors on ``torch_device`` and inputs and outputs are used as they are. A backend
+    # with memory of its own (backends/webgpu.py: wgpu buffers) returns its own tensor type
+    # from ``alloc``, which has the part of torch's tensor interface the plan uses (``view``,
+    # ``reshape``, ``[i]`` and ``[a:b]`` on the first dim, ``numel``, ``dtype``, ``zero_``), and
+    # moves data across in ``stage_inputs`` / ``fetch``.
+    def auto_eligible(self) -> bool:
+        """May 'auto' pick this backend when it is available? True by default (webgpu: only on
+        a real GPU adapter, never a software one)."""
+        return True
+
+    def alloc(self, numel: int, dtype: torch.dtype):
+        """A new flat buffer of ``numel`` elements of ``dtype`` for a plan (contents undefined).
+        The default: ``torch.empty`` on ``torch_device``."""
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def stage_inputs(self, inputs: list[torch.Tensor], written: set[int]) -> tuple[list, Thunk | None, Thunk | None]:
+        """A plan's inputs as its kernels see them, and two thunks run around each of its runs
+        (None: nothing to do): ``before`` brings the callers' current values in, ``after``
+        writes back the inputs at positions ``written`` (the ones the graph updates in place,
+        such as a KV cache). The default: the tensors themselves, no thunks."""
+        return list(inputs), None, None
+
+    def fetch(self, tensors: list) -> list[torch.Tensor]:
+        """A plan's outputs (or its status record) as torch tensors the caller may read: the
+        buffers themselves by default (owned by the plan: callers copy what they keep)."""
+        return list(tensors)
+
+    def bind_reference(self, node, args: list, out) -> Thunk:
+        """A thunk computing an op this backend has no kernel for as its torch reference into
+        ``out`` (``OPS[node.op].reference``). The default runs it on ``torch_device``."""
+        from yirage.ir.ops import OPS
+
+        ref = OPS[node.op].reference
+        return lambda: out.copy_(ref(args, node.attrs))
+
+    def bind_expand(self, x, shape: tuple[int, ...]):
+        """(a buffer of ``shape``, a thunk filling it with ``x`` broadcast to ``shape``): a
+        fused kernel's broadcast input that its row view cannot index."""
+        full = torch.empty(shape, dtype=x.dtype, device=self.torch_device)
+        return full, (lambda: full.copy_(x.expand(full.shape)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name.value!r}, codegen={self.codegen!r})"

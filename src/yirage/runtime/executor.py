@@ -101,6 +101,11 @@ def layout_aliases(steps: list, graph, impl) -> tuple[dict, dict]:
     return viewed, written
 
 
+def _written_tids(g) -> set[int]:
+    """The tensors some op of ``g`` writes in place (``OpDef.mutates``: a KV cache)."""
+    return {node.inputs[m] for node in g.ops for m in OPS[node.op].mutates}
+
+
 class CompiledGraph:
     """A KernelGraph fused and compiled for one backend.
 
@@ -201,14 +206,16 @@ class Plan:
         self.cg = cg
         g = cg.graph
         self.device = cg.impl.torch_device
-        self.env: dict[int, torch.Tensor] = dict(zip(g.inputs, inputs))
+        impl = cg.impl
+        written = {i for i, tid in enumerate(g.inputs) if tid in _written_tids(g)}
+        staged, self._before, self._after = impl.stage_inputs(inputs, written)
+        self.env: dict[int, torch.Tensor] = dict(zip(g.inputs, staged))
         self.thunks: list[Callable[[], None]] = []
         self._pool: dict[tuple, list[torch.Tensor]] = {}
         self._root = alias_roots(g)  # view outputs -> the buffer they share
         checked = [s.node for s in cg.steps
                    if isinstance(s, LibraryStep) and OPS[s.node.op].index_input is not None]
-        self._status = (torch.zeros((len(checked), 4), dtype=torch.int64, device=self.device)
-                        if checked else None)
+        self._status = impl.alloc(len(checked) * 4, torch.int64).view(len(checked), 4).zero_() if checked else None
         self._status_nodes: list = []  # status slot -> the op it belongs to
         # permutes that become strided views (no copy) next to ops that take them
         self._viewed, self._written = layout_aliases(cg.steps, g, cg.impl) if self.strided_views else ({}, {})
@@ -249,6 +256,10 @@ class Plan:
                     self._release(root)
         self.outputs = [self.env[o] for o in g.outputs]
         self._run: Callable[[], None] = self._launch_all
+        if self._before is not None:
+            self.thunks.insert(0, self._before)
+        if self._after is not None:
+            self.thunks.append(self._after)
 
     def run(self) -> list[torch.Tensor]:
         """Launch every kernel in order (or replay the captured launches, see ``capture``);
@@ -258,13 +269,15 @@ class Plan:
         (that access was skipped; the outputs of this run are then meaningless).
         """
         self._run()
-        if self._status is not None and bool(self._status[:, 0].any()):
-            self._raise_index_error()
-        return self.outputs
+        if self._status is not None:
+            status = self.cg.impl.fetch([self._status])[0]
+            if bool(status[:, 0].any()):
+                self._raise_index_error(status)
+        return self.cg.impl.fetch(self.outputs)
 
-    def _raise_index_error(self):
-        slot = int(torch.nonzero(self._status[:, 0])[0, 0])
-        value, lo, hi = self._status[slot, 1:].tolist()
+    def _raise_index_error(self, status: torch.Tensor):
+        slot = int(torch.nonzero(status[:, 0])[0, 0])
+        value, lo, hi = status[slot, 1:].tolist()
         self._status.zero_()
         raise index_error(self._status_nodes[slot].op, value, lo, hi)
 
@@ -318,7 +331,7 @@ class Plan:
         shape = t.dtype.storage_shape(t.shape)
         key = (t.dtype.torch_dtype, math.prod(shape))
         pool = self._pool.get(key)
-        buf = pool.pop() if pool else torch.empty(key[1], dtype=key[0], device=self.device)
+        buf = pool.pop() if pool else self.cg.impl.alloc(key[1], key[0])
         self.env[tid] = buf.view(shape)
         return self.env[tid]
 
@@ -332,9 +345,8 @@ class Plan:
         for inp in k.inputs:
             x = self.env[inp.tid]
             if inp.mode == "expand":  # materialize a broadcast the row view cannot index
-                full = torch.empty(k.shape, dtype=x.dtype, device=self.device)
-                self.thunks.append(lambda full=full, x=x: full.copy_(x.expand(full.shape)))
-                x = full
+                x, fill = self.cg.impl.bind_expand(x, tuple(k.shape))
+                self.thunks.append(fill)
             ins.append(x)
         outs = [self._alloc(tid) for _, tid, _ in k.outputs]
         self.thunks.append(self.cg.kernels[id(k)].bind(ins + outs, k.R))
@@ -421,5 +433,4 @@ class Plan:
             _logged_fallbacks.add((impl.name.value, node.op))
             logger.debug("backend %s has no kernel for this %s: running its torch reference on %s",
                          impl.name.value, node.op, self.device)
-        ref = OPS[node.op].reference
-        self.thunks.append(lambda: out.copy_(ref(args, node.attrs)))
+        self.thunks.append(impl.bind_reference(node, args, out))

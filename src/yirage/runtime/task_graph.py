@@ -384,7 +384,7 @@ class TaskGraphPlan(Plan):
         with pool._lock:
             ran = int(pool.lib.yr_pk_run(pool.handle, self._segments[0].handle, max_steps, meta.data_ptr()))
         if self._status is not None and bool(self._status[:, 0].any()):
-            self._raise_index_error()
+            self._raise_index_error(self._status)
         return ran
 
 

@@ -223,12 +223,12 @@ def _headers_digest() -> str:
 @functools.lru_cache(maxsize=1)
 def kernels_digest() -> str:
     """sha256 (hex) over the names and contents of every hand-written kernel source (the C++
-    files of kernels/cpu, the Triton modules of kernels/triton): a measurement of a kernel is
+    files of kernels/cpu, the Triton modules of kernels/triton, the WGSL of kernels/webgpu): a measurement of a kernel is
     valid for this digest only (``tuning.machine_identity``)."""
     h = hashlib.sha256()
     root = Path(str(resources.files("yirage.kernels")))
     for path in sorted(root.rglob("*")):
-        if path.is_file() and path.suffix in (".h", ".cpp", ".py"):
+        if path.is_file() and path.suffix in (".h", ".cpp", ".py", ".wgsl"):
             h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

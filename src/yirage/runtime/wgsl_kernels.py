@@ -1,0 +1,53 @@
+"""Fused row kernels for WebGPU: render (codegen/wgsl.py), compile (runtime/webgpu.py's
+``Pipeline``, once per shader text in the process) and bind.
+
+``WGSLKernel.bind(tensors, R)`` builds the launch once: the uniform parameters (R, D, each
+tensor's element offset) and the workgroup grid (a workgroup per row for a kernel with a row
+reduction, else one invocation per element). The thunk it returns only records the dispatch.
+This module must never import a backend.
+"""
+from __future__ import annotations
+
+import math
+
+from ..codegen import wgsl
+from ..errors import YirageError
+from ..transforms.fusion import FusedKernel
+from .webgpu import DeviceTensor, Pipeline, grid
+
+
+class WGSLKernel:
+    """A fused kernel compiled to a WGSL compute pipeline.
+
+    Raises NotImplementedError (from codegen) for a dtype or statement WGSL cannot express
+    here, YirageError when the shader does not compile on this device."""
+
+    def __init__(self, kernel: FusedKernel):
+        self.kernel = kernel
+        self.source = wgsl.render_kernel(kernel)
+        self.pipeline = Pipeline(self.source)
+        self.shape = wgsl.shape_of(kernel)
+
+    def bind(self, tensors: list[DeviceTensor], rows: int):
+        """A thunk recording the kernel over ``rows`` rows of ``tensors`` (``DeviceTensor``s: the
+        kernel's inputs, then its outputs). Raises YirageError for a tensor that is not a device
+        tensor or holds fewer elements than the kernel reads or writes."""
+        k = self.kernel
+        D = k.D
+        need = {"full": rows * D, "expand": rows * D, "row": D, "col": rows, "scalar": 1}
+        sizes = [need[inp.mode] for inp in k.inputs] + [rows * D if k.stmts[sid].kind == "vec" else rows
+                                                          for sid, _, _ in k.outputs]
+        for t, n in zip(tensors, sizes):
+            if not isinstance(t, DeviceTensor) or t.numel() < n:
+                raise YirageError(f"webgpu kernel: argument {t!r} must be a device tensor of at least {n} elements")
+        params = [rows, D] + [t.offset for t in tensors]
+        groups = rows if self.shape == "row" else math.ceil(rows * D / wgsl.ELEMENTWISE_WG)
+        return self.pipeline.bind(tensors, params, grid(groups))
+
+
+def compile_wgsl(kernels: list[FusedKernel]) -> list[WGSLKernel]:
+    """One ``WGSLKernel`` per fused kernel (pipelines shared by equal shader texts)."""
+    return [WGSLKernel(k) for k in kernels]
+
+
+__all__ = ["WGSLKernel", "compile_wgsl"]

@@ -1,0 +1,107 @@
+"""The webgpu backend's own parts: the adapter and 'auto', device memory that torch does not own
+(DeviceTensor views, packed dtypes, the size limit), weights kept resident, and a fused kernel's
+WGSL against torch. Runs where wgpu finds an adapter (Mesa's lavapipe here); the shared op suite
+(tests/backends/test_ops.py) runs every conformance case on it too."""
+import pytest
+import torch
+
+import yirage as yr
+from yirage.backends import Backend, get_backend_impl, get_backend_info, resolve_backend
+from yirage.errors import YirageError
+
+if not yr.is_backend_available("webgpu"):
+    pytest.skip(f"webgpu unavailable: {get_backend_info('webgpu').reason}", allow_module_level=True)
+
+from yirage.runtime import webgpu as W  # noqa: E402
+
+
+def test_info_names_the_adapter_its_backend_type_and_limits():
+    info = get_backend_info("webgpu")
+    rec = W.adapter_record()
+    assert info.available and info.device_name == rec["device"] and info.kernels == "compiled (wgsl)"
+    assert info.details["backend_type"] in ("Vulkan", "Metal", "D3D12", "OpenGL")
+    assert info.details["limits"]["max-storage-buffer-binding-size"] > 0
+    assert yr.get_memory_info("webgpu").total_bytes == info.memory_total_bytes > 0
+
+
+def test_auto_never_picks_a_software_adapter(monkeypatch):
+    impl = get_backend_impl("webgpu")
+    real = W.adapter_record()
+    monkeypatch.setattr(W, "adapter_record", lambda: {**real, "adapter_type": "CPU"})
+    assert not impl.auto_eligible()
+    assert resolve_backend("auto") != Backend.WEBGPU
+    monkeypatch.setattr(W, "adapter_record", lambda: {**real, "adapter_type": "DiscreteGPU"})
+    assert impl.auto_eligible()
+    assert resolve_backend("auto") in (Backend.CUDA, Backend.ROCM, Backend.XPU, Backend.WEBGPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.int64,
+                                   torch.uint8, torch.int32])
+def test_device_tensors_round_trip_at_odd_offsets(dtype):
+    """Sub-word dtypes share u32 words with their neighbours: writing a slice keeps them."""
+    full = (torch.randn(5, 7) * 50).to(dtype)
+    dev = W.DeviceTensor.from_host(full)
+    part = (torch.randn(3, 7) * 50).to(dtype)
+    dev[1:4].upload(part)
+    want = full.clone()
+    want[1:4] = part
+    assert torch.equal(dev.to_host(), want)
+    assert torch.equal(dev[2].to_host(), want[2])
+    assert torch.equal(dev[1:2].view(7).to_host(), want[1])
+
+
+def test_a_view_must_keep_the_element_count():
+    dev = W.DeviceTensor.empty((4, 6), torch.float32)
+    assert tuple(dev.view(3, 8).shape) == (3, 8) and tuple(dev.reshape(-1).shape) == (24,)
+    with pytest.raises(ValueError, match="element counts differ"):
+        dev.view(5, 5)
+    with pytest.raises(ValueError, match="outside the first dim"):
+        dev[4]
+
+
+def test_a_buffer_past_the_adapter_limit_is_refused_naming_it(monkeypatch):
+    real = W.limit
+    monkeypatch.setattr(W, "limit", lambda name: 1024 if "buffer" in name else real(name))
+    with pytest.raises(YirageError, match="max-storage-buffer-binding-size"):
+        W.DeviceTensor.empty((1000,), torch.float32)
+
+
+def test_constant_weights_are_uploaded_once_and_again_when_written(monkeypatch):
+    """A weight declared constant stays on the device across calls; a write to it is seen."""
+    impl = get_backend_impl("webgpu")
+    g = yr.new_kernel_graph()
+    x, w = g.new_input((3, 8)), g.new_input((8,))
+    g.mark_output(g.mul(g.silu(x), w))
+    xs, ws = torch.randn(3, 8), torch.randn(8)
+    impl.declare_constant([ws])
+    uploads = []
+    real = W.DeviceTensor.upload
+
+    def counting(self, t):
+        uploads.append(t.numel())
+        return real(self, t)
+    monkeypatch.setattr(W.DeviceTensor, "upload", counting)
+    for _ in range(3):
+        out = g(inputs=[xs, ws], backend="webgpu")[0]
+        torch.testing.assert_close(out, torch.nn.functional.silu(xs) * ws)
+    assert uploads.count(8) == 1 and uploads.count(24) == 3   # the weight once, x at every call
+    ws.mul_(2.0)
+    out = g(inputs=[xs, ws], backend="webgpu")[0]
+    torch.testing.assert_close(out, torch.nn.functional.silu(xs) * ws)
+    assert uploads.count(8) == 2
+
+
+def test_a_fused_row_kernel_wider_than_a_workgroup_matches_torch():
+    """softmax and rms-norm style rows of 1000 columns: the workgroup loop and its reductions."""
+    g = yr.new_kernel_graph()
+    x = g.new_input((5, 1000))
+    s = g.softmax(x, -1)
+    g.mark_output(s)
+    g.mark_output(g.div(x, g.sqrt(g.add(g.mean(g.mul(x, x), -1, keepdim=True), g.amax(g.abs(x), -1, keepdim=True)))))
+    xs = torch.randn(5, 1000) * 3
+    xs[2, 17] = float("nan")
+    got = g(inputs=[xs], backend="webgpu")
+    want = g.interpret([xs])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(got[0][2]).all() and not torch.isnan(got[0][1]).any()
