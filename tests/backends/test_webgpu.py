@@ -105,3 +105,20 @@ def test_a_fused_row_kernel_wider_than_a_workgroup_matches_torch():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert torch.isnan(got[0][2]).all() and not torch.isnan(got[0][1]).any()
+
+
+def _softmax_graph():
+    g = yr.new_kernel_graph()
+    x = g.new_input((4, 9))
+    g.mark_output(g.softmax(x, -1))
+    return g
+
+
+def test_a_lost_device_is_one_clear_error_and_a_new_graph_runs_on_a_new_device():
+    xs = torch.randn(4, 9)
+    g = _softmax_graph()
+    torch.testing.assert_close(g(inputs=[xs], backend="webgpu")[0], torch.softmax(xs, -1))
+    W.device().destroy()   # what a driver reset or an unplugged GPU does
+    with pytest.raises(YirageError, match="device was lost"):
+        g(inputs=[xs], backend="webgpu")
+    torch.testing.assert_close(_softmax_graph()(inputs=[xs], backend="webgpu")[0], torch.softmax(xs, -1))

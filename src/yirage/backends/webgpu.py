@@ -174,7 +174,8 @@ class WebGPUBackend(BackendImpl):
                     weakref.finalize(t, self._resident.pop, id(t), None)
 
     def _stamp(self, x: torch.Tensor) -> tuple:
-        return x.data_ptr(), x._version, tuple(x.shape), x.dtype
+        # the device too: after a device loss, resident weights are uploaded to the new one
+        return x.data_ptr(), x._version, tuple(x.shape), x.dtype, id(_rt().device())
 
     def _device_copy(self, x: torch.Tensor):
         """The resident copy of constant weight ``x`` (uploaded now if missing or stale), or None

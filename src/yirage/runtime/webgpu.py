@@ -133,6 +133,37 @@ def limit(name: str) -> int:
     return int(device().limits[name])
 
 
+class device_errors:
+    """Turns wgpu's errors inside the block into one YirageError that says what happened: a lost
+    device (the driver reset or removed it: the process's device is dropped, so the next call
+    makes a new one, and plans built on the old one must be built again), memory exhausted, or
+    a validation error (a yirage bug: the message is wgpu's)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is None:
+            return False
+        wgpu = wgpu_module()
+        if not isinstance(error, wgpu.GPUError):
+            return False
+        text = " ".join(str(error).split())
+        if "lost" in text.lower():
+            with _lock:
+                _state.pop("device", None)
+                _state.pop("queue", None)
+            raise YirageError(f"webgpu: the device was lost during {self.what} ({text}); build the graph or "
+                              "model again to run on a new device") from None
+        if isinstance(error, wgpu.GPUOutOfMemoryError):
+            raise YirageError(f"webgpu: out of device memory during {self.what} ({text}); use a smaller "
+                              "model or batch") from None
+        raise YirageError(f"webgpu: {self.what} failed ({type(error).__name__}: {text})") from None
+
+
 class Queue:
     """Launches recorded into one command encoder, submitted together (``flush``). Host reads
     and writes flush first, so they see (and are seen by) every launch recorded before them."""
@@ -143,7 +174,7 @@ class Queue:
         self.lock = threading.RLock()
 
     def dispatch(self, pipeline, bind_group, groups: tuple[int, int, int]) -> None:
-        with self.lock:
+        with self.lock, device_errors("recording a launch"):
             if self._encoder is None:
                 self._encoder = self.dev.create_command_encoder()
             cp = self._encoder.begin_compute_pass()
@@ -153,7 +184,7 @@ class Queue:
             cp.end()
 
     def flush(self) -> None:
-        with self.lock:
+        with self.lock, device_errors("a submit"):
             if self._encoder is not None:
                 enc, self._encoder = self._encoder, None
                 self.dev.queue.submit([enc.finish()])
@@ -169,12 +200,14 @@ class Queue:
     def write(self, buffer, offset: int, data) -> None:
         with self.lock:
             self.flush()
-            self.dev.queue.write_buffer(buffer, offset, data)
+            with device_errors("an upload"):
+                self.dev.queue.write_buffer(buffer, offset, data)
 
     def read(self, buffer, offset: int, size: int) -> memoryview:
         with self.lock:
             self.flush()
-            return self.dev.queue.read_buffer(buffer, offset, size)
+            with device_errors("a download"):
+                return self.dev.queue.read_buffer(buffer, offset, size)
 
 
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -197,7 +230,8 @@ def new_buffer(nbytes: int, what: str = "buffer"):
                           "use a smaller model or batch, or another backend")
     wgpu = wgpu_module()
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-    return device().create_buffer(size=size, usage=usage)
+    with device_errors(f"allocating a {what} of {size} bytes"):
+        return device().create_buffer(size=size, usage=usage)
 
 
 class DeviceTensor:
@@ -314,14 +348,14 @@ class Pipeline:
     The shader's bindings are ``@group(0) @binding(0) var<uniform> P`` (a struct of ``u32``
     fields, ``n_params`` of them) then one storage buffer per tensor argument, in order."""
 
-    _cache: dict[str, object] = {}
+    _cache: dict[tuple, object] = {}
 
     def __init__(self, source: str, entry: str = "main"):
-        key = hashlib.sha256(source.encode()).hexdigest()
         with _lock:
+            dev = device()
+            key = (id(dev), hashlib.sha256(source.encode()).hexdigest())   # a new device compiles again
             compiled = Pipeline._cache.get(key)
             if compiled is None:
-                dev = device()
                 try:
                     module = dev.create_shader_module(code=source)
                     compiled = dev.create_compute_pipeline(layout="auto", compute={"module": module,
@@ -367,5 +401,5 @@ def grid(n_groups: int) -> tuple[int, int, int]:
     return cap, y, 1
 
 
-__all__ = ["adapter", "adapter_record", "device", "queue", "has_f16", "limit", "DeviceTensor", "Pipeline",
+__all__ = ["device_errors", "adapter", "adapter_record", "device", "queue", "has_f16", "limit", "DeviceTensor", "Pipeline",
            "new_buffer", "grid", "wgpu_module"]
