@@ -58,6 +58,17 @@ class _HostKernel:
         return run
 
 
+def _library_kernels() -> dict[str, list[tuple]]:
+    """{op: [(supports, bind), ...]}: the WGSL library kernels, tried in order:
+    float32 ``linear``/``matmul`` (webgpu_library: tiled GEMM, GEMV) and the GGUF block-quantized
+    ``linear`` (webgpu_quant: q4_0, q4_1, q8_0, q4_K, q5_K, q6_K dequantized in registers)."""
+    from yirage.backends import webgpu_library as lib, webgpu_quant as quant
+
+    return {"linear": [(lib.supports_linear, lib.bind_linear),
+                       (quant.supports_quantized_linear, quant.bind_quantized_linear)],
+            "matmul": [(lib.supports_matmul, lib.bind_matmul)]}
+
+
 class WebGPUBackend(BackendImpl):
     """WebGPU adapters through wgpu (torch device type 'cpu': data crosses as CPU tensors)."""
 
@@ -116,20 +127,22 @@ class WebGPUBackend(BackendImpl):
         _rt().queue().wait()
 
     # ---- kernels --------------------------------------------------------------------------
-    def supports(self, node, graph) -> bool:
-        """float32 ``linear`` and ``matmul`` (backends/webgpu_library.py: the tiled GEMM and the
-        GEMV in WGSL, the tile chosen by measurement); every other library op runs as its
-        torch reference on the host (``bind_reference``)."""
-        from yirage.backends import webgpu_library as lib
+    def _kernel_for(self, node, graph):
+        """The WGSL library kernel's binder for ``node``, or None (the op then runs as its torch
+        reference on the host). The first of the op's kernels whose ``supports`` holds."""
+        for supports, bind in _library_kernels().get(node.op, ()):
+            if supports(node, graph):
+                return bind
+        return None
 
-        check = {"linear": lib.supports_linear, "matmul": lib.supports_matmul}.get(node.op)
-        return bool(check and check(node, graph))
+    def supports(self, node, graph) -> bool:
+        """The library ops with a WGSL kernel for ``node``'s dtypes and attributes
+        (``_library_kernels``); every other one runs as its torch reference on the host
+        (``bind_reference``)."""
+        return self._kernel_for(node, graph) is not None
 
     def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
-        from yirage.backends import webgpu_library as lib
-
-        bind = {"linear": lib.bind_linear, "matmul": lib.bind_matmul}[node.op]
-        return bind(node, graph, args, out, status)
+        return self._kernel_for(node, graph)(node, graph, args, out, status)
 
     def compile(self, kernels: list) -> list:
         from yirage.runtime.wgsl_kernels import WGSLKernel
