@@ -61,12 +61,17 @@ class _HostKernel:
 def _library_kernels() -> dict[str, list[tuple]]:
     """{op: [(supports, bind), ...]}: the WGSL library kernels, tried in order:
     float32 ``linear``/``matmul`` (webgpu_library: tiled GEMM, GEMV) and the GGUF block-quantized
-    ``linear`` (webgpu_quant: q4_0, q4_1, q8_0, q4_K, q5_K, q6_K dequantized in registers)."""
-    from yirage.backends import webgpu_library as lib, webgpu_quant as quant
+    ``linear`` (webgpu_quant: q4_0, q4_1, q8_0, q4_K, q5_K, q6_K dequantized in registers), and
+    the conv nets' ops (webgpu_conv: conv2d as an implicit GEMM with its epilogue, conv2d_stack,
+    max/avg/adaptive pooling, batch_norm)."""
+    from yirage.backends import webgpu_conv as conv, webgpu_library as lib, webgpu_quant as quant
 
-    return {"linear": [(lib.supports_linear, lib.bind_linear),
-                       (quant.supports_quantized_linear, quant.bind_quantized_linear)],
-            "matmul": [(lib.supports_matmul, lib.bind_matmul)]}
+    kernels = {"linear": [(lib.supports_linear, lib.bind_linear),
+                          (quant.supports_quantized_linear, quant.bind_quantized_linear)],
+               "matmul": [(lib.supports_matmul, lib.bind_matmul)]}
+    for op, pair in conv.OPS.items():   # conv2d (implicit GEMM), conv2d_stack, pooling, batch_norm
+        kernels.setdefault(op, []).append(pair)
+    return kernels
 
 
 class WebGPUBackend(BackendImpl):

@@ -15,7 +15,9 @@
 //
 // Template parameters, substituted by backends/webgpu_conv.py before compiling: {{TILE_M}},
 // {{TILE_N}}, {{TILE_K}}, {{REG_M}}, {{REG_N}} (u32; TILE_M % REG_M == 0, TILE_N % REG_N ==
-// 0) and {{COMMON}}: conv_common.wgsl (the parameters, the bindings, the epilogue).
+// 0) and COMMON, the placeholder on a line of its own below (never named in braces in a
+// comment, where the paste would land): conv_common.wgsl, with the parameters, the bindings
+// and the epilogue.
 //
 // Workgroups: a 1-d count groups * tiles_m * tiles_n, laid out x + y * num_workgroups.x
 // (runtime.webgpu.grid); the extra groups of the last row return at once.

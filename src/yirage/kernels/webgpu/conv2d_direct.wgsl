@@ -8,8 +8,9 @@
 // k order), taps outside the image skipped (the zero padding).
 //
 // Template parameters, substituted by backends/webgpu_conv.py before compiling: {{WG}} (the
-// workgroup size) and {{COMMON}}: conv_common.wgsl (the parameters, the bindings, the
-// epilogue).
+// workgroup size) and COMMON, the placeholder on a line of its own below (never named in
+// braces in a comment, where the paste would land): conv_common.wgsl, with the parameters,
+// the bindings and the epilogue.
 //
 // Workgroups: ceil(M * O / WG) as a 1-d count laid out x + y * num_workgroups.x
 // (runtime.webgpu.grid); invocations past the last element return at once.

@@ -1,6 +1,7 @@
 // The part conv2d.wgsl (the implicit GEMM) and conv2d_direct.wgsl (one output per invocation)
 // share: their parameters, their bindings and the epilogue. backends/webgpu_conv.py fills in
-// {{IN_ACCESS}} here, then pastes the result at their {{COMMON}} placeholder.
+// {{IN_ACCESS}} here, then pastes the result at their COMMON placeholder (substituted once:
+// placeholders in the pasted text stay as they are, so none may be left in it).
 //
 // Tensors, all float32: x [N, C, H, W] and out, residual [N, O, Ho, Wo] in NCHW or NHWC (the
 // element strides sx*, so* in logical (n, c, h, w) order say which: the residual has out's

@@ -40,6 +40,11 @@ struct Params {
 @group(0) @binding(1) var<storage, {{IN_ACCESS}}> X: array<f32>;
 @group(0) @binding(2) var<storage, read_write> OUT: array<f32>;
 
+// x != x may be folded away by a compiler that assumes no NaN; the bits say it for sure
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -88,6 +93,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             acc = bitcast<f32>(P.neg_inf);
         }
         var inside = 0u;
+        var nan = false;
         for (var kr = 0u; kr < P.KH; kr++) {
             let hi = h0 + i32(kr * P.DH);
             if (hi < 0 || hi >= H) {
@@ -100,7 +106,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
                 }
                 let x = X[xc + u32(hi) * P.sxh + u32(wi) * P.sxw];
                 if (is_max) {
-                    if (x > acc || x != x) {   // NaN wins (and stays: nothing compares above it)
+                    if (is_nan(x)) {   // a NaN wins, and stays
+                        acc = x;
+                        nan = true;
+                    } else if (!nan && x > acc) {
                         acc = x;
                     }
                 } else {
