@@ -63,14 +63,21 @@ def _library_kernels() -> dict[str, list[tuple]]:
     float32 ``linear``/``matmul`` (webgpu_library: tiled GEMM, GEMV) and the GGUF block-quantized
     ``linear`` (webgpu_quant: q4_0, q4_1, q8_0, q4_K, q5_K, q6_K dequantized in registers), and
     the conv nets' ops (webgpu_conv: conv2d as an implicit GEMM with its epilogue, conv2d_stack,
-    max/avg/adaptive pooling, batch_norm)."""
+    max/avg/adaptive pooling, batch_norm), the LLM ops (webgpu_ops: embedding, RoPE, attention over
+    the KV cache with GQA and sliding windows, the continuous-batching rows forms, argmax; every
+    run-time index checked into the status record), and threadblock graphs (``customized``:
+    webgpu_threadblock, a workgroup per block, ``var<workgroup>`` shared memory)."""
     from yirage.backends import webgpu_conv as conv, webgpu_library as lib, webgpu_quant as quant
+    from yirage.backends import webgpu_ops as ops, webgpu_threadblock as tb
 
     kernels = {"linear": [(lib.supports_linear, lib.bind_linear),
                           (quant.supports_quantized_linear, quant.bind_quantized_linear)],
                "matmul": [(lib.supports_matmul, lib.bind_matmul)]}
     for op, pair in conv.OPS.items():   # conv2d (implicit GEMM), conv2d_stack, pooling, batch_norm
         kernels.setdefault(op, []).append(pair)
+    for op, pair in ops.OPS.items():   # embedding, rope, rope_rows, rotary_emb, attention(_rows), argmax
+        kernels.setdefault(op, []).append(pair)
+    kernels["customized"] = [(tb.customized_ok, tb.bind_customized)]   # threadblock graphs
     return kernels
 
 
@@ -148,6 +155,13 @@ class WebGPUBackend(BackendImpl):
 
     def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
         return self._kernel_for(node, graph)(node, graph, args, out, status)
+
+    def bind_customized_group(self, nodes, graph, args, outs):
+        """All outputs of one threadblock graph as one WGSL kernel (webgpu_threadblock.py), or
+        None when they do not fit one."""
+        from yirage.backends import webgpu_ops as ops, webgpu_threadblock as tb
+
+        return tb.bind_customized_group(nodes, graph, args, outs)
 
     def compile(self, kernels: list) -> list:
         from yirage.runtime.wgsl_kernels import WGSLKernel

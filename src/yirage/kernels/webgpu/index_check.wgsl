@@ -18,7 +18,8 @@
 // Bindings: 0 the parameters below; 1 the values (u32 words, from word off); 2 the status
 // (atomic u32 words, the slot at word st_off). Buffers are bound whole.
 // Workgroups: one, of NT threads: thread i scans positions i, i + NT, ...; a workgroup
-// atomicMax of n - position finds the lowest bad one (0: none; workgroup memory starts zeroed).
+// atomicMax of n - position finds the lowest bad one (0: none). Workgroup memory is zeroed
+// here explicitly: wgpu-native (0.32 here) does not zero-initialize it on every driver.
 
 const NT: u32 = 256u;
 
@@ -44,6 +45,10 @@ fn value(i: u32) -> vec2<u32> {
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32) {
+    if (lid == 0u) {
+        atomicStore(&first, 0u);
+    }
+    workgroupBarrier();
     for (var i = lid; i < P.n; i += NT) {
         let v = value(i);
         if (v.y != 0u || v.x >= P.bound) {

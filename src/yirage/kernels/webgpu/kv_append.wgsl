@@ -60,6 +60,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     if (t >= P.T) {   // the same for the whole workgroup: the barrier stays uniform
         return;
     }
+    if (lid == 0u) {   // workgroup memory is not zeroed on every driver (wgpu-native 0.32)
+        atomicStore(&later, 0u);
+    }
+    workgroupBarrier();
     var slot = 0u;
     var p: u32;
     var ok: bool;

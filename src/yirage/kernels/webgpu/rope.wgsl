@@ -8,8 +8,8 @@
 // read through: its output is left as it was (index_check.wgsl, run before this kernel,
 // records the violation in the op's status slot).
 //
-// One thread per (t, h, i) pair (n = T * H * Dh/2 of them): it reads both halves and writes
-// both, so out may even be x itself.
+// One thread per (t, h, i) pair (n = T * H * Dh/2 of them): it reads both halves, then
+// writes both.
 //
 // Template parameters, substituted by backends/webgpu_ops.py before compiling:
 // {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out lies in an input's
