@@ -1,6 +1,6 @@
 """Where a compiled model's GPU time goes: torch.profiler's per-kernel table of one model of
 ``torch_compile.py``'s suite compiled by yirage (``yr.compile``) and by Inductor, side by side,
-and which provider yirage's kernel choice took for each shape class (``triton_providers``).
+and which provider yirage's kernel choice took for each shape class (``backends/triton/providers.py``).
 
     python benchmarks/gpu_profile.py --models bert,resnet50 --batch 8 --calls 10
 

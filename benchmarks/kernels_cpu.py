@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from yirage.backends import cpu_embed
-from yirage.backends.cpu_library import library
+from yirage.backends.cpu import embed as cpu_embed
+from yirage.backends.cpu.native import library
 from yirage.dtypes import DType
 from yirage.runtime.machine import machine_record
 from yirage.runtime.timing import compare
@@ -162,7 +162,7 @@ def _gemm_case(M: int, N: int, K: int, rounds: int, min_sample_s: float) -> dict
 
 def _row_groups_case(lib, fmt: str, M: int, N: int, K: int, min_time: float) -> dict:
     """GB/s (cold) of the plain and row-group layouts' GEMVs, float32 and int8 x, one round set."""
-    from yirage.backends.cpu_library import to_row_groups
+    from yirage.backends.cpu.library import to_row_groups
     rng = np.random.default_rng(N + K + M)
     w = _random_blocks(fmt, N, K, rng)
     copies = [w.clone() for _ in range(max(2, GGML_COLD_BYTES // w.numel()))]

@@ -11,7 +11,7 @@ and its activation as the nets have them:
 
 For each group and batch (1 and 8) it times, with ``yirage.runtime.timing.compare``
 (interleaved rounds), the two candidates the CPU backend measures before merging
-(``backends/cpu_conv.stack_candidates``): "separate", each convolution on the provider chosen
+(``backends/cpu/conv.py`` ``stack_candidates``): "separate", each convolution on the provider chosen
 for its own shape class (oneDNN or yirage's GEMM, as a compiled model would run it), and
 "stacked", the one GEMM (``conv2d_stack``). ``speedup`` is the median of the per-round ratios
 separate / stacked (> 1: merging is faster), and ``merge_convs`` what the backend decides (its
@@ -27,7 +27,7 @@ import json
 
 import torch
 
-from yirage.backends import cpu_conv
+from yirage.backends.cpu import conv as cpu_conv
 from yirage.runtime.machine import machine_record
 from yirage.runtime.timing import compare
 from yirage.transforms.parallel import ConvGroup

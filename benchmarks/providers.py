@@ -28,7 +28,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from yirage.backends import cpu_providers  # noqa: E402
+from yirage.backends.cpu import providers as cpu_providers  # noqa: E402
 from yirage.runtime import timing  # noqa: E402
 from yirage.runtime.machine import machine_record  # noqa: E402
 from yirage.tools.optimize import shape_classes  # noqa: E402

@@ -60,14 +60,14 @@ def _own_machine_profile(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _kernel_library(_own_machine_profile):
     """The CPU kernel library loaded once up front: loading it measures the machine's prefetch
-    level (``cpu_library.prefetch_level``, a ``tuning.choose``), which must not happen inside a
+    level (``cpu.native.prefetch_level``, a ``tuning.choose``), which must not happen inside a
     test that pins ``tuning.choose`` to one op's provider. A machine without a C++ compiler
     leaves it to the tests that need it (they report the ToolchainError)."""
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu.native import library
     from yirage.errors import ToolchainError
 
     try:
-        cpu_library.library()
+        library()
     except ToolchainError:
         pass
 
@@ -157,7 +157,7 @@ def _lib_variant(name: str):
     14-28 s each on 2 cores, one after another before)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from yirage.backends.cpu_library import bind_signatures, library
+    from yirage.backends.cpu.native import bind_signatures, library
     from yirage.config import scoped_environ
     from yirage.runtime.toolchain import cxx_flags, load_kernel_library, openmp_flags
 
@@ -197,7 +197,7 @@ def _cross_variant(name: str):
     """The library cross-built for an Arm target, called under qemu-user; skips where the cross
     compiler or qemu is missing."""
     import cross
-    from yirage.backends.cpu_library import SIGNATURES
+    from yirage.backends.cpu.native import SIGNATURES
 
     why = cross.unavailable()
     if why:
@@ -225,7 +225,7 @@ def skip_unless_provider_runs(provider: str, dtype: str) -> None:
     """Skip the calling test, with the reason, where the linear provider ``provider`` of weight
     dtype ``dtype`` ('float32', 'bfloat16', 'float32/bfloat16', 'int8') cannot run on this machine
     (its ``Needs``, under ``YIRAGE_ISA``'s cap): a test never fails on a CPU without a feature."""
-    from yirage.backends import cpu_providers
+    from yirage.backends.cpu import providers as cpu_providers
 
     case = cpu_providers.Case("linear_w8a8" if dtype == "int8" else "linear", dtype, 8, 8, 8, constant=True)
     why = cpu_providers.unavailable(case).get(provider)

@@ -10,7 +10,7 @@ import torch
 import yirage.backends as backends
 from yirage.backends import Backend, BackendInfo, MemoryInfo
 from yirage.backends.base import BackendImpl
-from yirage.backends.cuda import CUDABackend
+from yirage.backends.triton.cuda import CUDABackend
 from yirage.errors import BackendUnavailableError
 
 AVAILABLE = backends.get_available_backends()

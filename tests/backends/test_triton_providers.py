@@ -1,4 +1,4 @@
-"""Kernel choice on the Triton backends (backends/triton_providers.py): yirage's Triton kernel or
+"""Kernel choice on the Triton backends (backends/triton/providers.py): yirage's Triton kernel or
 torch's op (cuBLAS, cuDNN, torch's SDPA on a GPU) for linear, matmul, conv2d and sdpa.
 
 Without a GPU these run on 'triton-interpret' with its measuring switched on for the test (the
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import yirage as yr
-from yirage.backends import triton_providers
-from yirage.backends.triton import TritonInterpreterBackend
+from yirage.backends.triton import TritonInterpreterBackend, providers as triton_providers
 from yirage.tuning import profile as tuning
 
 pytestmark = pytest.mark.skipif(not yr.get_backend_info("triton-interpret").available,

@@ -1,4 +1,4 @@
-"""WebGPU kernels for the conv-net ops (backends/webgpu_conv.py, the WGSL of kernels/webgpu):
+"""WebGPU kernels for the conv-net ops (backends/webgpu/conv.py, the WGSL of kernels/webgpu):
 conv2d with its fused epilogue, conv2d_stack, max/avg/adaptive-average pooling and inference
 batch_norm, float32.
 
@@ -27,7 +27,7 @@ if not yirage.is_backend_available("webgpu"):
     pytest.skip(f"webgpu unavailable: {get_backend_info('webgpu').reason}", allow_module_level=True)
 
 from yirage.backends import get_backend_impl  # noqa: E402
-from yirage.backends import webgpu_conv as C  # noqa: E402
+from yirage.backends.webgpu import conv as C  # noqa: E402
 from yirage.dtypes import DType  # noqa: E402
 from yirage.errors import YirageError  # noqa: E402
 from yirage.ir.graph import KernelGraph  # noqa: E402

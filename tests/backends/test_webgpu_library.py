@@ -1,4 +1,4 @@
-"""WebGPU library kernels for float32 linear and matmul (backends/webgpu_library.py, the WGSL
+"""WebGPU library kernels for float32 linear and matmul (backends/webgpu/library.py, the WGSL
 of kernels/webgpu): each against torch on the CPU at odd sizes (M, N, K not multiples of any
 tile), both weight layouts, with and without bias, every tile configuration pinned, tensors at
 nonzero element offsets (and sharing one buffer, as a plan's arena does), batched matmul with
@@ -19,7 +19,7 @@ try:
 except BackendUnavailableError as e:
     pytest.skip(f"no WebGPU: {e}", allow_module_level=True)
 
-from yirage.backends import webgpu_library as L  # noqa: E402
+from yirage.backends.webgpu import library as L  # noqa: E402
 from yirage.ir.graph import KernelGraph  # noqa: E402
 from yirage.tuning import profile as tuning  # noqa: E402
 

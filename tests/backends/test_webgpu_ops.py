@@ -1,4 +1,4 @@
-"""WebGPU kernels for a decoder step's library ops besides its GEMMs (backends/webgpu_ops.py,
+"""WebGPU kernels for a decoder step's library ops besides its GEMMs (backends/webgpu/ops.py,
 the WGSL of kernels/webgpu): embedding, rope, rope_rows, rotary_emb, attention, attention_rows
 and argmax, each in small kernel graphs run on the webgpu backend against the reference
 interpreter (float32; attention over a KV cache updated in place, GQA, sliding windows, a
@@ -6,7 +6,7 @@ continuous-batching step with a prefill chunk and a repeated place), run-time in
 range raising IndexOutOfRangeError with nothing written, and the kernels bound directly at
 nonzero offsets.
 
-The backend's ``supports`` / ``bind_library_op`` are patched here to consult ``webgpu_ops.OPS``
+The backend's ``supports`` / ``bind_library_op`` are patched here to consult ``webgpu.ops.OPS``
 first (the ``kernels`` fixture), and each test checks that its ops were bound to these kernels,
 not run as torch references. Without wgpu or a WebGPU adapter the module is skipped. On Mesa's
 lavapipe (a CPU driver) it runs in seconds: sizes stay small."""
@@ -20,7 +20,7 @@ from yirage.backends import get_backend_impl, get_backend_info
 if not yr.is_backend_available("webgpu"):
     pytest.skip(f"webgpu unavailable: {get_backend_info('webgpu').reason}", allow_module_level=True)
 
-from yirage.backends import webgpu_ops as O  # noqa: E402
+from yirage.backends.webgpu import ops as O  # noqa: E402
 from yirage.errors import YirageError  # noqa: E402
 from yirage.runtime import webgpu as wg  # noqa: E402
 
@@ -30,7 +30,7 @@ ATTN_TOL = dict(atol=1e-4, rtol=1e-4)
 
 @pytest.fixture(autouse=True)
 def kernels(monkeypatch):
-    """The webgpu backend with webgpu_ops.OPS consulted before its own ops; yields the list of
+    """The webgpu backend with webgpu.ops.OPS consulted before its own ops; yields the list of
     the ops bound to these kernels."""
     impl = get_backend_impl("webgpu")
     supports, bind = impl.supports, impl.bind_library_op

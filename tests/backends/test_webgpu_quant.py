@@ -1,4 +1,4 @@
-"""WebGPU kernels for ``linear`` over GGUF block-quantized weights (backends/webgpu_quant.py,
+"""WebGPU kernels for ``linear`` over GGUF block-quantized weights (backends/webgpu/quant.py,
 kernels/webgpu/qblocks.wgsl, qgemv.wgsl, qmatmul.wgsl): q4_0, q4_1, q8_0, q4_K, q5_K and q6_K,
 the weight kept in its block storage on the device.
 
@@ -28,8 +28,8 @@ if not yr.is_backend_available("webgpu"):
     pytest.skip(f"no WebGPU: {_why}", allow_module_level=True)
 
 from yirage.backends import get_backend_impl  # noqa: E402
-from yirage.backends import webgpu_library as L  # noqa: E402
-from yirage.backends import webgpu_quant as Q  # noqa: E402
+from yirage.backends.webgpu import library as L  # noqa: E402
+from yirage.backends.webgpu import quant as Q  # noqa: E402
 from yirage.dtypes import DType  # noqa: E402
 from yirage.errors import YirageError  # noqa: E402
 from yirage.ir.graph import KernelGraph  # noqa: E402

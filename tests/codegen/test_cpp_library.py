@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 import cross  # tests/cross: the aarch64 builds of the lib fixtures
-from yirage.backends.cpu_library import SIGNATURES, library
+from yirage.backends.cpu.native import SIGNATURES, library
 
 QUANT = {"q4_1": QT.Q4_1, "q8_0": QT.Q8_0}
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}

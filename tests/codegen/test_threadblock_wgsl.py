@@ -1,5 +1,5 @@
 """Threadblock graphs (Mirage's µGraphs, ir/threadblock.py) as WGSL compute shaders
-(codegen/threadblock_wgsl.py, runtime/threadblock_wgsl.py, backends/webgpu_threadblock.py): a
+(codegen/threadblock_wgsl.py, runtime/threadblock_wgsl.py, backends/webgpu/threadblock.py): a
 workgroup per block, the tiles in workgroup memory, the for-loop in the shader. Every block op
 and accumulator kind, Mirage's hand-written block graphs (RMSNorm + matmul, gated MLP, LoRA by
 concatenation, flash-decoding attention with its three-output block graph) and the
@@ -20,7 +20,7 @@ from yirage.backends import get_backend_impl, get_backend_info
 if not yr.is_backend_available("webgpu"):
     pytest.skip(f"webgpu unavailable: {get_backend_info('webgpu').reason}", allow_module_level=True)
 
-from yirage.backends import webgpu_threadblock as wt  # noqa: E402
+from yirage.backends.webgpu import threadblock as wt  # noqa: E402
 from yirage.codegen.threadblock_wgsl import (render_threadblock_wgsl, shared_bytes,  # noqa: E402
                                              unsupported_reason, webgpu_supported)
 from yirage.errors import YirageError  # noqa: E402

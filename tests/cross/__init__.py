@@ -4,7 +4,7 @@
 with Debian's ``aarch64-linux-gnu-g++`` for one Arm target and calls its entry points through
 ``driver.cpp`` run by ``qemu-aarch64``: ``lib.yr_linear_q4_1(ptr(x), ptr(w), None, ptr(y), M, N, K)``
 takes the arguments the ctypes library takes, so a kernel test (and yirage's own ctypes wrappers,
-``cpu_embed.gemm_f32_packed(..., lib=lib)``) runs the same calls and checks against the same
+``cpu.embed.gemm_f32_packed(..., lib=lib)``) runs the same calls and checks against the same
 reference on both architectures. A pointer is found in the tensor it points into (``ptr`` makes
 an int that remembers its tensor; a plain ``data_ptr()`` is looked up among the live tensors):
 each call ships the storages of its tensors to the driver and copies them back afterwards, so

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import yirage as yr
-from yirage.backends import cpu_embed, cpu_providers
+from yirage.backends.cpu import embed as cpu_embed, providers as cpu_providers
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 

@@ -186,7 +186,7 @@ def test_inception_branches_match_eager(monkeypatch, merge):
     """An Inception module's 1x1 branches through torch.compile: with the CPU's merge forced on
     they run as one ``conv2d_stack`` GEMM (counted); with it measured, whichever is chosen;
     both equal eager. The BatchNorms are calibrated so that they matter."""
-    from yirage.backends import cpu_conv
+    from yirage.backends.cpu import conv as cpu_conv
     from yirage.backends.cpu import CPUBackend
     model = Inception()
     model.train()

@@ -302,8 +302,8 @@ def test_task_graph_step_equals_the_launch_per_op_plan(smollm, T):
     the default model's q4_1/q8_0 weights every op has a task form (one scheduler segment)
     where the library has the row tiles for T rows, below the rows where a vendor GEMM is
     measured against them (from 16 the projections whose class MKL won are launched)."""
-    from yirage.backends.cpu_library import _task_linear_rows
-    from yirage.backends.cpu_providers import VENDOR_QUANT_MIN_M
+    from yirage.backends.cpu.library import _task_linear_rows
+    from yirage.backends.cpu.providers import VENDOR_QUANT_MIN_M
     segments = _task_graph_step_equals_the_plan(smollm, T)
     if T <= _task_linear_rows()[0] and T < VENDOR_QUANT_MIN_M:
         assert segments == 1

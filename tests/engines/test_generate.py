@@ -252,7 +252,7 @@ def test_projections_are_kept_in_row_groups(hf_smollm, decode_dtype):
     two gets transformers' greedy tokens for each prompt (float32 decode's own steps:
     test_greedy_matches_transformers_on_chat_prompts); with int8 decode the batch steps quantize
     x on those weights and each prompt of a batch gets what it gets alone."""
-    from yirage.backends.cpu_library import row_groups_native
+    from yirage.backends.cpu.library import row_groups_native
     llm = yr.LLM(decode_dtype=decode_dtype, max_seq_length=256)
     kinds = {name: w[1] for name, w in llm.model.weights.items()}
     native = row_groups_native()

@@ -26,7 +26,7 @@ def test_every_kernel_library_builds_for_aarch64(name):
 
 @pytest.mark.parametrize("target", list(cross.TARGETS))
 def test_the_aarch64_library_takes_its_neon_path(target):
-    from yirage.backends.cpu_library import SIGNATURES
+    from yirage.backends.cpu.native import SIGNATURES
 
     lib = cross.CrossLibrary("library", target, SIGNATURES)
     out = torch.zeros(1, dtype=torch.int64)
@@ -36,13 +36,13 @@ def test_the_aarch64_library_takes_its_neon_path(target):
 
 @pytest.fixture(scope="module")
 def conv():
-    from yirage.backends.cpu_conv import SIGNATURES
+    from yirage.backends.cpu.conv import SIGNATURES
     return cross.CrossLibrary("conv", cross.MAIN_TARGET, SIGNATURES)
 
 
 @pytest.fixture(scope="module")
 def strided():
-    from yirage.backends.cpu_strided import SIGNATURES
+    from yirage.backends.cpu.strided import SIGNATURES
     return cross.CrossLibrary("strided", cross.MAIN_TARGET, SIGNATURES)
 
 

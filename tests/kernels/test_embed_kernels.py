@@ -1,4 +1,4 @@
-"""The embedding encoder's C++ kernels (kernels/cpu/embed_kernels.h, via backends/cpu_embed.py)
+"""The embedding encoder's C++ kernels (kernels/cpu/embed_kernels.h, via backends/cpu/embed.py)
 on every ISA build of the library (the ``lib`` fixture: native, AVX2, scalar): the float32 GEMM
 on packed weights vs torch in float64, the bfloat16 GEMM (also on the AVX-512 build without
 AVX512-BF16) vs float32 sums of the rounded products in its order (bit for bit) and vs torch's
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.backends import cpu_embed as ce
+from yirage.backends.cpu import embed as ce
 from yirage.errors import YirageError
 
 # (M, N, K): ragged tiles; 460 rows: two row blocks and a partial third (192 or 220 rows each)

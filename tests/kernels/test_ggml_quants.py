@@ -23,7 +23,7 @@ import torch
 
 import cross  # tests/cross: the aarch64 builds of the lib fixtures
 import yirage as yr
-from yirage.backends.cpu_library import GGML_FORMATS, library
+from yirage.backends.cpu.native import GGML_FORMATS, library
 from yirage.dtypes import DType
 from yirage.errors import ModelLoadError
 from yirage.ir.ops import dequantize
@@ -245,7 +245,7 @@ def test_linear_int_gemv_x_at_half_steps(lib, fmt):
 def lib_no_vbmi():
     """The native build without AVX512-VBMI: the K-quants' integer GEMV of AVX512-VNNI CPUs
     without VBMI (ggml_quants.h gemv_rows_int; with VBMI, gemv_rows_q2k/q3k run instead)."""
-    from yirage.backends.cpu_library import bind_signatures
+    from yirage.backends.cpu.native import bind_signatures
     from yirage.runtime.toolchain import cxx_flags, load_kernel_library
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""

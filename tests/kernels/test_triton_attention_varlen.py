@@ -152,7 +152,7 @@ def test_graph_on_triton_interpret(device):
     the torch reference), with bad offsets raising IndexOutOfRangeError as on the CPU."""
     if device.type != "cpu":
         pytest.skip("the interpreter backend runs on CPU tensors")
-    from yirage.backends import triton as tb
+    from yirage.backends.triton import backend as tb
     calls = []
     real = tb._lib().attention_varlen
 

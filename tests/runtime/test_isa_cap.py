@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.backends import cpu_precision
+from yirage.backends.cpu import precision as cpu_precision
 from yirage.errors import ConfigError, EmulatedPrecisionWarning
 from yirage.runtime import machine
 
@@ -45,10 +45,10 @@ _PROBE = r"""
 import json, os, sys
 import yirage
 import torch
-from yirage.backends import cpu_library, cpu_providers, cpu_embed
+from yirage.backends.cpu import embed as cpu_embed, library as cpu_library, native, providers as cpu_providers
 from yirage.runtime import machine, toolchain
 lib = toolchain.library_path(toolchain.kernel_library_sources("library"))
-cpu_library.library()
+native.library()
 w = torch.randn(12, 16).bfloat16()
 cpu_embed.mark_constant(w)
 case = cpu_providers.case_of("linear", [torch.randn(8, 16), w], torch.empty(8, 12))
@@ -119,7 +119,7 @@ def test_the_native_library_is_as_wide_as_the_cpu():
     /proc/cpuinfo, not yirage's reading of them)."""
     if os.environ.get("YIRAGE_ISA", "native") != "native":
         pytest.skip("this process runs under YIRAGE_ISA's cap")
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu import library as cpu_library
 
     flags = _host_flags()
     if not X86:

@@ -215,7 +215,7 @@ def _imports_openmp(lib: ctypes.CDLL) -> bool:
 def test_the_scalar_library_build_runs_on_the_pool(lib):
     """The ``lib`` fixture's scalar build is the one without OpenMP (so every kernel test runs
     on the pool), and the native build keeps OpenMP where the compiler has it."""
-    from yirage.backends.cpu_library import library
+    from yirage.backends.cpu.native import library
 
     assert not _imports_openmp(lib)
     if "-fopenmp" in toolchain.openmp_flags() and sys.platform.startswith("linux"):

@@ -115,7 +115,7 @@ def test_prebuild_builds_each_kernel_library_once(fresh_cache, monkeypatch, caps
         assert not built and seconds >= 0
         assert path == toolchain.library_path(toolchain.kernel_library_sources(name))
         assert toolchain.verify_library(path) is None
-    from yirage.backends import cpu_indexing
+    from yirage.backends.cpu import indexing as cpu_indexing
 
     before = toolchain.builds()
     cpu_indexing.library.cache_clear()

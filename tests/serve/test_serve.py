@@ -518,7 +518,7 @@ def test_llamacpp_numerics_servers_answer_as_their_model_alone(options):
     int8``) too, the batching steps' projections on row-group weights take int8 x (where the CPU
     keeps them so). Concurrent greedy chats get what that model's engine gives each prompt alone:
     its single-sequence generation with float32 activations, its batch of one with int8."""
-    from yirage.backends.cpu_library import row_groups_native
+    from yirage.backends.cpu.library import row_groups_native
     from yirage.serve import load_models
     prompts = ["Name three fruits.", "What is 2 + 2?", "Say hello in French."]
     app = create_app(ServeOptions(LLM_NAME, max_queue=8, timeout_s=120, parallel=4, **options), load=load_models)

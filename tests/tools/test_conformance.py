@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.backends import cpu as cpu_backend
-from yirage.backends import cpu_library
+from yirage.backends.cpu import backend as cpu_backend, library as cpu_library
 from yirage.ir.ops import OPS
 from yirage.tools import conformance
 from yirage.tools.conformance import CASES, NOT_APPLICABLE, compare, run_case, run_conformance

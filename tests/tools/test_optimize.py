@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.backends import cpu_precision, cpu_providers
+from yirage.backends.cpu import precision as cpu_precision, providers as cpu_providers
 from yirage.errors import YirageError
 from yirage.tools import optimize as opt
 from yirage.tuning import profile as tuning

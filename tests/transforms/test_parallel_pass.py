@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import yirage as yr
-from yirage.backends import cpu_embed, get_backend_impl
+from yirage.backends import get_backend_impl
+from yirage.backends.cpu import embed as cpu_embed
 from yirage.ir.interpret import interpret
 from yirage.runtime.executor import CompiledGraph
 from yirage.tools import conformance

@@ -1,4 +1,4 @@
-"""Kernel providers of the CPU's linear layers (backends/cpu_providers.py) and their choice by
+"""Kernel providers of the CPU's linear layers (backends/cpu/providers.py) and their choice by
 measurement (tuning/profile.py): every provider computes the op as the reference interpreter
 does, with and without a fused row epilogue; the first use measures and records; the profile,
 then a matching template, answer later uses; YIRAGE_TUNE=off gives the fixed defaults."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.backends import cpu_embed, cpu_providers
+from yirage.backends.cpu import embed as cpu_embed, providers as cpu_providers
 from yirage.errors import YirageError
 from yirage.tuning import profile as tuning
 
@@ -545,7 +545,7 @@ def test_conv2d_implicit_gemm_tiles_compute_the_convolution(mc, kc, res):
     """yirage's implicit-GEMM convolution in any tile (pixels per gathered block, k-block), on a
     3x5 window with stride (2, 1), padding (1, 2) and dilation (2, 1), 37 output channels (a
     partial panel), against torch.nn.functional."""
-    from yirage.backends import cpu_conv
+    from yirage.backends.cpu import conv as cpu_conv
 
     c, x, y, r, attrs, want = _igemm_case(res)
     cpu_conv._conv_igemm(c, x, y, r, attrs, mc=mc, kc=kc)()
@@ -555,7 +555,7 @@ def test_conv2d_implicit_gemm_tiles_compute_the_convolution(mc, kc, res):
 def test_conv2d_implicit_gemm_refuses_a_geometry_that_does_not_fit():
     """The native kernel checks the geometry it is handed (an output size the window does not
     give, a tile out of range): a clear error, and the output untouched."""
-    from yirage.backends import cpu_conv
+    from yirage.backends.cpu import conv as cpu_conv
 
     c, x, y, r, attrs, _ = _igemm_case(False)
     run = cpu_conv._conv_igemm(c, x, y, r, attrs)
@@ -612,17 +612,17 @@ def test_prefetch_level_is_measured_and_either_level_computes_the_same_gemv(monk
     a hint), and the library is left at the chosen one."""
     import gguf
     import torch.nn.functional as F
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu import native
 
     monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
     tuning.reload_profile()
     monkeypatch.setattr(tuning, "matching_template", lambda: None)
-    monkeypatch.setattr(cpu_library, "PREFETCH_SWEEP_BYTES", 8 << 20)   # a quick sweep: what is recorded matters here
-    lib = cpu_library.library()
-    level = cpu_library.prefetch_level(lib)
+    monkeypatch.setattr(native, "PREFETCH_SWEEP_BYTES", 8 << 20)   # a quick sweep: what is recorded matters here
+    lib = native.library()
+    level = native.prefetch_level(lib)
     (key, entry), = [(k, e) for k, e in tuning.active_profile().entries.items() if k.startswith("gemv_prefetch|")]
-    assert set(entry["median_s"]) == set(cpu_library.PREFETCH_LEVELS)
-    assert level == cpu_library.PREFETCH_LEVELS[entry["choice"]]
+    assert set(entry["median_s"]) == set(native.PREFETCH_LEVELS)
+    assert level == native.PREFETCH_LEVELS[entry["choice"]]
     w = torch.randn(96, 256).numpy()
     blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1))
     ref = F.linear(x := torch.randn(1, 256), torch.from_numpy(gguf.quants.dequantize(blocks.numpy(),
@@ -640,7 +640,7 @@ def test_prefetch_level_is_measured_and_either_level_computes_the_same_gemv(monk
 def test_parallel_linears_merge_by_measurement(monkeypatch, tmp_path):
     """The CPU's answer for a group of parallel linears is a measured choice between the
     separate linears and the stacked GEMM, recorded in the machine's profile under its shape class."""
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu import library as cpu_library
     from yirage.transforms.parallel import LinearGroup
 
     monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
@@ -685,7 +685,7 @@ def test_parallel_convs_merge_by_measurement(monkeypatch, tmp_path):
     """The CPU's answer for a group of parallel 1x1 convolutions is a measured choice between
     the convolutions apart and the one GEMM, recorded under its shape class; groups the GEMM
     does not take (3x3, NCHW, bfloat16) are never merged."""
-    from yirage.backends import cpu_conv
+    from yirage.backends.cpu import conv as cpu_conv
     from yirage.transforms.parallel import ConvGroup
 
     monkeypatch.setenv(tuning.PROFILE_DIR_ENV, str(tmp_path))
@@ -708,7 +708,7 @@ def test_parallel_convs_merge_by_measurement(monkeypatch, tmp_path):
 def test_sdpa_kernel_refuses_a_geometry_that_does_not_fit():
     """yirage's attention kernel checks what it is handed (query heads not a multiple of the
     key heads, a mask shorter than its strides reach): a clear error, the output untouched."""
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu import library as cpu_library
 
     q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     mask, out = torch.zeros(1, 4, 5, 6), torch.full((1, 4, 5, 16), float("nan"))
@@ -727,7 +727,7 @@ def test_sdpa_kernel_reads_and_writes_head_strided_views(B, H, causal, gqa, head
     what the executor hands it instead of permute copies) against torch's; causal queries in
     chunks that start past 0 (few heads: the tasks split the queries) and row blocks that skip
     the keys after them; a stride reaching past its buffer is refused, out untouched."""
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu import library as cpu_library
 
     S, T, D = 37, 41, head_dim
     Hk = 2 if gqa else H
@@ -746,7 +746,7 @@ def test_sdpa_kernel_reads_and_writes_head_strided_views(B, H, causal, gqa, head
 def test_strided_kernels_refuse_a_geometry_whose_reach_overflows():
     """Sizes and strides each in range whose products sum past 2^63 (a wrapped sum would pass
     the length check): the RoPE and attention kernels refuse them, out untouched."""
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu import library as cpu_library
     from yirage.ir.graph import KernelGraph
 
     x, cos = torch.randn(2, 3, 4, 8), torch.randn(1, 1, 4, 8)
@@ -775,7 +775,7 @@ def test_sdpa_kernel_masked_rows_over_vectors_and_tail(head_dim):
     """yirage's attention kernel finds a masked row's largest score in vectors of keys and a
     scalar tail (37 keys: two vectors of 16 and 5 more): a row with every key masked gives 0,
     rows whose only open key sits in a vector or in the tail attend to it alone; against torch."""
-    from yirage.backends import cpu_library
+    from yirage.backends.cpu import library as cpu_library
 
     q, k, v = torch.randn(1, 2, 6, head_dim), torch.randn(1, 2, 37, head_dim), torch.randn(1, 2, 37, head_dim)
     mask = torch.randn(1, 1, 6, 37)

@@ -24,12 +24,9 @@ from yirage.backends.base import (
     unavailable_error,
 )
 from yirage.backends.cpu import CPUBackend
-from yirage.backends.cuda import CUDABackend
 from yirage.backends.mps import MPSBackend
-from yirage.backends.rocm import ROCmBackend
-from yirage.backends.triton import TritonInterpreterBackend
+from yirage.backends.triton import CUDABackend, ROCmBackend, TritonInterpreterBackend, XPUBackend
 from yirage.backends.webgpu import WebGPUBackend
-from yirage.backends.xpu import XPUBackend
 from yirage.config import user_backend, user_config_path
 from yirage.errors import BackendUnavailableError
 

@@ -387,7 +387,7 @@ class BackendImpl(ABC):
     # ---- device memory (the executor's buffers and the data that crosses) -------------------
     # A backend whose memory torch owns (every one but webgpu) keeps these defaults: buffers are
     # torch tensors on ``torch_device`` and inputs and outputs are used as they are. A backend
-    # with memory of its own (backends/webgpu.py: wgpu buffers) returns its own tensor type
+    # with memory of its own (backends/webgpu/backend.py: wgpu buffers) returns its own tensor type
     # from ``alloc``, which has the part of torch's tensor interface the plan uses (``view``,
     # ``reshape``, ``[i]`` and ``[a:b]`` on the first dim, ``numel``, ``dtype``, ``zero_``), and
     # moves data across in ``stage_inputs`` / ``fetch``.

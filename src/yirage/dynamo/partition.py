@@ -33,7 +33,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..backends import get_backend_impl, resolve_backend
-from ..backends.cpu_precision import warn_if_emulated
+from ..backends.cpu.precision import warn_if_emulated
 from ..config import logger
 from ..dtypes import as_dtype
 from ..errors import TorchCompileError, YirageFallbackWarning

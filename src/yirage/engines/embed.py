@@ -18,7 +18,7 @@ sentence's tokens (sum / max(count, 1e-9)), the CLS token, the max over tokens, 
 mean * sqrt(len), concatenated in that module's order; Normalize is L2 with eps 1e-12.
 
 On the CPU, each linear layer runs on the provider measured fastest for its shape on this machine
-(``backends/cpu_providers.py``: yirage's AVX-512 GEMM on weights packed once, ~2.3x torch's BLAS
+(``backends/cpu/providers.py``: yirage's AVX-512 GEMM on weights packed once, ~2.3x torch's BLAS
 on an AMD EPYC, or MKL / oneDNN, which use AMX on Intel Xeons that have it), the fused row kernel after each
 GEMM (residual + LayerNorm, GELU) runs as its epilogue on each block of finished rows (the
 executor's epilogue fusion), and attention over the packed sentences is a C++ kernel
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import Backend, get_backend_impl, resolve_backend
-from ..backends.cpu_precision import warn_if_emulated
+from ..backends.cpu.precision import warn_if_emulated
 from . import freeze_loaded_objects
 from ..config import logger
 from ..errors import ModelLoadError, YirageError
@@ -299,8 +299,8 @@ class EmbeddingModel:
 
 def _declare_constant_weights(inputs: list[torch.Tensor]) -> None:
     """Declare the encoder's 2-D weights constant, so that the CPU backend's kernel providers may
-    keep them packed in their own layouts (backends/cpu_providers.py)."""
-    from ..backends.cpu_embed import mark_constant
+    keep them packed in their own layouts (backends/cpu/providers.py)."""
+    from ..backends.cpu.embed import mark_constant
 
     for t in inputs:
         if t.dim() == 2:

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..backends import Backend, get_backend_impl, resolve_backend
-from ..backends.cpu_precision import warn_if_emulated
+from ..backends.cpu.precision import warn_if_emulated
 from . import freeze_loaded_objects
 from ..dtypes import DType, as_dtype
 from ..config import logger

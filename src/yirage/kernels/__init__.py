@@ -5,7 +5,7 @@
   row kernels include.
 - ``triton/``: Triton library kernels for CUDA, ROCm and XPU (one source for all three).
 - ``webgpu/``: WGSL library kernels (``*.wgsl``, GEMM and GEMV) for the WebGPU backend, with
-  ``{{NAME}}`` placeholders (tile sizes) that backends/webgpu_library.py fills before compiling.
+  ``{{NAME}}`` placeholders (tile sizes) that backends/webgpu/library.py fills before compiling.
 
 Nothing here builds, loads or picks a backend; the backends do.
 """

@@ -17,7 +17,7 @@ own, compute pipelines and their dispatch.
 Sub-word dtypes (bool, float16, bfloat16) are stored packed in ``u32`` words; a buffer's byte
 size is rounded up to a multiple of 4 (WebGPU's copy granularity).
 
-This module must never import torch's device backends or pick a backend: backends/webgpu.py
+This module must never import torch's device backends or pick a backend: backends/webgpu/backend.py
 does that. It raises ``BackendUnavailableError`` when wgpu or an adapter is missing and
 ``YirageError`` when a size passes the device's limits (naming the limit).
 """

@@ -13,17 +13,23 @@ import math
 from ..codegen import wgsl
 from ..errors import YirageError
 from ..transforms.fusion import FusedKernel
-from .webgpu import DeviceTensor, Pipeline, grid
+from .webgpu import DeviceTensor, Pipeline, grid, limit
 
 
 class WGSLKernel:
     """A fused kernel compiled to a WGSL compute pipeline.
 
     Raises NotImplementedError (from codegen) for a dtype or statement WGSL cannot express
-    here, YirageError when the shader does not compile on this device."""
+    here, YirageError when the shader does not compile on this device or needs more storage
+    buffers than the adapter binds (naming the limit)."""
 
     def __init__(self, kernel: FusedKernel):
         self.kernel = kernel
+        buffers = len(kernel.inputs) + len(kernel.outputs)
+        cap = limit("max-storage-buffers-per-shader-stage")
+        if buffers > cap:
+            raise YirageError(f"webgpu: a fused kernel needs {buffers} storage buffers, but this adapter's "
+                              f"max-storage-buffers-per-shader-stage is {cap}; run this graph on another backend")
         self.source = wgsl.render_kernel(kernel)
         self.pipeline = Pipeline(self.source)
         self.shape = wgsl.shape_of(kernel)

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ..backends import Backend, get_available_backends, get_backend_info, resolve_backend
-from ..backends import cpu_providers
-from ..backends.cpu_precision import is_native
+from ..backends.cpu import providers as cpu_providers
+from ..backends.cpu.precision import is_native
 from ..errors import YirageError
 from ..runtime.machine import machine_record, usable_cpu_count
 from ..tuning import profile as tuning
@@ -114,7 +114,7 @@ def _weight_args(w: Workload, dtype: str) -> list[torch.Tensor]:
     else:
         weight = (torch.randn(w.N, w.K) / w.K ** 0.5).to(getattr(torch, dtype))
         args = [torch.empty(0), weight, torch.randn(w.N)]
-    from ..backends.cpu_embed import mark_constant
+    from ..backends.cpu.embed import mark_constant
     mark_constant(args[1])
     return args
 
@@ -248,7 +248,7 @@ def _bfloat16_pays(entries: dict, float32: str, bfloat16: str) -> bool:
 
 def _recommended_dtypes(backend: Backend, entries: dict) -> dict[str, str]:
     """The dtype per workload: on GPUs bfloat16 (their tensor cores); on the CPU float32 wherever
-    bfloat16 is emulated (``cpu_precision.is_native``: no AMX-BF16, AVX512-BF16 or AVX-NE-CONVERT
+    bfloat16 is emulated (``cpu.precision.is_native``: no AMX-BF16, AVX512-BF16 or AVX-NE-CONVERT
     under ``YIRAGE_ISA``'s cap), else the embedding
     model's bfloat16 when its measured GEMMs take under 0.8x float32's time at the encoder's batch
     sizes, else float32; an LLM's activations float32, its ``prefill_dtype`` bfloat16 when the

@@ -15,7 +15,7 @@ symbolic partition would change structure between sizes). A group merges when:
   weight of x's dtype, all of one weight shape and layout, all with a bias or none;
 - its weights and biases are graph inputs (the model's parameters, available before any op);
 - ``decide(case)`` says so: the backend's answer for a ``LinearGroup``, by measurement on the
-  CPU (backends/cpu.py), since one wider GEMM is not faster everywhere.
+  CPU (backends/cpu/backend.py), since one wider GEMM is not faster everywhere.
 
 Linears of the same input include those of reshapes of one tensor to one shape (torch.compile's
 graphs flatten x for each linear apart). The stacked op takes the place of the group's first

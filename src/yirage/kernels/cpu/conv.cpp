@@ -1,5 +1,5 @@
 // Convolutional-network kernels over NCHW tensors: max / average / adaptive average pooling and
-// inference BatchNorm (the IR ops of yirage/ir/conv.py; bound by backends/cpu_conv.py).
+// inference BatchNorm (the IR ops of yirage/ir/conv.py; bound by backends/cpu/conv.py).
 //
 // Every entry takes its element type as a code (0 float32, 1 float16, 2 bfloat16), computes in
 // float32 and stores in that type, with torch's semantics (F.max_pool2d: padding is -inf and a
@@ -275,7 +275,7 @@ void yr_depthwise_nhwc_f32(const float* x, const float* wt, const float* bias, c
     });
 }
 
-// Row epilogue of a convolution run as a GEMM (backends/cpu_conv.py's 1x1 convolutions on
+// Row epilogue of a convolution run as a GEMM (backends/cpu/conv.py's 1x1 convolutions on
 // the packed GEMM; called by the GEMM on each block of finished rows [lo, hi), see
 // embed_kernels.h's EmbEpilogue): y[i, :] = act(y[i, :] + r[i, :]) over float32 rows of
 // `cols` values. args: {y, r or 0, rows, cols, act, lo, hi} with act 0 none, 1 relu,

@@ -5,7 +5,7 @@
 // (iy = oy*sh - ph + ky*dh, ix = ox*sw - pw + kx*dw) is the GEMM Y[M, O] = A[M, K] . W'[K, O]
 // with M = N*Ho*Wo output pixels and K = kh*kw*C, A's row m the pixel's receptive field in
 // (ky, kx, c) order (zero outside the image) and W'[(ky*kw + kx)*C + c, o] = w[o, c, ky, kx]
-// (backends/cpu_conv.py packs it with yr_emb_pack_f32 from [O, kh, kw, C]). A is never
+// (backends/cpu/conv.py packs it with yr_emb_pack_f32 from [O, kh, kw, C]). A is never
 // materialised whole: each task gathers the rows of its block of `mc` pixels into thread-local
 // scratch (the "im2col" of Chellapilla et al. 2006, one cache block at a time, as oneDNN's and
 // XNNPACK's GEMM convolutions do) and runs the GEMM's register tiles over it, so the gathered

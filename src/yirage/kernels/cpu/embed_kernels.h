@@ -10,7 +10,7 @@
 // scratch), no torch/Python. Every entry point checks its run-time sizes against the buffer
 // lengths the caller passes and, on a bad one, writes status[4] = {1, value, lo, hi} (the
 // value was outside [lo, hi)), touches no buffer and returns; the Python wrappers
-// (backends/cpu_embed.py) raise the exception.
+// (backends/cpu/embed.py) raise the exception.
 //
 // Packed layouts (panel = 32 output columns, the last one zero-padded):
 //   float32: P[p][k][32]        = W[p*32 + j, k]                      (W [N, K] row-major)
@@ -1054,7 +1054,7 @@ void yr_emb_gemm_f32_planes(const float* x, const float* P, const float* bias, f
 }
 
 // The GEMM of `parts` layers of the same x with different widths (parallel 1x1 convolutions'
-// merged GEMM, backends/cpu_conv.py): widths[i] output columns each, every part's weight packed
+// merged GEMM, backends/cpu/conv.py): widths[i] output columns each, every part's weight packed
 // by yr_emb_pack_f32 into ceil(widths[i] / 32) panels and the packs concatenated (P, p_len
 // floats), bias null or the parts' biases each zero-padded to its panels (the same column
 // index as P). Part i's output is y[M, widths[i]] at element offset M * sum(widths[:i]) of y

@@ -7,7 +7,7 @@
 // Included by library_quants.cpp after library_core.h, whose
 // helpers it uses (F16 table, vf/vload/vfma/vsum, YR_IN_REGISTER, GEMV_ROWS, gemv_range, gemv_groups,
 // YR_DISPATCH_ROWS, linear_packed, transpose_block, embedding_rows, report, scratch, ...).
-// Entry points (bound by yirage/backends/cpu_library.py), for T in q4_0 q5_0 q5_1 q2_k q3_k
+// Entry points (bound by yirage/backends/cpu/native.py), for T in q4_0 q5_0 q5_1 q2_k q3_k
 // q4_k q5_k q6_k iq4_nl iq4_xs, with the argument lists of their q4_1 counterparts:
 //   yr_linear_T(x, w, bias|0, y, M, N, K)          y[M, N] = x[M, K] @ W[N, K]^T (+ bias)
 //   yr_embedding_T(ids, table, out, T, D, V, status)

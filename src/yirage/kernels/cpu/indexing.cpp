@@ -1,5 +1,5 @@
 // Indexing with run-time indices: index_select and gather (the IR ops of the same names), for
-// elements of 1, 2, 4 or 8 bytes (the ops only move elements). Bound by backends/cpu_indexing.py.
+// elements of 1, 2, 4 or 8 bytes (the ops only move elements). Bound by backends/cpu/indexing.py.
 //
 // Both are one loop over the output's coordinates m (the output is contiguous, `sizes` its
 // shape, ndim <= 8): the source element is

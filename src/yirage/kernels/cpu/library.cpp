@@ -3,7 +3,7 @@
 // causal grouped-query attention (GQA) with a KV cache (full or in a sliding window), and argmax.
 //
 // Built by yirage/runtime/toolchain.py (-O3 -march=native -fopenmp) and bound through
-// ctypes by yirage/backends/cpu_library.py, whose SIGNATURES table lists every
+// ctypes by yirage/backends/cpu/native.py, whose SIGNATURES table lists every
 // extern "C" entry point of the library (this file, library_quants.cpp, library_encoder.cpp). Pointers arrive as plain integers (tensor.data_ptr()),
 // sizes as int64, floats as float.
 //
@@ -115,7 +115,7 @@ void yr_linear_q8_0(const float* x, const uint8_t* w, const float* bias, float* 
 }
 
 // Dequantization of nblocks consecutive blocks into nblocks * 32 floats, bitwise equal to
-// gguf.quants.dequantize (the vendor GEMM providers of cpu_providers.py dequantize a block of
+// gguf.quants.dequantize (the vendor GEMM providers of backends/cpu/providers.py dequantize a block of
 // weight rows per call; the other formats' yr_dequant_T are in ggml_quants.h).
 void yr_dequant_q4_1(const uint8_t* src, float* dst, int64_t nblocks) {
     yr::parallel_for(nblocks, nblocks * QK >= PAR_MIN_ELEMS,

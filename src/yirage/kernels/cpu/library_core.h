@@ -611,7 +611,7 @@ inline void gemv_q4_1_rows(const float* x, const float* sx, const uint8_t* w, in
 }
 
 // Where the software prefetches of streamed weights and caches go: 0 L1 (prefetcht0), 1 L2
-// (prefetcht2). Chosen per machine by measurement (backends/cpu_library.py
+// (prefetcht2). Chosen per machine by measurement (backends/cpu/native.py
 // prefetch_level): on a Zen 4 (EPYC, KVM guest) prefetcht0 stalls the core once L1's miss
 // buffers are full (a quarter of a decode step's samples sat on it) and L2 gave 1.4x the decode
 // tokens/s; other cores may differ. Set by yr_set_prefetch_level before kernels run. One

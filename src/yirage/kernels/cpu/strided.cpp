@@ -1,7 +1,7 @@
 // Kernels over strided views: a strided copy (the layout ops), and, over a tensor viewed as
 // [outer, n, inner] (contiguous), reductions and softmax over the middle dim, for the IR ops whose dim is not the last one (a reduction over the trailing
 // dims is a fused row program instead: codegen/cpp.py), and the running sum (cumsum) along any
-// dim. Bound by backends/cpu_strided.py.
+// dim. Bound by backends/cpu/strided.py.
 //
 // Every entry takes its element type as a code (0 float32, 1 float16, 2 bfloat16), computes in
 // float32 and stores in that type. No entry reads an index from memory, so none needs a status.

@@ -6,7 +6,7 @@
 // One workgroup per row: thread i keeps the best of d = i, i + NT, ...; a tree reduction
 // in workgroup memory combines them (ties to the lower index).
 //
-// Template parameters, substituted by backends/webgpu_ops.py before compiling:
+// Template parameters, substituted by backends/webgpu/ops.py before compiling:
 // {{IN_ACCESS}}: x's access mode, 'read', or 'read_write' when out lies in x's buffer
 // (WebGPU forbids one buffer bound read-only and writable in one dispatch).
 //

@@ -16,7 +16,7 @@
 // Gimelshein 2018; flash attention's): the running maximum m and sum l, and each thread's DPT
 // output elements d = i, i + NT, ... rescaled by exp(m_old - m_new) per tile. All in f32.
 //
-// Template parameters, substituted by backends/webgpu_ops.py before compiling:
+// Template parameters, substituted by backends/webgpu/ops.py before compiling:
 // {{DPT}} (u32: ceil(Dh / NT), the output elements per thread) and {{IN_ACCESS}}: the
 // inputs' access mode, 'read', or 'read_write' when out lies in an input's buffer (at other
 // elements: WebGPU forbids one buffer bound read-only and writable in one dispatch).

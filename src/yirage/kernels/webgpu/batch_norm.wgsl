@@ -4,7 +4,7 @@
 // ``affine``). Element i's channel is (i / inner) % C, inner = the product of the dims after
 // C; every index stays below total = N * C * inner.
 //
-// Template parameters, substituted by backends/webgpu_conv.py before compiling: {{WG}} (the
+// Template parameters, substituted by backends/webgpu/conv.py before compiling: {{WG}} (the
 // workgroup size) and {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out
 // lies in an input's buffer (x's own elements included: each invocation reads x[i] before it
 // writes out[i], so it may run in place).

@@ -4,7 +4,7 @@
 // without ``affine``), computed as batch_norm.wgsl computes them, one channel per invocation.
 // It runs before each convolution, so statistics written between runs are seen.
 //
-// Template parameters, substituted by backends/webgpu_conv.py before compiling: {{WG}} (the
+// Template parameters, substituted by backends/webgpu/conv.py before compiling: {{WG}} (the
 // workgroup size) and {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out
 // lies in an input's buffer (at other elements).
 //

@@ -13,7 +13,7 @@
 // in order. Every read checks its index: the pixel against M, the channel against OG, the
 // column against KG and the input row and column against the image.
 //
-// Template parameters, substituted by backends/webgpu_conv.py before compiling: {{TILE_M}},
+// Template parameters, substituted by backends/webgpu/conv.py before compiling: {{TILE_M}},
 // {{TILE_N}}, {{TILE_K}}, {{REG_M}}, {{REG_N}} (u32; TILE_M % REG_M == 0, TILE_N % REG_N ==
 // 0) and COMMON, the placeholder on a line of its own below (never named in braces in a
 // comment, where the paste would land): conv_common.wgsl, with the parameters, the bindings

@@ -7,7 +7,7 @@
 // CG input channels and the KH x KW window in f32, in (c, r, s) order (the implicit GEMM's
 // k order), taps outside the image skipped (the zero padding).
 //
-// Template parameters, substituted by backends/webgpu_conv.py before compiling: {{WG}} (the
+// Template parameters, substituted by backends/webgpu/conv.py before compiling: {{WG}} (the
 // workgroup size) and COMMON, the placeholder on a line of its own below (never named in
 // braces in a comment, where the paste would land): conv_common.wgsl, with the parameters,
 // the bindings and the epilogue.

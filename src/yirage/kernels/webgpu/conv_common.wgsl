@@ -1,5 +1,5 @@
 // The part conv2d.wgsl (the implicit GEMM) and conv2d_direct.wgsl (one output per invocation)
-// share: their parameters, their bindings and the epilogue. backends/webgpu_conv.py fills in
+// share: their parameters, their bindings and the epilogue. backends/webgpu/conv.py fills in
 // {{IN_ACCESS}} here, then pastes the result at their COMMON placeholder (substituted once:
 // placeholders in the pasted text stay as they are, so none may be left in it).
 //

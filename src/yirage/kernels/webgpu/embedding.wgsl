@@ -7,7 +7,7 @@
 //
 // One thread per output element (n = T * H of them), neighbouring threads along a row.
 //
-// Template parameters, substituted by backends/webgpu_ops.py before compiling:
+// Template parameters, substituted by backends/webgpu/ops.py before compiling:
 // {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out lies in an input's
 // buffer (at other elements: WebGPU forbids one buffer bound read-only and writable in one
 // dispatch).

@@ -11,7 +11,7 @@
 // neighbouring threads read neighbouring elements: "nk" puts a feature's TPR threads side by
 // side (along a row of W), "kn" puts the ROWS features side by side (along a row of W).
 //
-// Template parameters, substituted by backends/webgpu_library.py before compiling:
+// Template parameters, substituted by backends/webgpu/library.py before compiling:
 // {{ROWS}} and {{TPR}} (u32, TPR a power of two), {{W_KN}} (bool) and {{IN_ACCESS}}: the
 // inputs' access mode, 'read', or 'read_write' when out lies in an input's buffer (at other
 // elements: WebGPU forbids one buffer bound read-only and writable in one dispatch).

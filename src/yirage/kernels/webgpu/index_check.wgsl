@@ -11,7 +11,7 @@
 // Nothing else is read or written: the op's own kernels guard every access they make, and
 // those that must write nothing after a violation (attention_rows' KV append) read word 0.
 //
-// Template parameters, substituted by backends/webgpu_ops.py before compiling:
+// Template parameters, substituted by backends/webgpu/ops.py before compiling:
 // {{IN_ACCESS}}: the values' access mode, 'read', or 'read_write' when they lie in the status
 // buffer (WebGPU forbids one buffer bound read-only and writable in one dispatch).
 //

@@ -15,7 +15,7 @@
 // One workgroup per row: its threads scan the later rows for one naming the same place (then
 // this row writes nothing), then copy the row's Hkv * Dh elements, NT at a time.
 //
-// Template parameters, substituted by backends/webgpu_ops.py before compiling:
+// Template parameters, substituted by backends/webgpu/ops.py before compiling:
 // {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when a written buffer (a
 // cache, the status) holds an input too (WebGPU forbids one buffer bound read-only and
 // writable in one dispatch).

@@ -12,7 +12,7 @@
 // f32. Thread (ty, tx) owns rows ty + i * TY and columns tx + j * TX, so that neighbouring
 // threads write neighbouring columns.
 //
-// Template parameters, substituted by backends/webgpu_library.py before compiling:
+// Template parameters, substituted by backends/webgpu/library.py before compiling:
 // {{TILE_M}}, {{TILE_N}}, {{TILE_K}}, {{REG_M}}, {{REG_N}} (u32; TILE_M % REG_M == 0,
 // TILE_N % REG_N == 0), {{W_KN}} (bool) and {{IN_ACCESS}}: the inputs' access mode, 'read',
 // or 'read_write' when out lies in an input's buffer (at other elements: WebGPU forbids one

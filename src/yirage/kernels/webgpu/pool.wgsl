@@ -15,7 +15,7 @@
 //   Ho) and the same for columns (the window attributes are unused).
 // Every read is checked against the image.
 //
-// Template parameters, substituted by backends/webgpu_conv.py before compiling: {{WG}} (the
+// Template parameters, substituted by backends/webgpu/conv.py before compiling: {{WG}} (the
 // workgroup size) and {{IN_ACCESS}}: x's access mode, 'read', or 'read_write' when out lies in
 // x's buffer (at other elements: WebGPU forbids one buffer bound read-only and writable in one
 // dispatch, but allows it writable twice).

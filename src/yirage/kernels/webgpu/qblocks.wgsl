@@ -1,5 +1,5 @@
 // GGUF block-quantized weights read in place: helpers shared by qgemv.wgsl and qmatmul.wgsl
-// (backends/webgpu_quant.py puts this text in front of theirs).
+// (backends/webgpu/quant.py puts this text in front of theirs).
 //
 // The weight W is the raw bytes of a [N, K] block-quantized tensor (yirage's uint8 storage:
 // each row K / per blocks of `bytes` bytes, llama.cpp ggml-common.h layouts; dtypes.py), bound

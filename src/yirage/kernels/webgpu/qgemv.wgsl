@@ -2,7 +2,7 @@
 // out[m, n] = sum_k X[m, k] * W[n, k] (+ bias[n]), W dequantized in registers as it is read.
 //
 // X is [M, K] float32 row-major, W the [N, K] weight's block storage (qblocks.wgsl, which
-// backends/webgpu_quant.py puts in front of this text: `unit`, `group`), out [M, N] float32.
+// backends/webgpu/quant.py puts in front of this text: `unit`, `group`), out [M, N] float32.
 // K is a multiple of the format's block (32 or 256 weights).
 //
 // One workgroup per block of ROWS output features and chunk of MR rows of X: TPR threads per
@@ -12,7 +12,7 @@
 // is decoded once for the MR rows); a tree reduction in workgroup memory then adds the TPR
 // partial sums of each (feature, row).
 //
-// Template parameters, substituted by backends/webgpu_quant.py before compiling: {{ROWS}},
+// Template parameters, substituted by backends/webgpu/quant.py before compiling: {{ROWS}},
 // {{TPR}} (a power of two), {{MR}} (rows of X per workgroup), {{QTYPE}} (qblocks.wgsl) and
 // {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out lies in an input's
 // buffer (at other elements: WebGPU forbids one buffer bound read-only and writable in one

@@ -2,7 +2,7 @@
 // out[m, n] = sum_k X[m, k] * W[n, k] (+ bias[n]), W's tiles dequantized into workgroup memory.
 //
 // X is [M, K] float32 row-major, W the [N, K] weight's block storage (qblocks.wgsl, which
-// backends/webgpu_quant.py puts in front of this text: `unit`, `group`), out [M, N] float32.
+// backends/webgpu/quant.py puts in front of this text: `unit`, `group`), out [M, N] float32.
 // K is a multiple of the format's block (32 or 256 weights), so K steps are 32 deep: one unit
 // of each of the tile's TN rows of W.
 //
@@ -12,7 +12,7 @@
 // (TM / RM) x (TN / RN) threads accumulates an RM x RN block of the tile in registers, in f32:
 // thread (ty, tx) owns rows ty + i * TY and columns tx + j * TX.
 //
-// Template parameters, substituted by backends/webgpu_quant.py before compiling: {{TILE_M}},
+// Template parameters, substituted by backends/webgpu/quant.py before compiling: {{TILE_M}},
 // {{TILE_N}}, {{REG_M}}, {{REG_N}} (TILE_M % REG_M == 0, TILE_N % REG_N == 0), {{QTYPE}}
 // (qblocks.wgsl) and {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out
 // lies in an input's buffer (at other elements: WebGPU forbids one buffer bound read-only and

@@ -11,7 +11,7 @@
 // One thread per (t, h, i) pair (n = T * H * Dh/2 of them): it reads both halves, then
 // writes both.
 //
-// Template parameters, substituted by backends/webgpu_ops.py before compiling:
+// Template parameters, substituted by backends/webgpu/ops.py before compiling:
 // {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out lies in an input's
 // buffer (WebGPU forbids one buffer bound read-only and writable in one dispatch).
 //

@@ -8,7 +8,7 @@
 //
 // One thread per element of out (n of them).
 //
-// Template parameters, substituted by backends/webgpu_ops.py before compiling:
+// Template parameters, substituted by backends/webgpu/ops.py before compiling:
 // {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out lies in an input's
 // buffer (WebGPU forbids one buffer bound read-only and writable in one dispatch).
 //

@@ -8,8 +8,8 @@ runtime/threadblock_kernels.py).
 """
 from __future__ import annotations
 
-from ..codegen.threadblock_triton import triton_supported
-from ..runtime.threadblock_kernels import compile_threadblock_triton
+from ...codegen.threadblock_triton import triton_supported
+from ...runtime.threadblock_kernels import compile_threadblock_triton
 
 
 def customized_ok(node, graph) -> bool:

@@ -24,12 +24,12 @@ import functools
 import os
 from typing import Callable
 
-from ..dtypes import DType
-from ..transforms.parallel import linear_stack_parts
-from .strided_views import contiguous_strides, copies, mid_view, reduced_dims
-from .base import (Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk, bind_conv2d_stack_parts,
+from ...dtypes import DType
+from ...transforms.parallel import linear_stack_parts
+from ..strided_views import contiguous_strides, copies, mid_view, reduced_dims
+from ..base import (Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk, bind_conv2d_stack_parts,
                    bind_linear_stack_parts)
-from .triton_threadblock import bind_customized, customized_ok
+from .threadblock import bind_customized, customized_ok
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,7 +45,7 @@ def triton_missing_reason() -> str | None:
 def _lib():
     """The Triton library kernels (imported on first bind: importing decorates the kernels,
     which reads TRITON_INTERPRET)."""
-    from ..kernels import triton as lib
+    from ...kernels import triton as lib
     return lib
 
 
@@ -260,8 +260,8 @@ def _conv2d(node, graph, args, out, status):
     """conv2d with its epilogue (kernels/triton/conv.py): the implicit GEMM, or the direct
     depthwise kernel; a folded BatchNorm runs as the epilogue's per-channel scale and shift,
     computed from the statistics when they change (``BatchNormFold``)."""
-    from ..ir.conv import conv_inputs
-    from .triton_providers import BatchNormFold
+    from ...ir.conv import conv_inputs
+    from .providers import BatchNormFold
     a = node.attrs
     c = conv_inputs(list(args), a)
     fn, bn = _lib().conv2d, BatchNormFold.of(c, a)
@@ -303,7 +303,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "attention_varlen": (_float_first, _attention_varlen),  # kernels/triton/attention_varlen.py
     "argmax": (_float_first, _argmax),
     "linear_w8a8": (_linear_w8a8_ok, _linear_w8a8),
-    "customized": (customized_ok, bind_customized),  # threadblock graphs (triton_threadblock.py)
+    "customized": (customized_ok, bind_customized),  # threadblock graphs (threadblock.py)
     **{op: (_float_first, _reduce_mid) for op in ("reduction", "sum", "mean", "amax", "amin", "var")},
     "softmax": (_float_first, _softmax_mid),
     "cumsum": (_always, _cumsum),
@@ -336,34 +336,34 @@ class TritonBackend(BackendImpl):
 
     def compile(self, kernels: list) -> list[Kernel]:
         """Fused kernels as Triton (codegen/triton.py), compiled by Triton's JIT on first launch."""
-        from ..runtime.triton_kernels import compile_triton
+        from ...runtime.triton_kernels import compile_triton
         return compile_triton(kernels)
 
-    #: choose between the Triton kernel and torch's own op by measurement (triton_providers.py);
+    #: choose between the Triton kernel and torch's own op by measurement (providers.py);
     #: off for the interpreter, which exists to test the Triton kernels
     measures_vendor = True
 
     def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
         """The Triton library kernel for ``node`` (yirage/kernels/triton), or for ``linear``,
         ``matmul``, ``conv2d``, ``sdpa`` and the layout ops the faster of it and torch's op
-        (cuBLAS, cuDNN, ...) for the shape class, measured (``triton_providers``)."""
+        (cuBLAS, cuDNN, ...) for the shape class, measured (``providers``)."""
         bind = OPS[node.op][1]
         if not self.measures_vendor:
             return bind(node, graph, args, out, status)
-        from . import triton_providers
+        from . import providers
         if node.op == "linear_stack":   # each part chooses as the linear it stands for
             def bind_part(n, g, a, o, s):
-                return triton_providers.bind(n, g, a, o, s, _linear, self.synchronize)
+                return providers.bind(n, g, a, o, s, _linear, self.synchronize)
             return bind_linear_stack_parts(node, graph, args, out, status, bind_part)
         if node.op == "conv2d_stack":   # each part chooses as the conv2d it stands for
             def bind_conv(n, g, a, o, s):
-                return triton_providers.bind(n, g, a, o, s, _conv2d, self.synchronize)
+                return providers.bind(n, g, a, o, s, _conv2d, self.synchronize)
             return bind_conv2d_stack_parts(node, graph, args, out, status, bind_conv)
-        return triton_providers.bind(node, graph, args, out, status, bind, self.synchronize)
+        return providers.bind(node, graph, args, out, status, bind, self.synchronize)
 
     def bind_customized_group(self, nodes, graph, args, outs):
-        """All outputs of one block graph as one Triton kernel (triton_threadblock.py)."""
-        from .triton_threadblock import bind_customized_group
+        """All outputs of one block graph as one Triton kernel (threadblock.py)."""
+        from .threadblock import bind_customized_group
         return bind_customized_group(nodes, graph, args, outs)
 
 
@@ -393,7 +393,7 @@ class TritonInterpreterBackend(TritonBackend):
         return None
 
     def _device_info(self) -> BackendInfo:
-        from .cpu import cpu_model_name, usable_cpu_count, system_memory
+        from ..cpu import cpu_model_name, usable_cpu_count, system_memory
         import triton
         return BackendInfo(
             name=self.name, available=True, device_name=f"Triton interpreter on {cpu_model_name()}",
@@ -402,5 +402,5 @@ class TritonInterpreterBackend(TritonBackend):
         )
 
     def _device_memory_info(self) -> MemoryInfo:
-        from .cpu import system_memory
+        from ..cpu import system_memory
         return system_memory()

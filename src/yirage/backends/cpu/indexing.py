@@ -12,8 +12,8 @@ import ctypes
 import functools
 from typing import Callable
 
-from ..runtime.toolchain import load_kernel_library
-from .strided_views import contiguous_strides
+from ...runtime.toolchain import load_kernel_library
+from ..strided_views import contiguous_strides
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

@@ -1,15 +1,15 @@
 """The CPU backend's library ops: GEMM/GEMV, embedding, RoPE, attention and argmax, and the
 encoder ops of the embedding engine (attention_bidir: torch's fused scaled_dot_product_attention;
-attention_varlen: cpu_embed.py). Linear layers with float32 activations and float32, bfloat16 or
+attention_varlen: embed.py). Linear layers with float32 activations and float32, bfloat16 or
 int8 (``linear_w8a8``) weights run on the provider chosen by measurement for their shape class
-(cpu_providers.py: yirage's packed GEMMs, MKL, oneDNN).
+(providers.py: yirage's packed GEMMs, MKL, oneDNN).
 
 Quantized linear layers, embeddings, RoPE, attention (and their batched-step forms rope_rows
 and attention_rows) and argmax call the hand-written C++
 of the CPU library, ``yirage/kernels/cpu/library.cpp`` and its other translation units
 (``library_core.h``: q4_1/q8_0; the other GGML block formats of ``GGML_FORMATS`` in
 ``ggml_quants.h``, read in place the same way; built once by runtime/toolchain.py, bound through
-ctypes with the ``SIGNATURES`` below); ``matmul`` uses torch (BLAS). ``supports`` says
+ctypes with the ``SIGNATURES`` of native.py); ``matmul`` uses torch (BLAS). ``supports`` says
 which (op, dtype) cases have a kernel here; the executor runs every other case as the op's
 torch reference. Binders run once per plan and return a thunk; they never allocate per
 call (outputs are given).
@@ -18,170 +18,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 import struct
 from typing import Callable
 
 import torch
 
-from ..dtypes import DType
-from ..ir.ops import PLAIN_TYPES, ROW_GROUP, ROW_GROUP_TYPES, linear_nk
-from ..runtime.task_graph import TaskOp, split_range, task_op
-from ..runtime.toolchain import load_kernel_library
-from ..tuning import profile as tuning
-from . import cpu_conv, cpu_embed, cpu_indexing, cpu_providers, cpu_strided
-from .base import bind_linear_stack_parts
-from .cpu_threadblock import bind_customized, customized_ok
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_F = ctypes.c_float
-
-#: GGML block formats of ggml_quants.h, each with the q4_1 entry points (yr_linear_T,
-#: yr_embedding_T, yr_task_linear_T) plus yr_task_embedding_T and yr_dequant_T.
-GGML_FORMATS = ("q4_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
-
-#: the row-group layouts of kernels/cpu/row_groups.h (ir.ops.ROW_GROUP_TYPES)
-ROW_GROUP_FORMATS = ("q4_1r16", "q8_0r16")
-
-#: name -> ctypes argtypes of every entry point of the CPU library (library.cpp,
-#: library_quants.cpp, library_encoder.cpp; restype is always None).
-SIGNATURES: dict[str, tuple] = {
-    "yr_linear_q4_1": (_P, _P, _P, _P, _I, _I, _I),    # x, w, bias|None, y, M, N, K
-    "yr_linear_q8_0": (_P, _P, _P, _P, _I, _I, _I),
-    "yr_linear_f32": (_P, _P, _P, _P, _I, _I, _I),
-    "yr_linear_q4_1_q8": (_P, _P, _P, _P, _I, _I, _I),   # the same, x quantized to int8 (compute_dtype='int8')
-    # q4_1 / q8_0 rows in groups of 16 (row_groups.h)
-    **{f"yr_linear_{t}{q}": (_P, _P, _P, _P, _I, _I, _I) for t in ROW_GROUP_FORMATS for q in ("", "_q8")},
-    **{f"yr_dequant_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},   # src, dst floats, nblocks, blocks per row
-    **{f"yr_repack_{t}": (_P, _P, _I, _I) for t in ROW_GROUP_FORMATS},    # plain src, dst, N, blocks per row
-    "yr_embedding_q8_0r16": (_P, _P, _P, _I, _I, _I, _P),
-    "yr_simd_bits": (_P,),   # out int64 [1]: 512, 256, 128 (NEON) or 0, the widest SIMD path compiled in
-    "yr_row_groups_native": (_P,),   # out int64 [1]: 1 where row_groups.h has its AVX-512 VNNI kernels
-    "yr_linear_q8_0_q8": (_P, _P, _P, _P, _I, _I, _I),
-    "yr_embedding_q8_0": (_P, _P, _P, _I, _I, _I, _P),  # ids, table, out, T, D, V, status
-    "yr_embedding_q4_1": (_P, _P, _P, _I, _I, _I, _P),
-    "yr_embedding_f32": (_P, _P, _P, _I, _I, _I, _P),
-    **{f"yr_linear_{t}": (_P, _P, _P, _P, _I, _I, _I) for t in GGML_FORMATS},
-    **{f"yr_embedding_{t}": (_P, _P, _P, _I, _I, _I, _P) for t in GGML_FORMATS},
-    **{f"yr_dequant_{t}": (_P, _P, _I) for t in ("q4_1", "q8_0", *GGML_FORMATS)},  # src blocks, dst floats, nblocks
-    # x, cos, sin, start_pos, out, T, H, Dh, S (table rows), status
-    "yr_rope": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
-    # q, k, v, k_cache, v_cache, start_pos, out, T, Hq, Hkv, Dh, max_seq, scale, status
-    "yr_attention": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P),
-    # the same with the sliding window (0: full causal; W >= 1: keys p - W < j <= p) before status
-    "yr_attention_window": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
-    # the same over float16 caches (a float16 KV cache; q, k, v, out float32)
-    "yr_attention_window_f16kv": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P),
-    # x, cos, sin, positions [T], out, T, H, Dh, S (table rows), status
-    "yr_rope_rows": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _P),
-    # x, cos, sin, out, geometry {n0, n1, n2, D, strides of x, cos, sin, out}, its length, dtype code,
-    # x/cos/sin/out lengths, status
-    "yr_rotary_emb": (_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P),
-    "yr_linear_task_rows": (_P,),   # out int64 [2]: the most rows of the q4_1/q8_0 and other linear tasks
-    "yr_quantized_rows_bytes": (_I, _I, _P),   # M, K, out int64 [1]: yr_task_quantize_rows_q8's buffer
-    # q, k, v, k_cache, v_cache, slots, positions, out, T, Hq, Hkv, Dh, num_slots, max_seq, scale, window, status
-    "yr_attention_rows": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
-    "yr_attention_rows_f16kv": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _P),
-    "yr_argmax": (_P, _P, _I, _I),                      # x, out, R, D
-    "yr_rows_parallel": (_P, _P, _I, _I, _I, _I, _P),   # row task fn, its args, lo, hi, rows, min_rows, status
-    # embedding encoder (kernels/cpu/embed_kernels.h); the trailing _I are buffer lengths, then status
-    "yr_set_prefetch_level": (_I,),                     # 0: prefetch to L1, 1: to L2 (prefetch_level)
-    "yr_emb_pack_f32": (_P, _P, _I, _I, _I, _P),       # w [N, K], P, N, K, p_len, status
-    # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
-    "yr_emb_gemm_f32": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
-    # x, P, bias, y [planes, M, Np], M, planes, Np, K, x/p/y lengths, status
-    "yr_emb_gemm_f32_planes": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P),
-    # x, P, bias, y, M, K, parts, widths [parts], x/p/y lengths, row epilogue fn (or NULL) and its args, status
-    "yr_emb_gemm_f32_parts": (_P, _P, _P, _P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P),
-    "yr_emb_pack_bf16": (_P, _P, _I, _I, _I, _P),      # w [N, K] bf16 bits, P, N, K, p_len, status
-    # x, P, bias, y, M, N, K, x/p/y lengths, row epilogue fn (or NULL) and its args, status
-    "yr_emb_gemm_bf16": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P),
-    "yr_emb_pack_s8": (_P, _P, _P, _I, _I, _I, _I, _I, _P),  # wt [K, N], P, comp, K, N, group, p/comp_len
-    # x, qbuf, sbuf, P, comp, ws, bias, y, M, N, K, group, x/q/s/p/comp/y lengths, epilogue fn, args, status
-    "yr_emb_linear_w8a8": (_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P),
-    # x, P, bias, y, geometry {N, H, W, C, O, Ho, Wo, kh, kw, sh, sw, ph, pw, dh, dw, mc, kc}, x/p/y lengths,
-    # row epilogue fn (or NULL) and its args, status (kernels/cpu/conv_gemm.h)
-    "yr_conv_igemm_f32": (_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P),
-    # q, k, v, mask|NULL, out, geometry {B, Hq, Hkv, Tq, Tk, Dh, causal, mask strides b/h/i, then the
-    # b/h/t strides of q, k, v, out}, its length, scale, q/kv/mask/out lengths, status
-    "yr_sdpa_f32": (_P, _P, _P, _P, _P, _P, _I, _F, _I, _I, _I, _I, _P),
-    # qkv, offsets, out, T, B, H, Dh, scale, qkv_len, out_len, status
-    "yr_emb_attention_varlen": (_P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P),
-}
-#: task entry points (address taken, called by the persistent kernel scheduler only)
-TASK_SYMBOLS = ("yr_task_linear_q4_1", "yr_task_linear_q8_0", "yr_task_linear_q4_1_q8", "yr_task_linear_q8_0_q8",
-                *(f"yr_task_linear_{t}{q}" for t in ROW_GROUP_FORMATS for q in ("", "_q8")),
-                "yr_task_embedding_q8_0r16", "yr_task_quantize_rows_q8",
-                "yr_task_linear_f32", "yr_task_embedding",
-                "yr_task_rope", "yr_task_rope_rows", "yr_task_attention_rows_append", "yr_task_attention_rows",
-                "yr_task_attention_append", "yr_task_attention_partial",
-                *(f"yr_task_attention_{t}_f16kv" for t in ("rows_append", "rows", "append", "partial")),
-                "yr_task_attention_combine", "yr_task_argmax_partial", "yr_task_argmax_reduce",
-                *(f"yr_task_{op}_{t}" for op in ("linear", "embedding") for t in GGML_FORMATS))
-
-
-def bind_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set argtypes/restype of every function of ``SIGNATURES`` on ``lib``; return ``lib``."""
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = list(argtypes)
-        fn.restype = None
-    return lib
-
-
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL:
-    """The C++ kernel library, built on first use (cached on disk), with signatures set and the
-    machine's prefetch level applied (``prefetch_level``).
-
-    Raises:
-        ToolchainError: no C++ compiler, or it rejected the source.
-    """
-    lib = bind_signatures(load_kernel_library("library", symbols=tuple(SIGNATURES) + TASK_SYMBOLS))
-    lib.yr_set_prefetch_level(prefetch_level(lib))
-    return lib
-
-
-#: weight bytes the prefetch measurement streams through: more than a server's last-level
-#: cache holds, so every sweep reads them from DRAM as a decode step does
-PREFETCH_SWEEP_BYTES = 128 << 20
-#: levels of yr_set_prefetch_level by candidate name
-PREFETCH_LEVELS = {"l1": 0, "l2": 1}
-
-
-def prefetch_level(lib: ctypes.CDLL) -> int:
-    """Where this machine's kernels should prefetch the weights and caches they stream (0: L1,
-    ``prefetcht0``; 1: L2, ``prefetcht2``), by measurement (``tuning.choose``, once per
-    machine, cached in its profile; L1 with ``YIRAGE_TUNE=off``): q4_1 GEMVs of SmolLM2's MLP
-    shape (1 x 576 -> 1536) over ``PREFETCH_SWEEP_BYTES`` of weights, as a decode step reads
-    them, with each level. On the Zen 4 EPYC of the README, L2 decoded 1.4x faster: with L1,
-    the core stalls on the prefetch instructions once L1's miss buffers are full. Only x86-64
-    builds have the L2 variant (library_core.h ``prefetch_bytes``); elsewhere: 0, unmeasured."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return 0
-    rows, K = 1536, 576
-    per = rows * (K // 32) * 20   # q4_1: 20 bytes per block of 32
-    count = max(2, PREFETCH_SWEEP_BYTES // per)
-    shared = {}
-
-    def factory(level: int):
-        def make():
-            if not shared:   # one buffer for both candidates; 0x11 bytes: finite fp16 scales
-                shared.update(w=torch.full((count * per,), 0x11, dtype=torch.uint8), x=torch.randn(1, K),
-                              y=torch.empty(1, rows))
-            w, x, y = shared["w"].data_ptr(), shared["x"].data_ptr(), shared["y"].data_ptr()
-
-            def run():
-                lib.yr_set_prefetch_level(level)
-                for i in range(count):
-                    lib.yr_linear_q4_1(x, w + i * per, None, y, 1, rows, K)
-            run.samples = shared
-            return run
-        return make
-    key = tuning.shape_class("gemv_prefetch", "q4_1/dram", 1, rows, K, torch.get_num_threads())
-    choice = tuning.choose(key, {name: factory(level) for name, level in PREFETCH_LEVELS.items()}, "l1")
-    return PREFETCH_LEVELS[choice.provider]
+from ...dtypes import DType
+from ...ir.ops import PLAIN_TYPES, ROW_GROUP, ROW_GROUP_TYPES, linear_nk
+from ...runtime.task_graph import TaskOp, split_range, task_op
+from ...tuning import profile as tuning
+from ..base import bind_linear_stack_parts
+from . import conv, embed, indexing, native, providers, strided
+from .native import GGML_FORMATS, library
+from .threadblock import bind_customized, customized_ok
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -226,8 +75,8 @@ def _linear(node, graph, args, out, status):
         return lambda: fn(xp, wp, bp, op, M, N, K)
     quant = (wt.dtype.value, N, K) if wt.dtype.is_quantized else None
     # float32 x: the provider chosen by measurement (float32, bfloat16 or GGUF-block weights)
-    thunk = cpu_providers.bind_linear("linear", args, out, quant=quant,
-                                      compute_dtype=node.attrs.get("compute_dtype"), layout=layout)
+    thunk = providers.bind_linear("linear", args, out, quant=quant,
+                                  compute_dtype=node.attrs.get("compute_dtype"), layout=layout)
     if thunk is not None:
         return thunk
     x2, o2, w_t = x.view(M, K), out.view(M, N), (w if layout == "kn" else w.t())
@@ -238,7 +87,7 @@ def _linear(node, graph, args, out, status):
 
 def _linear_stack(node, graph, args, out, status):
     """``linear_stack``: one packed float32 GEMM over the stacked weights, each output plane
-    written in place (cpu_embed.bind_linear_stack_f32), when x is float32, the weights and
+    written in place (embed.bind_linear_stack_f32), when x is float32, the weights and
     biases are constant (declared by the caller: torch.compile's frozen parameters) and the
     out features a multiple of 32; otherwise each part as the ``linear`` it stands for, into
     its plane."""
@@ -246,16 +95,10 @@ def _linear_stack(node, graph, args, out, status):
     layout = node.attrs.get("weight_layout", "nk")
     x, weights, biases = args[0], list(args[1:1 + k]), (list(args[1 + k:]) if has_bias else None)
     N, K = linear_nk(graph.tensors[node.inputs[1]].shape, node.attrs)
-    if (x.dtype == torch.float32 and N % cpu_embed._PANEL == 0
-            and all(cpu_embed.is_constant(t) for t in weights + (biases or []))):
-        return cpu_embed.bind_linear_stack_f32(x.view(-1, K), weights, biases, out, layout)
+    if (x.dtype == torch.float32 and N % embed._PANEL == 0
+            and all(embed.is_constant(t) for t in weights + (biases or []))):
+        return embed.bind_linear_stack_f32(x.view(-1, K), weights, biases, out, layout)
     return bind_linear_stack_parts(node, graph, args, out, status, _linear)
-
-
-#: the largest stacked weight (bytes) merge_linears measures: the measurement allocates sample
-#: weights of the case's shapes (and packs them twice), and GEMMs this large are compute-bound,
-#: where one wider GEMM gained nothing here (q/k/v at M = 1024: within 4%)
-MERGE_MAX_WEIGHT_BYTES = 64 << 20
 
 
 def merge_linears(case) -> bool:
@@ -264,9 +107,9 @@ def merge_linears(case) -> bool:
     profile): the k linears, each on the provider chosen for it, against the stacked packed
     GEMM, on random constant weights of the case's shapes. Only float32 cases whose out
     features are a multiple of 32 (the stacked kernel's planes) and whose weights take at most
-    ``MERGE_MAX_WEIGHT_BYTES`` are measured; others: False."""
-    if (case.dtype != "float32" or case.N % cpu_embed._PANEL or case.M == 0
-            or case.parts * case.N * case.K * 4 > MERGE_MAX_WEIGHT_BYTES):
+    ``embed.MERGE_MAX_WEIGHT_BYTES`` are measured; others: False."""
+    if (case.dtype != "float32" or case.N % embed._PANEL or case.M == 0
+            or case.parts * case.N * case.K * 4 > embed.MERGE_MAX_WEIGHT_BYTES):
         return False
     kn = case.layout == "kn"
     what = f"float32/{case.layout}/x{case.parts}" + ("/bias" if case.bias else "")
@@ -277,7 +120,7 @@ def merge_linears(case) -> bool:
         ws = [torch.randn((case.K, case.N) if kn else (case.N, case.K)) / case.K ** 0.5 for _ in range(case.parts)]
         bs = [torch.randn(case.N) for _ in range(case.parts)] if case.bias else None
         for t in ws + (bs or []):
-            cpu_embed.mark_constant(t)
+            embed.mark_constant(t)
         return x, ws, bs, torch.empty(case.parts, case.M, case.N)
 
     def separate():
@@ -285,7 +128,7 @@ def merge_linears(case) -> bool:
         runs = []
         for i, w in enumerate(ws):
             args = [x, w] + ([bs[i]] if bs else [])
-            run = cpu_providers.bind_linear("linear", args, out[i], layout=case.layout)
+            run = providers.bind_linear("linear", args, out[i], layout=case.layout)
             if run is None:
                 raise RuntimeError("no packed provider for this linear")
             runs.append(run)
@@ -298,7 +141,7 @@ def merge_linears(case) -> bool:
 
     def stacked():
         x, ws, bs, out = sample()
-        run = cpu_embed.bind_linear_stack_f32(x, ws, bs, out, case.layout)
+        run = embed.bind_linear_stack_f32(x, ws, bs, out, case.layout)
         run.samples = (x, ws, bs, out)
         return run
     return tuning.choose(key, {"separate": separate, "stacked": stacked}, "separate").provider == "stacked"
@@ -307,7 +150,7 @@ def merge_linears(case) -> bool:
 def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
     """A float32-activation ``linear`` (float32 or bfloat16 weight) or ``linear_w8a8`` on its
     chosen provider with ``kernel`` (a CppKernel: its task entry runs rows lo..hi-1, bound to
-    ``kernel_args``) as the GEMM's row epilogue (cpu_providers.py); None for anything else."""
+    ``kernel_args``) as the GEMM's row epilogue (providers.py); None for anything else."""
     task_fn = getattr(kernel, "task_fn", None)
     if task_fn is None or node.op not in ("linear", "linear_w8a8"):
         return None
@@ -315,18 +158,18 @@ def bind_with_epilogue(node, graph, args, out, kernel, kernel_args):
         return None
     words = kernel.arg_words(kernel_args)
     ptrs = (ctypes.c_int64 * len(words))(*words)
-    run = cpu_providers.bind_linear(node.op, args, out, int(node.attrs.get("group_size", 0)),
-                                    (task_fn, ctypes.addressof(ptrs)),
-                                    compute_dtype=node.attrs.get("compute_dtype"),
-                                    layout=node.attrs.get("weight_layout", "nk"))
+    run = providers.bind_linear(node.op, args, out, int(node.attrs.get("group_size", 0)),
+                                (task_fn, ctypes.addressof(ptrs)),
+                                compute_dtype=node.attrs.get("compute_dtype"),
+                                layout=node.attrs.get("weight_layout", "nk"))
     if run is not None:
         run.epilogue_args = ptrs  # the pointer array lives as long as the thunk
     return run
 
 
 def _linear_w8a8(node, graph, args, out, status):
-    """``linear_w8a8`` on the provider chosen for its shape class (cpu_providers.py)."""
-    return cpu_providers.bind_linear("linear_w8a8", args, out, int(node.attrs.get("group_size", 0)))
+    """``linear_w8a8`` on the provider chosen for its shape class (providers.py)."""
+    return providers.bind_linear("linear_w8a8", args, out, int(node.attrs.get("group_size", 0)))
 
 
 def _matmul(node, graph, args, out, status):
@@ -402,7 +245,7 @@ def _rotary_emb(node, graph, args, out, status):
     def run():
         fn(*p)
         if st[0]:
-            cpu_embed._raise_status(st, "rotary_emb")
+            native._raise_status(st, "rotary_emb")
     run.keep = (geo, st)
     return run
 
@@ -470,7 +313,7 @@ def _sdpa_yirage(q, k, v, mask, out, causal: bool, scale):
     def run():
         fn(*p)
         if st[0]:
-            cpu_embed._raise_status(st, "sdpa (yirage kernel)")
+            native._raise_status(st, "sdpa (yirage kernel)")
     run.keep = (geo, st, q, k, v, mask, out)   # the kernel reads them through raw pointers
     return run
 
@@ -559,14 +402,14 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rotary_emb": (_always, _rotary_emb),   # float32, bfloat16, float16 (the op's rule)
     "attention_rows": (_float32_first, _attention_rows),
     "argmax": (_float32_first, _argmax),
-    "customized": (customized_ok, bind_customized),  # threadblock graphs (cpu_threadblock.py)
+    "customized": (customized_ok, bind_customized),  # threadblock graphs (threadblock.py)
     "attention_bidir": (_float32_first, _attention_bidir),
     "sdpa": (_always, _sdpa),
-    "attention_varlen": (_float32_first, cpu_embed.bind_attention_varlen),  # kernels/cpu/embed_kernels.h
+    "attention_varlen": (_float32_first, embed.bind_attention_varlen),  # kernels/cpu/embed_kernels.h
     "linear_w8a8": (_float32_first, _linear_w8a8),
-    **cpu_strided.OPS,  # reductions and softmax over a non-last dim (kernels/cpu/strided.cpp)
-    **cpu_conv.OPS,     # conv2d (oneDNN), pooling and batch_norm (kernels/cpu/conv.cpp)
-    **cpu_indexing.OPS,  # index_select, gather (kernels/cpu/indexing.cpp)
+    **strided.OPS,  # reductions and softmax over a non-last dim (kernels/cpu/strided.cpp)
+    **conv.OPS,     # conv2d (oneDNN), pooling and batch_norm (kernels/cpu/conv.cpp)
+    **indexing.OPS,  # index_select, gather (kernels/cpu/indexing.cpp)
 }
 
 
@@ -647,11 +490,11 @@ def _linear_task(node, graph, args, out, status, num_workers):
         return None
     if compute is None and M > _task_linear_rows()[0 if wt.dtype in (DType.q4_1, DType.q8_0, *PLAIN_TYPES) else 1]:
         return None   # launched: its packed GEMM beats a GEMV per row
-    if compute is None and wt.dtype.is_quantized and M >= cpu_providers.VENDOR_QUANT_MIN_M:
+    if compute is None and wt.dtype.is_quantized and M >= providers.VENDOR_QUANT_MIN_M:
         # a vendor GEMM competes for this shape class: tasks only where yirage's kernel won
         # (the launch would run the same row tiles); else the launch with the measured winner
-        case = cpu_providers.case_of("linear", list(args), out, quant=(wt.dtype.value, N, K))
-        if case is None or cpu_providers.choose(case, list(args))[0].name != "yirage":
+        case = providers.case_of("linear", list(args), out, quant=(wt.dtype.value, N, K))
+        if case is None or providers.choose(case, list(args))[0].name != "yirage":
             return None
     tasks = min(4 * num_workers, max(1, w.numel() * w.element_size() // _TASK_BYTES))
     ranges = split_range(N, tasks, ROW_GROUP if wt.dtype in PLAIN_TYPES else _GEMV_ROWS)

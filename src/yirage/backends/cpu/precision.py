@@ -19,10 +19,10 @@ import warnings
 
 import torch
 
-from ..errors import EmulatedPrecisionWarning
-from ..runtime.machine import NATIVE_PRECISION_FLAGS, cpu_model_name, isa_cap, native_precision_flag
-from ..tuning import profile as tuning
-from . import cpu_embed, cpu_providers
+from ...errors import EmulatedPrecisionWarning
+from ...runtime.machine import NATIVE_PRECISION_FLAGS, cpu_model_name, isa_cap, native_precision_flag
+from ...tuning import profile as tuning
+from . import embed, providers
 
 #: the linear layer (M rows, N out, K in features) the precisions are compared on: a BERT-base
 #: attention projection over 128 tokens
@@ -44,17 +44,17 @@ def is_native(dtype: str) -> bool:
     return native_precision_flag(dtype) is not None
 
 
-def _probe_args(dtype: str) -> tuple[cpu_providers.Case, list[torch.Tensor]]:
+def _probe_args(dtype: str) -> tuple[providers.Case, list[torch.Tensor]]:
     M, N, K = PROBE_SHAPE
     if dtype == "int8":
         w = torch.randint(-127, 128, (K, N), dtype=torch.int8)
         args = [torch.empty(0), w, torch.rand(N) / 100, torch.randn(N)]
-        case = cpu_providers.Case("linear_w8a8", "int8", M, N, K, constant=True)
+        case = providers.Case("linear_w8a8", "int8", M, N, K, constant=True)
     else:
         w = (torch.randn(N, K) / K ** 0.5).to(getattr(torch, dtype))
         args = [torch.empty(0), w, torch.randn(N)]
-        case = cpu_providers.Case("linear", dtype, M, N, K, constant=True)
-    cpu_embed.mark_constant(args[1])
+        case = providers.Case("linear", dtype, M, N, K, constant=True)
+    embed.mark_constant(args[1])
     return case, args
 
 
@@ -62,11 +62,11 @@ def _fastest(dtype: str) -> tuple[str, float, str | None]:
     """(provider, median seconds, why the figure is noisy or None) of the fastest provider of
     ``dtype`` on ``PROBE_SHAPE``."""
     case, args = _probe_args(dtype)
-    comparison = cpu_providers.measure(case, args, PROBE_BUDGET_S)
+    comparison = providers.measure(case, args, PROBE_BUDGET_S)
     best = comparison.fastest()
-    for name, p in cpu_providers.candidates(case).items():   # drop the probe's packed copies
+    for name, p in providers.candidates(case).items():   # drop the probe's packed copies
         if p.packs:
-            cpu_embed.forget_packed(args[1], p.kind(case))
+            embed.forget_packed(args[1], p.kind(case))
     return best, comparison.median(best), tuning.busy_reason(comparison)
 
 

@@ -1,4 +1,4 @@
-"""The CUDA backend: NVIDIA GPUs through torch.cuda; kernels are Triton (backends/triton.py).
+"""The CUDA backend: NVIDIA GPUs through torch.cuda; kernels are Triton (backends/triton/backend.py).
 
 Available when ``torch.cuda.is_available()``, the torch build is CUDA
 (``torch.version.cuda`` set, ``torch.version.hip`` None) and triton imports. It describes
@@ -11,7 +11,7 @@ import torch
 
 from yirage.backends.base import Backend, BackendInfo, MemoryInfo, Thunk
 from yirage.dtypes import DType
-from yirage.backends.triton import TritonBackend, triton_missing_reason
+from yirage.backends.triton.backend import TritonBackend, triton_missing_reason
 
 
 class CUDABackend(TritonBackend):

@@ -40,11 +40,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..dtypes import DType
-from ..errors import YirageError
-from ..ir.ops import linear_nk
-from ..runtime import webgpu as wg
-from ..tuning import profile as tuning
+from ...dtypes import DType
+from ...errors import YirageError
+from ...ir.ops import linear_nk
+from ...runtime import webgpu as wg
+from ...tuning import profile as tuning
 
 Thunk = Callable[[], None]
 

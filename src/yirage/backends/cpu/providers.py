@@ -29,7 +29,7 @@ A bfloat16 weight with float32 activations means: x rounded to bfloat16, product
 float32, the sum rounded to bfloat16, then the float32 bias (``ir.ops`` ``linear``; what oneDNN's
 bfloat16 GEMM returns). Providers that keep a packed copy of the weight (``yirage`` float32 and
 bfloat16, ``onednn`` float32, ``onednn-packed``) are candidates only for weights declared constant
-(``cpu_embed.mark_constant``: the engines declare theirs); the rest read the weight as it is.
+(``embed.mark_constant``: the engines declare theirs); the rest read the weight as it is.
 Block-quantized weights are never kept twice: the vendor providers dequantize them at every call
 into one scratch buffer per thread (at most ``DEQUANT_SCRATCH_BYTES``; larger weights in row
 blocks), which costs K·N dequantized values per M·K·N multiply-adds and so only pays for prefill
@@ -57,13 +57,13 @@ from typing import Callable
 
 import torch
 
-from ..config import logger
-from ..dtypes import DType
-from ..ir.ops import PLAIN_TYPES, ROW_GROUP, quantize_rows_int8
-from ..runtime import timing
-from ..runtime.machine import Needs
-from ..tuning import profile as tuning
-from . import cpu_embed
+from ...config import logger
+from ...dtypes import DType
+from ...ir.ops import PLAIN_TYPES, ROW_GROUP, quantize_rows_int8
+from ...runtime import timing
+from ...runtime.machine import Needs
+from ...tuning import profile as tuning
+from . import embed, native
 
 #: output bytes per row block when a vendor GEMM runs a row epilogue (a block stays in L2)
 EPILOGUE_BLOCK_BYTES = 256 * 1024
@@ -112,7 +112,7 @@ Epilogue = tuple[int, int]          # (address of a row task entry, address of i
 # ---- providers -------------------------------------------------------------------------------
 class Provider:
     """One implementation of a linear case. ``packs``: keeps its own packed copy of the weight
-    under ``cpu_embed``'s cache kind ``kind(case)`` (constant weights only). ``needs``: what it
+    under ``embed``'s cache kind ``kind(case)`` (constant weights only). ``needs``: what it
     needs of this machine (``runtime.machine.Needs``); where that does not hold it is never a
     candidate (``candidates``; ``unavailable`` says why)."""
 
@@ -229,10 +229,10 @@ class OneDnnPacked(Provider):
         x2, o2 = args[0].view(case.M, case.K), out.view(case.M, case.N)
         bf16 = self.dtype != "float32"
         xb = torch.empty((case.M, case.K), dtype=torch.bfloat16) if bf16 else None
-        cpu_embed._cached(w, kind, reorder)   # reordered now, once
+        embed._cached(w, kind, reorder)   # reordered now, once
 
         def rows(lo, hi):
-            pw = cpu_embed._cached(w, kind, reorder)
+            pw = embed._cached(w, kind, reorder)
             if bf16:
                 xb[lo:hi].copy_(x2[lo:hi])
                 y = torch.ops.mkldnn._linear_pointwise(xb[lo:hi], pw, None, "none", [], "")
@@ -291,10 +291,10 @@ class YirageF32Fma(Provider):
         kind, (M, N, K) = self.kind(case), (case.M, case.N, case.K)
 
         def pack(t):   # from the [N, K] GEMM weight, rounded to bfloat16
-            return cpu_embed.pack_f32(gemm_weight(case, t).to(torch.bfloat16).float())
+            return embed.pack_f32(gemm_weight(case, t).to(torch.bfloat16).float())
         x2, o2 = args[0].view(M, K), out.view(M, N)
-        lib, st = cpu_embed._lib(), cpu_embed._status()
-        cpu_embed._cached(w, kind, pack)   # packed now, once
+        lib, st = native._lib(), native._status()
+        embed._cached(w, kind, pack)   # packed now, once
 
         def rows(lo, hi):   # x and the sums rounded in this thread's scratch (none kept per layer)
             m = hi - lo
@@ -303,11 +303,11 @@ class YirageF32Fma(Provider):
             xb, yb = b16[:m * K].view(m, K), b16[m * K:].view(m, N)
             xb.copy_(x2[lo:hi])
             xr.copy_(xb)
-            P, o = cpu_embed._cached(w, kind, pack), o2[lo:hi]
+            P, o = embed._cached(w, kind, pack), o2[lo:hi]
             lib.yr_emb_gemm_f32(xr.data_ptr(), P.data_ptr(), None, o.data_ptr(), m, N, K, xr.numel(), P.numel(),
                                 o.numel(), None, None, st.data_ptr())
             if st[0]:
-                cpu_embed._raise_status(st, "linear (bfloat16 on the float32 GEMM)")
+                native._raise_status(st, "linear (bfloat16 on the float32 GEMM)")
             yb.copy_(o)
             _to_f32(yb, bias, o)
         return rows
@@ -325,7 +325,7 @@ class YirageW8A8(Provider):
         return f"s8/{case.group}"
 
     def bind(self, case, args, out, epilogue):
-        return cpu_embed.bind_linear_w8a8_args(args, out, case.group, epilogue)
+        return embed.bind_linear_w8a8_args(args, out, case.group, epilogue)
 
 
 class OneDnnInt8(Provider):
@@ -374,9 +374,7 @@ class YirageQuant(Provider):
         return quant_format(case) is not None and "/" not in case.dtype
 
     def rows(self, case, args, out):
-        from .cpu_library import library
-
-        fn = getattr(library(), f"yr_linear_{case.dtype}")
+        fn = getattr(native.library(), f"yr_linear_{case.dtype}")
         x, w, bias, K, N = args[0], args[1], _bias(args, 2), case.K, case.N
         bias_ptr = None if bias is None else bias.data_ptr()
 
@@ -421,10 +419,8 @@ class VendorDequant(Provider):
                 and (self.bf16 or case.M >= VENDOR_QUANT_MIN_M))
 
     def rows(self, case, args, out):
-        from .cpu_library import library
-
         fmt = quant_format(case)
-        deq, qb = getattr(library(), f"yr_dequant_{fmt}"), DType(fmt).block[0]
+        deq, qb = getattr(native.library(), f"yr_dequant_{fmt}"), DType(fmt).block[0]
         M, N, K = case.M, case.N, case.K
         x2, o2, w, bias = args[0].view(M, K), out.view(M, N), args[1], _bias(args, 2)
         row_bytes = w.numel() * w.element_size() // N
@@ -459,10 +455,10 @@ class VendorDequant(Provider):
 
 
 PROVIDERS: list[Provider] = [
-    YiragePacked("float32", "f32", cpu_embed.bind_linear_f32_packed), MklF32(), OneDnnPacked("float32", "onednn"),
-    YiragePacked("bfloat16", "bf16", cpu_embed.bind_linear_bf16_packed), OneDnnBf16(),
+    YiragePacked("float32", "f32", embed.bind_linear_f32_packed), MklF32(), OneDnnPacked("float32", "onednn"),
+    YiragePacked("bfloat16", "bf16", embed.bind_linear_bf16_packed), OneDnnBf16(),
     OneDnnPacked("bfloat16", "onednn-packed"),
-    YiragePacked("float32/bfloat16", "bf16/f32", cpu_embed.bind_linear_bf16_packed),
+    YiragePacked("float32/bfloat16", "bf16/f32", embed.bind_linear_bf16_packed),
     OneDnnPacked("float32/bfloat16", "onednn-packed"), YirageF32Fma(), YirageW8A8(), OneDnnInt8(),
     YirageQuant(), VendorDequant("mkl", bf16=False), VendorDequant("onednn", bf16=True)]
 
@@ -490,10 +486,8 @@ def blocked(rows: Rows, case: Case, epilogue: Epilogue | None):
         def run():
             rows(0, M)
     else:
-        from .cpu_library import library
-
         fn, fn_args = epilogue
-        par, status = library().yr_rows_parallel, torch.zeros(4, dtype=torch.int64)
+        par, status = native.library().yr_rows_parallel, torch.zeros(4, dtype=torch.int64)
         # at least 2K rows per block: a vendor GEMM packs the weight (K x N values) at every
         # call, which must stay small next to the block's own work (GPT-2's 768 x 3072
         # projection + GELU at 1024 rows, MKL, Intel Xeon 6/207: 16-row blocks took 2.2x the
@@ -524,21 +518,21 @@ def case_of(op: str, args: list[torch.Tensor], out: torch.Tensor, group: int = 0
     if quant is not None:
         fmt, N, K = quant
         dtype = f"{fmt}/bfloat16" if compute_dtype == "bfloat16" else fmt
-        return Case(op, dtype, x.numel() // K, N, K, constant=cpu_embed.is_constant(w))
+        return Case(op, dtype, x.numel() // K, N, K, constant=embed.is_constant(w))
     if op == "linear_w8a8":
         K, N = w.shape
-        return Case(op, "int8", x.numel() // K, N, K, group, cpu_embed.is_constant(w))
+        return Case(op, "int8", x.numel() // K, N, K, group, embed.is_constant(w))
     if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
         return None
     if w.dtype == torch.float32 and (layout == "kn" or compute_dtype == "bfloat16"):
         K, N = w.shape if layout == "kn" else (w.shape[1], w.shape[0])
         return Case(op, "float32/bfloat16" if compute_dtype == "bfloat16" else "float32", x.numel() // K, N, K,
-                    constant=cpu_embed.is_constant(w), layout=layout)
+                    constant=embed.is_constant(w), layout=layout)
     if layout == "kn":
         return None
     N, K = w.shape
     return Case(op, "float32" if w.dtype == torch.float32 else "bfloat16", x.numel() // K, N, K,
-                constant=cpu_embed.is_constant(w))
+                constant=embed.is_constant(w))
 
 
 def candidates(case: Case) -> dict[str, Provider]:
@@ -594,11 +588,11 @@ def choose(case: Case, args: list[torch.Tensor]) -> tuple[Provider, tuning.Choic
     """The provider for ``case`` (see the module docstring) and how it was chosen."""
     cands = candidates(case)
     w = args[1]
-    packed_before = {n for n, p in cands.items() if p.packs and cpu_embed.has_packed(w, p.kind(case))}
+    packed_before = {n for n, p in cands.items() if p.packs and embed.has_packed(w, p.kind(case))}
     choice = tuning.choose(case.key(), _factories(case, args, cands), default_provider(case, cands))
     for n, p in cands.items():   # packed copies made only to be measured
         if p.packs and n != choice.provider and n not in packed_before:
-            cpu_embed.forget_packed(w, p.kind(case))
+            embed.forget_packed(w, p.kind(case))
     return cands[choice.provider], choice
 
 

@@ -14,9 +14,9 @@ import ctypes
 import functools
 from typing import Callable
 
-from ..dtypes import DType
-from ..runtime.toolchain import load_kernel_library
-from .strided_views import copies, mid_view, reduced_dims
+from ...dtypes import DType
+from ...runtime.toolchain import load_kernel_library
+from ..strided_views import copies, mid_view, reduced_dims
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

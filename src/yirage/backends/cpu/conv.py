@@ -22,12 +22,12 @@ from typing import Callable
 
 import torch
 
-from ..tuning import profile as tuning
-from ..dtypes import DType
-from ..ir.conv import ACTIVATIONS_INPLACE, ConvInputs, bn_scale_shift, conv_class, conv_inputs
-from ..runtime.machine import Needs
-from ..runtime.toolchain import load_kernel_library
-from . import cpu_embed
+from ...tuning import profile as tuning
+from ...dtypes import DType
+from ...ir.conv import ACTIVATIONS_INPLACE, ConvInputs, bn_scale_shift, conv_class, conv_inputs
+from ...runtime.machine import Needs
+from ...runtime.toolchain import load_kernel_library
+from . import embed, native
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -81,7 +81,7 @@ def _deps(c: ConvInputs) -> tuple:
 
 
 def _packed_kind(provider: str, c: ConvInputs, x) -> str:
-    """The packed-weight cache kind of ``provider`` (``cpu_embed._cached``): per input shape for
+    """The packed-weight cache kind of ``provider`` (``embed._cached``): per input shape for
     oneDNN's reorder, and per set of folded tensors, so a weight shared by two convolutions
     with different BatchNorms keeps one packed form for each instead of repacking at every call."""
     folded = "/".join(str(id(t)) for t in _deps(c))
@@ -156,19 +156,19 @@ def _conv_onednn(c: ConvInputs, x, y, r, attrs, copy: bool = False):
         wf, bf = _folded(c, attrs)
         wf = wf.contiguous(memory_format=torch.channels_last)
         return torch.ops.mkldnn._reorder_convolution_weight(wf, padding, stride, dilation, groups, list(x.shape)), bf
-    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and reordered now, once
+    embed._cached(c.weight, kind, pack, deps)   # folded and reordered now, once
     conv = torch.ops.mkldnn._convolution_pointwise_.binary
     if copy:
         plain, name = torch.ops.mkldnn._convolution_pointwise, _ONEDNN_UNARY[act]
         scalars = list(act_args) if act == "hardtanh" else []
 
         def run_copy():
-            wp, b = cpu_embed._cached(c.weight, kind, pack, deps)
+            wp, b = embed._cached(c.weight, kind, pack, deps)
             y.copy_(plain(x, wp, b, padding, stride, dilation, groups, name, scalars, ""))
         return run_copy
 
     def run():
-        wp, b = cpu_embed._cached(c.weight, kind, pack, deps)
+        wp, b = embed._cached(c.weight, kind, pack, deps)
         if r is None:
             y.zero_()
         else:
@@ -220,10 +220,10 @@ def _conv_gemm(c: ConvInputs, x, y, r, attrs):
 
     def pack(w):
         wf, bf = _folded(c, attrs)
-        return cpu_embed.pack_f32(wf.reshape(O, C).contiguous()), None if bf is None else bf.float().contiguous()
-    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and packed now, once
-    run = cpu_embed.bind_gemm_f32(x2, y2, lambda: cpu_embed._cached(c.weight, kind, pack, deps),
-                                  epilogue)
+        return embed.pack_f32(wf.reshape(O, C).contiguous()), None if bf is None else bf.float().contiguous()
+    embed._cached(c.weight, kind, pack, deps)   # folded and packed now, once
+    run = embed.bind_gemm_f32(x2, y2, lambda: embed._cached(c.weight, kind, pack, deps),
+                              epilogue)
     run.epilogue_args = keep   # the kernel reads them through raw pointers
     return run
 
@@ -255,16 +255,16 @@ def _conv_igemm(c: ConvInputs, x, y, r, attrs, mc: int = 192, kc: int = 384):
     def pack(w):
         wf, bf = _folded(c, attrs)
         wk = wf.float().permute(0, 2, 3, 1).reshape(O, kh * kw * C).contiguous()   # (ky, kx, c) order
-        return cpu_embed.pack_f32(wk), None if bf is None else bf.float().contiguous()
-    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and packed now, once
-    lib, st = cpu_embed._lib(), cpu_embed._status()
+        return embed.pack_f32(wk), None if bf is None else bf.float().contiguous()
+    embed._cached(c.weight, kind, pack, deps)   # folded and packed now, once
+    lib, st = native._lib(), native._status()
 
     def run():
-        P, b = cpu_embed._cached(c.weight, kind, pack, deps)
+        P, b = embed._cached(c.weight, kind, pack, deps)
         lib.yr_conv_igemm_f32(xb.data_ptr(), P.data_ptr(), None if b is None else b.data_ptr(), y2.data_ptr(),
                               geo.data_ptr(), xb.numel(), P.numel(), y2.numel(), epi_fn, epi_args, st.data_ptr())
         if st[0]:
-            cpu_embed._raise_status(st, "conv2d (implicit GEMM)")
+            native._raise_status(st, "conv2d (implicit GEMM)")
     run.epilogue_args = (keep, geo)   # the kernel reads them through raw pointers
     return run
 
@@ -282,7 +282,7 @@ def _conv_depthwise(c: ConvInputs, x, y, r, attrs):
     def pack(w):
         wf, bf = _folded(c, attrs)
         return wf.float().reshape(O, kh * kw).t().contiguous(), None if bf is None else bf.float().contiguous()
-    cpu_embed._cached(c.weight, kind, pack, deps)   # folded and transposed now, once
+    embed._cached(c.weight, kind, pack, deps)   # folded and transposed now, once
     fn = library().yr_depthwise_nhwc_f32
     xb, yb = x.permute(0, 2, 3, 1), y.permute(0, 2, 3, 1)   # the NHWC buffers
     rb = None if r is None else r.permute(0, 2, 3, 1)
@@ -290,7 +290,7 @@ def _conv_depthwise(c: ConvInputs, x, y, r, attrs):
                 _EPILOGUE_ACT[act], float(act_args[0]), float(act_args[1]))
 
     def run():
-        wt, b = cpu_embed._cached(c.weight, kind, pack, deps)
+        wt, b = embed._cached(c.weight, kind, pack, deps)
         fn(xb.data_ptr(), wt.data_ptr(), None if b is None else b.data_ptr(), None if rb is None else rb.data_ptr(),
            yb.data_ptr(), *geometry)
     return run
@@ -323,7 +323,7 @@ def _conv2d(node, graph, args, out, status):
         cands["aten-nchw"] = functools.partial(_conv_aten, via_nchw=True)
     weights = [t for t in (c.weight, c.bias, c.mean, c.var, c.bn_weight, c.bn_bias) if t is not None]
     if (nhwc and x.dtype in (torch.float32, torch.bfloat16) and ONEDNN_NEEDS[x.dtype].unmet() is None
-            and all(cpu_embed.is_constant(t) for t in weights)):
+            and all(embed.is_constant(t) for t in weights)):
         cands["onednn-packed"] = _conv_onednn
         if c.residual is None:
             cands["onednn-copy"] = functools.partial(_conv_onednn, copy=True)
@@ -355,7 +355,7 @@ def _conv2d(node, graph, args, out, status):
     choice = tuning.choose(key, {n: factory(b) for n, b in cands.items()}, default)
     for provider in ("onednn-packed", "yirage-gemm", "yirage-depthwise", "yirage-igemm"):
         if _packed_kind(provider, c, x) != _packed_kind(choice.provider, c, x):
-            cpu_embed.forget_packed(c.weight, _packed_kind(provider, c, x))   # measured, not chosen
+            embed.forget_packed(c.weight, _packed_kind(provider, c, x))   # measured, not chosen
     thunk = cands[choice.provider](c, x, y, r, a)
     thunk.provider = f"{choice.provider} ({choice.source})"
     return thunk
@@ -461,14 +461,14 @@ def _conv_stack_gemm(parts: list[tuple[dict, ConvInputs]], out: torch.Tensor):
         for a, c in parts:
             wf, bf = _folded(c, a)
             O = wf.shape[0]
-            Ps.append(cpu_embed.pack_f32(wf.float().reshape(O, C).contiguous()).view(-1))
-            b = torch.zeros(-(-O // cpu_embed._PANEL) * cpu_embed._PANEL)
+            Ps.append(embed.pack_f32(wf.float().reshape(O, C).contiguous()).view(-1))
+            b = torch.zeros(-(-O // embed._PANEL) * embed._PANEL)
             if bf is not None:
                 b[:O] = bf.float()
             biases.append(b)
         has_bias = any(a.get("bias") or a.get("bn") for a, _ in parts)
         return torch.cat(Ps), torch.cat(biases) if has_bias else None
-    cpu_embed._cached(first, kind, pack, deps)   # folded and packed now, once
+    embed._cached(first, kind, pack, deps)   # folded and packed now, once
     words, offset = [], 0
     for (a, _), O in zip(parts, widths):
         if a.get("activation"):
@@ -478,8 +478,8 @@ def _conv_stack_gemm(parts: list[tuple[dict, ConvInputs]], out: torch.Tensor):
     if words:
         ptrs = (ctypes.c_int64 * (1 + len(words)))(len(words) // 7, *words)
         epilogue = (ctypes.cast(library().yr_conv_epilogue_parts, ctypes.c_void_p).value, ctypes.addressof(ptrs))
-    run = cpu_embed.bind_gemm_f32_parts(x.view(M, C), out, widths,
-                                        lambda: cpu_embed._cached(first, kind, pack, deps), epilogue)
+    run = embed.bind_gemm_f32_parts(x.view(M, C), out, widths,
+                                    lambda: embed._cached(first, kind, pack, deps), epilogue)
     run.epilogue_args = ptrs   # the kernel reads them through a raw pointer
     return run
 
@@ -488,11 +488,11 @@ def _conv2d_stack(node, graph, args, out, status):
     """``conv2d_stack``: parallel float32 NHWC 1x1 convolutions as one GEMM (``_conv_stack_gemm``;
     transforms/parallel.py merged them because ``merge_convs`` measured it faster), any other
     stack as its ``conv2d`` parts, each on its own chosen provider, into its view of ``out``."""
-    from ..ir.conv import conv2d_stack_parts
+    from ...ir.conv import conv2d_stack_parts
     parts = [(a, conv_inputs(ins, a)) for a, ins in conv2d_stack_parts(list(args), node.attrs)]
     if _stack_gemm_ok(parts):
         return _conv_stack_gemm(parts, out)
-    from .base import bind_conv2d_stack_parts
+    from ..base import bind_conv2d_stack_parts
     return bind_conv2d_stack_parts(node, graph, args, out, status, _conv2d)
 
 
@@ -501,11 +501,10 @@ def stack_candidates(case) -> dict[str, Callable] | None:
     ``tuning.choose`` candidates on random constant weights of the case's shapes: "separate"
     (each convolution on the provider chosen for it) and "stacked" (the one GEMM,
     ``_conv_stack_gemm``); None for groups the GEMM does not take (``_stack_gemm_takes``:
-    float32 NHWC 1x1 stride 1) or whose weights exceed ``cpu_library.MERGE_MAX_WEIGHT_BYTES``."""
-    from ..ir.graph import OpNode
-    from .cpu_library import MERGE_MAX_WEIGHT_BYTES
+    float32 NHWC 1x1 stride 1) or whose weights exceed ``embed.MERGE_MAX_WEIGHT_BYTES``."""
+    from ...ir.graph import OpNode
     if (not _stack_gemm_takes(case.x_shape, case.dtype == "float32", list(zip(case.parts, case.weights)))
-            or math.prod(case.x_shape) == 0 or sum(math.prod(w) for w in case.weights) * 4 > MERGE_MAX_WEIGHT_BYTES):
+            or math.prod(case.x_shape) == 0 or sum(math.prod(w) for w in case.weights) * 4 > embed.MERGE_MAX_WEIGHT_BYTES):
         return None
 
     def sample():
@@ -519,7 +518,7 @@ def stack_candidates(case) -> dict[str, Callable] | None:
             if a.get("bn"):
                 ins += [torch.randn(O), torch.rand(O) + 0.5] + ([torch.randn(O), torch.randn(O)] if a["bn"]["affine"] else [])
             for t in ins[1:]:
-                cpu_embed.mark_constant(t)
+                embed.mark_constant(t)
             parts.append((a, conv_inputs(ins, a)))
             outs.append(torch.empty(*case.x_shape[:3], O))
         return parts, outs

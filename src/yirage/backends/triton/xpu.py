@@ -1,4 +1,4 @@
-"""The XPU backend: Intel GPUs through torch.xpu; kernels are Triton (backends/triton.py).
+"""The XPU backend: Intel GPUs through torch.xpu; kernels are Triton (backends/triton/backend.py).
 
 Available when this torch has a ``torch.xpu`` module, ``torch.xpu.is_available()`` and
 triton (Intel's XPU build of it) imports.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from yirage.backends.base import Backend, BackendInfo, MemoryInfo
-from yirage.backends.triton import TritonBackend, triton_missing_reason
+from yirage.backends.triton.backend import TritonBackend, triton_missing_reason
 
 
 class XPUBackend(TritonBackend):

@@ -1,9 +1,9 @@
 """Kernel choice on the GPU backends: yirage's Triton kernel or torch's own op, by measurement.
 
-The Triton backends have their own kernel for every library op (``backends/triton.py``). For
+The Triton backends have their own kernel for every library op (``backends/triton/backend.py``). For
 the GEMMs, convolutions, attention and layout copies the GPU's vendor libraries, reached
 through torch, are candidates too, and the faster of the two per shape class runs, as the CPU
-chooses among its providers (``cpu_providers.py``, ``cpu_conv.py``):
+chooses among its providers (``cpu/providers.py``, ``cpu/conv.py``):
 
 | op        | ``yirage`` (kernels/triton)                 | ``torch`` (the vendor library through torch)  |
 |-----------|---------------------------------------------|-----------------------------------------------|
@@ -37,10 +37,10 @@ from typing import Callable
 
 import torch
 
-from ..ir.conv import ACTIVATIONS_INPLACE, bn_scale_shift, conv_class, conv_inputs
-from ..ir.ops import OPS, linear_nk
-from ..tuning import profile as tuning
-from .strided_views import copies
+from ...ir.conv import ACTIVATIONS_INPLACE, bn_scale_shift, conv_class, conv_inputs
+from ...ir.ops import OPS, linear_nk
+from ...tuning import profile as tuning
+from ..strided_views import copies
 
 #: the layout ops (strided copies)
 LAYOUT_OPS = ("permute", "expand", "slice", "select", "cat", "pad")

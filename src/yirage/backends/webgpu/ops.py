@@ -36,7 +36,7 @@ one buffer as both read-only and writable storage in one dispatch, so when a wri
 (the ``{{IN_ACCESS}}`` placeholder); a written tensor overlapping an input's elements is refused
 (YirageError). Each dispatch binds at most 7 storage buffers (WebGPU's default limit is 8).
 
-This module may import the runtime, ir, dtypes and errors layers and webgpu_library (the
+This module may import the runtime, ir, dtypes and errors layers and library.py (the
 kernel sources); it must never import the front end (kernel, dynamo, engines, models) or
 another device's backend, and must never fall back to the host itself: a node it cannot run,
 ``supports`` refuses.
@@ -48,10 +48,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..dtypes import DType
-from ..errors import YirageError
-from ..runtime import webgpu as wg
-from .webgpu_library import render
+from ...dtypes import DType
+from ...errors import YirageError
+from ...runtime import webgpu as wg
+from .library import render
 
 Thunk = Callable[[], None]
 

@@ -9,9 +9,9 @@ reference (``ir.threadblock.run_threadblock``). Binders run once per plan.
 """
 from __future__ import annotations
 
-from ..codegen.threadblock_cpp import arena_floats
-from ..dtypes import DType
-from ..runtime.threadblock_kernels import bind_threadblock, compile_threadblock
+from ...codegen.threadblock_cpp import arena_floats
+from ...dtypes import DType
+from ...runtime.threadblock_kernels import bind_threadblock, compile_threadblock
 
 #: the most tile-buffer floats one thread may hold (64 MiB); larger block graphs fall back
 MAX_ARENA_FLOATS = 16 * 1024 * 1024

@@ -11,7 +11,7 @@ uploaded again only when written (their version or storage changes); intermediat
 leave the device.
 
 Fused row kernels compile to WGSL (codegen/wgsl.py, runtime/wgsl_kernels.py); float32 GEMMs and
-GEMVs (``linear``, ``matmul``) are WGSL library kernels (kernels/webgpu, backends/webgpu_library.py).
+GEMVs (``linear``, ``matmul``) are WGSL library kernels (kernels/webgpu, backends/webgpu/library.py).
 A library op without a WGSL kernel here runs as its torch reference on the host (its inputs downloaded, its
 output uploaded: correct, slow, logged once per op as on every backend), as does a fused kernel
 of a dtype WGSL cannot hold.
@@ -60,15 +60,14 @@ class _HostKernel:
 
 def _library_kernels() -> dict[str, list[tuple]]:
     """{op: [(supports, bind), ...]}: the WGSL library kernels, tried in order:
-    float32 ``linear``/``matmul`` (webgpu_library: tiled GEMM, GEMV) and the GGUF block-quantized
-    ``linear`` (webgpu_quant: q4_0, q4_1, q8_0, q4_K, q5_K, q6_K dequantized in registers), and
-    the conv nets' ops (webgpu_conv: conv2d as an implicit GEMM with its epilogue, conv2d_stack,
-    max/avg/adaptive pooling, batch_norm), the LLM ops (webgpu_ops: embedding, RoPE, attention over
+    float32 ``linear``/``matmul`` (library: tiled GEMM, GEMV) and the GGUF block-quantized
+    ``linear`` (quant: q4_0, q4_1, q8_0, q4_K, q5_K, q6_K dequantized in registers), and
+    the conv nets' ops (conv: conv2d as an implicit GEMM with its epilogue, conv2d_stack,
+    max/avg/adaptive pooling, batch_norm), the LLM ops (ops: embedding, RoPE, attention over
     the KV cache with GQA and sliding windows, the continuous-batching rows forms, argmax; every
     run-time index checked into the status record), and threadblock graphs (``customized``:
-    webgpu_threadblock, a workgroup per block, ``var<workgroup>`` shared memory)."""
-    from yirage.backends import webgpu_conv as conv, webgpu_library as lib, webgpu_quant as quant
-    from yirage.backends import webgpu_ops as ops, webgpu_threadblock as tb
+    threadblock, a workgroup per block, ``var<workgroup>`` shared memory)."""
+    from . import conv, library as lib, ops, quant, threadblock as tb
 
     kernels = {"linear": [(lib.supports_linear, lib.bind_linear),
                           (quant.supports_quantized_linear, quant.bind_quantized_linear)],
@@ -157,9 +156,9 @@ class WebGPUBackend(BackendImpl):
         return self._kernel_for(node, graph)(node, graph, args, out, status)
 
     def bind_customized_group(self, nodes, graph, args, outs):
-        """All outputs of one threadblock graph as one WGSL kernel (webgpu_threadblock.py), or
+        """All outputs of one threadblock graph as one WGSL kernel (threadblock.py), or
         None when they do not fit one."""
-        from yirage.backends import webgpu_ops as ops, webgpu_threadblock as tb
+        from . import ops, threadblock as tb
 
         return tb.bind_customized_group(nodes, graph, args, outs)
 

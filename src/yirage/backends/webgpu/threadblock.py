@@ -11,8 +11,8 @@ per plan.
 """
 from __future__ import annotations
 
-from ..dtypes import DType
-from ..runtime.threadblock_wgsl import bind_threadblock_wgsl, device_reason
+from ...dtypes import DType
+from ...runtime.threadblock_wgsl import bind_threadblock_wgsl, device_reason
 
 
 def customized_ok(node, graph) -> bool:

@@ -21,7 +21,7 @@ weight has: ``weight_layout='kn'`` is for float weights), K a multiple of the fo
 q5_1, q2_K, q3_K, IQ types) and the CPU's row-group layouts (q4_1r16, q8_0r16): those run
 elsewhere (the reference on the host).
 
-As in ``webgpu_library``: the configuration is ``tuning.choose``'s per shape class, keyed with
+As in library.py: the configuration is ``tuning.choose``'s per shape class, keyed with
 the adapter's name and the weight format
 (``linear|webgpu:llvmpipe-(LLVM-15.0.6,-256-bits)/float32/q4_k/bias|m1|n33|k512|t0``), timed at
 first use on zero activations and the real weight; ``YIRAGE_TUNE=off`` takes a fixed default.
@@ -42,11 +42,11 @@ from typing import Callable
 
 import torch
 
-from ..dtypes import DType
-from ..errors import YirageError
-from ..runtime import webgpu as wg
-from ..tuning import profile as tuning
-from .webgpu_library import device_tag, render
+from ...dtypes import DType
+from ...errors import YirageError
+from ...runtime import webgpu as wg
+from ...tuning import profile as tuning
+from .library import device_tag, render
 
 Thunk = Callable[[], None]
 

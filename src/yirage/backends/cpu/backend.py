@@ -1,5 +1,5 @@
 """The CPU backend: always available; fused kernels are generated as C++ (OpenMP, SIMD) and
-library ops run the hand-written C++ of kernels/cpu (see cpu_library.py).
+library ops run the hand-written C++ of kernels/cpu (see library.py).
 
 It reads the CPU model, usable cores, SIMD/matrix ISA extensions and system memory from
 the operating system (/proc on Linux, sysctl on macOS) so that code generation can pick
@@ -13,13 +13,14 @@ import platform
 
 import torch
 
-from yirage.backends import cpu_conv, cpu_embed, cpu_library
 from yirage.backends.base import Backend, BackendImpl, BackendInfo, Kernel, MemoryInfo, Thunk
 from yirage.dtypes import DType
 from yirage.ir.ops import ROW_GROUP, ROW_GROUP_TYPES
 from yirage.runtime.cpp_kernels import compile_cpp
 from yirage.runtime.machine import (  # noqa: F401  (re-exported: the CPU's identity lives in runtime)
     KNOWN_ISA_FLAGS, _read_text, cpu_isa_flags, cpu_model_name, usable_cpu_count)
+
+from . import conv, embed, library
 
 
 def system_memory() -> MemoryInfo:
@@ -62,13 +63,13 @@ class CPUBackend(BackendImpl):
         return None
 
     def supports(self, node, graph) -> bool:
-        """Library ops with a kernel here: see ``cpu_library.OPS``."""
-        entry = cpu_library.OPS.get(node.op)
+        """Library ops with a kernel here: see ``library.OPS``."""
+        entry = library.OPS.get(node.op)
         return entry is not None and entry[0](node, graph)
 
     def strided_io(self, node, graph) -> bool:
         """Attention (``sdpa``: each of its providers reads and writes strided heads,
-        ``cpu_library._sdpa``) and RoPE (``rotary_emb``)."""
+        ``library._sdpa``) and RoPE (``rotary_emb``)."""
         return node.op in ("sdpa", "rotary_emb") and self.supports(node, graph)
 
     def compile(self, kernels: list) -> list[Kernel]:
@@ -80,53 +81,53 @@ class CPUBackend(BackendImpl):
 
     def bind_library_op(self, node, graph, args, out, status=None) -> Thunk:
         """The C++ library kernel (or torch BLAS for float matmuls) for ``node``."""
-        return cpu_library.OPS[node.op][1](node, graph, args, out, status)
+        return library.OPS[node.op][1](node, graph, args, out, status)
 
     def merge_linears(self, case) -> bool:
         """Parallel float32 linears as one stacked GEMM where measurement says it is faster
-        (``cpu_library.merge_linears``)."""
-        return cpu_library.merge_linears(case)
+        (``library.merge_linears``)."""
+        return library.merge_linears(case)
 
     def merge_convs(self, case) -> bool:
         """Parallel float32 NHWC 1x1 convolutions as one GEMM where measurement says it is
-        faster (``cpu_conv.merge_convs``)."""
-        return cpu_conv.merge_convs(case)
+        faster (``conv.merge_convs``)."""
+        return conv.merge_convs(case)
 
     def linear_weight_layout(self, data, dtype, compute_dtype, embedding=False):
         """q4_1 and q8_0 weights whose decode GEMVs take float32 or int8 x become their row-group
-        layouts (``q4_1r16`` / ``q8_0r16``: rows in groups of 16, ``cpu_library.to_row_groups``)
+        layouts (``q4_1r16`` / ``q8_0r16``: rows in groups of 16, ``library.to_row_groups``)
         where the library has those layouts' AVX-512 VNNI kernels and the rows are a multiple of
         16: the q4_1 GEMVs read 1.4-1.5x (float32 x) and 2.0-2.4x (int8 x) the GB/s
         (kernels/cpu/row_groups.h). A table the embedding op reads too: q8_0 only."""
         if (dtype in ROW_GROUP_TYPES and compute_dtype in ("float32", "int8") and data.dim() == 2
                 and data.shape[0] % ROW_GROUP == 0 and not (embedding and dtype != DType.q8_0)
-                and cpu_library.row_groups_native()):
-            return cpu_library.to_row_groups(data.contiguous(), dtype), ROW_GROUP_TYPES[dtype]
+                and library.row_groups_native()):
+            return library.to_row_groups(data.contiguous(), dtype), ROW_GROUP_TYPES[dtype]
         return data, dtype
 
     def declare_constant(self, tensors):
         """float32/bfloat16 weights become candidates for the packed providers
-        (``cpu_embed.mark_constant``): 2-D ones for the GEMMs (``cpu_providers``), convolution
+        (``embed.mark_constant``): 2-D ones for the GEMMs (``providers``), convolution
         weights and their batch-norm parameters for oneDNN's folded, reordered convolution
-        (``cpu_conv``); each op chooses among its providers by measurement."""
+        (``conv``); each op chooses among its providers by measurement."""
         for t in tensors:
             if t.dtype in (torch.float32, torch.bfloat16):
-                cpu_embed.mark_constant(t)
+                embed.mark_constant(t)
 
     def bind_library_op_epilogue(self, node, graph, args, out, kernel, kernel_args):
         """The embedding engine's GEMMs (float32 ``linear`` on a prepacked weight,
         ``linear_w8a8``) with the fused row kernel after them run on each block of finished
-        rows (``cpu_library.bind_with_epilogue``); None for every other op."""
-        return cpu_library.bind_with_epilogue(node, graph, args, out, kernel, kernel_args)
+        rows (``library.bind_with_epilogue``); None for every other op."""
+        return library.bind_with_epilogue(node, graph, args, out, kernel, kernel_args)
 
     def bind_customized_group(self, nodes, graph, args, outs):
-        """All outputs of one block graph as one C++ kernel (cpu_threadblock.py)."""
-        from .cpu_threadblock import bind_customized_group
+        """All outputs of one block graph as one C++ kernel (threadblock.py)."""
+        from .threadblock import bind_customized_group
         return bind_customized_group(nodes, graph, args, outs)
 
     def bind_library_task(self, node, graph, args, out, status, num_workers):
-        """The task form of ``node`` for the CPU scheduler (``cpu_library.TASKS``), or None."""
-        binder = cpu_library.TASKS.get(node.op)
+        """The task form of ``node`` for the CPU scheduler (``library.TASKS``), or None."""
+        binder = library.TASKS.get(node.op)
         return binder(node, graph, args, out, status, num_workers) if binder else None
 
     def _device_info(self) -> BackendInfo:

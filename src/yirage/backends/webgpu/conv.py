@@ -47,13 +47,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..dtypes import DType
-from ..errors import YirageError
-from ..ir.conv import conv2d_stack_parts, conv_inputs, out_size
-from ..ir.graph import OpNode
-from ..runtime import webgpu as wg
-from .base import bind_conv2d_stack_parts
-from .webgpu_library import render
+from ...dtypes import DType
+from ...errors import YirageError
+from ...ir.conv import conv2d_stack_parts, conv_inputs, out_size
+from ...ir.graph import OpNode
+from ...runtime import webgpu as wg
+from ..base import bind_conv2d_stack_parts
+from .library import render
 
 Thunk = Callable[[], None]
 
@@ -457,7 +457,7 @@ def supports_conv2d_stack(node, graph) -> bool:
         parts = conv2d_stack_parts(list(node.inputs), node.attrs)
     except (ValueError, KeyError, TypeError):
         return False
-    from ..ir.ops import OPS
+    from ...ir.ops import OPS
     for attrs, ids in parts:
         try:
             t = OPS["conv2d"].infer([graph.tensors[i] for i in ids], attrs)

@@ -1,12 +1,12 @@
 """The CPU kernels of the embedding engine's encoder (``kernels/cpu/embed_kernels.h``): float32
 GEMM on weights packed once, bfloat16 GEMM with float32 sums on weights packed once (AVX512-BF16
 vdpbf16ps), W8A8 int8 GEMM (AVX-512 VNNI / AVX-VNNI / AVX2 / scalar) and attention over packed
-sentences (``attention_varlen``), with the binders cpu_library.py's op table uses.
+sentences (``attention_varlen``), with the binders library.py's op table uses.
 
 Packed weights are kept in a cache keyed by the weight tensor and the layout (dropped when the
 tensor is freed, repacked if it was written in place). Only weights declared constant
 (``mark_constant``: the engines declare theirs) are packed for a provider that keeps a copy
-(``backends/cpu_providers.py`` chooses the provider of each linear layer by measurement); other
+(``backends/cpu/providers.py`` chooses the provider of each linear layer by measurement); other
 users of ``linear`` pay no extra memory. Every wrapper takes ``lib=``: a
 build of the kernel library (tests pass each ISA build), by default the CPU backend's. This
 module must never build graphs or import engines.
@@ -17,32 +17,12 @@ import weakref
 
 import torch
 
-from ..errors import YirageError
-from ..ir.ops import check_offsets
+from ...errors import YirageError
+from ...ir.ops import check_offsets
+from .native import _lib, _raise_status, _status
 
 _PANEL = 32  # output columns per packed panel (embed_kernels.h EMB_NR)
 _packed: dict[tuple[int, str], tuple] = {}  # (id(weight), kind) -> (data_ptr, _version, packed)
-
-
-def _lib(lib=None):
-    """``lib`` (a build of the kernel library with signatures bound) or the default build."""
-    if lib is not None:
-        return lib
-    from .cpu_library import library
-    return library()
-
-
-def _status() -> torch.Tensor:
-    return torch.zeros(4, dtype=torch.int64)
-
-
-def _raise_status(status: torch.Tensor, what: str) -> None:
-    """YirageError naming the size a kernel rejected (status = {1, value, lo, hi}); the status
-    is cleared first, so a thunk called again after the cause is fixed does not raise anew."""
-    if int(status[0]):
-        value, lo, hi = status[1:].tolist()
-        status.zero_()
-        raise YirageError(f"{what}: size {value} outside [{lo}, {hi}) (a buffer is too small or a size is invalid)")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -240,7 +220,7 @@ _constant: dict[int, int] = {}   # id(weight) -> data_ptr, for weights declared 
 
 def mark_constant(w: torch.Tensor) -> None:
     """Declare ``w`` a constant weight (an engine's, frozen for its lifetime): kernel providers
-    may then keep a packed copy of it in their own layout (``backends/cpu_providers.py``).
+    may then keep a packed copy of it in their own layout (``backends/cpu/providers.py``).
     Weights not declared constant (a kernel graph's inputs) are read as they are. Writes to
     ``w`` stay visible: a packed copy is remade when ``w``'s version or storage changes."""
     key = id(w)
@@ -292,7 +272,7 @@ def packed_linear_weight(w: torch.Tensor) -> torch.Tensor | None:
     return _cached(w, "f32", pack_f32) if is_constant(w) else None
 
 
-# ---- binders (cpu_library.OPS) ---------------------------------------------------------
+# ---- binders (library.OPS) -------------------------------------------------------------
 def bind_linear_f32_packed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                            epilogue: tuple[int, int] | None = None, weight_layout: str = "nk"):
     """Thunk of an fp32 ``linear`` on the packed GEMM (``w`` packed once, again if written).
@@ -330,10 +310,17 @@ def bind_gemm_f32(x2: torch.Tensor, o2: torch.Tensor, weights, epilogue: tuple[i
     return run
 
 
+#: the largest stacked weight (bytes) that ``library.merge_linears`` and ``conv.stack_candidates``
+#: measure these stacked GEMMs at: the measurement allocates sample weights of the case's shapes
+#: (and packs them twice), and GEMMs this large are compute-bound, where one wider GEMM gained
+#: nothing here (q/k/v at M = 1024: within 4%)
+MERGE_MAX_WEIGHT_BYTES = 64 << 20
+
+
 def bind_gemm_f32_parts(x2: torch.Tensor, out: torch.Tensor, widths: list[int], weights,
                         epilogue: tuple[int, int] | None = None):
     """Thunk of one GEMM over parts of different widths that share x (parallel 1x1 convolutions
-    merged, backends/cpu_conv.py): part i is ``x2 @ W_i^T + b_i`` [M, widths[i]], its rows
+    merged, backends/cpu/conv.py): part i is ``x2 @ W_i^T + b_i`` [M, widths[i]], its rows
     contiguous at element offset ``M * sum(widths[:i])`` of the flat ``out``
     (``yr_emb_gemm_f32_parts``). ``x2`` float32 [M, K] and ``out`` float32 [M * sum(widths)],
     contiguous; ``weights()`` returns ``(P, bias)`` at every run: P the concatenation of each

@@ -1,4 +1,4 @@
-"""The ROCm backend: AMD GPUs through torch's HIP build; kernels are Triton (backends/triton.py).
+"""The ROCm backend: AMD GPUs through torch's HIP build; kernels are Triton (backends/triton/backend.py).
 
 A ROCm build of torch exposes AMD GPUs through the ``torch.cuda`` API and the 'cuda'
 device type, so this backend reuses the CUDA one and differs in detection
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from yirage.backends.base import Backend, base_versions
-from yirage.backends.cuda import CUDABackend, _no_device_reason
-from yirage.backends.triton import triton_missing_reason
+from yirage.backends.triton.cuda import CUDABackend, _no_device_reason
+from yirage.backends.triton.backend import triton_missing_reason
 
 
 class ROCmBackend(CUDABackend):
