@@ -317,3 +317,29 @@ def test_an_output_in_an_input_buffer_binds_the_inputs_writable():
     torch.testing.assert_close(views[3].to_host(), run_threadblock(tb, xs)[0], **TOL)
     with pytest.raises(YirageError, match="overlaps an input"):
         bind_threadblock_wgsl(tb, 0, views[:3], arena[5:5 + 7 * 27].view(7, 27))
+
+
+def test_superoptimize_on_webgpu_searches_verifies_and_keys_by_the_adapter(tmp_path, monkeypatch):
+    """g.superoptimize(backend="webgpu") times µGraphs whose block graphs compile to WGSL (none
+    left on the host), its winner computes the graph, the cache key names the adapter, and the
+    saved codes are WGSL."""
+    from yirage.config import cache_dir
+    from yirage.search import superoptimize as so
+
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
+    g = yr.new_kernel_graph()
+    x, w1, w2 = g.new_input((8, 256)), g.new_input((256, 256)), g.new_input((256, 256))
+    g.mark_output(g.mul(g.silu(g.matmul(x, w1)), g.matmul(x, w2)))
+    torch.manual_seed(0)
+    xs, a, b = torch.randn(8, 256), torch.randn(256, 256) / 16, torch.randn(256, 256) / 16
+    opt = g.superoptimize(backend="webgpu", time_budget_s=20, use_cached_graphs=False, save_codes=True,
+                          warmup_iters=2, profile_iters=6)
+    report = opt.report
+    assert report["backend"] == "webgpu" and report["verified"] >= 2 and not report.get("build_errors")
+    torch.testing.assert_close(opt(inputs=[xs, a, b])[0], torch.nn.functional.silu(xs @ a) * (xs @ b),
+                               rtol=1e-4, atol=1e-4)
+    from yirage.runtime import webgpu as W
+    assert W.adapter_record()["device"] in so._machine("webgpu")
+    folder = cache_dir() / "superopt" / so.cache_key(g, "webgpu")
+    if report["best"] != so.FIXED:
+        assert list(folder.glob("*.wgsl")) and not list(folder.glob("*.cpp"))

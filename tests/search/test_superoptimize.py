@@ -436,7 +436,7 @@ def test_save_codes_and_visualize(tmp_path):
     for a, b in zip(back.interpret(xs), g.interpret(xs)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     cand = mugraph.lower(g, mugraph.match(g), 2, 2, type(g))     # a µGraph, whichever won
-    written = so._save_codes("probe", cand)
+    written = so._save_codes("probe", cand, "cpp")
     cpp = (written / "tb0_out0.cpp").read_text()
     assert "void yr_tb0(" in cpp and "omp" in cpp
     dot = opt.visualize(tmp_path / "opt.dot")

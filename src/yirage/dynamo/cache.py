@@ -129,7 +129,7 @@ def key(code: str, sig: tuple, options, backend: str, emitters=()) -> str:
              "emitters": sorted({_function_digest(f) for f in emitters})}
     if options.mode == "max-autotune":
         from ..search.superoptimize import _machine
-        parts.update(time_budget_s=options.time_budget_s, machine=_machine(), threads=torch.get_num_threads())
+        parts.update(time_budget_s=options.time_budget_s, machine=_machine(backend), threads=torch.get_num_threads())
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

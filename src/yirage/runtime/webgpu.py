@@ -114,7 +114,15 @@ def device():
             features = [f for f in _FEATURES if f in a.features]
             dev = _state["device"] = a.request_device_sync(required_features=features, required_limits=limits)
             _state["queue"] = Queue(dev)
+            _state["generation"] = _state.get("generation", 0) + 1
         return dev
+
+
+def device_generation() -> int:
+    """Which device of this process ``device()`` is: 1 for the first, one more after each loss
+    (what caches of device objects key on; an ``id()`` could be reused by a later device)."""
+    device()
+    return _state["generation"]
 
 
 def queue() -> "Queue":
@@ -353,7 +361,7 @@ class Pipeline:
     def __init__(self, source: str, entry: str = "main"):
         with _lock:
             dev = device()
-            key = (id(dev), hashlib.sha256(source.encode()).hexdigest())   # a new device compiles again
+            key = (device_generation(), hashlib.sha256(source.encode()).hexdigest())   # a new device compiles again
             compiled = Pipeline._cache.get(key)
             if compiled is None:
                 try:
@@ -401,5 +409,5 @@ def grid(n_groups: int) -> tuple[int, int, int]:
     return cap, y, 1
 
 
-__all__ = ["device_errors", "adapter", "adapter_record", "device", "queue", "has_f16", "limit", "DeviceTensor", "Pipeline",
+__all__ = ["device_errors", "device_generation", "adapter", "adapter_record", "device", "queue", "has_f16", "limit", "DeviceTensor", "Pipeline",
            "new_buffer", "grid", "wgpu_module"]

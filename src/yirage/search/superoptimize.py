@@ -66,7 +66,7 @@ from typing import Sequence
 
 import torch
 
-from ..backends import get_backend_impl, resolve_backend
+from ..backends import get_backend_impl, get_backend_info, resolve_backend
 from ..config import cache_dir
 from ..errors import GraphError
 from ..ir.graph import KernelGraph
@@ -116,11 +116,13 @@ class OptimizedGraph:
         return self.graph.visualize(path)
 
 
-def _machine() -> str:
-    """CPU model and ISA flags (``runtime.machine``), or also the accelerator's name."""
+def _machine(backend: str) -> str:
+    """CPU model and ISA flags (``runtime.machine``), and the device of ``backend`` when it is
+    not the CPU (a GPU's or a WebGPU adapter's name: a winner found on lavapipe is never read on
+    a real GPU of the same host)."""
     parts = [platform.machine(), cpu_model_name(), ",".join(all_isa_flags())]
-    if torch.cuda.is_available():
-        parts.append(torch.cuda.get_device_name(0))
+    if backend != "cpu":
+        parts.append(str(get_backend_impl(backend).info().device_name))
     return "|".join(parts)
 
 
@@ -131,7 +133,7 @@ def cache_key(graph: KernelGraph, backend: str) -> str:
     for t in doc["tensors"]:
         t.pop("name", None)
     doc.pop("backend", None)
-    text = json.dumps([CACHE_VERSION, doc, backend, _machine(), torch.get_num_threads()], sort_keys=True)
+    text = json.dumps([CACHE_VERSION, doc, backend, _machine(backend), torch.get_num_threads()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -248,9 +250,12 @@ GPU_TILE_BYTES = 64 * 1024
 def _widths(backend: str) -> list[tuple[int, int, str]]:
     """(cpu_threads, block threads, label) per thread width to try, the default first: on the
     CPU all of torch's threads or one (a small block graph may not repay waking a second);
-    on GPUs 128 threads per block (4 warps), then 256 and 64."""
+    on GPUs 128 threads per block (4 warps, or a workgroup of 128 invocations in WGSL), then
+    256 and 64."""
     if backend == "cpu":
         return [(0, 128, "")] + ([(1, 128, " threads=1")] if torch.get_num_threads() > 1 else [])
+    if get_backend_info(backend).kernels == "compiled (wgsl)":   # known without the device (tests pass 'cuda')
+        return [(0, 128, ""), (0, 256, " workgroup=256"), (0, 64, " workgroup=64")]
     return [(0, 128, ""), (0, 256, " warps=8"), (0, 64, " warps=2")]
 
 
@@ -286,6 +291,11 @@ def _build_and_verify(graph: KernelGraph, desc: str, cand: KernelGraph, impl, se
     its reason kept in ``report["build_errors"]``; the fixed fusion's own failure propagates,
     as ``g(inputs)`` would raise it."""
     try:
+        host = sorted({n.op for n in cand.ops if n.op == "customized" and not impl.supports(n, cand)})
+        if cand is not graph and host:   # it would run as torch references: no µGraph of this backend
+            report.setdefault("build_errors", {})[desc] = "its block graphs do not compile for this backend"
+            say(f"[superoptimize] {desc}: its block graphs do not compile for this backend (dropped)")
+            return None, float("inf")
         compiled = CompiledGraph(cand, impl)
         return compiled, verify(graph, compiled, seed=seed)
     except GraphError as e:
@@ -409,15 +419,21 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
                   search_s=time.perf_counter() - t_start)
     _store(key, chosen, desc, report)
     if save_codes:
-        _save_codes(key, chosen)
+        _save_codes(key, chosen, impl.codegen)
     say(f"[superoptimize] chose {desc} in {report['search_s']:.1f} s")
     return OptimizedGraph(chosen, name, desc, report)
 
 
-def _save_codes(key: str, graph: KernelGraph) -> Path:
-    """Write the graph's JSON and the C++ of each customized op's outputs; returns the folder."""
+def _save_codes(key: str, graph: KernelGraph, codegen: str | None) -> Path:
+    """Write the graph's JSON and each customized op's outputs in the backend's kernel language
+    (``codegen``: C++, Triton or WGSL; C++ for a backend without one); returns the folder."""
     from ..codegen.threadblock_cpp import render_threadblock
+    from ..codegen.threadblock_triton import render_threadblock_triton
+    from ..codegen.threadblock_wgsl import render_threadblock_wgsl
 
+    render, suffix = {"triton": (render_threadblock_triton, "py"),
+                      "wgsl": (lambda tb, k, name: render_threadblock_wgsl(tb, k), "wgsl")}.get(
+        codegen, (render_threadblock, "cpp"))
     folder = cache_dir() / "superopt" / key
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "graph.json").write_text(to_json(graph))
@@ -427,5 +443,5 @@ def _save_codes(key: str, graph: KernelGraph) -> Path:
             seen.add(id(n.attrs["tb"]))
             tb = n.attrs["tb"]
             for k in range(len(tb.outputs)):
-                (folder / f"tb{len(seen) - 1}_out{k}.cpp").write_text(render_threadblock(tb, k, f"yr_tb{k}"))
+                (folder / f"tb{len(seen) - 1}_out{k}.{suffix}").write_text(render(tb, k, f"yr_tb{k}"))
     return folder

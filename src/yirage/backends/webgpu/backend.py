@@ -206,7 +206,7 @@ class WebGPUBackend(BackendImpl):
 
     def _stamp(self, x: torch.Tensor) -> tuple:
         # the device too: after a device loss, resident weights are uploaded to the new one
-        return x.data_ptr(), x._version, tuple(x.shape), x.dtype, id(_rt().device())
+        return x.data_ptr(), x._version, tuple(x.shape), x.dtype, _rt().device_generation()
 
     def _device_copy(self, x: torch.Tensor):
         """The resident copy of constant weight ``x`` (uploaded now if missing or stale), or None
