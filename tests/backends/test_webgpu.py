@@ -122,3 +122,17 @@ def test_a_lost_device_is_one_clear_error_and_a_new_graph_runs_on_a_new_device()
     with pytest.raises(YirageError, match="device was lost"):
         g(inputs=[xs], backend="webgpu")
     torch.testing.assert_close(_softmax_graph()(inputs=[xs], backend="webgpu")[0], torch.softmax(xs, -1))
+
+
+def test_an_adapter_binding_too_few_storage_buffers_is_an_error_naming_the_limit(monkeypatch):
+    """A fused kernel of 3 inputs and 1 output on an adapter that binds 3 storage buffers."""
+    from yirage.runtime import wgsl_kernels
+
+    real = W.limit
+    monkeypatch.setattr(wgsl_kernels, "limit",
+                        lambda name: 3 if name == "max-storage-buffers-per-shader-stage" else real(name))
+    g = yr.new_kernel_graph()
+    a, b, c = (g.new_input((4, 5)) for _ in range(3))
+    g.mark_output(g.add(g.mul(a, b), c))
+    with pytest.raises(YirageError, match="max-storage-buffers-per-shader-stage is 3"):
+        g(inputs=[torch.randn(4, 5) for _ in range(3)], backend="webgpu")

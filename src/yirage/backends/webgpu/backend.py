@@ -22,6 +22,7 @@ reports adapter type CPU). It must never touch a device before ``unavailable_rea
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -58,6 +59,7 @@ class _HostKernel:
         return run
 
 
+@functools.lru_cache(maxsize=1)
 def _library_kernels() -> dict[str, list[tuple]]:
     """{op: [(supports, bind), ...]}: the WGSL library kernels, tried in order:
     float32 ``linear``/``matmul`` (library: tiled GEMM, GEMV) and the GGUF block-quantized
@@ -65,9 +67,13 @@ def _library_kernels() -> dict[str, list[tuple]]:
     the conv nets' ops (conv: conv2d as an implicit GEMM with its epilogue, conv2d_stack,
     max/avg/adaptive pooling, batch_norm), the LLM ops (ops: embedding, RoPE, attention over
     the KV cache with GQA and sliding windows, the continuous-batching rows forms, argmax; every
-    run-time index checked into the status record), and threadblock graphs (``customized``:
+    run-time index checked into the status record), the encoders' attention (encoder:
+    attention_varlen over packed sentences, attention_bidir, sdpa) and linear_stack, the layout
+    ops (layout: permute, expand, slice, select, cat, pad, index_select, gather as one strided
+    copy, cumsum, and reductions over a dim that is not the last), and
+    threadblock graphs (``customized``:
     threadblock, a workgroup per block, ``var<workgroup>`` shared memory)."""
-    from . import conv, library as lib, ops, quant, threadblock as tb
+    from . import conv, encoder, layout, library as lib, ops, quant, threadblock as tb
 
     kernels = {"linear": [(lib.supports_linear, lib.bind_linear),
                           (quant.supports_quantized_linear, quant.bind_quantized_linear)],
@@ -75,6 +81,10 @@ def _library_kernels() -> dict[str, list[tuple]]:
     for op, pair in conv.OPS.items():   # conv2d (implicit GEMM), conv2d_stack, pooling, batch_norm
         kernels.setdefault(op, []).append(pair)
     for op, pair in ops.OPS.items():   # embedding, rope, rope_rows, rotary_emb, attention(_rows), argmax
+        kernels.setdefault(op, []).append(pair)
+    for op, pair in encoder.OPS.items():   # attention_varlen, attention_bidir, sdpa, linear_stack
+        kernels.setdefault(op, []).append(pair)
+    for op, pair in layout.OPS.items():   # strided copies, index_select/gather, cumsum, reductions over a dim
         kernels.setdefault(op, []).append(pair)
     kernels["customized"] = [(tb.customized_ok, tb.bind_customized)]   # threadblock graphs
     return kernels
