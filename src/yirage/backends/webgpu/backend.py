@@ -73,7 +73,7 @@ def _library_kernels() -> dict[str, list[tuple]]:
     copy, cumsum, and reductions over a dim that is not the last), and
     threadblock graphs (``customized``:
     threadblock, a workgroup per block, ``var<workgroup>`` shared memory)."""
-    from . import conv, encoder, layout, library as lib, ops, quant, threadblock as tb
+    from . import conv, encoder, layout, library as lib, ops, qembed, quant, threadblock as tb
 
     kernels = {"linear": [(lib.supports_linear, lib.bind_linear),
                           (quant.supports_quantized_linear, quant.bind_quantized_linear)],
@@ -81,6 +81,8 @@ def _library_kernels() -> dict[str, list[tuple]]:
     for op, pair in conv.OPS.items():   # conv2d (implicit GEMM), conv2d_stack, pooling, batch_norm
         kernels.setdefault(op, []).append(pair)
     for op, pair in ops.OPS.items():   # embedding, rope, rope_rows, rotary_emb, attention(_rows), argmax
+        kernels.setdefault(op, []).append(pair)
+    for op, pair in qembed.OPS.items():   # embedding over a q4_0/q4_1/q8_0/q4_K/q5_K/q6_K table
         kernels.setdefault(op, []).append(pair)
     for op, pair in encoder.OPS.items():   # attention_varlen, attention_bidir, sdpa, linear_stack
         kernels.setdefault(op, []).append(pair)
