@@ -1,7 +1,7 @@
 """WebGPU ``embedding`` over a GGUF block-quantized table (backends/webgpu/qembed.py,
 kernels/webgpu/qembedding.wgsl with qblocks.wgsl's decoders): every conformance case of op
 ``embedding`` passes on webgpu, the quantized types the kernel reads (q4_0, q4_1, q8_0, q4_K,
-q5_K, q6_K) bound to it rather than run as the torch reference on the host; int32 and int64
+q5_K, q6_K, q5_0, q5_1, q2_K, q3_K) bound to it rather than run as the torch reference on the host; int32 and int64
 ids of any shape; an id out of range raising IndexOutOfRangeError.
 
 ``qembed.bind`` is spied on through the module attribute the backend's entry calls. Without
@@ -19,7 +19,8 @@ from yirage.backends.webgpu import qembed  # noqa: E402
 from yirage.dtypes import DType  # noqa: E402
 from yirage.tools.conformance import CASES, quantized, run_case  # noqa: E402
 
-SUPPORTED = {DType.q4_0, DType.q4_1, DType.q8_0, DType.q4_k, DType.q5_k, DType.q6_k}
+SUPPORTED = {DType.q4_0, DType.q4_1, DType.q8_0, DType.q4_k, DType.q5_k, DType.q6_k, DType.q5_0, DType.q5_1,
+             DType.q2_k, DType.q3_k}
 EMBEDDING_CASES = [c for c in CASES if c.op == "embedding"]
 
 
@@ -98,7 +99,7 @@ def test_first_bad_id_is_reported():
         g(inputs=[ids, storage], backend="webgpu")
 
 
-@pytest.mark.parametrize("qtype", [DType.q5_0, DType.q2_k, DType.iq4_xs, DType.q8_0r16])
+@pytest.mark.parametrize("qtype", [DType.iq4_nl, DType.iq4_xs, DType.q8_0r16])
 def test_other_types_are_not_ours(qtype):
     V = 48 if qtype == DType.q8_0r16 else 9
     g = _graph((3,), V, 256, qtype)

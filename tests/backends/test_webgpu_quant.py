@@ -180,8 +180,8 @@ def test_defaults_and_errors():
 
 
 def test_supports():
-    """Accepted: the six formats, float32 x, 'nk'. Refused: compute_dtype, other formats (q5_0,
-    q2_K, the row-group layouts), float weights, half x, other ops."""
+    """Accepted: the formats in TYPES, float32 x, 'nk'. Refused: compute_dtype, other formats
+    (IQ types, the row-group layouts), float weights, half x, other ops."""
     for dtype in TYPES:
         g, node = _node(3, 32, _k(dtype, 1), dtype)
         assert Q.supports_quantized_linear(node, g), dtype
@@ -189,7 +189,7 @@ def test_supports():
     for kw in ({"compute_dtype": "bfloat16"}, {"compute_dtype": "int8"}):
         g, node = _node(3, 32, 64, DType.q8_0, **kw)
         assert not Q.supports_quantized_linear(node, g), kw
-    for dtype in (DType.q5_0, DType.q2_k, DType.q3_k, DType.iq4_nl, DType.q4_1r16, DType.q8_0r16, DType.float32):
+    for dtype in (DType.iq4_nl, DType.iq4_xs, DType.q4_1r16, DType.q8_0r16, DType.float32):
         g, node = _node(1, 32, 256, dtype)
         assert not Q.supports_quantized_linear(node, g), dtype
     g = KernelGraph()

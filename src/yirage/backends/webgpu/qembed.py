@@ -1,5 +1,5 @@
 """WebGPU library kernel for ``embedding`` over a GGUF block-quantized table: q4_0, q4_1, q8_0,
-q4_K, q5_K and q6_K.
+q4_K, q5_K, q6_K, q5_0, q5_1, q2_K and q3_K.
 
 The table stays in its block storage on the device (the graph input's ``uint8`` bytes,
 ``DType.storage_shape`` of ``w_shape`` [V, H]); only the rows the ids name are decoded, in

@@ -1,5 +1,5 @@
 """WebGPU library kernels for ``linear`` over a GGUF block-quantized weight: q4_0, q4_1, q8_0,
-q4_K, q5_K and q6_K.
+q4_K, q5_K, q6_K, q5_0, q5_1, q2_K and q3_K.
 
 The weight stays in its block storage on the device (the graph input's ``uint8`` bytes,
 ``DType.storage_shape``); the kernels read it as ``u32`` words and dequantize in registers,
@@ -17,8 +17,8 @@ product, float32 bias). The WGSL (``kernels/webgpu``):
 
 x, bias and out are float32; x [..., K], the weight [N, K] ('nk', the only layout a quantized
 weight has: ``weight_layout='kn'`` is for float weights), K a multiple of the format's block.
-``compute_dtype`` ('int8', 'bfloat16') is refused, as are the other quantized types (q5_0,
-q5_1, q2_K, q3_K, IQ types) and the CPU's row-group layouts (q4_1r16, q8_0r16): those run
+``compute_dtype`` ('int8', 'bfloat16') is refused, as are the other quantized types (IQ
+types) and the CPU's row-group layouts (q4_1r16, q8_0r16): those run
 elsewhere (the reference on the host).
 
 As in library.py: the configuration is ``tuning.choose``'s per shape class, keyed with
@@ -52,7 +52,7 @@ Thunk = Callable[[], None]
 
 #: the weight formats these kernels read, and their ``{{QTYPE}}`` code in qblocks.wgsl
 QTYPES: dict[DType, int] = {DType.q4_0: 0, DType.q4_1: 1, DType.q8_0: 2, DType.q4_k: 3, DType.q5_k: 4,
-                            DType.q6_k: 5}
+                            DType.q6_k: 5, DType.q5_0: 6, DType.q5_1: 7, DType.q2_k: 8, DType.q3_k: 9}
 
 
 # ---- configurations -------------------------------------------------------------------------

@@ -26,9 +26,20 @@
 //        half, the high 64..127), 64 bytes qh (half h: 32 bytes, bits 2i..2i+1 of byte l are
 //        the high 2 bits of weight 32i + l of the half), 16 int8 scales (one per 16 weights),
 //        f16 d; w = (d * sc[i / 16]) * (q - 32).
+//   q5_0 (32, 22): f16 d, u32 qh (bit i: the fifth bit of weight i), nibbles as q4_0;
+//        w = d * (q - 16).
+//   q5_1 (32, 24): f16 d, f16 m, qh and nibbles as q5_0; w = d * q + m.
+//   q2_K (256, 84): 16 bytes of scales (one per 16 weights: low nibble the scale, high the
+//        min), 64 bytes of 2-bit q (half h: 32 bytes, bits 2i..2i+1 of byte l are weight
+//        32i + l of the half), f16 d, f16 dmin; w = (d * sc) * q - dmin * mn.
+//   q3_K (256, 110): 32 bytes hmask (bit s of byte l: the third bit of weight l of sub-block
+//        s), 64 bytes of 2-bit q as q2_K, 12 bytes of 16 packed 6-bit scales (low 4 bits:
+//        byte i % 8's nibble i / 8; high 2: bits 2(i / 4).. of byte 8 + i % 4), f16 d;
+//        w = (d * (sc[i / 16] - 32)) * (q - 4), q the 3-bit value.
 //
-// Template parameter: {{QTYPE}} (u32): 0 q4_0, 1 q4_1, 2 q8_0, 3 q4_K, 4 q5_K, 5 q6_K; the
-// branches on it fold away when the shader compiles. The including shader declares W.
+// Template parameter: {{QTYPE}} (u32): 0 q4_0, 1 q4_1, 2 q8_0, 3 q4_K, 4 q5_K, 5 q6_K,
+// 6 q5_0, 7 q5_1, 8 q2_K, 9 q3_K; the branches on it fold away when the shader compiles.
+// The including shader declares W.
 
 const QTYPE: u32 = {{QTYPE}}u;
 const Q4_0: u32 = 0u;
@@ -37,10 +48,18 @@ const Q8_0: u32 = 2u;
 const Q4_K: u32 = 3u;
 const Q5_K: u32 = 4u;
 const Q6_K: u32 = 5u;
+const Q5_0: u32 = 6u;
+const Q5_1: u32 = 7u;
+const Q2_K: u32 = 8u;
+const Q3_K: u32 = 9u;
 // bytes per block, and units of 32 weights per block
-const BLOCK_BYTES: u32 = select(select(select(select(select(210u, 176u, QTYPE == Q5_K), 144u, QTYPE == Q4_K),
-                                                     34u, QTYPE == Q8_0), 20u, QTYPE == Q4_1), 18u, QTYPE == Q4_0);
-const UNITS: u32 = select(1u, 8u, QTYPE >= Q4_K);
+const BLOCK_BYTES: u32 = select(select(select(select(select(select(select(select(select(
+    110u, 84u, QTYPE == Q2_K), 24u, QTYPE == Q5_1), 22u, QTYPE == Q5_0), 210u, QTYPE == Q6_K), 176u, QTYPE == Q5_K),
+    144u, QTYPE == Q4_K), 34u, QTYPE == Q8_0), 20u, QTYPE == Q4_1), 18u, QTYPE == Q4_0);
+const K_QUANT: bool = QTYPE == Q4_K || QTYPE == Q5_K || QTYPE == Q6_K || QTYPE == Q2_K || QTYPE == Q3_K;
+const UNITS: u32 = select(1u, 8u, K_QUANT);
+// q2_K / q3_K: 2-bit low parts of q
+const LOW2: bool = QTYPE == Q2_K || QTYPE == Q3_K;
 
 // the byte at byte address a
 fn wbyte(a: u32) -> u32 {
@@ -87,15 +106,23 @@ fn scale_min_k4(a: u32, s: u32) -> vec2<u32> {
     return vec2<u32>((hi & 0xfu) | ((wbyte(a + s - 4u) >> 6u) << 4u), (hi >> 4u) | ((wbyte(a + s) >> 6u) << 4u));
 }
 
+// q3_K: the 6-bit scale i (0..15), less 32, from the 12 bytes at a
+fn scale_q3k(a: u32, i: u32) -> i32 {
+    let lo = (wbyte(a + (i % 8u)) >> (4u * (i / 8u))) & 0xfu;
+    let hi = (wbyte(a + 8u + (i % 4u)) >> (2u * (i / 4u))) & 3u;
+    return i32(lo | (hi << 4u)) - 32;
+}
+
 // one unit of 32 weights, its scales decoded
 struct Unit {
     qa: u32,   // byte address of its low bits (nibbles, or q8_0's bytes)
     qs: u32,   // their shift in a byte (K-quants: 0 or 4)
-    ha: u32,   // byte address of its high bits (q5_K, q6_K)
+    ha: u32,   // byte address of its high bits (q5_K, q6_K, q5_0, q5_1, q3_K)
     hs: u32,   // their shift in a byte
     d0: f32,   // scale of weights 0..15
-    d1: f32,   // scale of weights 16..31 (q6_K's second scale; d0 elsewhere)
-    m: f32,    // added to every weight (q4_1's m, the K-quants' -dmin * mn)
+    d1: f32,   // scale of weights 16..31 (q6_K's, q2_K's, q3_K's second scale; d0 elsewhere)
+    m: f32,    // added to weights 0..15 (q4_1's / q5_1's m, the K-quants' -dmin * mn)
+    m1: f32,   // added to weights 16..31 (q2_K's second min; m elsewhere)
 };
 
 // unit u of the row whose first block is at byte address row
@@ -128,6 +155,34 @@ fn unit(row: u32, u: u32) -> Unit {
             un.ha = base + 16u;
             un.hs = s;
         }
+    } else if (QTYPE == Q5_0) {
+        un.d0 = whalf(base);
+        un.ha = base + 2u;
+        un.qa = base + 6u;
+    } else if (QTYPE == Q5_1) {
+        let dm = unpack2x16float(wword(base));
+        un.d0 = dm.x;
+        un.m = dm.y;
+        un.ha = base + 4u;
+        un.qa = base + 8u;
+    } else if (QTYPE == Q2_K) {
+        let dm = unpack2x16float(wword(base + 80u));
+        let sc0 = wbyte(base + 2u * s);
+        let sc1 = wbyte(base + 2u * s + 1u);
+        un.qa = base + 16u + 32u * (s / 4u);
+        un.qs = 2u * (s % 4u);
+        un.d0 = dm.x * f32(sc0 & 0xfu);
+        un.d1 = dm.x * f32(sc1 & 0xfu);
+        un.m = -(dm.y * f32(sc0 >> 4u));
+        un.m1 = -(dm.y * f32(sc1 >> 4u));
+    } else if (QTYPE == Q3_K) {
+        let d = whalf(base + 108u);
+        un.qa = base + 32u + 32u * (s / 4u);
+        un.qs = 2u * (s % 4u);
+        un.ha = base;
+        un.hs = s;
+        un.d0 = d * f32(scale_q3k(base + 96u, 2u * s));
+        un.d1 = d * f32(scale_q3k(base + 96u, 2u * s + 1u));
     } else {   // Q6_K
         let h = s / 4u;
         let quarter = s % 4u;
@@ -139,8 +194,11 @@ fn unit(row: u32, u: u32) -> Unit {
         un.d0 = d * f32(wi8(base + 192u + 2u * s));
         un.d1 = d * f32(wi8(base + 193u + 2u * s));
     }
-    if (QTYPE != Q6_K) {
+    if (QTYPE != Q6_K && QTYPE != Q2_K && QTYPE != Q3_K) {
         un.d1 = un.d0;
+    }
+    if (QTYPE != Q2_K) {
+        un.m1 = un.m;
     }
     return un;
 }
@@ -163,16 +221,24 @@ fn group(un: Unit, j: u32) -> Group {
     }
     var qa: u32;
     var qs: u32;
-    if (QTYPE == Q4_0 || QTYPE == Q4_1) {   // weights 0..15 the low nibbles of 16 bytes, 16..31 the high
+    if (QTYPE == Q4_0 || QTYPE == Q4_1 || QTYPE == Q5_0 || QTYPE == Q5_1) {   // weights 0..15 the low nibbles of 16 bytes, 16..31 the high
         qa = un.qa + 8u * (j & 1u);
         qs = 4u * (j >> 1u);
     } else {
         qa = un.qa + 8u * j;
         qs = un.qs;
     }
-    var lo = fields4(wword(qa), qs, 0xfu);
-    var hi = fields4(wword(qa + 4u), qs, 0xfu);
-    if (QTYPE == Q5_K) {
+    let mask = select(0xfu, 3u, LOW2);
+    var lo = fields4(wword(qa), qs, mask);
+    var hi = fields4(wword(qa + 4u), qs, mask);
+    if (QTYPE == Q5_0 || QTYPE == Q5_1) {   // bits 8j .. 8j + 7 of the qh word
+        let h = vec4<u32>(wword(un.ha) >> (8u * j));
+        lo |= ((h >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u)) << vec4<u32>(4u);
+        hi |= ((h >> vec4<u32>(4u, 5u, 6u, 7u)) & vec4<u32>(1u)) << vec4<u32>(4u);
+    } else if (QTYPE == Q3_K) {
+        lo |= fields4(wword(un.ha + 8u * j), un.hs, 1u) << vec4<u32>(2u);
+        hi |= fields4(wword(un.ha + 8u * j + 4u), un.hs, 1u) << vec4<u32>(2u);
+    } else if (QTYPE == Q5_K) {
         lo |= fields4(wword(un.ha + 8u * j), un.hs, 1u) << vec4<u32>(4u);
         hi |= fields4(wword(un.ha + 8u * j + 4u), un.hs, 1u) << vec4<u32>(4u);
     } else if (QTYPE == Q6_K) {
@@ -184,9 +250,14 @@ fn group(un: Unit, j: u32) -> Group {
         off = 8.0;
     } else if (QTYPE == Q6_K) {
         off = 32.0;
+    } else if (QTYPE == Q5_0) {
+        off = 16.0;
+    } else if (QTYPE == Q3_K) {
+        off = 4.0;
     }
     let d = select(un.d0, un.d1, j >= 2u);
-    g.a = d * (vec4<f32>(lo) - off) + un.m;
-    g.b = d * (vec4<f32>(hi) - off) + un.m;
+    let m = select(un.m, un.m1, j >= 2u);
+    g.a = d * (vec4<f32>(lo) - off) + m;
+    g.b = d * (vec4<f32>(hi) - off) + m;
     return g;
 }
