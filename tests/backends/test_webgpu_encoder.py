@@ -11,10 +11,11 @@ The backend's ``supports`` / ``bind_library_op`` are patched here to consult ``e
 first (the ``kernels`` fixture), which records the ops bound to these kernels. Without wgpu or
 a WebGPU adapter the module is skipped."""
 import pytest
+from webgpu_kernels import bound_ops
 import torch
 
 import yirage as yr
-from yirage.backends import get_backend_impl, get_backend_info
+from yirage.backends import get_backend_info
 
 if not yr.is_backend_available("webgpu"):
     pytest.skip(f"webgpu unavailable: {get_backend_info('webgpu').reason}", allow_module_level=True)
@@ -27,30 +28,9 @@ OPS = ("attention_varlen", "attention_bidir", "sdpa", "linear_stack")
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """The webgpu backend with encoder.OPS consulted before its own ops; yields the list of the
-    ops bound to these kernels."""
-    impl = get_backend_impl("webgpu")
-    supports, bind = impl.supports, impl.bind_library_op
-    bound = []
-
-    def ours(node, graph):
-        entry = E.OPS.get(node.op)
-        return entry if entry is not None and entry[0](node, graph) else None
-
-    def patched_supports(node, graph):
-        return ours(node, graph) is not None or supports(node, graph)
-
-    def patched_bind(node, graph, args, out, status=None):
-        entry = ours(node, graph)
-        if entry is None:
-            return bind(node, graph, args, out, status)
-        bound.append(node.op)
-        return entry[1](node, graph, args, out, status)
-
-    monkeypatch.setattr(impl, "supports", patched_supports)
-    monkeypatch.setattr(impl, "bind_library_op", patched_bind)
+    """The ops the webgpu backend bound to this module's kernels (the backend consults them itself)."""
     monkeypatch.setenv("YIRAGE_TUNE", "off")
-    return bound
+    return bound_ops(monkeypatch, E.OPS)
 
 
 _CASES = [c for c in CASES if c.op in OPS]

@@ -13,11 +13,12 @@ module is skipped. On Mesa's lavapipe it runs in seconds."""
 import math
 
 import pytest
+from webgpu_kernels import bound_ops
 import torch
 import torch.nn.functional as F
 
 import yirage as yr
-from yirage.backends import get_backend_impl, get_backend_info
+from yirage.backends import get_backend_info
 
 if not yr.is_backend_available("webgpu"):
     pytest.skip(f"webgpu unavailable: {get_backend_info('webgpu').reason}", allow_module_level=True)
@@ -30,29 +31,8 @@ from yirage.transforms.fusion import LibraryStep  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def kernels(monkeypatch):
-    """The webgpu backend with webgpu.layout.OPS consulted before its own ops; yields the list of
-    the ops bound to these kernels."""
-    impl = get_backend_impl("webgpu")
-    supports, bind = impl.supports, impl.bind_library_op
-    bound = []
-
-    def ours(node, graph):
-        entry = L.OPS.get(node.op)
-        return entry if entry is not None and entry[0](node, graph) else None
-
-    def patched_supports(node, graph):
-        return ours(node, graph) is not None or supports(node, graph)
-
-    def patched_bind(node, graph, args, out, status=None):
-        entry = ours(node, graph)
-        if entry is None:
-            return bind(node, graph, args, out, status)
-        bound.append(node.op)
-        return entry[1](node, graph, args, out, status)
-
-    monkeypatch.setattr(impl, "supports", patched_supports)
-    monkeypatch.setattr(impl, "bind_library_op", patched_bind)
-    return bound
+    """The ops the webgpu backend bound to this module's kernels (the backend consults them itself)."""
+    return bound_ops(monkeypatch, L.OPS)
 
 
 # ---- the conformance cases ----------------------------------------------------------------------
