@@ -72,6 +72,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (sets OMP_NUM_THREADS from --threads before torch loads)
+from _plot import add_plot_option, figure, save  # noqa: E402
 from _sides import Sides, SideSpec, comparison  # noqa: E402
 
 PROMPT = "Write a detailed story about a robot who learns to paint."
@@ -545,7 +546,7 @@ def busy_report(args, gguf_path: str, report: dict) -> None:
     report["decode_busy_over_1thread_idle (target >= 1.0)"] = cmp
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct",
                     help="a short name (yirage models), .gguf file or Hugging Face directory")
@@ -560,7 +561,12 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers (slow)")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a side may take per generation")
-    args = ap.parse_args()
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     args.prompt_names = (args.prompts or ("short" if args.scenario == "busy" else "short,long")).split(",")
 
     from yirage.models.loading import load_model
@@ -577,6 +583,40 @@ def main() -> None:
               "llm_params": sorted(_llm_params() - {"self"})}
     (busy_report if args.scenario == "busy" else idle_report)(args, str(gguf.path), report)
     print(json.dumps(report, indent=2))
+    if args.plot:
+        save(plot_figure(report), args.plot)
+
+
+#: the short names of yirage's configurations in a figure
+CONFIG_LABELS = {"persistent=True": "float32", "persistent=False": "float32, launch per op",
+                 "persistent=True prefill_dtype=bfloat16": "bf16 prefill", "persistent=True decode_dtype=int8": "int8 decode",
+                 "persistent=True kv_cache_dtype=float16": "fp16 KV cache",
+                 "persistent=True decode_dtype=int8 kv_cache_dtype=float16": "int8 decode + fp16 KV", "default": "default"}
+
+
+def plot_figure(report: dict) -> dict | None:
+    """The figure of an idle run (``benchmarks/_plot.py``): decode and prefill, per prompt, of each
+    yirage configuration over llama.cpp (the faster of its two configurations at each figure when
+    both ran), and of the first configuration over transformers. None for the busy scenario."""
+    if report.get("scenario") != "idle":
+        return None
+    tokens = {p: v["tokens"] for p, v in report.get("prompts", {}).items()}
+    best = report.get("ratios_yirage_over_llamacpp_best")
+    llama = ("llama.cpp (best of flash attention on/off)", best) if best else \
+        ("llama.cpp", report.get("ratios_yirage_over_llamacpp"))
+    bars = []
+    for peer, ratios in (llama, ("transformers", report.get("ratios_yirage_over_transformers"))):
+        for i, (config, r) in enumerate((ratios or {}).items()):
+            if peer == "transformers" and i > 0:
+                break
+            for key, value in r.items():
+                kind, _, prompt = key.partition("_")
+                if kind in ("decode", "prefill") and prompt in tokens:
+                    bars.append({"group": f"{kind}, {tokens[prompt]}-token prompt",
+                                 "series": f"{CONFIG_LABELS.get(config, config)} vs {peer}", "ratio": value})
+    return figure("decode", f"{report['model']}: yirage decode and prefill tokens/s over each peer's, "
+                            f"{report['max_new_tokens']} new tokens", report["machine"], bars,
+                  ylabel="yirage tokens/s / the peer's (x; higher: yirage faster)") if bars else None
 
 
 if __name__ == "__main__":

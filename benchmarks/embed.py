@@ -41,6 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (sets OMP_NUM_THREADS from --threads before torch loads)
+from _plot import add_plot_option, figure, save  # noqa: E402
 from _sides import Sides, SideSpec, comparison  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -269,7 +270,7 @@ def cold_cache(threads: int) -> str:
 SETUP_STEPS = (("yirage.runtime.toolchain",), ("yirage.tools.warmup",))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="all-minilm-l6-v2")
     ap.add_argument("--threads", type=int, default=2)
@@ -280,6 +281,12 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="yirage's sides start from an empty cache that holds only what make setup leaves "
                          "(a user's very first process)")
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     if args.cold:
         cold_cache(args.threads)
@@ -302,6 +309,24 @@ def main() -> None:
         result["mean_tokens"] = sides.info[REFERENCE]["mean_tokens"]
     result.update(report(sides, rounds, args.n))
     print(json.dumps(result, indent=2))
+    if args.plot:
+        save(plot_figure(result), args.plot)
+
+
+#: a side's name in a figure
+LABELS = {"yirage_float32": "float32", "yirage_bfloat16": "bfloat16", "yirage_int8": "int8",
+          BASELINE: "sentence-transformers", "onnxruntime": "ONNX Runtime"}
+
+
+def plot_figure(result: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): sentences/s of each yirage side over each peer's
+    (the median of the paired ratios of the rounds)."""
+    bars = [{"group": LABELS[name], "series": f"vs {LABELS[peer]}", "ratio": result[key]}
+            for name in SIDES if name.startswith("yirage_") for peer in (BASELINE, "onnxruntime")
+            if (key := f"speedup_{name}_vs_{peer}") in result]
+    return figure("embed", f"{result['model']}: yirage sentences/s over each peer's ({result['sentences']} "
+                           f"sentences, batch {result['batch_size']})", result["machine"], bars,
+                  ylabel="yirage sentences/s / the peer's (x; higher: yirage faster)") if bars else None
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ bf16, linear, float32 result plus bias), and against yirage's float32 packed GEM
 per-round ratios of times, < 1: yirage's bf16 GEMM takes less time) and the machine record.
 
 Usage: PYTHONPATH=src python benchmarks/kernels_cpu.py [--threads 2] [--min-time 0.4]
-       [--ggml-only | --gemm | --row-groups]
+       [--ggml-only | --gemm | --row-groups | --skip-ggml] [--plot PATH.png]
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ from yirage.backends.cpu.native import library
 from yirage.dtypes import DType
 from yirage.runtime.machine import machine_record
 from yirage.runtime.timing import compare
+
+from _plot import add_plot_option, figure, save
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
 GGML_SHAPES = [(2048, 2048), (640, 2048), (4096, 4096)]    # (N, K), K % 256 == 0
@@ -182,7 +184,7 @@ def _row_groups_case(lib, fmt: str, M: int, N: int, K: int, min_time: float) -> 
             "int8_vs_float32_row_groups": round(gbs["int8/row_groups"] / gbs["float32/row_groups"], 2)}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-time", type=float, default=0.4, help="seconds per contender and shape")
@@ -190,23 +192,26 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true", help="only the encoder's packed GEMMs (bf16, f32) vs oneDNN bf16")
     ap.add_argument("--rounds", type=int, default=9, help="--gemm: interleaved rounds per shape")
     ap.add_argument("--row-groups", action="store_true", help="only the plain vs row-group decode GEMVs")
-    args = ap.parse_args()
+    ap.add_argument("--skip-ggml", action="store_true", help="the default run without the per-format GEMV section")
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.row_groups:
         torch.set_num_threads(args.threads)
         cases = [_row_groups_case(library(), "q4_1" if N != 49152 else "q8_0", M, N, K, args.min_time)
                  for N, K in SHAPES for M in (1, 4, 16)]
-        print(json.dumps({"machine": machine_record(args.threads), "row_groups": cases}, indent=1))
-        return
+        return emit({"machine": machine_record(args.threads), "row_groups": cases}, args)
     if args.gemm:
         torch.set_num_threads(args.threads)
         cases = [_gemm_case(M, N, K, args.rounds, args.min_time / args.rounds) for M in GEMM_M for N, K in GEMM_NK]
-        print(json.dumps({"machine": machine_record(args.threads), "gemm": cases}, indent=1))
-        return
+        return emit({"machine": machine_record(args.threads), "gemm": cases}, args)
     lib = library()
-    ggml = [_ggml_case(lib, N, K, t, args.min_time) for t in (1, 2) for N, K in GGML_SHAPES]
+    ggml = [] if args.skip_ggml else [_ggml_case(lib, N, K, t, args.min_time) for t in (1, 2) for N, K in GGML_SHAPES]
     if args.ggml_only:
-        print(json.dumps({"machine": machine_record(args.threads), "ggml_gemv": ggml}, indent=1))
-        return
+        return emit({"machine": machine_record(args.threads), "ggml_gemv": ggml}, args)
     torch.set_num_threads(args.threads)
     noop = lib.yr_argmax   # R = 0: returns at once, measures the ctypes call itself
     overhead = _bench({"call": lambda: noop(0, 0, 0, 1)}, 0.2)["call"]
@@ -218,7 +223,35 @@ def main() -> None:
         "prefill_hot": [_case(lib, M, N, K, args.min_time) for M, N, K in PREFILL],
         "ggml_gemv": ggml,
     }
+    emit(result, args)
+
+
+def emit(result: dict, args) -> None:
+    """Print ``result`` as JSON, then draw its figure into ``args.plot`` if asked."""
     print(json.dumps(result, indent=1))
+    if args.plot:
+        save(plot_figure(result), args.plot)
+
+
+def plot_figure(result: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): yirage's kernels over torch's (the default run: the
+    q4_1 and q8_0 linears over torch's float32 linear on the dequantized weight, decode M = 1 hot
+    and cold and prefill; ``--gemm``: yirage's bf16 GEMM over oneDNN's bf16 GEMM and linear).
+    None for ``--ggml-only`` and ``--row-groups``, which compare yirage's kernels with each other."""
+    bars = []
+    for section, label in (("decode_M1_hot", "M=1 hot"), ("decode_M1_cold", "M=1 cold"), ("prefill_hot", "hot")):
+        for c in result.get(section, []):
+            group = f"{c['M']}x{c['N']}x{c['K']} {label}"
+            bars += [{"group": group, "series": f"{fmt} vs torch float32 linear", "ratio": c[f"speedup_{fmt}_vs_torch"]}
+                     for fmt in ("q4_1", "q8_0")]
+    for c in result.get("gemm", []):   # ratio_vs_*: yirage bf16 time / the peer's; the speedup is its inverse
+        bars += [{"group": f"{c['M']}x{c['N']}x{c['K']}", "series": f"bf16 GEMM vs {peer}", "ratio": 1 / c[f"ratio_vs_{peer}"]}
+                 for peer in ("onednn_bf16_gemm", "onednn_bf16_linear") if c.get(f"ratio_vs_{peer}")]
+    if not bars:
+        return None
+    what = ("yirage's packed bf16 GEMM over oneDNN's (MiniLM's shapes, M x N x K)" if "gemm" in result else
+            "yirage's q4_1 / q8_0 linear over torch's float32 linear (M x N x K)")
+    return figure("kernels", what, result["machine"], bars)
 
 
 if __name__ == "__main__":

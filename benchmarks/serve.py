@@ -36,6 +36,7 @@ are noisy; compare within one run.
 from __future__ import annotations
 
 import _threads  # noqa: F401  (sets OMP_NUM_THREADS from --threads before torch loads)
+from _plot import add_plot_option, figure, save  # noqa: E402
 
 import argparse
 import asyncio
@@ -267,7 +268,7 @@ def bench_server(server: ServerProcess, args, model_name: str, scenarios: list[t
     return {"status": "ok", "scenarios": results}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct")
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (benchmarks/build_llama_server.sh)")
@@ -288,6 +289,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     ap.add_argument("-o", "--output", default=None)
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
 
     from yirage.models.loading import load_model
@@ -353,10 +360,22 @@ def main() -> None:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)
+    if args.plot:
+        save(plot_figure(out), args.plot)
 
 
 def _ratio(a, b):
     return round(a / b, 3) if a and b else None
+
+
+def plot_figure(out: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): yirage's aggregate output tokens/s over
+    llama-server's, per concurrency and prompt length (the medians over the rounds)."""
+    bars = [{"group": f"concurrency {r['concurrency']}", "series": f"{r['prompt_tokens']}-token prompts",
+             "ratio": r["output_tokens_per_s"]} for r in out.get("yirage_vs_llama_server", [])]
+    return figure("serve", f"{out['model']}: yirage serve's output tokens/s over llama-server's "
+                           f"({out['slots']} slots, {out['output_tokens']} tokens per request)", out["machine"], bars,
+                  ylabel="yirage output tokens/s / llama-server's (x; higher: yirage faster)") if bars else None
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (sets OMP_NUM_THREADS from --threads before torch loads)
+from _plot import add_plot_option, figure, save  # noqa: E402
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402
@@ -333,7 +334,7 @@ def _summary(results: dict, key: str) -> dict | None:
     return {"graphs": len(vals), "geomean": round(gm, 3), "min": round(min(vals), 3), "min_graph": worst}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--graphs", default=",".join(GRAPHS),
@@ -351,6 +352,12 @@ def main() -> None:
     ap.add_argument("--no-plans", dest="plans", action="store_false",
                     help="leave out the yirage_*_plan columns (prebound plans)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (the median is over these)")
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     names = [n.strip() for n in args.graphs.split(",") if n.strip()]
     unknown = [n for n in names if n not in GRAPHS]
@@ -381,6 +388,21 @@ def main() -> None:
                     "speedup_superopt_plan_vs_fixed_plan": _summary(results, "speedup_superopt_plan_vs_fixed_plan")},
     }
     print(json.dumps(out, indent=1))
+    if args.plot:
+        save(plot_figure(out), args.plot)
+
+
+#: the peers of the superoptimized graph in a figure: (key of speedup_superopt_vs_*, label)
+PLOT_PEERS = (("eager", "torch eager"), ("compile", "torch.compile"), ("fixed", "yirage fixed fusion"))
+
+
+def plot_figure(out: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): the superoptimized graph's speed over torch eager's,
+    torch.compile's and yirage's own fixed fusion's, per graph (medians of the paired ratios)."""
+    bars = [{"group": name, "series": f"vs {label}", "ratio": r[f"speedup_superopt_vs_{key}"]}
+            for name, r in out["graphs"].items() for key, label in PLOT_PEERS if r.get(f"speedup_superopt_vs_{key}")]
+    return figure("superoptimize", "superoptimized graphs (Mirage's benchmark graphs) over each peer, float32"
+                  + (" (--small)" if out["small"] else ""), out["machine"], bars) if bars else None
 
 
 if __name__ == "__main__":

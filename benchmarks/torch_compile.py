@@ -70,6 +70,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _sides import Sides, SideSpec, comparison  # noqa: E402
+from _plot import add_plot_option, figure, save  # noqa: E402
 
 TRANSFORMERS = ("bert", "gpt2", "llama", "vit", "distilbert", "t5-encoder", "minilm")
 #: efficientnet-b0: the issue's example of Inductor far slower than eager on an Intel CPU (depthwise
@@ -354,7 +355,7 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(TRANSFORMERS + CONV_NETS))
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -370,6 +371,12 @@ def main() -> None:
                     help="the yirage sides' tuning profile directory (default: a new, empty one per case)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: models on the GPU, yirage's cuda backend against Inductor's Triton")
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     if args.device == "cuda":
         import torch
@@ -390,10 +397,24 @@ def main() -> None:
         return {f"geomean_vs_{p}": _geomean([results[k].get(f"yirage_speedup_vs_{p}") for k in keys])
                 for p in ("eager", "inductor", "best")}
     passed = [k for k, e in results.items() if e.get("yirage", {}).get("ok")]
-    print(json.dumps({"machine": machine_record(args.threads), "device": args.device, "dtype": args.dtype,
-                      "rounds": args.rounds, "small": args.small, "kernel_libraries_build_s": build_s, "models": results,
-                      "summary": {"pass_rate": f"{len(passed)}/{len(results)}", "transformers": group(TRANSFORMERS),
-                                  "conv_nets": group(CONV_NETS)}}, indent=1))
+    report = {"machine": machine_record(args.threads), "device": args.device, "dtype": args.dtype,
+              "rounds": args.rounds, "small": args.small, "kernel_libraries_build_s": build_s, "models": results,
+              "summary": {"pass_rate": f"{len(passed)}/{len(results)}", "transformers": group(TRANSFORMERS),
+                          "conv_nets": group(CONV_NETS)}}
+    print(json.dumps(report, indent=1))
+    if args.plot:
+        save(plot_figure(report), args.plot)
+
+
+def plot_figure(report: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): yirage's speed over eager's and Inductor's per model
+    and batch (the median of the paired ratios of the rounds)."""
+    bars = [{"group": case, "series": f"vs {label}", "ratio": entry[f"yirage_speedup_vs_{peer}"]}
+            for case, entry in report["models"].items() for peer, label in (("eager", "eager"), ("inductor", "Inductor"))
+            if entry.get(f"yirage_speedup_vs_{peer}")]
+    return figure("torch_compile", f"torch.compile(backend=yirage) over eager and Inductor, {report['dtype']} "
+                                   f"on {report['device']} (forward, median of {report['rounds']} rounds)",
+                  report["machine"], bars) if bars else None
 
 
 if __name__ == "__main__":
