@@ -36,7 +36,7 @@ $(VENV)/.setup: pyproject.toml $(VENV)/.torch
 # tests/cross/install.sh: the aarch64 cross compiler and qemu-user for the Arm kernel tests;
 # tests/webgpu/install.sh: Mesa's software Vulkan driver (lavapipe) for the webgpu backend's tests
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
-	$(PIP) install -e ".[test,scale,webgpu]"
+	$(PIP) install -e ".[test,scale,webgpu,docs]"
 	$(VENV)/bin/yirage models pull gemma3-270m
 	tests/cross/install.sh
 	tests/webgpu/install.sh
