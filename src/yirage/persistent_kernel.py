@@ -80,8 +80,9 @@ class PersistentKernel:
     """A decode step compiled as one persistent task graph (Mirage's ``PersistentKernel``).
 
     Args:
-        world_size, mpi_rank: 1 and 0 (multi-device runs are not supported yet: other
-            values raise GraphError).
+        world_size: 1 (multi-device runs are not supported yet: other values raise
+            GraphError).
+        mpi_rank: 0 (other values raise GraphError).
         num_workers: worker threads on the CPU, the caller included; default: the cores this
             process may use (``os.sched_getaffinity``).
         num_local_schedulers: 1 or None: the CPU runtime has one scheduler (a shared task

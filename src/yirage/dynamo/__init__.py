@@ -43,14 +43,16 @@ def compile(model, mode: str | None = None, options: dict | None = None, **torch
             (``superoptimize`` each partition within ``options["time_budget_s"]``).
         options: a dict with any of
             ``backend`` (a yirage backend name; default ``yr.get_backend()``),
-            ``dtype`` (None only, for now),
+            ``dtype`` (None, or "bfloat16": the GEMMs of float32 linear layers compute in
+            bfloat16; see ``options.CompileOptions``),
             ``min_block_size`` (int >= 1, default 2: smaller partitions stay torch),
             ``torch_executed_ops`` (ATen op names such as "aten.gelu" that always run in torch),
             ``fallback`` ("eager", default: a partition that fails runs in torch with one
             ``YirageFallbackWarning``; "raise": TorchCompileError),
             ``verify`` (bool: compare the first call of each graph with eager),
             ``cache_dir`` (where compiled kernels go), ``time_budget_s`` (max-autotune's budget
-            per partition, default 10).
+            per partition, default 10), ``freeze`` (bool, default True: the parameters and
+            buffers are constant weights the backend may keep prepacked).
         torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
             ``dynamic`` keeps torch's default, None: the first shape compiles statically,
             and the first call with another shape recompiles once with the changed dims

@@ -185,8 +185,10 @@ class EmbeddingModel:
             sentences: one str (returns one vector [dim]) or a sequence of str (returns [n, dim]).
             batch_size: sentences per compiled launch (a positive integer).
             normalize_embeddings: L2-normalize every vector (as the Normalize module does).
-            convert_to_numpy / convert_to_tensor: a float32 numpy array, a torch tensor
-                (takes precedence), or with both False a list of torch tensors.
+            convert_to_numpy: return a float32 numpy array (with ``convert_to_tensor`` and
+                both False: a list of torch tensors).
+            convert_to_tensor: return a torch tensor (takes precedence over
+                ``convert_to_numpy``).
             show_progress_bar: print batch progress on stderr (None: off).
         Returns: float32 embeddings, in the order of ``sentences``.
         Raises:

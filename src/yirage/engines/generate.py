@@ -543,7 +543,8 @@ class LLM:
             temperature: finite, >= 0: 0 for greedy decoding (so are positive values below
                 1e-30, where the scaled logits would overflow: greedy is their limit), > 0
                 to sample.
-            top_k, top_p: optional sampling filters (top_k a positive integer, 0 < top_p <= 1).
+            top_k: optional sampling filter, a positive integer.
+            top_p: optional sampling filter, 0 < top_p <= 1.
             seed: None or an integer in 0 .. 2**64-1; seeds the sampler (results repeat
                 for the same seed).
             stop: a string or a list of strings that end generation; they are not included
@@ -567,12 +568,15 @@ class LLM:
             logprobs: None, or k in [0, 20]: the result's ``logprobs`` holds every generated
                 token's log-probability (the log-softmax of its float32 logits) and the k most
                 likely tokens at its position.
-            tools, tool_choice, parallel_tool_calls: OpenAI's tool calling (``engines.tools``):
+            tools: OpenAI's tool calling (``engines.tools``), with ``tool_choice`` and
+                ``parallel_tool_calls``:
                 the chat template renders the function definitions; the calls the model makes
                 are parsed out of its reply into the result's ``tool_calls`` (``text`` keeps the
                 rest; ``finish_reason`` 'tool_calls'); ``tool_choice`` 'required' or
                 {'type': 'function', 'function': {'name': ...}} forces a call with a grammar.
                 A template without a tool format is refused.
+            tool_choice: 'auto', 'none', 'required' or one named function (see ``tools``).
+            parallel_tool_calls: whether the model may make several calls (see ``tools``).
             chat_template: a jinja2 chat template used instead of the model's.
 
         Returns: GenerationResult, or a GenerationStream when ``stream`` is True; a list of

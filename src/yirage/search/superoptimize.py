@@ -319,8 +319,9 @@ def superoptimize(graph: KernelGraph, config=None, backend: str | None = None, w
             report (the candidate family is chosen from the graph itself).
         backend: where candidates are compiled and timed (default: the graph's, else
             ``yr.get_backend()``).
-        warmup_iters, profile_iters: untimed and timed runs per candidate; the timed runs are
-            spread over interleaved rounds, each paired with as many runs of the fixed fusion.
+        warmup_iters: untimed runs per candidate.
+        profile_iters: timed runs per candidate; they are spread over interleaved rounds,
+            each paired with as many runs of the fixed fusion.
         use_cached_graphs: return the cached winner for this graph, backend and machine if
             there is one (the search is skipped).
         save_codes: write the winner's kernel-graph JSON and the C++ of its block graphs to

@@ -431,9 +431,11 @@ def benchmark_backends(duration_seconds: float | None = None, backends=None, *, 
         ops: names from ``OPS`` (default all): matmul, linear, layer_norm, rms_norm, softmax,
             attention (encoder attention over packed sentences), transformer_block (a BERT
             encoder layer), quantized_gemv (M = 1, a ``quant_type`` GGUF weight).
-        batch_sizes, seq_lengths, hidden_sizes: positive integers; each combination gives one
-            shape per op (rows = batch x seq for the row ops; hidden sizes that are not a
-            multiple of 64 skip the attention ops, of 32 the GEMV).
+        batch_sizes: positive integers; each combination of batch size, sequence length and
+            hidden size gives one shape per op (rows = batch x seq for the row ops; hidden
+            sizes that are not a multiple of 64 skip the attention ops, of 32 the GEMV).
+        seq_lengths: positive integers (see ``batch_sizes``).
+        hidden_sizes: positive integers (see ``batch_sizes``).
         dtype: activation dtype, one of ``DTYPES``.
         quant_type: the GEMV's weight type, one of ``QUANT_TYPES``.
         max_gflop: cases above this many GFLOP (1e9 floating-point operations) per call are
