@@ -64,6 +64,16 @@ test: setup-test
 		YIRAGE_ISA=$(ISA_CAP) $(PY) -m pytest -q -n $(TEST_WORKERS) -k "not triton and not aarch64 and not webgpu" $(ISA_TESTS); \
 	else echo "(YIRAGE_ISA=$(ISA_CAP) cannot cap this CPU: the second pass is skipped)"; fi
 
+# The documentation site (mkdocs.yml, docs/) served at http://127.0.0.1:8000 as you edit it;
+# make test builds it with --strict (tests/test_docs.py), so a broken link fails the tests.
+.PHONY: docs
+$(VENV)/.setup-docs: pyproject.toml $(VENV)/.setup
+	$(PIP) install -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.setup-docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 # Every model of the registry that is not shipped with the set-up (`yirage models` lists them).
 models: setup
 	$(VENV)/bin/yirage models pull gemma3-270m
