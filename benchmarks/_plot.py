@@ -79,9 +79,9 @@ def machine_summary(machine: dict) -> str:
         cpu += f" ({gen})"
     parts = [cpu, isa_summary(machine)]
     if machine.get("cores"):
-        parts.append(f"{machine['cores']} cores")
+        parts.append(f"{machine['cores']} core{'s' if machine['cores'] != 1 else ''}")
     if machine.get("threads"):
-        parts.append(f"{machine['threads']} threads")
+        parts.append(f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}")
     if machine.get("gpu"):
         parts.append(str(machine["gpu"]))
     return ", ".join(parts)
@@ -135,8 +135,9 @@ def render(fig: dict):
             drawn = ax.bar(xs, [b["ratio"] for b in mine], width, label=s)
         ax.bar_label(drawn, labels=[f"{b['ratio']:.2f}" for b in mine], fontsize=6, padding=1)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    ax.set_xticks(range(len(groups)), groups, fontsize=7, rotation=20 if len(groups) > 3 else 0,
-                  ha="right" if len(groups) > 3 else "center")
+    crowded = len(groups) > 6
+    ax.set_xticks(range(len(groups)), groups, fontsize=7, rotation=30 if crowded else 0,
+                  ha="right" if crowded else "center")
     ax.set_ylabel(fig.get("ylabel", "speedup (x)"), fontsize=8)
     if log:
         ax.set_yscale("log", base=2)
@@ -147,8 +148,9 @@ def render(fig: dict):
     ax.tick_params(axis="y", labelsize=7)
     ax.set_title(title_of(fig) + ("" if bars else "\n(no ratio to draw: every peer failed or was skipped)"),
                  fontsize=8)
-    if series:
-        ax.legend(fontsize=7, ncols=2 if len(series) > 4 else 1)
+    if series:   # below the axes, where it hides no bar
+        ax.legend(fontsize=7, ncols=min(3, len(series)), loc="upper center", frameon=False,
+                  bbox_to_anchor=(0.5, -0.22 if crowded else -0.08))
     return out
 
 
