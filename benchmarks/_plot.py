@@ -40,11 +40,40 @@ _ISA_EXTRAS = (("BF16", "avx512_bf16"), ("VNNI", "avx512_vnni"), ("AVX-VNNI", "a
                ("dotprod", "asimddp"))
 
 
+#: the image formats --plot takes (matplotlib's, by suffix)
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def _plot_path(value: str) -> str:
+    """--plot's argparse type: an image path of a known format in an existing directory, checked
+    before the benchmark runs rather than after."""
+    stem, suffix = os.path.splitext(value)
+    if suffix.lower() not in FORMATS:
+        raise argparse.ArgumentTypeError(f"{value!r}: the figure's suffix picks its format, one of {', '.join(FORMATS)}")
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{value!r}: the folder {folder} does not exist")
+    return value
+
+
 def add_plot_option(ap: argparse.ArgumentParser) -> None:
     """Add ``--plot PATH.png`` to a benchmark's parser."""
-    ap.add_argument("--plot", metavar="PATH.png", default=None,
+    ap.add_argument("--plot", metavar="PATH.png", default=None, type=_plot_path,
                     help="also draw yirage's ratio against each peer into PATH.png (and the figure's data "
                          "into PATH.json beside it; needs matplotlib)")
+
+
+def check_plot(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A parser error when --plot's data file (PATH.json) would overwrite -o's report."""
+    output = getattr(args, "output", None)
+    if args.plot and output and os.path.abspath(data_path(args.plot)) == os.path.abspath(output):
+        ap.error(f"--plot {args.plot} writes its data to {data_path(args.plot)}, which is -o's report: "
+                 "name the figure otherwise")
+
+
+def data_path(plot: str) -> str:
+    """Where --plot PATH.png writes its figure's data: PATH.json."""
+    return os.path.splitext(plot)[0] + ".json"
 
 
 def command_line() -> str:
@@ -121,14 +150,17 @@ def render(fig: dict):
     bars = fig["bars"]
     groups = list(dict.fromkeys(b["group"] for b in bars))
     series = list(dict.fromkeys(b["series"] for b in bars))
-    width = 0.8 / max(1, len(series))
+    # each group's bars side by side, centred on the group: only the series present in it
+    present = {g: [s for s in series if any(b["group"] == g and b["series"] == s for b in bars)] for g in groups}
+    width = 0.8 / max([1] + [len(p) for p in present.values()])
     out = Figure(figsize=(min(14.0, max(6.5, 0.35 * len(bars) + 0.6 * len(groups) + 2)), 4.8))
     ax = out.subplots()
     ratios = [b["ratio"] for b in bars] + [1.0]
     log = max(ratios) / min(ratios) > 8   # ratios far apart (a slow reference): a log axis, bars from 1x
-    for i, s in enumerate(series):
+    for s in series:
         mine = [b for b in bars if b["series"] == s]
-        xs = [groups.index(b["group"]) + (i - (len(series) - 1) / 2) * width for b in mine]
+        xs = [groups.index(b["group"]) + (present[b["group"]].index(s) - (len(present[b["group"]]) - 1) / 2) * width
+              for b in mine]
         if log:
             drawn = ax.bar(xs, [b["ratio"] - 1 for b in mine], width, bottom=1, label=s)
         else:
@@ -160,8 +192,8 @@ def save(fig: dict | None, path: str) -> None:
     if fig is None:
         print(f"[plot] nothing to draw into {path}: this run has no peer to compare yirage with", file=sys.stderr)
         return
-    stem, _ = os.path.splitext(path)
-    with open(stem + ".json", "w", encoding="utf-8") as f:
+    stem = os.path.splitext(path)[0]
+    with open(data_path(path), "w", encoding="utf-8") as f:
         json.dump(fig, f, indent=1)
         f.write("\n")
     try:

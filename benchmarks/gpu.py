@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import yirage as yr  # noqa: E402
+from _plot import add_plot_option, figure, save  # noqa: E402
 from yirage.backends import get_backend_impl  # noqa: E402
 from yirage.runtime.machine import machine_record  # noqa: E402
 
@@ -157,7 +158,7 @@ def bench_llm(model: str, backend: str, tokens: int, runs: int) -> dict:
             "greedy_tokens_equal_prefix": _matching_prefix(toks, t_tok), "new_tokens": len(t_tok)}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -166,6 +167,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-llm", action="store_true")
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     try:
         impl = get_backend_impl(args.backend)
@@ -179,6 +186,25 @@ def main() -> None:
     if not args.skip_llm:
         report["llm"] = bench_llm(args.model, args.backend, args.tokens, args.runs)
     print(json.dumps(report, indent=2))
+    if args.plot:
+        save(plot_figure(report), args.plot)
+
+
+def plot_figure(report: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): each of Mirage's graphs over torch eager and
+    torch.compile (launched per kernel, and replayed from a CUDA graph where captured), and
+    the LLM's decode over transformers eager on the same GPU."""
+    bars = []
+    for name, r in report["graphs"].items():
+        for key, label in (("speedup_vs_eager", "vs torch eager"), ("speedup_vs_compile", "vs torch.compile"),
+                           ("cudagraph_speedup_vs_compile", "CUDA graph vs torch.compile"),
+                           ("cudagraph_speedup_vs_reduce_overhead", "CUDA graph vs reduce-overhead")):
+            if r.get(key):
+                bars.append({"group": name, "series": label, "ratio": r[key]})
+    if report.get("llm", {}).get("decode_speedup"):
+        bars.append({"group": "LLM decode", "series": "vs transformers eager", "ratio": report["llm"]["decode_speedup"]})
+    return figure("gpu", f"yirage on {report['device']} ({report['backend']}, {report['dtype']}) over torch on the "
+                         "same GPU", report["machine"], bars) if bars else None
 
 
 if __name__ == "__main__":

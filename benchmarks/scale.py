@@ -48,6 +48,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (sets OMP_NUM_THREADS from --threads before torch loads)
+from _plot import add_plot_option, check_plot, figure, save  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -211,7 +212,7 @@ def bench_serve(args) -> dict:
     return report
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2-135m-instruct", help="the LLM of the serving part")
     ap.add_argument("--sentences", type=int, default=20000)
@@ -223,7 +224,14 @@ def main() -> None:
     ap.add_argument("--skip-embed", action="store_true")
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("-o", "--output", default=None)
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
+    check_plot(ap, args)
     from yirage.runtime.machine import machine_record
 
     out: dict = {"threads": args.threads, "machine": machine_record(args.threads)}
@@ -237,6 +245,30 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")
+    if args.plot:
+        save(plot_figure(out), args.plot)
+
+
+#: the ratios a figure shows: (part, key, label); each is the first side's speed over the second's
+PLOT_RATIOS = (("embed", "ray_vs_in_process", "Ray Data vs in-process"),
+               ("embed", "in_process_vs_st_multi_process", "in-process vs ST pool"),
+               ("embed", "workers_vs_st_multi_process", "--workers 2 vs ST pool"),
+               ("embed", "ray_vs_st_multi_process", "Ray Data vs ST pool"),
+               ("serve", "ray_2x1_vs_ray_1x2", "2 replicas x 1 core vs 1 x 2"),
+               ("serve", "ray_1x2_vs_plain", "Ray Serve 1 x 2 vs no Ray"),
+               ("serve", "plain_vs_llama-server", "no Ray vs llama-server"),
+               ("serve", "ray_2x1_vs_llama-server", "Ray Serve 2 x 1 vs llama-server"))
+
+
+def plot_figure(out: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): the embedding job's rows/s (job time) and the
+    serving sides' output tokens/s, each ratio of the report as a bar."""
+    parts = {"embed": f"embedding job ({out.get('embed', {}).get('sentences', '?')} sentences)",
+             "serve": "serving (16 streams)"}
+    bars = [{"group": label, "series": parts[part], "ratio": out[part][key]}
+            for part, key, label in PLOT_RATIOS if isinstance(out.get(part), dict) and out[part].get(key)]
+    return figure("scale", "scale-out on Ray on one machine: each side's speed over the other's", out["machine"], bars,
+                  ylabel="speed ratio (x; higher: the first side faster)") if bars else None
 
 
 if __name__ == "__main__":

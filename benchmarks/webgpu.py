@@ -29,6 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (OMP_NUM_THREADS from --threads before torch loads)
+from _plot import add_plot_option, check_plot, figure, save  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -140,7 +141,7 @@ def bench_decode(args, gpu) -> dict:
     return res
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     from superoptimize import GRAPHS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -155,7 +156,14 @@ def main() -> None:
     size.add_argument("--full", dest="small", action="store_false")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("-o", "--output")
+    add_plot_option(ap)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
+    check_plot(ap, args)
     if not yr.is_backend_available("webgpu"):
         print(json.dumps({"skipped": yr.get_backend_info("webgpu").reason}))
         return
@@ -175,6 +183,22 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)
+    if args.plot:
+        save(plot_figure(report), args.plot)
+
+
+def plot_figure(report: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): yirage on webgpu over torch on the same GPU and over
+    yirage's own cpu backend, per graph, for the GEMM and for SmolLM2's decode."""
+    cases = {**{name: r for name, r in report["graphs"].items()}, f"GEMM {report['gemm']['n']}": report["gemm"]}
+    if "decode" in report:
+        cases["SmolLM2 decode"] = report["decode"]
+    bars = [{"group": name, "series": label, "ratio": r[key]} for name, r in cases.items()
+            for key, label in (("webgpu_vs_torch_gpu", "vs torch on the GPU"), ("webgpu_vs_cpu", "vs yirage cpu"))
+            if r.get(key)]
+    adapter = report["adapter"]
+    return figure("webgpu", f"yirage webgpu on {adapter['device']} ({adapter['backend_type']}) over each peer"
+                  + (" (smaller dims)" if report["small"] else ""), report["machine"], bars) if bars else None
 
 
 if __name__ == "__main__":

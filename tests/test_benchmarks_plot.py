@@ -22,7 +22,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import _plot  # noqa: E402
 
 #: the benchmark scripts whose JSON compares yirage with peers: each takes --plot
-SCRIPTS = ("decode", "embed", "serve", "torch_compile", "kernels_cpu", "superoptimize")
+SCRIPTS = ("decode", "embed", "serve", "torch_compile", "kernels_cpu", "superoptimize", "scale", "webgpu", "gpu")
 
 MACHINE = {"cpu": "AMD EPYC", "cpu_generation": "26/2", "isa": ["avx2", "fma", "avx512f", "avx512bw", "avx512_bf16",
                                                                  "avx512_vnni"],
@@ -87,7 +87,7 @@ def test_the_figure_json_redraws_from_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_each_benchmark_script_takes_plot(name):
-    if name == "serve":
+    if name in ("serve", "scale"):
         pytest.importorskip("httpx", reason="benchmarks/serve.py needs httpx")
     args = load(name).parser().parse_args(["--plot", "out.png"])
     assert args.plot == "out.png"
@@ -121,12 +121,22 @@ REPORTS = {
     "superoptimize": ({"machine": MACHINE, "small": True,
                        "graphs": {"gqa": {"speedup_superopt_vs_compile": 1.2, "speedup_superopt_vs_fixed": 1.3},
                                   "lora": {"speedup_fixed_vs_compile": 1.0}}}, 2),
+    "scale": ({"machine": MACHINE, "embed": {"sentences": 20000, "ray_vs_in_process": 0.77,
+                                            "in_process_vs_st_multi_process": 2.6},
+               "serve": {"ray_2x1_vs_ray_1x2": 1.005, "plain_vs_llama-server": None}}, 3),
+    "webgpu": ({"machine": MACHINE, "small": True, "adapter": {"device": "llvmpipe", "backend_type": "Vulkan"},
+                "graphs": {"gqa": {"webgpu_vs_cpu": 0.2}}, "gemm": {"n": 256, "webgpu_vs_cpu": 0.1},
+                "decode": {"webgpu_vs_cpu": 0.05, "webgpu_vs_torch_gpu": 0.5}}, 4),
+    "gpu": ({"machine": MACHINE, "device": "NVIDIA H100", "backend": "cuda", "dtype": "float16",
+             "graphs": {"gqa": {"speedup_vs_eager": 2.0, "speedup_vs_compile": 1.5,
+                                "cudagraph_speedup_vs_compile": 3.4}},
+             "llm": {"decode_speedup": 12.0}}, 4),
 }
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_each_script_draws_its_report(name, tmp_path):
-    if name == "serve":
+    if name in ("serve", "scale"):
         pytest.importorskip("httpx", reason="benchmarks/serve.py needs httpx")
     report, n_bars = REPORTS[name]
     fig = load(name).plot_figure(report)
@@ -153,3 +163,16 @@ def test_the_docs_figures_have_their_data_beside_them():
         fig = json.loads(data.read_text())
         assert {"job", "title", "machine", "date", "command", "source", "bars"} <= set(fig), data.name
         assert png.stat().st_size < 150_000, f"{png.name}: {png.stat().st_size} bytes"
+
+
+def test_plot_paths_are_checked_before_a_run(tmp_path, capsys):
+    ap = load("webgpu").parser()
+    for bad in (str(tmp_path / "figure.txt"), str(tmp_path / "missing" / "figure.png")):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--plot", bad])
+    report = str(tmp_path / "run.json")
+    args = ap.parse_args(["--plot", str(tmp_path / "run.png"), "-o", report])
+    with pytest.raises(SystemExit):   # the figure's data would overwrite -o's report
+        _plot.check_plot(ap, args)
+    assert "-o's report" in capsys.readouterr().err
+    _plot.check_plot(ap, ap.parse_args(["--plot", str(tmp_path / "run.png"), "-o", str(tmp_path / "other.json")]))
