@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 import yirage as yr
@@ -344,6 +346,35 @@ def test_bucket_tokens():
     assert len({bucket_tokens(n) for n in range(1, 8193)}) <= 64 + 32 * 7  # a few buckets per doubling
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=400), st.integers(1, 64))
+def test_token_batches_pack_every_sentence_once_within_the_budget(lengths, batch_size):
+    from yirage.engines.embed import bucket_tokens, token_batches
+    batches = token_batches(lengths, batch_size)
+    taken = [i for idx, _ in batches for i in idx]
+    assert sorted(taken) == list(range(len(lengths)))                     # each sentence exactly once
+    assert [lengths[i] for i in taken] == sorted(lengths, reverse=True)   # longest first
+    budget = bucket_tokens(max(1, sum(sorted(lengths, reverse=True)[:batch_size])))
+    for n, (idx, rows) in enumerate(batches):
+        total = sum(lengths[i] for i in idx)
+        assert total <= rows and len(idx) <= rows and rows % 16 == 0    # fits its plan (T rows, T sentences)
+        if n < len(batches) - 1:
+            assert rows == budget                                         # one plan for every full batch
+            nxt = lengths[batches[n + 1][0][0]]
+            assert total + nxt > rows or len(idx) == rows                 # full: the next one did not fit
+    assert len({rows for _, rows in batches}) <= 2
+
+
+def test_an_encode_builds_at_most_two_plans(reference):
+    """Token budgets: 300 sentences of 1 to 256 tokens are one plan for the full batches and one
+    for the last, whatever the batch size (before, every batch of a new bucket built one)."""
+    sents, _ = reference
+    for batch_size in (32, 5):
+        m = yr.EmbeddingModel("all-minilm-l6-v2", backend="cpu")
+        m.encode(sents, batch_size=batch_size)
+        assert len(m.plan_shapes) <= 2, m.plan_shapes
+
+
 def test_attention_varlen_op(backend):
     H, Dh, lengths = 4, 8, [5, 5, 3, 1]
     T = sum(lengths) + 3  # three rows of bucket padding
@@ -391,6 +422,7 @@ def test_a_loaded_model_freezes_the_heap_so_full_collections_stay_short():
     import gc
 
     gc.unfreeze()
+    gc.collect()   # earlier tests' garbage (their models) must not count as what the load froze
     before = len(gc.get_objects(generation=2))
     yr.EmbeddingModel(backend="cpu")
     assert gc.get_freeze_count() >= before > 0

@@ -216,5 +216,16 @@ def render_module(kernels: list[FusedKernel]) -> tuple[str, list[str]]:
     for k in kernels:
         name = kernel_name(k)
         names.append(name)
-        bodies.setdefault(name, render_kernel(k, name))
+        if name not in bodies:
+            body = _rendered.get(name)
+            if body is None:
+                if len(_rendered) >= 4096:
+                    _rendered.clear()
+                body = _rendered[name] = render_kernel(k, name)
+            bodies[name] = body
     return HEADER + "\n\n".join(bodies[n] for n in sorted(bodies)) + "\n", names
+
+
+#: entry name -> its rendered body: the name hashes everything the body depends on, and a model
+#: renders the same kernels for every shape it plans (an encoder's 19 at each token bucket)
+_rendered: dict[str, str] = {}

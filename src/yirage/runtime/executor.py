@@ -207,7 +207,8 @@ class Plan:
         g = cg.graph
         self.device = cg.impl.torch_device
         impl = cg.impl
-        written = {i for i, tid in enumerate(g.inputs) if tid in _written_tids(g)}
+        mutated = _written_tids(g)
+        written = {i for i, tid in enumerate(g.inputs) if tid in mutated}
         staged, self._before, self._after = impl.stage_inputs(inputs, written)
         self.env: dict[int, torch.Tensor] = dict(zip(g.inputs, staged))
         self.thunks: list[Callable[[], None]] = []

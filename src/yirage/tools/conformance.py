@@ -1253,6 +1253,9 @@ def _library_cases() -> list[Case]:
                                                                                             DType.bfloat16)),
         Case("attention_varlen", "3,0,5 pad 2", part(_attention_varlen, [3, 0, 5], 2), tol=(1e-5, 1e-4)),
         Case("attention_varlen", "1", part(_attention_varlen, [1], 0), tol=(1e-5, 1e-4)),
+        # the embedding engine's plans: as many sentences as token rows, the unused ones empty
+        Case("attention_varlen", "5,3 then 14 empty, pad 6", part(_attention_varlen, [5, 3] + [0] * 14, 6),
+             tol=(1e-5, 1e-4)),
         Case("attention_bidir", "2x5 masked", _attention_bidir, tol=(1e-5, 1e-4)),
         Case("argmax", "3x4097 ties", part(_argmax, 3, 4097)),
         Case("argmax", "5x7 ties", part(_argmax, 5, 7)),

@@ -1242,13 +1242,19 @@ void yr_emb_attention_varlen(const float* qkv, const int64_t* offsets, float* ou
     const int64_t HD = H * Dh;
     std::fill(out + offsets[B] * HD, out + T * HD, 0.0f);
     double work = 0.0;   // multiply-adds, roughly
-    for (int64_t b = 0; b < B; ++b) work += (double)(offsets[b + 1] - offsets[b]) * (offsets[b + 1] - offsets[b]);
+    int64_t sentences = 0;   // non-empty ones: a plan's unused sentences are empty
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = offsets[b + 1] - offsets[b];
+        work += (double)L * L;
+        sentences += L > 0;
+    }
     // A task is one sentence and a group of its heads, so one core reads a sentence's qkv rows
     // (contiguous) instead of two cores taking turns on its heads (attention ~5% faster in an
     // encode here). Heads are split into groups only when there are too few sentences for
     // every thread.
     const int threads = emb_threads();
-    const int64_t groups = B >= 4 * threads ? 1 : std::min<int64_t>(H, (4 * threads + B - 1) / std::max<int64_t>(B, 1));
+    const int64_t groups = sentences >= 4 * threads ? 1
+        : std::min<int64_t>(H, (4 * threads + sentences - 1) / std::max<int64_t>(sentences, 1));
     yr::parallel_for_dynamic(B * groups, work * HD >= (double)PAR_MIN_MACS, [&](int64_t task) {
         const int64_t b = task / groups, g = task % groups;
         const int64_t s = offsets[b], L = offsets[b + 1] - s;
