@@ -36,7 +36,7 @@ are noisy; compare within one run.
 from __future__ import annotations
 
 import _threads  # noqa: F401  (sets OMP_NUM_THREADS from --threads before torch loads)
-from _plot import add_plot_option, figure, save  # noqa: E402
+from _plot import add_plot_option, check_plot, figure, save  # noqa: E402
 
 import argparse
 import asyncio
@@ -296,6 +296,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     ap = parser()
     args = ap.parse_args()
+    check_plot(ap, args)
 
     from yirage.models.loading import load_model
     from yirage.models.registry import resolve_model
