@@ -508,6 +508,8 @@ def test_hf_tokenizer_that_cannot_encode(tmp_path, tiny_tokenizer, edit, match):
     ({"max_position_embeddings": "long"}, r"max_position_embeddings = 'long' must be an integer"),
     ({"sliding_window": -1}, r"sliding_window = -1 must be >= 0"),
     ({"sliding_window": "x"}, r"sliding_window = 'x' must be an integer"),
+    ({"sliding_window": 10**30}, r"sliding_window = 1000000000000000000000000000000 must be at most 2147483647"),   # fuzz seed 112826
+    ({"max_position_embeddings": 2**40}, r"max_position_embeddings = 1099511627776 must be at most 2147483647"),
     ({"num_hidden_layers": 0}, r"num_hidden_layers = 0 must be > 0"),
     ({"num_hidden_layers": 3}, r"num_hidden_layers = 3 but the file has tensors for 2 blocks"),
     ({"num_hidden_layers": 2.0}, r"num_hidden_layers = 2\.0 must be an integer"),

@@ -113,8 +113,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
+#: the largest integer hyper-parameter accepted: sizes, ids and spans reach the kernels as 32-bit
+#: values (a config's sliding_window of 10**30 once overflowed a C long long in LLM, fuzz seed 112826)
+INT_FIELD_MAX = 2**31 - 1
+
+
 def _int_field(origin: Any, name: str, value: Any, minimum: int = 1, optional: bool = False) -> int | None:
-    """``value`` as an int >= ``minimum``; None when absent and ``optional``."""
+    """``value`` as an int in [``minimum``, ``INT_FIELD_MAX``]; None when absent and ``optional``."""
     if value is None:
         if optional:
             return None
@@ -124,6 +129,9 @@ def _int_field(origin: Any, name: str, value: Any, minimum: int = 1, optional: b
     value = int(value)
     if value < minimum:
         raise ModelLoadError(f"{origin}: {name} = {value} must be {'> 0' if minimum == 1 else f'>= {minimum}'}")
+    if value > INT_FIELD_MAX:
+        raise ModelLoadError(f"{origin}: {name} = {value} must be at most {INT_FIELD_MAX} (2**31 - 1); "
+                             "fix the model's config")
     return value
 
 
