@@ -320,10 +320,14 @@ LABELS = {"yirage_float32": "float32", "yirage_bfloat16": "bfloat16", "yirage_in
 
 def plot_figure(result: dict) -> dict | None:
     """The figure (``benchmarks/_plot.py``): sentences/s of each yirage side over each peer's
-    (the median of the paired ratios of the rounds)."""
+    (the median of the paired ratios of the rounds), and a new process's first encode over
+    sentence-transformers' warm rate."""
     bars = [{"group": LABELS[name], "series": f"vs {LABELS[peer]}", "ratio": result[key]}
             for name in SIDES if name.startswith("yirage_") for peer in (BASELINE, "onnxruntime")
             if (key := f"speedup_{name}_vs_{peer}") in result]
+    bars += [{"group": LABELS[name], "series": f"first encode of a new process vs {LABELS[BASELINE]} warm",
+              "ratio": result[key]}
+             for name in SIDES if (key := f"speedup_{name}_first_encode_vs_{BASELINE}_warm") in result]
     return figure("embed", f"{result['model']}: yirage sentences/s over each peer's ({result['sentences']} "
                            f"sentences, batch {result['batch_size']})", result["machine"], bars,
                   ylabel="yirage sentences/s / the peer's (x; higher: yirage faster)") if bars else None
