@@ -153,7 +153,8 @@ def render(fig: dict):
     # each group's bars side by side, centred on the group: only the series present in it
     present = {g: [s for s in series if any(b["group"] == g and b["series"] == s for b in bars)] for g in groups}
     width = 0.8 / max([1] + [len(p) for p in present.values()])
-    out = Figure(figsize=(min(14.0, max(6.5, 0.35 * len(bars) + 0.6 * len(groups) + 2)), 4.8))
+    fig_width = min(14.0, max(6.5, 0.35 * len(bars) + 0.6 * len(groups) + 2))
+    out = Figure(figsize=(fig_width, 4.8))
     ax = out.subplots()
     ratios = [b["ratio"] for b in bars] + [1.0]
     log = max(ratios) / min(ratios) > 8   # ratios far apart (a slow reference): a log axis, bars from 1x
@@ -167,7 +168,10 @@ def render(fig: dict):
             drawn = ax.bar(xs, [b["ratio"] for b in mine], width, label=s)
         ax.bar_label(drawn, labels=[f"{b['ratio']:.2f}" for b in mine], fontsize=6, padding=1)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    crowded = len(groups) > 6
+    # crowded: many groups, or a label wider than its group's slot (7-pt text: ~4.5 px a character
+    # at 100 dpi over ~80% of the figure's width)
+    slot_chars = 0.8 * fig_width * 100 / max(1, len(groups)) / 4.5
+    crowded = len(groups) > 6 or max((len(g) for g in groups), default=0) > slot_chars
     ax.set_xticks(range(len(groups)), groups, fontsize=7, rotation=30 if crowded else 0,
                   ha="right" if crowded else "center")
     ax.set_ylabel(fig.get("ylabel", "speedup (x)"), fontsize=8)

@@ -18,14 +18,22 @@ separate / stacked (> 1: merging is faster), and ``merge_convs`` what the backen
 own measurement, cached in the tuning profile). ``machine`` is
 ``yirage.runtime.machine.machine_record()``.
 
-Usage: PYTHONPATH=src python benchmarks/parallel_convs.py [--threads 2] [--rounds 9]
+Usage: PYTHONPATH=src python benchmarks/parallel_convs.py [--threads 2] [--rounds 9] [--plot PATH.png]
+
+``--plot`` draws each group's ``speedup`` (merged over separate) at each batch, beside the
+figure's data (``benchmarks/_plot.py``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _plot import add_plot_option, figure, save  # noqa: E402
 
 from yirage.backends.cpu import conv as cpu_conv
 from yirage.runtime.machine import machine_record
@@ -51,11 +59,27 @@ def group(batch: int, H: int, W: int, C: int, branches) -> ConvGroup:
                      tuple(attrs(act) for _, act in branches))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    add_plot_option(ap)
+    return ap
+
+
+def plot_figure(report: dict) -> dict | None:
+    """The figure (``benchmarks/_plot.py``): each group's separate / stacked time (> 1: merging
+    into one GEMM is faster) at each batch."""
+    bars = [{"group": r["group"], "series": f"batch {r['batch']}: separate / stacked", "ratio": r["speedup"]}
+            for r in report["results"] if r.get("speedup")]
+    return figure("parallel_convs", "parallel 1x1 convolutions: one merged GEMM over each apart",
+                  report["machine"], bars,
+                  ylabel="separate time / merged time (> 1: merging is faster)") if bars else None
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
@@ -71,7 +95,10 @@ def main() -> None:
                             "speedup": round(1 / c.ratio("stacked", "separate"), 3),
                             "merge_convs": cpu_conv.merge_convs(case)})
             print(json.dumps(results[-1]), flush=True)
-    print(json.dumps({"machine": machine_record(args.threads), "results": results}, indent=1))
+    report = {"machine": machine_record(args.threads), "results": results}
+    print(json.dumps(report, indent=1))
+    if args.plot:
+        save(plot_figure(report), args.plot)
 
 
 if __name__ == "__main__":

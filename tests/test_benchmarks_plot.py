@@ -22,7 +22,8 @@ sys.path.insert(0, str(BENCHMARKS))
 import _plot  # noqa: E402
 
 #: the benchmark scripts whose JSON compares yirage with peers: each takes --plot
-SCRIPTS = ("decode", "embed", "serve", "torch_compile", "kernels_cpu", "superoptimize", "scale", "webgpu", "gpu")
+SCRIPTS = ("decode", "embed", "serve", "torch_compile", "kernels_cpu", "superoptimize", "scale", "webgpu", "gpu",
+           "providers", "parallel_convs")
 
 MACHINE = {"cpu": "AMD EPYC", "cpu_generation": "26/2", "isa": ["avx2", "fma", "avx512f", "avx512bw", "avx512_bf16",
                                                                  "avx512_vnni"],
@@ -127,6 +128,11 @@ REPORTS = {
     "webgpu": ({"machine": MACHINE, "small": True, "adapter": {"device": "llvmpipe", "backend_type": "Vulkan"},
                 "graphs": {"gqa": {"webgpu_vs_cpu": 0.2}}, "gemm": {"n": 256, "webgpu_vs_cpu": 0.1},
                 "decode": {"webgpu_vs_cpu": 0.05, "webgpu_vs_torch_gpu": 0.5}}, 4),
+    "providers": ({"machine": MACHINE, "rounds": 9,
+                   "rows": [{"key": "linear f32 M128 K384 N1536", "chosen_over_fastest": 1.02},
+                            {"key": "linear f32 M1 K384 N384", "chosen_over_fastest": 1.0}]}, 2),
+    "parallel_convs": ({"machine": MACHINE, "results": [{"group": "resnet-50", "batch": 1, "speedup": 1.3},
+                                                        {"group": "resnet-50", "batch": 8, "speedup": 0.9}]}, 2),
     "gpu": ({"machine": MACHINE, "device": "NVIDIA H100", "backend": "cuda", "dtype": "float16",
              "graphs": {"gqa": {"speedup_vs_eager": 2.0, "speedup_vs_compile": 1.5,
                                 "cudagraph_speedup_vs_compile": 3.4}},
