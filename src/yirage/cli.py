@@ -184,14 +184,17 @@ def info() -> None:
 
 def _webgpu_line(i) -> str:
     """``yirage info``'s line on the WebGPU adapter: its name, backend type (Vulkan, Metal,
-    D3D12), adapter type, whether 'auto' picks it, shader-f16, and the limits the kernels need."""
+    D3D12), adapter type, whether 'auto' picks it, shader-f16 (and whether YIRAGE_WEBGPU_F16=0
+    turns it off), and the limits the kernels need."""
     from rich.markup import escape
 
     d, lim = i.details, i.details["limits"]
     sizes = ", ".join(f"{name} {_gib(lim[key]) if lim.get(key, 0) >= 2 ** 30 else str(lim.get(key, '?') // 1024) + ' KiB'}"
                       for name, key in (("buffer", "max-buffer-size"), ("storage binding", "max-storage-buffer-binding-size"),
                                         ("workgroup memory", "max-compute-workgroup-storage-size")))
-    f16 = "yes" if "shader-f16" in d["features"] else "no"
+    from .runtime.webgpu import F16_ENV, f16_wanted
+
+    f16 = "no" if "shader-f16" not in d["features"] else "yes" if f16_wanted() else f"yes (off: {F16_ENV}=0)"
     return escape(f"WebGPU adapter: {i.device_name} on {d['backend_type']} (adapter type {d['adapter_type']}, "
                   f"{d['auto']}); shader-f16 {f16}; limits: {sizes}, "
                   f"{lim.get('max-storage-buffers-per-shader-stage')} storage buffers per stage")

@@ -24,7 +24,17 @@ All arithmetic is f32. Storage: float32 ``array<f32>``; int32 ``array<i32>``; in
 ``u32`` words (2 or 4 per word) unpacked on load (``unpack2x16float``, bfloat16's high half,
 a byte != 0) and, as outputs, written with ``atomicAnd``/``atomicOr`` on the element's own bits,
 so neighbours written by other invocations are kept (bfloat16 rounds to nearest even; NaN stays
-NaN). NaN tests look at the bits (a shader compiler may assume ``x != x`` is false). ``erf`` is
+NaN).
+
+Native float16 (``render_kernel(kernel, f16=True)``, where the device has WebGPU's
+``shader-f16``; runtime/wgsl_kernels.py asks): a kernel with a float16 input or output starts
+with ``enable f16;`` and binds its float16 tensors as ``array<f16>`` (element offsets in
+2-byte units, the buffers still bound whole): a plain load ``f32(in[i])`` and a plain store
+``out[i] = yr_f16(v)``, no atomics. The arithmetic stays f32, rounded once at the store, as
+torch's float16 ops on the CPU do; ``yr_f16`` turns a finite value past the f16 range into
+torch's inf first (WGSL leaves converting it undefined). The first line of such a module says
+so (``// yirage: float16 storage native``), and ``kernel_name`` ends in ``_f16``. A kernel
+without float16 tensors renders the same either way. NaN tests look at the bits (a shader compiler may assume ``x != x`` is false). ``erf`` is
 Abramowitz and Stegun's 7.1.26 (|error| <= 1.5e-7), ``tanh`` is computed from ``exp(-2|x|)`` (a
 driver's tanh may give NaN for large |x|), and ``pow`` of a negative base with an integral
 exponent keeps torch's sign.
@@ -47,6 +57,17 @@ ELEMENTWISE_WG = 256
 
 #: packed storage: elements per u32 word
 _PER_WORD = {DType.float16: 2, DType.bfloat16: 2, DType.bool: 4}
+
+#: the first lines of a module whose float16 tensors are native ``array<f16>``
+F16_HEADER = "enable f16;\n// yirage: float16 storage native (shader-f16)"
+
+#: f32 -> f16 as torch rounds: a finite value past the range (|x| >= 65520, what rounds past
+#: 65504) becomes inf before the conversion, which WGSL leaves undefined for it
+F16_PRELUDE = """
+fn yr_f16(x: f32) -> f16 {
+  return f16(select(x, select(yr_inf(), -yr_inf(), x < 0.0), abs(x) >= 65520.0));
+}
+"""
 
 PRELUDE = """
 fn yr_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
@@ -145,8 +166,9 @@ def _pow_scalar(x: str, e: float) -> str:
 class _Renderer:
     """One kernel's shader text (``render()``)."""
 
-    def __init__(self, kernel: FusedKernel):
+    def __init__(self, kernel: FusedKernel, f16: bool = False):
         self.k = kernel
+        self.f16 = f16 and uses_float16(kernel)
         for inp in kernel.inputs:
             if inp.dtype not in _INPUT_TYPES:
                 raise NotImplementedError(f"wgsl codegen: input dtype {inp.dtype.value} is not supported")
@@ -162,9 +184,11 @@ class _Renderer:
         lines = ["struct Params { " + ", ".join(fields) + " };", "@group(0) @binding(0) var<uniform> P: Params;"]
         for i, inp in enumerate(k.inputs):
             elem = {DType.float32: "f32", DType.int32: "i32"}.get(inp.dtype, "u32")
+            if self.f16 and inp.dtype == DType.float16:
+                elem = "f16"
             lines.append(f"@group(0) @binding({i + 1}) var<storage, read> in{i}: array<{elem}>;")
         for n, (_, _, d) in enumerate(k.outputs):
-            elem = "f32" if d == DType.float32 else "atomic<u32>"
+            elem = "f32" if d == DType.float32 else "f16" if self.f16 and d == DType.float16 else "atomic<u32>"
             lines.append(f"@group(0) @binding({self.n_in + n + 1}) var<storage, read_write> out{n}: array<{elem}>;")
         return lines
 
@@ -179,6 +203,8 @@ class _Renderer:
             return f"f32({a}[{e}])"
         if inp.dtype == DType.int64:
             return f"yr_i64({a}[2u * {e}], {a}[2u * {e} + 1u])"
+        if inp.dtype == DType.float16 and self.f16:
+            return f"f32({a}[{e}])"
         if inp.dtype == DType.float16:
             return f"unpack2x16float({a}[{e} >> 1u])[{e} & 1u]"
         if inp.dtype == DType.bfloat16:
@@ -190,6 +216,8 @@ class _Renderer:
         e = f"(P.o{self.n_in + n} + {at})"
         if d == DType.float32:
             return [f"out{n}[{e}] = {v};"]
+        if d == DType.float16 and self.f16:
+            return [f"out{n}[{e}] = yr_f16({v});"]
         bits = {DType.float16: f"(pack2x16float(vec2<f32>({v}, 0.0)) & 0xffffu)",
                 DType.bfloat16: f"yr_bf16({v})", DType.bool: f"select(0u, 1u, {v} != 0.0)"}[d]
         per = _PER_WORD[d]
@@ -331,13 +359,22 @@ class _Renderer:
     def render(self) -> str:
         has_reduction = any(s.op in ("sum", "max") for s in self.k.stmts)
         body = self._row() if has_reduction else self._elementwise()
-        return "\n".join([PRELUDE.strip(), *self._decls(), *body]) + "\n"
+        head = [F16_HEADER, PRELUDE.strip(), F16_PRELUDE.strip()] if self.f16 else [PRELUDE.strip()]
+        return "\n".join([*head, *self._decls(), *body]) + "\n"
 
 
-def render_kernel(kernel: FusedKernel) -> str:
+def uses_float16(kernel: FusedKernel) -> bool:
+    """Does the kernel read or write a float16 tensor (what native f16 storage changes)?"""
+    return (any(inp.dtype == DType.float16 for inp in kernel.inputs)
+            or any(d == DType.float16 for _, _, d in kernel.outputs))
+
+
+def render_kernel(kernel: FusedKernel, f16: bool = False) -> str:
     """The WGSL module of one fused kernel (see the module docstring for its bindings).
-    Raises NotImplementedError for a dtype or statement it cannot render."""
-    return _Renderer(kernel).render()
+    ``f16``: the device has ``shader-f16``, so float16 tensors are bound as ``array<f16>``
+    (the module then starts with ``enable f16;``; a kernel without float16 tensors is the same
+    text either way). Raises NotImplementedError for a dtype or statement it cannot render."""
+    return _Renderer(kernel, f16).render()
 
 
 def shape_of(kernel: FusedKernel) -> str:
@@ -345,9 +382,11 @@ def shape_of(kernel: FusedKernel) -> str:
     return "row" if any(s.op in ("sum", "max") for s in kernel.stmts) else "elementwise"
 
 
-def kernel_name(kernel: FusedKernel) -> str:
-    """A stable name of the kernel's structure (D excluded: it is a run-time value)."""
-    return "yr_wgsl_" + hashlib.sha256(kernel.key(with_d=False).encode()).hexdigest()[:16]
+def kernel_name(kernel: FusedKernel, f16: bool = False) -> str:
+    """A stable name of the kernel's structure (D excluded: it is a run-time value), ending in
+    ``_f16`` when ``render_kernel(kernel, f16)`` binds float16 natively."""
+    name = "yr_wgsl_" + hashlib.sha256(kernel.key(with_d=False).encode()).hexdigest()[:16]
+    return name + "_f16" if f16 and uses_float16(kernel) else name
 
 
-__all__ = ["render_kernel", "shape_of", "kernel_name", "ROW_WG", "ELEMENTWISE_WG"]
+__all__ = ["render_kernel", "shape_of", "kernel_name", "uses_float16", "F16_HEADER", "ROW_WG", "ELEMENTWISE_WG"]

@@ -3,7 +3,11 @@ own, compute pipelines and their dispatch.
 
 - ``adapter()`` / ``device()``: the process's one adapter ("high-performance" preference) and
   one device on it, made on first use, with the adapter's own limits asked for (storage
-  buffers per stage, buffer and binding sizes, workgroup memory), not WebGPU's defaults.
+  buffers per stage, buffer and binding sizes, workgroup memory), not WebGPU's defaults, and
+  ``shader-f16`` where the adapter has it (``has_f16()``: fused kernels then store float16
+  natively); ``YIRAGE_WEBGPU_F16=0``, read when the device is made, leaves it off (the packed
+  float16 path everywhere). ``release_device()`` drops the device, so the next call makes a
+  new one (reading the variable again).
 - ``DeviceTensor``: a contiguous tensor in a ``wgpu`` storage buffer: shape, torch dtype, and an
   element offset into its buffer. It has the little of torch's tensor interface the executor's
   buffer plan uses (``view``/``reshape``, ``[i]`` and ``[a:b]`` on the first dim, ``numel``,
@@ -14,8 +18,10 @@ own, compute pipelines and their dispatch.
 - Launches are recorded into one command encoder and submitted together: ``flush`` submits,
   and every host read or write flushes first, so the queue sees them in program order.
 
-Sub-word dtypes (bool, float16, bfloat16) are stored packed in ``u32`` words; a buffer's byte
-size is rounded up to a multiple of 4 (WebGPU's copy granularity).
+Every dtype is stored as torch lays it out, contiguous, so sub-word dtypes (bool, float16,
+bfloat16) share ``u32`` words: kernels read them packed from the words, or float16 as
+``array<f16>`` where the device has ``shader-f16`` (element offsets then in 2-byte units). A
+buffer's byte size is rounded up to a multiple of 4 (WebGPU's copy granularity).
 
 This module must never import torch's device backends or pick a backend: backends/webgpu/backend.py
 does that. It raises ``BackendUnavailableError`` when wgpu or an adapter is missing and
@@ -41,6 +47,8 @@ _LIMITS = ("max-storage-buffers-per-shader-stage", "max-storage-buffer-binding-s
            "max-uniform-buffers-per-shader-stage")
 #: optional features used where the adapter has them
 _FEATURES = ("shader-f16", "timestamp-query")
+#: ``YIRAGE_WEBGPU_F16=0`` (read when the device is made): never ask for ``shader-f16``
+F16_ENV = "YIRAGE_WEBGPU_F16"
 
 _lock = threading.RLock()
 _state: dict = {}
@@ -103,19 +111,35 @@ def adapter_record() -> dict:
             "features": sorted(a.features)}
 
 
+def f16_wanted() -> bool:
+    """Whether ``device()`` asks for ``shader-f16`` (where the adapter has it): not when
+    ``YIRAGE_WEBGPU_F16`` is 0 / false / off / no."""
+    return os.environ.get(F16_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def device():
     """The process's WebGPU device on ``adapter()``, with the adapter's limits and the optional
-    features it has (``shader-f16``). A lost device is replaced on the next call."""
+    features it has (``shader-f16`` unless ``YIRAGE_WEBGPU_F16=0``). A lost device is replaced
+    on the next call."""
     with _lock:
         dev = _state.get("device")
         if dev is None:
             a = adapter()
             limits = {k: a.limits[k] for k in _LIMITS if k in a.limits}
-            features = [f for f in _FEATURES if f in a.features]
+            features = [f for f in _FEATURES if f in a.features and (f != "shader-f16" or f16_wanted())]
             dev = _state["device"] = a.request_device_sync(required_features=features, required_limits=limits)
             _state["queue"] = Queue(dev)
             _state["generation"] = _state.get("generation", 0) + 1
         return dev
+
+
+def release_device() -> None:
+    """Drop the process's device: the next ``device()`` makes a new one (reading
+    ``YIRAGE_WEBGPU_F16`` again). Tensors, pipelines and plans made on the old one must not be
+    used after; caches keyed on ``device_generation()`` make theirs again."""
+    with _lock:
+        _state.pop("device", None)
+        _state.pop("queue", None)
 
 
 def device_generation() -> int:
@@ -132,7 +156,8 @@ def queue() -> "Queue":
 
 
 def has_f16() -> bool:
-    """Does the device have ``shader-f16`` (float16 arithmetic and storage in WGSL)?"""
+    """Does the device have ``shader-f16`` (float16 arithmetic and storage in WGSL)? False where
+    the adapter lacks it or ``YIRAGE_WEBGPU_F16=0`` was set when the device was made."""
     return "shader-f16" in device().features
 
 
@@ -161,9 +186,7 @@ class device_errors:
             return False
         text = " ".join(str(error).split())
         if "lost" in text.lower():
-            with _lock:
-                _state.pop("device", None)
-                _state.pop("queue", None)
+            release_device()
             raise YirageError(f"webgpu: the device was lost during {self.what} ({text}); build the graph or "
                               "model again to run on a new device") from None
         if isinstance(error, wgpu.GPUOutOfMemoryError):
@@ -179,6 +202,7 @@ class Queue:
     def __init__(self, dev):
         self.dev = dev
         self._encoder = None
+        self._sync = None
         self.lock = threading.RLock()
 
     def dispatch(self, pipeline, bind_group, groups: tuple[int, int, int]) -> None:
@@ -201,9 +225,9 @@ class Queue:
         """Submit what is recorded and wait until the device has run it (a 4-byte read: wgpu
         0.32's on_submitted_work_done_sync fails with this wgpu-native)."""
         with self.lock:
-            if "sync" not in _state:
-                _state["sync"] = new_buffer(4, "sync word")
-            self.read(_state["sync"], 0, 4)
+            if self._sync is None:   # on this queue's device (a new device has a new queue)
+                self._sync = new_buffer(4, "sync word")
+            self.read(self._sync, 0, 4)
 
     def write(self, buffer, offset: int, data) -> None:
         with self.lock:
@@ -354,20 +378,23 @@ class Pipeline:
     """A WGSL compute shader, compiled once per source text (by hash) on the device.
 
     The shader's bindings are ``@group(0) @binding(0) var<uniform> P`` (a struct of ``u32``
-    fields, ``n_params`` of them) then one storage buffer per tensor argument, in order."""
+    fields, ``n_params`` of them) then one storage buffer per tensor argument, in order.
+    ``label`` names the shader module and pipeline in wgpu's messages and is part of the cache
+    key (a fused kernel's label says whether its float16 storage is native)."""
 
     _cache: dict[tuple, object] = {}
 
-    def __init__(self, source: str, entry: str = "main"):
+    def __init__(self, source: str, entry: str = "main", label: str = ""):
         with _lock:
             dev = device()
-            key = (device_generation(), hashlib.sha256(source.encode()).hexdigest())   # a new device compiles again
+            # a new device compiles again
+            key = (device_generation(), label, hashlib.sha256(source.encode()).hexdigest())
             compiled = Pipeline._cache.get(key)
             if compiled is None:
                 try:
-                    module = dev.create_shader_module(code=source)
-                    compiled = dev.create_compute_pipeline(layout="auto", compute={"module": module,
-                                                                                    "entry_point": entry})
+                    module = dev.create_shader_module(label=label, code=source)
+                    compiled = dev.create_compute_pipeline(label=label, layout="auto",
+                                                           compute={"module": module, "entry_point": entry})
                 except Exception as e:  # noqa: BLE001 - wgpu reports WGSL errors as its own types
                     raise YirageError(f"webgpu: a generated shader did not compile ({type(e).__name__}: {e})") from None
                 Pipeline._cache[key] = compiled
@@ -409,5 +436,6 @@ def grid(n_groups: int) -> tuple[int, int, int]:
     return cap, y, 1
 
 
-__all__ = ["device_errors", "device_generation", "adapter", "adapter_record", "device", "queue", "has_f16", "limit", "DeviceTensor", "Pipeline",
+__all__ = ["device_errors", "device_generation", "adapter", "adapter_record", "device", "queue", "has_f16", "f16_wanted",
+           "release_device", "F16_ENV", "limit", "DeviceTensor", "Pipeline",
            "new_buffer", "grid", "wgpu_module"]

@@ -4,6 +4,12 @@
 ``WGSLKernel.bind(tensors, R)`` builds the launch once: the uniform parameters (R, D, each
 tensor's element offset) and the workgroup grid (a workgroup per row for a kernel with a row
 reduction, else one invocation per element). The thunk it returns only records the dispatch.
+
+A kernel with float16 tensors is rendered for the device at hand: native ``array<f16>``
+storage where it has ``shader-f16`` (``runtime.webgpu.has_f16``), else the packed ``u32``
+words. ``WGSLKernel.f16`` says which, the pipeline's label (``kernel_name``: ``_f16`` at the
+end) and cache key carry it, and the choice is logged at debug level (logger ``yirage``).
+
 This module must never import a backend.
 """
 from __future__ import annotations
@@ -11,9 +17,10 @@ from __future__ import annotations
 import math
 
 from ..codegen import wgsl
+from ..config import logger
 from ..errors import YirageError
 from ..transforms.fusion import FusedKernel
-from .webgpu import DeviceTensor, Pipeline, grid, limit
+from .webgpu import DeviceTensor, Pipeline, grid, has_f16, limit
 
 
 class WGSLKernel:
@@ -30,8 +37,14 @@ class WGSLKernel:
         if buffers > cap:
             raise YirageError(f"webgpu: a fused kernel needs {buffers} storage buffers, but this adapter's "
                               f"max-storage-buffers-per-shader-stage is {cap}; run this graph on another backend")
-        self.source = wgsl.render_kernel(kernel)
-        self.pipeline = Pipeline(self.source)
+        #: float16 tensors bound as array<f16> (the device has shader-f16), not packed words
+        self.f16 = wgsl.uses_float16(kernel) and has_f16()
+        self.name = wgsl.kernel_name(kernel, self.f16)
+        self.source = wgsl.render_kernel(kernel, self.f16)
+        if wgsl.uses_float16(kernel):
+            logger.debug("webgpu: fused kernel %s stores float16 %s", self.name,
+                         "natively (shader-f16)" if self.f16 else "packed in u32 words (no shader-f16)")
+        self.pipeline = Pipeline(self.source, label=self.name)
         self.shape = wgsl.shape_of(kernel)
 
     def bind(self, tensors: list[DeviceTensor], rows: int):
