@@ -136,3 +136,36 @@ def test_outputs_in_a_shared_buffer_keep_their_neighbours(path):
     want[2 + R * D:2 + 2 * R * D] = -(xs * 2).view(-1)
     assert torch.equal(arena.to_host(), want)
     assert kernel.f16 == (path == "native")
+
+
+def test_layout_copies_move_float16_natively_too(path, monkeypatch):
+    """permute, pad, cat and index_select of float16 (backends/webgpu/layout.py's strided copy):
+    ``strided_copy_f16`` where the device has shader-f16, else the packed bits; equal to torch
+    bit for bit, pad values and infinities included."""
+    from yirage.backends.webgpu import layout
+
+    labels = []
+    real = layout._copy_pipeline
+
+    def spy(*args):
+        pipeline = real(*args)
+        labels.append(pipeline.label)
+        return pipeline
+    monkeypatch.setattr(layout, "_copy_pipeline", spy)
+    g = yr.new_kernel_graph()
+    x, y = g.new_input((3, 5, 7), dtype=F16), g.new_input((3, 2, 7), dtype=F16)
+    idx = g.new_input((9,), dtype=yr.int64)
+    g.mark_output(g.permute(x, (2, 0, 1)))
+    g.mark_output(g.pad(x, [(0, 0), (1, 0), (2, 1)], -2.5))
+    g.mark_output(g.cat([x, y], 1))
+    g.mark_output(g.index_select(x, 2, idx))
+    xs, ys = _halves(3, 5, 7), _halves(3, 2, 7)
+    xs[0, 0, :3] = torch.tensor([float("inf"), -float("inf"), 6e-8]).half()
+    ids = torch.tensor([6, 0, 3, 3, 1, 5, 2, 4, 6])
+    got = g.compile("webgpu")([xs, ys, ids])
+    want = [xs.permute(2, 0, 1), torch.nn.functional.pad(xs, (2, 1, 1, 0), value=-2.5), torch.cat([xs, ys], 1),
+            torch.index_select(xs, 2, ids)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b.contiguous())
+    native = path == "native"
+    assert labels and set(labels) == {"strided_copy_f16" if native else "strided_copy_bits16"}

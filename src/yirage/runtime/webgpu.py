@@ -398,7 +398,7 @@ class Pipeline:
                 except Exception as e:  # noqa: BLE001 - wgpu reports WGSL errors as its own types
                     raise YirageError(f"webgpu: a generated shader did not compile ({type(e).__name__}: {e})") from None
                 Pipeline._cache[key] = compiled
-        self.pipeline = compiled
+        self.pipeline, self.label = compiled, label
 
     def bind(self, tensors: Sequence[DeviceTensor], params: Sequence[int], groups: tuple[int, int, int]):
         """A thunk that records one dispatch of ``groups`` workgroups over ``tensors`` (bound

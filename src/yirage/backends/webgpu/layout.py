@@ -18,7 +18,10 @@ The kernels (``kernels/webgpu``):
   ids out of range are checked first by ``index_check.wgsl`` into the op's status slot, as
   ``ops.check_indices`` does, and never read through). Elements move as raw bits, 8, 16, 32 or
   64 wide, so every dtype of these ops is covered (float32, float16, bfloat16, bool, int32,
-  int64, int8); sub-word elements are written with atomicAnd / atomicOr on their own bits.
+  int64, int8); sub-word elements are written with atomicAnd / atomicOr on their own bits
+  (``strided_copy_bits.wgsl`` in front of the walk). Where the device has ``shader-f16``,
+  float16 moves as ``array<f16>`` instead (``strided_copy_f16.wgsl``: plain stores, no atomics;
+  the pipeline's label, ``strided_copy_f16``, says so).
 - ``cumsum.wgsl``: one thread per line along the dim (float32 accumulation for float dtypes,
   written in x's dtype; int64 for bool, int32, int64).
 - ``reduce_dim.wgsl``: one thread per column of x viewed as [outer, n, inner]: sum, mean,
@@ -44,6 +47,7 @@ import torch
 from ...dtypes import DType
 from ...errors import YirageError
 from ...runtime import webgpu as wg
+from .library import render
 from .ops import _access, _groups, _pipeline, _seq, _status_slot, check_indices
 
 Thunk = Callable[[], None]
@@ -129,8 +133,18 @@ def _copy(what: str, x: wg.DeviceTensor, out: wg.DeviceTensor, sizes: Sequence[i
     params = [_u32(int(p), what) for p in params]
     reads = [x] + ([index] if index is not None else [])
     access = _access(what, reads, [out])
-    return _pipeline("strided_copy.wgsl", access, BITS=bits).bind(
-        [x, index if index is not None else x, out], params, _groups(n, _NT))
+    return _copy_pipeline(x.dtype, bits, access).bind([x, index if index is not None else x, out], params,
+                                                      _groups(n, _NT))
+
+
+def _copy_pipeline(dtype: torch.dtype, bits: int, access: str) -> wg.Pipeline:
+    """``strided_copy.wgsl`` behind its storage: float16 as ``array<f16>`` where the device has
+    ``shader-f16``, else raw bits in u32 words (labelled ``strided_copy_f16`` / ``_bits<BITS>``)."""
+    if dtype == torch.float16 and wg.has_f16():
+        storage, label = render("strided_copy_f16.wgsl", IN_ACCESS=access), "strided_copy_f16"
+    else:
+        storage, label = render("strided_copy_bits.wgsl", IN_ACCESS=access, BITS=bits), f"strided_copy_bits{bits}"
+    return wg.Pipeline(storage + "\n" + render("strided_copy.wgsl"), label=label)
 
 
 def _check_out(what: str, out: wg.DeviceTensor, shape: Sequence[int], dtype: torch.dtype) -> None:

@@ -11,26 +11,22 @@
 // ``gather``: the index's contiguous strides); an index outside [0, bound) is skipped (its
 // output element left as it was: index_check.wgsl, run before, records it in the op's status).
 //
-// Elements are moved as raw bits, BITS wide (8: bool, int8; 16: float16, bfloat16; 32:
-// float32, int32; 64: int64, two u32 words). Sub-word elements are read from their u32 word
-// and written with atomicAnd / atomicOr on the element's own bits, so neighbouring threads (and
-// neighbouring tensors in a shared arena buffer) never lose each other's writes.
+// The storage is not in this file: backends/webgpu/layout.py puts one of two in front of it,
+// each declaring the bindings 1-3 and ``Elem``, ``load(i) -> Elem``, ``store(i, v)`` and
+// ``pad_value() -> Elem``:
+// - strided_copy_bits.wgsl: raw bits, BITS wide, in u32 words (every dtype; sub-word elements
+//   written with atomicAnd / atomicOr on their own bits);
+// - strided_copy_f16.wgsl: float16 as array<f16> where the device has shader-f16 (plain loads
+//   and stores, no atomics).
 //
-// Template parameters, substituted by backends/webgpu/layout.py before compiling:
-// {{BITS}}: element width in bits (8, 16, 32 or 64).
-// {{IN_ACCESS}}: the inputs' access mode, 'read', or 'read_write' when out lies in an input's
-// buffer (WebGPU forbids one buffer bound read-only and writable in one dispatch).
-//
-// Bindings: 0 the parameters (48 u32 words, layout below); 1 x (u32 words); 2 the int64 index
-// (u32 words; x bound again, never read, without one); 3 out (atomic u32 words).
+// Bindings: 0 the parameters (48 u32 words, layout below); 1 x; 2 the int64 index (u32 words;
+// x bound again, never read, without one); 3 out.
 // Buffers are bound whole: every index adds the tensor's element offset.
 // Workgroups: a 1-d count ceil(n / NT), laid out x + y * num_workgroups.x
 // (runtime.webgpu.grid); threads past n return at once.
 
 const NT: u32 = 256u;
-const BITS: u32 = {{BITS}}u;
 const NONE: u32 = 0xffffffffu;
-const SUB: u32 = min(BITS, 16u);   // sub-word width (unused for 32 and 64 bits)
 
 // words: 0 n, 1 ndim, 2 in_off, 3 out_off, 4 has_pad, 5 pad_lo, 6 pad_hi, 7 gather_dim,
 // 8 idx_off (u32 words), 9 bound, 10-11 unused, 12-17 size, 18-23 in_stride, 24-29 out_stride,
@@ -40,43 +36,9 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, {{IN_ACCESS}}> X: array<u32>;
-@group(0) @binding(2) var<storage, {{IN_ACCESS}}> IDX: array<u32>;
-@group(0) @binding(3) var<storage, read_write> OUT: array<atomic<u32>>;
 
 fn p(i: u32) -> u32 {
     return P.w[i / 4u][i % 4u];
-}
-
-// element i of x as (low word, high word); sub-word elements zero-extended
-fn load(i: u32) -> vec2<u32> {
-    if (BITS == 64u) {
-        return vec2<u32>(X[2u * i], X[2u * i + 1u]);
-    }
-    if (BITS == 32u) {
-        return vec2<u32>(X[i], 0u);
-    }
-    let per = 32u / SUB;
-    let sh = (i % per) * SUB;
-    let mask = (1u << SUB) - 1u;
-    return vec2<u32>((X[i / per] >> sh) & mask, 0u);
-}
-
-fn store(i: u32, v: vec2<u32>) {
-    if (BITS == 64u) {
-        atomicStore(&OUT[2u * i], v.x);
-        atomicStore(&OUT[2u * i + 1u], v.y);
-        return;
-    }
-    if (BITS == 32u) {
-        atomicStore(&OUT[i], v.x);
-        return;
-    }
-    let per = 32u / SUB;
-    let sh = (i % per) * SUB;
-    let mask = (1u << SUB) - 1u;
-    atomicAnd(&OUT[i / per], ~(mask << sh));
-    atomicOr(&OUT[i / per], (v.x & mask) << sh);
 }
 
 @compute @workgroup_size(NT)
@@ -117,7 +79,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         }
         src += lo_word * p(18u + gd);
     }
-    var v = vec2<u32>(p(5u), p(6u));
+    var v = pad_value();
     if (inside) {
         v = load(src);
     } else if (p(4u) == 0u) {
