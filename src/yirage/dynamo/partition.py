@@ -115,6 +115,10 @@ class _Support(OperatorSupportBase):
         name = node_op(node)
         lowering = LOWERINGS.get(node.target)
         if lowering is None:
+            if name.startswith(("_c10d_functional.", "c10d_functional.", "_dtensor.")):
+                # a DTensor model's collectives (tensor parallelism): torch.distributed runs them
+                # between the yirage partitions on either side
+                return f"a collective ({name}): torch.distributed runs it between partitions"
             return f"no lowering for {name}"
         if _kept_in_torch(self.options, name):
             return "listed in torch_executed_ops"
