@@ -73,6 +73,14 @@ class TorchCompileError(YirageError):
     in its ``BackendCompilerFailed``, whose message carries this one."""
 
 
+class DistributedError(YirageError):
+    """Tensor parallelism across processes (``yirage.runtime.distributed``, ``yr.LLM(...,
+    tensor_parallel_size=N)``) failed or was set up wrongly: a rank, world size or address that
+    is not valid, a process group that could not form within its timeout, a collective that failed
+    or timed out because a peer rank died or hung (the message names the rank that saw it and,
+    where known, the rank that failed), or ranks that disagree on the model or the world size."""
+
+
 class YirageFallbackWarning(UserWarning):
     """The torch.compile front end runs something in torch instead of yirage that it was
     asked to compile: a partition that failed to lower, compile or run (``fallback="eager"``),

@@ -704,6 +704,12 @@ class KernelGraph:
         """Index of the maximum over the last dim (int64); ``dim`` is an integer naming it."""
         return self._add("argmax", [x], dim=_int("argmax", "dim", dim))
 
+    def allreduce(self, x):
+        """The sum of ``x`` over every rank of the tensor-parallel group (same shape and float
+        dtype): the reduction after a row-parallel linear. On one process (no group) it is ``x``.
+        The group is torch.distributed's default one (``yirage.runtime.distributed``)."""
+        return self._add("allreduce", [x])
+
     def reshape(self, x, shape: Sequence[int]):
         """Same elements, new shape (positive integers; a view of contiguous data)."""
         return self._add("reshape", [x], shape=_shape("reshape", "shape", shape))

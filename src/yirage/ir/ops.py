@@ -929,6 +929,25 @@ _register("attention_bidir", "library", 2, _attention_bidir_infer,
 _register("argmax", "library", 1, _argmax_infer, lambda args, a: torch.argmax(args[0], dim=a["dim"]))
 
 
+def _allreduce_infer(ts, attrs):
+    _float("allreduce", ts)
+    return ts[0]
+
+
+def allreduce_reference(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over every rank of torch.distributed's default process group (a new
+    tensor, x's shape and dtype); ``x`` itself (copied) on one process, where no group is
+    initialized. Tensor parallelism's reduction after a row-parallel linear (Mirage MPK's
+    ``allreduce_layer``)."""
+    out = x.clone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(out)
+    return out
+
+
+_register("allreduce", "library", 1, _allreduce_infer, lambda args, a: allreduce_reference(args[0]))
+
+
 def _sdpa_infer(ts, attrs):
     q, k, v = ts[:3]
     if any(len(t.shape) != 4 for t in (q, k, v)) or not q.dtype.is_float or k.dtype != q.dtype or v.dtype != q.dtype:

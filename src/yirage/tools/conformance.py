@@ -1140,6 +1140,15 @@ def _argmax(R: int, D: int) -> Built:
     return g, [data], {0: torch.argmax(data, -1)}
 
 
+def _allreduce(shape: tuple[int, ...]) -> Built:
+    """One process (no group): the sum over one rank is the tensor itself. The sums over 2 gloo
+    ranks are tests/engines/test_tensor_parallel.py's."""
+    g = new_kernel_graph()
+    g.mark_output(g.exp(g.allreduce(g.new_input(shape))))
+    data = torch.randn(shape)
+    return g, [data], {0: torch.exp(data)}
+
+
 def _views(op: str) -> Built:
     """A view feeding a fused kernel: exp of rows 2..4, or softmax of a 33x7 reshape of 7x33."""
     g = new_kernel_graph()
@@ -1259,6 +1268,7 @@ def _library_cases() -> list[Case]:
         Case("attention_bidir", "2x5 masked", _attention_bidir, tol=(1e-5, 1e-4)),
         Case("argmax", "3x4097 ties", part(_argmax, 3, 4097)),
         Case("argmax", "5x7 ties", part(_argmax, 5, 7)),
+        Case("allreduce", "1x576 one rank", part(_allreduce, (1, 576))),
         Case("slice_rows", "7x33 rows 2..4", part(_views, "slice_rows")),
         Case("reshape", "7x33 as 33x7", part(_views, "reshape")),
         Case("customized", "gated MLP 7x45 @ 45x27", _customized, tol=(2e-4, 2e-4)),

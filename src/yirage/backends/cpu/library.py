@@ -25,6 +25,7 @@ import torch
 
 from ...dtypes import DType
 from ...ir.ops import PLAIN_TYPES, ROW_GROUP, ROW_GROUP_TYPES, linear_nk
+from ...runtime import distributed
 from ...runtime.task_graph import TaskOp, split_range, task_op
 from ...tuning import profile as tuning
 from ..base import bind_linear_stack_parts
@@ -390,6 +391,19 @@ def _always(node, graph) -> bool:
     return True
 
 
+def _allreduce(node, graph, args, out, status):
+    """``out`` = the sum of ``x`` over the tensor-parallel group (``runtime.distributed.active()``:
+    gloo; else torch.distributed's default group where one is initialized, as the op's reference),
+    or a copy of ``x`` on one process. The group is looked up when the plan runs; DistributedError
+    (naming this rank) when a peer of the active group died or timed out."""
+    x = args[0]
+
+    def run():
+        out.copy_(x)
+        distributed.all_reduce_(out)
+    return run
+
+
 #: op -> (supported?(node, graph), binder(node, graph, args, out, status))
 OPS: dict[str, tuple[Callable, Callable]] = {
     "linear": (_linear_ok, _linear),
@@ -402,6 +416,7 @@ OPS: dict[str, tuple[Callable, Callable]] = {
     "rotary_emb": (_always, _rotary_emb),   # float32, bfloat16, float16 (the op's rule)
     "attention_rows": (_float32_first, _attention_rows),
     "argmax": (_float32_first, _argmax),
+    "allreduce": (_always, _allreduce),   # runtime/distributed.py: gloo
     "customized": (customized_ok, bind_customized),  # threadblock graphs (threadblock.py)
     "attention_bidir": (_float32_first, _attention_bidir),
     "sdpa": (_always, _sdpa),
