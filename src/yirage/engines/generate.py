@@ -29,6 +29,7 @@ from ..errors import GenerationError
 from ..ir.ops import INT8_COMPUTE_WEIGHTS
 from ..models.llama import LlamaModel, StepRunner
 from ..models.loading import load_model
+from ..models.sharding import plan_shard
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -377,6 +378,15 @@ class LLM:
         max_batch_tokens: the token budget of one batched step (decode rows plus prefill
             chunks); default min(max_seq_length, max(128, max_batch)); it must lie in
             [max_batch, max_seq_length].
+        tensor_parallel_size: the ranks the model is split over (default 1: this process runs
+            it). N > 1 starts N rank processes on this host (``engines.tensor_parallel``: gloo on
+            127.0.0.1, each rank ``num_workers`` threads, default this process's threads / N),
+            each keeping its share of the heads and intermediate rows, the o and down projections
+            summed by an allreduce; this process tokenizes and samples. CPU backend only; the
+            ranks run the launch-per-op plans (the persistent kernel has no allreduce task yet:
+            ``persistent=True`` is refused, None means False); one sequence at a time
+            (``generate`` of a list and ``prompt_logprobs`` are refused). ``close()`` stops
+            the ranks.
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
@@ -389,6 +399,8 @@ class LLM:
             'int8' off the CPU backend, with non-float32 activations, or for a model without
             q4_1/q8_0 weights; kv_cache_dtype is not None/'float32'/'float16', or is 'float16'
             off the CPU backend or with non-float32 activations.
+        DistributedError: tensor_parallel_size cannot split the model's heads or intermediate
+            rows (the message gives the sizes), or a rank failed to start.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, backend: str | None = None,
@@ -396,8 +408,9 @@ class LLM:
                  allow_nonfinite_weights: bool = False, persistent: bool | None = None,
                  num_workers: int | None = None, profiler_tensor: torch.Tensor | None = None,
                  prefill_dtype=None, max_batch: int = 8, max_batch_tokens: int | None = None,
-                 decode_dtype=None, kv_cache_dtype=None):
+                 decode_dtype=None, kv_cache_dtype=None, tensor_parallel_size: int = 1):
         max_seq_length = _positive_int("max_seq_length", max_seq_length)
+        self.tensor_parallel_size = _positive_int("tensor_parallel_size", tensor_parallel_size)
         self.max_batch = _positive_int("max_batch", max_batch)
         if max_batch_tokens is not None:
             max_batch_tokens = _positive_int("max_batch_tokens", max_batch_tokens)
@@ -429,17 +442,20 @@ class LLM:
             warn_if_emulated("bfloat16", "LLM(prefill_dtype='bfloat16')")
         if self.decode_dtype is not None:
             warn_if_emulated("int8", "LLM(decode_dtype='int8')")
-        self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype, self.prefill_dtype,
-                                self.decode_dtype, self.kv_cache_dtype)
-        if persistent is None:
-            persistent = self.backend == Backend.CPU
-        if profiler_tensor is not None and not persistent:
-            raise GenerationError("profiler_tensor records the tasks of the persistent decode kernel: "
-                                  "it needs persistent=True")
-        self.persistent = bool(persistent)
-        self.steps = StepRunner(self.model, persistent=self.persistent, num_workers=num_workers,
-                                profiler_tensor=profiler_tensor)
-        self.steps.prepare(1)  # build and compile the decode step now, not inside the first timing
+        if self.tensor_parallel_size > 1:
+            self._start_ranks(loaded, persistent, num_workers, profiler_tensor, bool(allow_nonfinite_weights))
+        else:
+            self.model = LlamaModel(loaded, self.backend, self.max_seq_length, self.dtype, self.prefill_dtype,
+                                    self.decode_dtype, self.kv_cache_dtype)
+            if persistent is None:
+                persistent = self.backend == Backend.CPU
+            if profiler_tensor is not None and not persistent:
+                raise GenerationError("profiler_tensor records the tasks of the persistent decode kernel: "
+                                      "it needs persistent=True")
+            self.persistent = bool(persistent)
+            self.steps = StepRunner(self.model, persistent=self.persistent, num_workers=num_workers,
+                                    profiler_tensor=profiler_tensor)
+            self.steps.prepare(1)  # build and compile the decode step now, not inside the first timing
         # one sequence at a time: a generation owns the KV cache and the step plans from its
         # prompt to its last token (GenerationStream.__iter__ holds the lock)
         self._sequence_lock = threading.Lock()
@@ -454,6 +470,35 @@ class LLM:
         logger.info("loaded %s on %s (max_seq_length=%d, dtype=%s)", self.name, self.backend.value,
                     self.max_seq_length, self.dtype.value)
         freeze_loaded_objects()
+
+    def _start_ranks(self, loaded, persistent, num_workers, profiler_tensor, allow_nonfinite: bool) -> None:
+        """``tensor_parallel_size`` > 1: check the split here, then start the ranks
+        (``engines.tensor_parallel.TensorParallelSteps``); ``self.model`` stays None."""
+        from .tensor_parallel import TensorParallelSteps
+        n = self.tensor_parallel_size
+        if self.backend != Backend.CPU:
+            raise GenerationError(f"tensor_parallel_size={n} runs on the CPU backend (gloo) only so far, "
+                                  f"not {self.backend.value}")
+        if persistent or profiler_tensor is not None:
+            raise GenerationError(f"tensor_parallel_size={n}: the persistent decode kernel has no allreduce task yet, "
+                                  "so the ranks run the launch-per-op plans: leave persistent (and profiler_tensor) "
+                                  "unset or False")
+        for rank in range(n):   # a split that cannot be made is refused before any process starts
+            plan_shard(loaded.config, loaded.weights, rank, n)
+        self.model, self.persistent = None, False
+        self.steps = TensorParallelSteps(str(loaded.path), n, self.max_seq_length, self.dtype, self.prefill_dtype,
+                                         self.decode_dtype, self.kv_cache_dtype, threads_per_rank=num_workers,
+                                         allow_nonfinite=allow_nonfinite)
+
+    def _single_process(self, what: str) -> None:
+        if self.model is None:
+            raise GenerationError(f"{what} is not available with tensor_parallel_size={self.tensor_parallel_size} "
+                                  "yet: use tensor_parallel_size=1")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (``tensor_parallel_size`` > 1); a no-op otherwise."""
+        if self.model is None:
+            self.steps.close()
 
     def write_trace(self, path) -> int:
         """Write the decode tasks recorded in ``profiler_tensor`` as a Chrome/Perfetto JSON
@@ -651,6 +696,7 @@ class LLM:
         Raises GenerationError for a bad prompt (as ``generate``) or ``k`` (``check_logprobs``).
         Runs one prompt at a time, like ``generate``."""
         k = check_logprobs(k)
+        self._single_process("prompt_logprobs")
         ids = self.prompt_ids(prompt, chat)
         T = len(ids)
         with self._sequence_lock:
@@ -679,6 +725,7 @@ class LLM:
         ``max_batch`` slots), made on first use. Callers that drive it hold no lock of the LLM:
         one thread must step it at a time (``generate`` of a batch does, under its own lock)."""
         if self._batch_engine is None:
+            self._single_process("continuous batching (generate of a list of prompts, yirage serve)")
             from .batching import BatchEngine
             tokens = self._max_batch_tokens or min(self.max_seq_length, max(128, self.max_batch))
             self._batch_engine = BatchEngine(self, self.max_batch, tokens)

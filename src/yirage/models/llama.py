@@ -54,6 +54,7 @@ from ..errors import GenerationError
 from ..ir.ops import INT8_COMPUTE_WEIGHTS, OPS, PLAIN_TYPES
 from ..kernel import KNGraph
 from ..persistent_kernel import PersistentKernel
+from .sharding import TensorParallelShard, shard_weights
 
 #: forward passes of fewer tokens keep float32 GEMMs under ``prefill_dtype='bfloat16'``: their
 #: quantized projections read the blocks in place (GEMV), which a bfloat16 GEMM cannot beat
@@ -103,12 +104,24 @@ class LlamaModel:
     ``1 + w`` computed in float32, exactly as transformers' ``Gemma3RMSNorm`` computes
     ``1.0 + weight.float()``, then cast to ``dtype`` (exact for float32; for float16/bfloat16
     rounded like the activations).
+
+    With ``shard`` (``models.sharding.plan_shard``: tensor parallelism) the model keeps rank
+    ``shard.rank``'s share of the weights (its q/KV heads and intermediate rows; the rest
+    replicated), its KV cache holds only its KV heads (``num_kv_heads`` = ``shard.num_kv_heads``),
+    and the graphs sum the o and down projections' partial outputs over the ranks with
+    ``allreduce`` (``runtime.distributed``'s group, joined before the first run). Only the
+    launch-per-op plans (``build_graph``, ``build_batch_graph``) take the allreduce so far:
+    ``decode_kernel`` (the persistent kernel) refuses a shard.
     """
 
     def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32,
                  prefill_dtype: DType | None = None, decode_dtype: DType | None = None,
-                 kv_cache_dtype: DType | None = None):
+                 kv_cache_dtype: DType | None = None, shard: TensorParallelShard | None = None):
         cfg = loaded.config
+        self.shard = shard
+        self.num_heads = shard.num_heads if shard else cfg.num_heads
+        self.num_kv_heads = shard.num_kv_heads if shard else cfg.num_kv_heads
+        source = shard_weights(loaded.weights, cfg, shard) if shard else loaded.weights
         self.cfg = cfg
         self.backend = backend
         self.max_seq_length = max_seq_length
@@ -119,7 +132,7 @@ class LlamaModel:
         self.device = get_backend_impl(backend).torch_device
         self.weights: dict[str, tuple[torch.Tensor, DType, tuple]] = {}
         offset = cfg.norm_weight_offset
-        for name, w in loaded.weights.items():
+        for name, w in source.items():
             data, wtype = w.data, w.dtype
             if offset and name.endswith("norm.weight"):  # Gemma: RMSNorm scales by (1 + w), as transformers
                 data = data.float() + offset             # computes it: in float32 (a new tensor, not in place)
@@ -143,7 +156,7 @@ class LlamaModel:
         # Gemma3TextScaledWordEmbedding: embed_scale.to(weight.dtype))
         self.embed_scale = (float(torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype.torch_dtype))
                             if cfg.embed_scale is not None else None)
-        shape = (max_seq_length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (max_seq_length, self.num_kv_heads, cfg.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.kv_cache_dtype.torch_dtype, device=self.device)
                         for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_cache_dtype.torch_dtype, device=self.device)
@@ -198,7 +211,7 @@ class LlamaModel:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise GenerationError(f"slots must be a positive integer, got {slots!r}")
         cfg = self.cfg
-        shape = (slots + 1, self.max_seq_length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (slots + 1, self.max_seq_length, self.num_kv_heads, cfg.head_dim)
 
         def zeros():
             return [torch.zeros(shape, dtype=self.kv_cache_dtype.torch_dtype, device=self.device)
@@ -262,7 +275,7 @@ class LlamaModel:
         if self.local_cos is not None:  # Gemma 3's sliding layers
             local_cos = inp(self.local_cos, name="rope_cos_local")
             local_sin = inp(self.local_sin, name="rope_sin_local")
-        H, Dh, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        H, Dh, hq, hkv = cfg.hidden_size, cfg.head_dim, self.num_heads, self.num_kv_heads
         eps = cfg.rms_norm_eps
 
         def norm(x, w):
@@ -293,6 +306,8 @@ class LlamaModel:
             kc, vc = inp(k_caches[i], name=f"k_cache.{i}"), inp(v_caches[i], name=f"v_cache.{i}")
             a = attend(i, q, k, v, kc, vc)
             o = proj(g.reshape(a, (T, hq * Dh)), f"{p}.self_attn.o_proj")
+            if self.shard is not None:   # row-parallel: the partial sums of every rank's heads
+                o = g.allreduce(o)
             if cfg.sandwich_norms:  # Gemma: the attention output normalised before the residual add
                 h = g.add(h, norm(o, f"{p}.post_attention_layernorm.weight"))
                 n = norm(h, f"{p}.pre_feedforward_layernorm.weight")
@@ -302,6 +317,8 @@ class LlamaModel:
             gate, up = proj(n, f"{p}.mlp.gate_proj"), proj(n, f"{p}.mlp.up_proj")
             gated = g.gelu_tanh(gate) if cfg.hidden_act == "gelu_pytorch_tanh" else g.silu(gate)
             m = proj(g.mul(gated, up), f"{p}.mlp.down_proj")
+            if self.shard is not None:   # row-parallel: the partial sums of every rank's rows
+                m = g.allreduce(m)
             if cfg.sandwich_norms:  # Gemma: the MLP output normalised before the residual add
                 m = norm(m, f"{p}.post_feedforward_layernorm.weight")
             h = g.add(h, m)
@@ -331,6 +348,10 @@ class LlamaModel:
         residual add and the next RMSNorm into one row kernel), its embedding scale
         ``embed_layer``'s ``scale``."""
         cfg = self.cfg
+        if self.shard is not None:
+            raise GenerationError(f"tensor parallelism (rank {self.shard.rank} of {self.shard.world_size}) runs on the "
+                                  "launch-per-op plans: the persistent decode kernel has no allreduce task yet; "
+                                  "use persistent=False")
         H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         dt = self.dtype
         k_cache, v_cache = k_cache or self.k_cache, v_cache or self.v_cache

@@ -1,0 +1,245 @@
+"""Tensor-parallel decoding on one host: ``yr.LLM(model, tensor_parallel_size=N)``'s ranks.
+
+``TensorParallelSteps`` starts N rank processes (torch.multiprocessing, spawn) on this host; each
+joins a gloo group on 127.0.0.1 (``runtime.distributed``), loads the model, keeps its shard
+(``models.sharding``: q/k/v and gate/up by output rows, o and down by input columns, the rest
+replicated) and compiles the launch-per-op step plans, whose ``allreduce`` ops sum the o and down
+projections over the ranks. The caller's process is the coordinator: it holds the tokenizer and
+the sampling loop (``engines.generate``), sends each step's token ids and start position to every
+rank, and gets rank 0's logits and argmax back; it has the same ``run`` / ``prepare`` as
+``models.llama.StepRunner``, so ``LLM.generate`` drives either.
+
+Faults: a rank that exits makes the coordinator stop every rank and raise DistributedError naming
+it (its exit code) as soon as the process is gone; a rank that hangs makes the others' allreduce
+time out (``timeout_s``) and the coordinator raise naming the ranks that did not answer; ranks
+that disagree on the model or the world size refuse at start.
+
+The persistent decode kernel has no allreduce task yet, so the ranks run the launch-per-op plans
+(``persistent=False``). This module must never build graphs itself or import a launcher beyond
+torch.multiprocessing; the ranks' work is models/llama.py's.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import weakref
+from multiprocessing.connection import wait
+
+import torch
+import torch.multiprocessing as mp
+
+from ..backends import Backend
+from ..dtypes import DType
+from ..errors import DistributedError, GenerationError
+from ..models.llama import LlamaModel, StepRunner
+from ..models.loading import load_model
+from ..models.sharding import plan_shard
+from ..runtime.distributed import DEFAULT_TIMEOUT_S, ProcessGroup
+
+#: seconds a rank may take to load, shard and compile before the coordinator gives up on it
+START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the gloo store's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size in bytes (Linux /proc; 0 elsewhere)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, threads: int, conn) -> None:
+    """One rank: join the group, check the ranks agree, build its shard and serve steps until
+    told to stop. Replies on ``conn``: ('ready', rss bytes), then per step ('ok', logits, argmax)
+    (numpy arrays on rank 0, None elsewhere); ('error', message) on any failure."""
+    torch.set_num_threads(threads)
+    group = None
+    try:
+        group = ProcessGroup(rank, world_size, "127.0.0.1", port, options["timeout_s"]).init()
+        loaded = load_model(spec, progress=False, allow_nonfinite=options["allow_nonfinite"])
+        identity = (str(loaded.path), loaded.config.num_layers, loaded.config.hidden_size, world_size)
+        seen = group.all_gather_object(identity)
+        if any(x != identity for x in seen):
+            raise DistributedError(f"rank {rank}: the ranks disagree on the model or the world size "
+                                   f"(model path, layers, hidden size, world size per rank: {seen})")
+        shard = plan_shard(loaded.config, loaded.weights, rank, world_size)
+        model = LlamaModel(loaded, Backend.CPU, options["max_seq_length"], options["dtype"],
+                           options["prefill_dtype"], options["decode_dtype"], options["kv_cache_dtype"], shard=shard)
+        del loaded
+        steps = StepRunner(model, persistent=False)
+        steps.prepare(1)
+        conn.send(("ready", _rss_bytes()))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "hang":   # tests: a rank that stops answering
+                time.sleep(10 ** 6)
+            if msg[0] == "exit":   # tests: a rank that dies
+                os._exit(9)
+            logits, argmax = steps.run(msg[1], msg[2])
+            conn.send(("ok", logits.float().numpy().copy(), argmax.numpy().copy()) if rank == 0 else ("ok", None, None))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the coordinator
+        with contextlib.suppress(OSError, BrokenPipeError):
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+    finally:
+        if group is not None:
+            group.shutdown()
+
+
+class TensorParallelSteps:
+    """``world_size`` ranks of one model on this host, stepped together (see the module doc).
+
+    Args:
+        spec: the model (as ``yr.LLM`` takes it).
+        world_size: the number of ranks (>= 2).
+        max_seq_length, dtype, prefill_dtype, decode_dtype, kv_cache_dtype: as ``LlamaModel``.
+        threads_per_rank: torch/OpenMP threads of each rank (default: this process's
+            ``torch.get_num_threads()`` divided by the ranks, at least 1).
+        timeout_s: seconds a collective may wait for a peer before the ranks fail.
+        allow_nonfinite: as ``load_model``.
+
+    ``run(token_ids, start_pos)`` returns (logits [1, vocab] float32, argmax [1] int64) on the
+    CPU, as ``StepRunner.run``; ``rss_bytes`` each rank's resident memory once ready;
+    ``close()`` stops the ranks (also when the object is collected).
+
+    Raises:
+        DistributedError: a rank failed to start, died or hung (the message names it), or the
+            ranks disagree on the model or the world size.
+    """
+
+    persistent = False
+
+    def __init__(self, spec: str, world_size: int, max_seq_length: int, dtype: DType = DType.float32,
+                 prefill_dtype: DType | None = None, decode_dtype: DType | None = None,
+                 kv_cache_dtype: DType | None = None, threads_per_rank: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, allow_nonfinite: bool = False):
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        threads = threads_per_rank or max(1, torch.get_num_threads() // world_size)
+        options = dict(max_seq_length=max_seq_length, dtype=dtype, prefill_dtype=prefill_dtype,
+                       decode_dtype=decode_dtype, kv_cache_dtype=kv_cache_dtype, timeout_s=self.timeout_s,
+                       allow_nonfinite=allow_nonfinite)
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.conns, self.procs = [], []
+        with _thread_env(threads):
+            for rank in range(world_size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_rank_main, args=(rank, world_size, port, spec, options, threads, child),
+                                daemon=True, name=f"yirage-tp-rank{rank}")
+                p.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(p)
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        self.rss_bytes = [r[1] for r in self._gather(range(world_size), START_TIMEOUT_S + self.timeout_s, "ready")]
+
+    def _gather(self, ranks, timeout_s: float, what: str) -> list:
+        """The next reply of each rank in ``ranks``, in rank order; DistributedError (after
+        stopping every rank) when one fails, exits or does not answer within ``timeout_s``."""
+        got: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(ranks):
+            waiting = [r for r in ranks if r not in got]
+            ready = wait([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._fail(f"rank(s) {waiting} did not answer ({what}) within {timeout_s:g} s: hung")
+            for r in waiting:
+                conn = self.conns[r]
+                if conn in ready or conn.poll():
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        continue   # its sentinel says why
+                    if msg[0] == "error":
+                        silent = [x for x in waiting if x != r and x not in got and not self.conns[x].poll()]
+                        note = f"; rank(s) {silent} had not answered ({what})" if silent else ""
+                        self._fail(self._dead_ranks_note(r) + msg[1] + note)
+                    got[r] = msg
+                elif self.procs[r].sentinel in ready:
+                    self.procs[r].join(timeout=1.0)   # its exit code
+                    self._fail(f"rank {r} (pid {self.procs[r].pid}) exited with code {self.procs[r].exitcode} "
+                               f"({what})")
+        return [got[r] for r in ranks]
+
+    def _dead_ranks_note(self, reporter: int) -> str:
+        """'rank N (pid P) exited with code C; ' for each rank but ``reporter`` (the one that
+        reported a failure, and exits after it) gone a moment after the report."""
+        others = [(r, p) for r, p in enumerate(self.procs) if r != reporter]
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and all(p.is_alive() for _, p in others):
+            time.sleep(0.05)
+        return "".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}; " for r, p in others if not p.is_alive())
+
+    def _fail(self, message: str):
+        self.close()
+        raise DistributedError(f"tensor parallelism ({self.world_size} ranks): {message}")
+
+    def prepare(self, T: int) -> None:
+        """Nothing to do: every rank compiled its decode step at start; prefill plans are
+        compiled on first use."""
+
+    def run(self, token_ids: list[int], start_pos: int):
+        """One forward step on every rank: (logits [1, vocab] float32, argmax [1] int64)."""
+        if not self._finalizer.alive:
+            raise GenerationError("the tensor-parallel ranks were stopped (close(), or a rank failed)")
+        msg = ("run", list(token_ids), int(start_pos))
+        for conn in self.conns:
+            try:
+                conn.send(msg)
+            except (BrokenPipeError, OSError):
+                pass   # the rank is gone: _gather names it
+        replies = self._gather(range(self.world_size), self.timeout_s + 30.0, f"step at position {start_pos}")
+        return torch.from_numpy(replies[0][1]), torch.from_numpy(replies[0][2])
+
+    def run_greedy(self, token: int, start_pos: int, n: int) -> list[int]:
+        raise GenerationError("run_greedy needs the persistent decode kernel, which tensor parallelism does not "
+                              "use yet (persistent=False)")
+
+    def send_fault(self, rank: int, kind: str) -> None:
+        """Tests: make ``rank`` die ('exit') or stop answering ('hang') at its next message."""
+        self.conns[rank].send((kind,))
+
+    def close(self) -> None:
+        """Stop every rank (idempotent)."""
+        self._finalizer()
+
+
+def _stop(conns, procs) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            conn.send(("stop",))
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+    for conn in conns:
+        conn.close()
+
+
+@contextlib.contextmanager
+def _thread_env(threads: int):
+    """OMP_NUM_THREADS=threads for the processes started inside (restored after)."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old

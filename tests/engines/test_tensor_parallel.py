@@ -1,0 +1,149 @@
+"""Tensor parallelism on CPU (issue 45's first landing): 2 gloo ranks on 127.0.0.1, 1 thread each.
+
+- the IR's ``allreduce`` op, compiled for the CPU and through the reference interpreter, against
+  torch.distributed's own all_reduce;
+- SmolLM2 (9 heads, 3 KV heads: 2 + 1 KV heads on the ranks) split over 2 ranks: greedy tokens over
+  32 steps equal one process's, and the last step's logits within 1e-4;
+- a world size that cannot split the heads, or a split that would cut a quantization block, is
+  refused with the sizes before any process starts;
+- a rank that dies, or hangs, makes the step fail with DistributedError naming it within a
+  timeout, never a hang.
+"""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import yirage as yr
+from yirage.dtypes import DType
+from yirage.engines.tensor_parallel import TensorParallelSteps, free_port
+from yirage.errors import DistributedError
+from yirage.ir.interpret import interpret
+from yirage.models.loaded_model import Weight
+from yirage.models.sharding import plan_shard
+from yirage.runtime.distributed import ProcessGroup
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "What is the capital of France?"
+STEPS = 32
+
+
+def _allreduce_rank(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    group = ProcessGroup(rank, 2, "127.0.0.1", port, timeout_s=30).init()
+    try:
+        torch.manual_seed(rank)
+        x = torch.randn(3, 576)
+        g = yr.new_kernel_graph(backend="cpu")
+        g.mark_output(g.allreduce(g.new_input((3, 576))))
+        compiled = g.compile("cpu").plan([x]).run()[0].clone()
+        reference = interpret(g, [x])[0]
+        expected = x.clone()
+        dist.all_reduce(expected)
+        results.put((rank, (compiled - expected).abs().max().item(), (reference - expected).abs().max().item(),
+                     (expected - x).abs().max().item()))
+    finally:
+        group.shutdown()
+
+
+def test_allreduce_op_on_two_gloo_ranks():
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank, compiled_err, reference_err, moved in got:
+        assert compiled_err == 0.0 and reference_err == 0.0, (rank, compiled_err, reference_err)
+        assert moved > 0.1   # the other rank's values were added
+
+
+def test_allreduce_on_one_process_is_the_identity():
+    x = torch.randn(2, 5)
+    g = yr.new_kernel_graph(backend="cpu")
+    g.mark_output(g.allreduce(g.new_input((2, 5))))
+    assert torch.equal(g.compile("cpu").plan([x]).run()[0], x)
+
+
+def _greedy(steps, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    logits, argmax = steps.run(ids, 0)
+    tokens, pos = [int(argmax[0])], len(ids)
+    for _ in range(STEPS - 1):
+        logits, argmax = steps.run([tokens[-1]], pos)
+        tokens.append(int(argmax[0]))
+        pos += 1
+    return tokens, logits.float().clone()
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    torch.set_num_threads(1)
+    return yr.LLM(MODEL, persistent=False, max_seq_length=128)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    llm = yr.LLM(MODEL, tensor_parallel_size=2, num_workers=1, max_seq_length=128)
+    yield llm
+    llm.close()
+
+
+def test_smollm2_two_ranks_match_one(one_rank, two_ranks):
+    ids = one_rank.prompt_ids(PROMPT)
+    want_tokens, want_logits = _greedy(one_rank.steps, ids)
+    got_tokens, got_logits = _greedy(two_ranks.steps, ids)
+    assert got_tokens == want_tokens
+    assert (got_logits - want_logits).abs().max().item() < 1e-4
+    # generate() on the ranks gives one process's tokens
+    got = two_ranks.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    assert got.token_ids == one_rank.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+    assert len(two_ranks.steps.rss_bytes) == 2 and all(r > 0 for r in two_ranks.steps.rss_bytes)
+
+
+def test_tensor_parallel_refuses_what_it_does_not_run(two_ranks):
+    with pytest.raises(yr.GenerationError, match="tensor_parallel_size=2"):
+        two_ranks.generate([PROMPT, PROMPT], max_new_tokens=2)
+    with pytest.raises(yr.GenerationError, match="persistent"):
+        yr.LLM(MODEL, tensor_parallel_size=2, persistent=True)
+
+
+def test_world_size_that_cannot_split_the_heads_is_refused():
+    # SmolLM2: 9 heads, 3 KV heads; 4 ranks would cut a KV group
+    with pytest.raises(DistributedError, match=r"tensor_parallel_size 4 cannot split 9 attention heads with 3 KV"):
+        yr.LLM(MODEL, tensor_parallel_size=4)
+
+
+def test_split_that_cuts_a_quantization_block_is_refused():
+    def cfg(heads):
+        return SimpleNamespace(num_heads=heads, num_kv_heads=heads, head_dim=64, intermediate_size=1024)
+
+    def o_proj(heads):   # q4_k: blocks of 256 values along the input columns
+        n = heads * 64
+        return {"model.layers.0.self_attn.o_proj.weight":
+                Weight(torch.zeros(n, n // 256 * 144, dtype=torch.uint8), DType.q4_k, (n, n))}
+    assert plan_shard(cfg(8), o_proj(8), 1, 2).q_heads == (4, 8)   # 4 heads = 256 columns: whole blocks
+    with pytest.raises(DistributedError, match=r"columns 0\.\.383 .* blocks of 256"):
+        plan_shard(cfg(12), o_proj(12), 0, 2)   # 6 heads = 384 columns: 1.5 blocks
+
+
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+def test_failed_rank_is_named_within_a_timeout(fault):
+    steps = TensorParallelSteps(MODEL, 2, 64, threads_per_rank=1, timeout_s=5)
+    try:
+        steps.run([1, 2, 3], 0)
+        steps.send_fault(1, fault)
+        t0 = time.monotonic()
+        with pytest.raises(DistributedError, match="rank 1|rank\\(s\\) \\[1\\]"):
+            steps.run([4], 3)
+        assert time.monotonic() - t0 < 40
+    finally:
+        steps.close()
+    assert not any(p.is_alive() for p in steps.procs)
