@@ -31,8 +31,30 @@ def test_auto_never_picks_a_software_adapter(monkeypatch):
     assert not impl.auto_eligible()
     assert resolve_backend("auto") != Backend.WEBGPU
     monkeypatch.setattr(W, "adapter_record", lambda: {**real, "adapter_type": "DiscreteGPU"})
+    monkeypatch.setattr(W, "hardware_adapter_possible", lambda: True)
     assert impl.auto_eligible()
     assert resolve_backend("auto") in (Backend.CUDA, Backend.ROCM, Backend.XPU, Backend.WEBGPU)
+    # no GPU device node: not eligible, whatever the adapter would say
+    monkeypatch.setattr(W, "hardware_adapter_possible", lambda: False)
+    assert not impl.auto_eligible()
+
+
+def test_auto_without_a_gpu_device_node_never_loads_wgpu():
+    """'auto' on a machine with no GPU device node (this one, in a container) picks without
+    probing the adapter: wgpu is never imported (the probe cost ~0.8 s per process)."""
+    import os
+    import subprocess
+    import sys
+
+    if W.hardware_adapter_possible():
+        pytest.skip("this machine has a GPU device node: 'auto' probes the adapter here")
+    code = ("import sys; from yirage.backends import resolve_backend; "
+            "print(resolve_backend('auto').value, 'wgpu' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "YIRAGE_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    backend, loaded = out.stdout.split()
+    assert backend != "webgpu" and loaded == "False", out.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.int64,

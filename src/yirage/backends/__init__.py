@@ -76,8 +76,10 @@ def _is_auto(name: str | Backend) -> bool:
 
 def _auto_backend() -> Backend:
     """The first available backend by priority that 'auto' may pick (CPU is always available;
-    webgpu only on a real GPU adapter, ``BackendImpl.auto_eligible``)."""
-    return next(b for b in get_available_backends() if _IMPLS[b].auto_eligible())
+    webgpu only on a real GPU adapter, ``BackendImpl.auto_eligible``). Eligibility is asked
+    first, so a backend 'auto' cannot pick here is never probed (webgpu's adapter on a machine
+    without a GPU device node)."""
+    return next(b for b, impl in _IMPLS.items() if impl.auto_eligible() and impl.is_available())
 
 
 def get_available_backends() -> list[Backend]:

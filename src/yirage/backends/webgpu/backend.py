@@ -116,7 +116,11 @@ class WebGPUBackend(BackendImpl):
         return self._reason
 
     def auto_eligible(self) -> bool:
-        return self.is_available() and _rt().adapter_record()["adapter_type"] not in ("CPU", "cpu")
+        """Only a hardware adapter (never a software one such as lavapipe, adapter type CPU);
+        where no GPU device node exists (``runtime.webgpu.hardware_adapter_possible``) without
+        probing the adapter at all."""
+        return (_rt().hardware_adapter_possible() and self.is_available()
+                and _rt().adapter_record()["adapter_type"] not in ("CPU", "cpu"))
 
     def versions(self) -> dict[str, str]:
         versions = super().versions()
