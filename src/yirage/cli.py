@@ -347,9 +347,12 @@ def set_default_backend(backend, unset) -> None:
               help="Worker threads of the persistent kernel (default: the cores this process may use).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the decode tasks as a Chrome/Perfetto trace (JSON) to this file.")
+@click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
+              help="Split the model over this many rank processes on this host (CPU, gloo; --workers threads "
+                   "each; the launch-per-op plans: not with --persistent or --trace).")
 def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allow_nonfinite_weights, prefill_dtype,
              decode_dtype, kv_cache_dtype, temperature, top_k, top_p, seed, system, no_chat, as_json, persistent,
-             workers, trace_path) -> None:
+             workers, trace_path, tensor_parallel_size) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from .engines.generate import LLM, check_generation_args
 
@@ -367,7 +370,7 @@ def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allo
         llm = LLM(model, backend=backend, max_seq_length=max_seq_length, dtype=dtype, progress=True,
                   allow_nonfinite_weights=allow_nonfinite_weights, persistent=True if profile is not None else persistent,
                   num_workers=workers, profiler_tensor=profile, prefill_dtype=prefill_dtype,
-                  decode_dtype=decode_dtype, kv_cache_dtype=kv_cache_dtype)
+                  decode_dtype=decode_dtype, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size)
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
         has_template = bool(getattr(llm.tokenizer, "chat_template", None))

@@ -11,6 +11,9 @@
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -147,3 +150,14 @@ def test_failed_rank_is_named_within_a_timeout(fault):
     finally:
         steps.close()
     assert not any(p.is_alive() for p in steps.procs)
+
+
+def test_cli_generate_on_two_ranks(one_rank):
+    cli = [sys.executable, "-m", "yirage.cli", "generate", "--json", "--max-new-tokens", "8", "--workers", "1",
+           "--max-seq-length", "128", "--tensor-parallel-size"]
+    proc = subprocess.run([*cli, "2", PROMPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    want = one_rank.generate(PROMPT, max_new_tokens=8).token_ids
+    assert json.loads(proc.stdout)["token_ids"] == want
+    refused = subprocess.run([*cli, "4", PROMPT], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "cannot split 9 attention heads with 3 KV heads" in refused.stderr
