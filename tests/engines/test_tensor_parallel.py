@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (issue 45's first landing): 2 gloo ranks on 127.0.0.1, 1 thread each.
 
 - the IR's ``allreduce`` op, compiled for the CPU and through the reference interpreter, against
-  torch.distributed's own all_reduce;
+  torch.distributed's own all_reduce, over gloo and over the shared-memory transport;
 - SmolLM2 (9 heads, 3 KV heads: 2 + 1 KV heads on the ranks) split over 2 ranks: greedy tokens over
   32 steps equal one process's, and the last step's logits within 1e-4;
 - a world size that cannot split the heads, or a split that would cut a quantization block, is
@@ -36,9 +36,9 @@ PROMPT = "What is the capital of France?"
 STEPS = 32
 
 
-def _allreduce_rank(rank: int, port: int, results) -> None:
+def _allreduce_rank(rank: int, port: int, transport: str, results) -> None:
     torch.set_num_threads(1)
-    group = ProcessGroup(rank, 2, "127.0.0.1", port, timeout_s=30).init()
+    group = ProcessGroup(rank, 2, "127.0.0.1", port, timeout_s=30, transport=transport).init()
     try:
         torch.manual_seed(rank)
         x = torch.randn(3, 576)
@@ -49,24 +49,26 @@ def _allreduce_rank(rank: int, port: int, results) -> None:
         expected = x.clone()
         dist.all_reduce(expected)
         results.put((rank, (compiled - expected).abs().max().item(), (reference - expected).abs().max().item(),
-                     (expected - x).abs().max().item()))
+                     (expected - x).abs().max().item(), group.transport))
     finally:
         group.shutdown()
 
 
-def test_allreduce_op_on_two_gloo_ranks():
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_allreduce_op_on_two_ranks(transport):
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, transport, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = sorted(results.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    for rank, compiled_err, reference_err, moved in got:
+    for rank, compiled_err, reference_err, moved, used in got:
         assert compiled_err == 0.0 and reference_err == 0.0, (rank, compiled_err, reference_err)
         assert moved > 0.1   # the other rank's values were added
+        assert used == transport
 
 
 def test_allreduce_on_one_process_is_the_identity():
@@ -137,16 +139,17 @@ def test_split_that_cuts_a_quantization_block_is_refused():
         plan_shard(cfg(12), o_proj(12), 0, 2)   # 6 heads = 384 columns: 1.5 blocks
 
 
-@pytest.mark.parametrize("fault", ["exit", "hang"])
-def test_failed_rank_is_named_within_a_timeout(fault):
-    steps = TensorParallelSteps(MODEL, 2, 64, threads_per_rank=1, timeout_s=5)
+@pytest.mark.parametrize("fault,transport", [("exit", "gloo"), ("hang", "gloo"), ("hang", "shm")])
+def test_failed_rank_is_named_within_a_timeout(fault, transport):
+    steps = TensorParallelSteps(MODEL, 2, 64, threads_per_rank=1, timeout_s=3, transport=transport)
+    assert steps.transport == transport
     try:
         steps.run([1, 2, 3], 0)
         steps.send_fault(1, fault)
         t0 = time.monotonic()
         with pytest.raises(DistributedError, match="rank 1|rank\\(s\\) \\[1\\]"):
             steps.run([4], 3)
-        assert time.monotonic() - t0 < 40
+        assert time.monotonic() - t0 < 30
     finally:
         steps.close()
     assert not any(p.is_alive() for p in steps.procs)

@@ -59,12 +59,12 @@ def _rss_bytes() -> int:
 
 def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, threads: int, conn) -> None:
     """One rank: join the group, check the ranks agree, build its shard and serve steps until
-    told to stop. Replies on ``conn``: ('ready', rss bytes), then per step ('ok', logits, argmax)
+    told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing), then per step ('ok', logits, argmax)
     (numpy arrays on rank 0, None elsewhere); ('error', message) on any failure."""
     torch.set_num_threads(threads)
     group = None
     try:
-        group = ProcessGroup(rank, world_size, "127.0.0.1", port, options["timeout_s"]).init()
+        group = ProcessGroup(rank, world_size, "127.0.0.1", port, options["timeout_s"], options["transport"]).init()
         loaded = load_model(spec, progress=False, allow_nonfinite=options["allow_nonfinite"])
         identity = (str(loaded.path), loaded.config.num_layers, loaded.config.hidden_size, world_size)
         seen = group.all_gather_object(identity)
@@ -77,7 +77,7 @@ def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, 
         del loaded
         steps = StepRunner(model, persistent=False)
         steps.prepare(1)
-        conn.send(("ready", _rss_bytes()))
+        conn.send(("ready", _rss_bytes(), group.transport, group.transport_us))
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
@@ -107,10 +107,12 @@ class TensorParallelSteps:
             ``torch.get_num_threads()`` divided by the ranks, at least 1).
         timeout_s: seconds a collective may wait for a peer before the ranks fail.
         allow_nonfinite: as ``load_model``.
+        transport: the allreduce's ('auto', 'gloo', 'shm': ``runtime.distributed.ProcessGroup``).
 
     ``run(token_ids, start_pos)`` returns (logits [1, vocab] float32, argmax [1] int64) on the
     CPU, as ``StepRunner.run``; ``rss_bytes`` each rank's resident memory once ready;
-    ``close()`` stops the ranks (also when the object is collected).
+    ``transport`` the allreduce the ranks chose (and ``transport_us`` rank 0's timing of both
+    under 'auto'); ``close()`` stops the ranks (also when the object is collected).
 
     Raises:
         DistributedError: a rank failed to start, died or hung (the message names it), or the
@@ -122,13 +124,13 @@ class TensorParallelSteps:
     def __init__(self, spec: str, world_size: int, max_seq_length: int, dtype: DType = DType.float32,
                  prefill_dtype: DType | None = None, decode_dtype: DType | None = None,
                  kv_cache_dtype: DType | None = None, threads_per_rank: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, allow_nonfinite: bool = False):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, allow_nonfinite: bool = False, transport: str = "auto"):
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         threads = threads_per_rank or max(1, torch.get_num_threads() // world_size)
         options = dict(max_seq_length=max_seq_length, dtype=dtype, prefill_dtype=prefill_dtype,
                        decode_dtype=decode_dtype, kv_cache_dtype=kv_cache_dtype, timeout_s=self.timeout_s,
-                       allow_nonfinite=allow_nonfinite)
+                       allow_nonfinite=allow_nonfinite, transport=transport)
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns, self.procs = [], []
@@ -142,7 +144,9 @@ class TensorParallelSteps:
                 self.conns.append(parent)
                 self.procs.append(p)
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
-        self.rss_bytes = [r[1] for r in self._gather(range(world_size), START_TIMEOUT_S + self.timeout_s, "ready")]
+        ready = self._gather(range(world_size), START_TIMEOUT_S + self.timeout_s, "ready")
+        self.rss_bytes = [r[1] for r in ready]
+        self.transport, self.transport_us = ready[0][2], ready[0][3]
 
     def _gather(self, ranks, timeout_s: float, what: str) -> list:
         """The next reply of each rank in ``ranks``, in rank order; DistributedError (after
@@ -183,6 +187,9 @@ class TensorParallelSteps:
         return "".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}; " for r, p in others if not p.is_alive())
 
     def _fail(self, message: str):
+        for p in self.procs:   # a failed group: no rank can finish a step, so no grace to wait out
+            if p.is_alive():
+                p.kill()
         self.close()
         raise DistributedError(f"tensor parallelism ({self.world_size} ranks): {message}")
 

@@ -9,17 +9,28 @@ the group the plans' ``allreduce`` kernels sum over (backends/cpu/library.py), N
 tensor parallelism; the IR's reference of ``allreduce`` sums over torch.distributed's default
 group too, so a plan and its reference agree.
 
-The transport is gloo over TCP (CPU tensors); one group per process. A shared-memory allreduce
-inside one host is not here yet (issue 45).
+Transports (one group per process): gloo over TCP, and, for ranks on one host, a shared-memory
+allreduce (``SharedMemoryAllreduce``: the design of vLLM's and DeepSpeed's CPU allreduce: each rank
+writes its tensor into its slot of a file in /dev/shm, raises its flag, spins until every rank's
+flag is up, then sums the slots in rank order, so every rank gets the same bits). ``transport=
+'auto'`` times both at ``init`` over a decode-sized tensor and keeps the faster (rank 0's figures
+decide, every rank follows); the figures stay in ``transport_us``.
 
 This module must never build graphs, load models or start processes (engines/tensor_parallel.py
 starts the ranks); it only joins, uses and leaves the group.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import mmap
 import os
+import platform
+import tempfile
+import time
+import uuid
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,6 +40,20 @@ from ..errors import DistributedError
 DEFAULT_TIMEOUT_S = 60.0
 
 _ACTIVE: "ProcessGroup | None" = None
+
+#: the transports ``ProcessGroup`` takes
+TRANSPORTS = ("auto", "gloo", "shm")
+
+#: float32 values per rank slot of the shared-memory allreduce (larger tensors go over gloo)
+SHM_CAPACITY = 1 << 16
+
+#: polls of the peers' flags (about 0.5 us each) before the shared-memory allreduce starts
+#: yielding the core at each poll
+_SPINS = 200
+
+#: float32 values of the tensor 'auto' times both transports on (a decode step's hidden state is
+#: 576..8192 values), and how many allreduces of it
+_PROBE_VALUES, _PROBE_ITERS = 1024, 200
 
 
 def active() -> "ProcessGroup | None":
@@ -64,17 +89,28 @@ class ProcessGroup:
         world_size: the number of ranks (>= 1).
         master_addr, master_port: where rank 0's TCP store listens (every rank gives the same).
         timeout_s: seconds forming the group and each collective may take (positive).
+        transport: 'gloo', 'shm' (shared memory: the ranks on one x86-64 host) or 'auto' (the
+            faster of the two by measurement at ``init`` where shm can run, else gloo).
 
     Use ``init()`` (or ``from_env()``) to join; ``shutdown()`` to leave (idempotent).
 
     Raises:
         DistributedError: a rank outside [0, world_size), a world_size below 1, a port outside
-            [1, 65535], a non-positive timeout; on ``init``, a group already joined in this
-            process or one that could not form within the timeout (naming the address).
+            [1, 65535], a non-positive timeout, an unknown transport or 'shm' off x86-64; on
+            ``init``, a group already joined in this process or one that could not form within the
+            timeout (naming the address).
     """
 
     def __init__(self, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto"):
+        if transport not in TRANSPORTS:
+            raise DistributedError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if transport == "shm" and not _shm_capable():
+            raise DistributedError(f"transport='shm' needs an x86-64 host (its flags rely on x86's store order); "
+                                   f"this one is {platform.machine()}: use 'gloo'")
+        self.transport = transport
+        self.transport_us: dict[str, float] = {}
+        self._shm: SharedMemoryAllreduce | None = None
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise DistributedError(f"world_size must be a positive integer, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -114,7 +150,42 @@ class ProcessGroup:
         self._store = store
         self.joined = True
         _ACTIVE = self
+        try:
+            self._pick_transport()
+        except BaseException:
+            self.shutdown()
+            raise
         return self
+
+    def _pick_transport(self) -> None:
+        """Set up shared memory where asked (or 'auto' and possible) and, for 'auto', keep the
+        faster transport by rank 0's timing."""
+        if self.world_size == 1 or self.transport == "gloo" or not _shm_capable():
+            self.transport = "gloo"
+            return
+        self._shm = SharedMemoryAllreduce(self, self._store)
+        if self.transport == "auto":
+            probe = torch.zeros(_PROBE_VALUES)
+            timed = {"gloo": self._time(self._gloo_all_reduce_, probe), "shm": self._time(self._shm.all_reduce_, probe)}
+            agreed = [timed]
+            dist.broadcast_object_list(agreed, src=0)
+            self.transport_us = agreed[0]
+            self.transport = min(self.transport_us, key=self.transport_us.get)
+        if self.transport == "gloo":
+            self._shm.close()
+            self._shm = None
+
+    def _time(self, reduce, x: torch.Tensor) -> float:
+        """Median microseconds of one allreduce of ``x`` by ``reduce`` (after a warm-up)."""
+        dist.barrier()
+        times = []
+        for i in range(_PROBE_ITERS + 20):
+            t0 = time.perf_counter()
+            reduce(x)
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        return round(times[len(times) // 2] * 1e6, 2)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` (a CPU tensor, any float dtype, contiguous) over every rank, in place;
@@ -122,6 +193,11 @@ class ProcessGroup:
         ``timeout_s``."""
         if not self.joined:
             raise DistributedError(f"rank {self.rank}: all_reduce_ on a group not joined (call init())")
+        if self._shm is not None and self._shm.fits(t):
+            return self._shm.all_reduce_(t)
+        return self._gloo_all_reduce_(t)
+
+    def _gloo_all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         try:
             dist.all_reduce(t)
         except (RuntimeError, dist.DistBackendError) as e:
@@ -142,6 +218,9 @@ class ProcessGroup:
     def shutdown(self) -> None:
         """Leave the group (destroys torch.distributed's default group); a no-op when not joined."""
         global _ACTIVE
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self.joined:
             self.joined = False
             if _ACTIVE is self:
@@ -149,3 +228,87 @@ class ProcessGroup:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._store = None
+
+
+def _shm_capable() -> bool:
+    """Whether the shared-memory allreduce can run here: x86-64 (stores seen in program order,
+    which its flags rely on)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class SharedMemoryAllreduce:
+    """The float32 sum of the ranks of ``group`` (on one host) through a file in /dev/shm.
+
+    Layout: a flag per rank (int64, one 64-byte line each), then two buffers [world_size,
+    SHM_CAPACITY] float32. Allreduce number s writes buffer s % 2: a rank reaching s + 2 has seen
+    every flag at s + 1, so every rank has finished reading s's buffer (two buffers suffice).
+    Rank 0 creates the file, the others open it by the name rank 0 puts in the store, and rank 0
+    unlinks it once all have mapped it (nothing is left behind, even after a crash).
+    """
+
+    def __init__(self, group: ProcessGroup, store):
+        self.rank, self.world_size, self.timeout_s = group.rank, group.world_size, group.timeout_s
+        W = self.world_size
+        flag_bytes = W * 64
+        size = flag_bytes + 2 * W * SHM_CAPACITY * 4
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        if self.rank == 0:
+            path = os.path.join(directory, f"yirage-allreduce-{uuid.uuid4().hex}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, size)
+            store.set("yirage/shm_allreduce", path)
+        else:
+            path = store.get("yirage/shm_allreduce").decode()
+            fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        dist.barrier()
+        if self.rank == 0:
+            os.unlink(path)
+        self._flags = np.frombuffer(self._mm, dtype=np.int64, count=W * 8)[::8]
+        self._data = torch.frombuffer(self._mm, dtype=torch.float32, offset=flag_bytes,
+                                      count=2 * W * SHM_CAPACITY).view(2, W, SHM_CAPACITY)
+        self._step = 0
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` goes through shared memory: float32, contiguous, at most SHM_CAPACITY values."""
+        return t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= SHM_CAPACITY and t.device.type == "cpu"
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks in place (rank order: every rank gets the same bits)."""
+        self._step += 1
+        n, slots = t.numel(), self._data[self._step & 1]
+        slots[self.rank, :n].copy_(t.reshape(-1))
+        self._flags[self.rank] = self._step
+        self._wait(self._step)
+        acc = t.reshape(-1)
+        acc.copy_(slots[0, :n])
+        for r in range(1, self.world_size):
+            acc.add_(slots[r, :n])
+        return t
+
+    def _wait(self, step: int) -> None:
+        """Spin until every rank's flag reaches ``step``; DistributedError naming the ranks that
+        did not within ``timeout_s``."""
+        flags, spins, deadline = self._flags, 0, None
+        while flags.min() < step:
+            spins += 1
+            if spins < _SPINS:   # a peer a few microseconds behind: spin
+                continue
+            os.sched_yield()     # longer: give the core away (a peer may be waiting for it)
+            if spins % 256 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    late = [r for r in range(self.world_size) if flags[r] < step]
+                    raise DistributedError(f"rank {self.rank} of {self.world_size}: rank(s) {late} did not reach "
+                                           f"shared-memory allreduce #{step} within {self.timeout_s:g} s "
+                                           "(died or hung)")
+
+    def close(self) -> None:
+        """Unmap the file (idempotent)."""
+        self._flags = self._data = None
+        with contextlib.suppress(BufferError, ValueError, AttributeError):
+            self._mm.close()
