@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 from typing import Sequence
 
 import torch
@@ -50,6 +51,7 @@ from .dtypes import DType, as_dtype
 from .errors import GraphError
 from .ir.graph import DTensor
 from .kernel import KNGraph
+from .runtime import distributed
 from .runtime.task_graph import PROFILE_FIELDS, TaskGraphPlan, compiled_task_graph, default_num_workers, get_pool
 
 
@@ -80,9 +82,12 @@ class PersistentKernel:
     """A decode step compiled as one persistent task graph (Mirage's ``PersistentKernel``).
 
     Args:
-        world_size: 1 (multi-device runs are not supported yet: other values raise
-            GraphError).
-        mpi_rank: 0 (other values raise GraphError).
+        world_size: the ranks of a tensor-parallel step (default 1: one process). With
+            world_size > 1 the ranks' group is ``runtime.distributed.active()``, else the one
+            torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``:
+            joined here); its size and rank must be ``world_size`` and ``mpi_rank``.
+            ``allreduce_layer`` sums over it (a host step between task segments on the CPU).
+        mpi_rank: this process's rank, in [0, world_size) (mpi4py is not read yet).
         num_workers: worker threads on the CPU, the caller included; default: the cores this
             process may use (``os.sched_getaffinity``).
         num_local_schedulers: 1 or None: the CPU runtime has one scheduler (a shared task
@@ -111,9 +116,8 @@ class PersistentKernel:
                  max_seq_length: int | None = None, eos_token_id=None, meta_tensors=None,
                  profiler_tensor: torch.Tensor | None = None, spec_decode_config=None, backend=None,
                  adaptive_workers: bool = False):
-        if world_size != 1 or mpi_rank != 0:
-            raise GraphError(f"world_size={world_size!r}, mpi_rank={mpi_rank!r}: yirage's persistent kernel runs "
-                             "on one device; pass world_size=1, mpi_rank=0 (multi-device is not supported yet)")
+        self.group = _rank_group(world_size, mpi_rank)
+        self.world_size, self.mpi_rank = world_size, mpi_rank
         if num_remote_schedulers != 0:
             raise GraphError(f"num_remote_schedulers={num_remote_schedulers!r}: remote schedulers need several "
                              "devices, which are not supported yet; pass 0")
@@ -442,6 +446,17 @@ class PersistentKernel:
         return self._gated_mlp_with_residual("gelu_tanh", input, weight, residual, output, post_norm, eps,
                                              "gelu_mul_linear_with_residual_layer")
 
+    def allreduce_layer(self, input, buffer, output, grid_dim=None, block_dim=None):
+        """output [1, N] = the sum of input [1, N] over the ranks (``world_size``; the identity on
+        one process): after a row-parallel linear, as Mirage's ``allreduce_layer``. ``buffer`` is
+        accepted for Mirage's signature (None, or a tensor from ``new_tensor``); the transport
+        (gloo or shared memory, ``runtime.distributed``) keeps its own."""
+        _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
+        if buffer is not None and not isinstance(buffer, (_Pending, DTensor)):
+            raise GraphError(f"allreduce_layer: buffer must be None or a tensor handle, got {type(buffer).__name__}")
+        x = self._rows(self._read(input, "allreduce_layer input"))
+        return self._write(output, self.kn_graph.allreduce(x), "allreduce_layer")
+
     def argmax_partial_layer(self, input, output, grid_dim=None, block_dim=None):
         """First half of the greedy sampler: per-chunk maxima of input [1, V]. ``output`` is
         a pair of tensors (values, indices) from ``new_tensor``; the chunk size is the
@@ -608,3 +623,26 @@ def chrome_trace_events(profile: torch.Tensor, rows: int, task_names: list[str])
 
 
 __all__ = ["PersistentKernel", "chrome_trace_events", "Backend"]
+
+
+def _rank_group(world_size, mpi_rank):
+    """The process group of a ``world_size`` > 1 kernel (see ``PersistentKernel``), None for one
+    process; GraphError for values out of range, no group, or a group of another size or rank."""
+    if (isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1
+            or isinstance(mpi_rank, bool) or not isinstance(mpi_rank, numbers.Integral)
+            or not 0 <= mpi_rank < world_size):
+        raise GraphError(f"world_size={world_size!r}, mpi_rank={mpi_rank!r}: world_size must be a positive integer "
+                         "and mpi_rank an integer in [0, world_size)")
+    if world_size == 1:
+        return None
+    group = distributed.active()
+    if group is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        group = distributed.ProcessGroup.from_env().init()   # torchrun's group
+    if group is None:
+        raise GraphError(f"world_size={world_size}: no process group to run over; launch the ranks with torchrun "
+                         "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or join "
+                         "yirage.runtime.distributed.ProcessGroup first")
+    if (group.world_size, group.rank) != (world_size, mpi_rank):
+        raise GraphError(f"world_size={world_size}, mpi_rank={mpi_rank} disagree with the process group "
+                         f"(world_size {group.world_size}, rank {group.rank})")
+    return group

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import yirage as yr
 from yirage.dtypes import DType
 from yirage.engines.tensor_parallel import TensorParallelSteps, free_port
-from yirage.errors import DistributedError
+from yirage.errors import DistributedError, GraphError
 from yirage.ir.interpret import interpret
 from yirage.models.loaded_model import Weight
 from yirage.models.sharding import plan_shard
@@ -78,6 +78,41 @@ def test_allreduce_on_one_process_is_the_identity():
     assert torch.equal(g.compile("cpu").plan([x]).run()[0], x)
 
 
+def _persistent_rank(rank: int, port: int, results) -> None:
+    """A rank launched as torchrun would: PersistentKernel(world_size=2) joins the group itself."""
+    import os
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(GraphError, match="disagree with the process group"):
+            yr.PersistentKernel(world_size=2, mpi_rank=1 - rank, max_seq_length=4, num_workers=1)
+    except BaseException as e:   # the group is joined by the first call: the refusal comes after
+        results.put((rank, f"no refusal: {e!r}"))
+        return
+    mpk = yr.PersistentKernel(world_size=2, mpi_rank=rank, max_seq_length=4, num_workers=1, backend="cpu")
+    x = torch.arange(8, dtype=torch.float32).view(1, 8) * (rank + 1)
+    total = mpk.new_tensor((1, 8), yr.float32, "total")
+    mpk.allreduce_layer(mpk.attach_input(x, "x"), None, total)
+    mpk.mark_output(total)
+    mpk.argmax_layer(total, mpk.new_tensor((1,), yr.int64, "token"))
+    mpk.compile()
+    out = mpk.run_step(0, 0)[0].clone()
+    results.put((rank, (out - torch.arange(8, dtype=torch.float32) * 3).abs().max().item()))
+    mpk.group.shutdown()
+
+
+def test_persistent_kernel_world_size_2_under_torchrun_env():
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_persistent_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == [(0, 0.0), (1, 0.0)]
+
+
 def _greedy(steps, ids: list[int]) -> tuple[list[int], torch.Tensor]:
     logits, argmax = steps.run(ids, 0)
     tokens, pos = [int(argmax[0])], len(ids)
@@ -94,9 +129,10 @@ def one_rank():
     return yr.LLM(MODEL, persistent=False, max_seq_length=128)
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    llm = yr.LLM(MODEL, tensor_parallel_size=2, num_workers=1, max_seq_length=128)
+@pytest.fixture(scope="module", params=[True, False], ids=["persistent", "plans"])
+def two_ranks(request):
+    llm = yr.LLM(MODEL, tensor_parallel_size=2, num_workers=1, max_seq_length=128, persistent=request.param)
+    assert llm.steps.persistent == request.param
     yield llm
     llm.close()
 
@@ -107,17 +143,17 @@ def test_smollm2_two_ranks_match_one(one_rank, two_ranks):
     got_tokens, got_logits = _greedy(two_ranks.steps, ids)
     assert got_tokens == want_tokens
     assert (got_logits - want_logits).abs().max().item() < 1e-4
-    # generate() on the ranks gives one process's tokens
-    got = two_ranks.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
-    assert got.token_ids == one_rank.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+    # generate() on the ranks gives one process's tokens (greedy chunks on the persistent kernels)
+    got = two_ranks.generate(PROMPT, max_new_tokens=STEPS, ignore_eos=True)
+    assert got.token_ids == one_rank.generate(PROMPT, max_new_tokens=STEPS, ignore_eos=True).token_ids
     assert len(two_ranks.steps.rss_bytes) == 2 and all(r > 0 for r in two_ranks.steps.rss_bytes)
 
 
 def test_tensor_parallel_refuses_what_it_does_not_run(two_ranks):
     with pytest.raises(yr.GenerationError, match="tensor_parallel_size=2"):
         two_ranks.generate([PROMPT, PROMPT], max_new_tokens=2)
-    with pytest.raises(yr.GenerationError, match="persistent"):
-        yr.LLM(MODEL, tensor_parallel_size=2, persistent=True)
+    with pytest.raises(yr.GenerationError, match="profiler_tensor"):
+        yr.LLM(MODEL, tensor_parallel_size=2, profiler_tensor=torch.zeros(16, 6, dtype=torch.int64))
 
 
 def test_world_size_that_cannot_split_the_heads_is_refused():

@@ -383,10 +383,10 @@ class LLM:
             127.0.0.1, each rank ``num_workers`` threads, default this process's threads / N),
             each keeping its share of the heads and intermediate rows, the o and down projections
             summed by an allreduce; this process tokenizes and samples. CPU backend only; the
-            ranks run the launch-per-op plans (the persistent kernel has no allreduce task yet:
-            ``persistent=True`` is refused, None means False); one sequence at a time
-            (``generate`` of a list and ``prompt_logprobs`` are refused). ``close()`` stops
-            the ranks.
+            ranks decode with the persistent kernel unless ``persistent=False`` (its allreduces
+            run between task segments; Gemma 3 needs ``persistent=False``); no
+            ``profiler_tensor``; one sequence at a time (``generate`` of a list and
+            ``prompt_logprobs`` are refused). ``close()`` stops the ranks.
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
@@ -479,16 +479,19 @@ class LLM:
         if self.backend != Backend.CPU:
             raise GenerationError(f"tensor_parallel_size={n} runs on the CPU backend (gloo) only so far, "
                                   f"not {self.backend.value}")
-        if persistent or profiler_tensor is not None:
-            raise GenerationError(f"tensor_parallel_size={n}: the persistent decode kernel has no allreduce task yet, "
-                                  "so the ranks run the launch-per-op plans: leave persistent (and profiler_tensor) "
-                                  "unset or False")
+        if profiler_tensor is not None:
+            raise GenerationError(f"tensor_parallel_size={n}: profiler_tensor records one process's tasks; "
+                                  "leave it unset")
+        if persistent and self.config.sandwich_norms:
+            raise GenerationError(f"tensor_parallel_size={n}: the persistent decode kernel cannot split Gemma's "
+                                  "post-attention / post-feedforward norms; use persistent=False")
         for rank in range(n):   # a split that cannot be made is refused before any process starts
             plan_shard(loaded.config, loaded.weights, rank, n)
-        self.model, self.persistent = None, False
+        self.model = None
+        self.persistent = not self.config.sandwich_norms if persistent is None else bool(persistent)
         self.steps = TensorParallelSteps(str(loaded.path), n, self.max_seq_length, self.dtype, self.prefill_dtype,
                                          self.decode_dtype, self.kv_cache_dtype, threads_per_rank=num_workers,
-                                         allow_nonfinite=allow_nonfinite)
+                                         allow_nonfinite=allow_nonfinite, persistent=self.persistent)
 
     def _single_process(self, what: str) -> None:
         if self.model is None:

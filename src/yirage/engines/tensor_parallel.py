@@ -14,8 +14,8 @@ it (its exit code) as soon as the process is gone; a rank that hangs makes the o
 time out (``timeout_s``) and the coordinator raise naming the ranks that did not answer; ranks
 that disagree on the model or the world size refuse at start.
 
-The persistent decode kernel has no allreduce task yet, so the ranks run the launch-per-op plans
-(``persistent=False``). This module must never build graphs itself or import a launcher beyond
+The ranks run the persistent decode kernel (its allreduces are host steps between task segments)
+or the launch-per-op plans (``persistent``). This module must never build graphs itself or import a launcher beyond
 torch.multiprocessing; the ranks' work is models/llama.py's.
 """
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _rss_bytes() -> int:
 def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, threads: int, conn) -> None:
     """One rank: join the group, check the ranks agree, build its shard and serve steps until
     told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing), then per step ('ok', logits, argmax)
-    (numpy arrays on rank 0, None elsewhere); ('error', message) on any failure."""
+    (numpy arrays on rank 0, None elsewhere) or per greedy run ('ok', token ids, None); ('error', message) on any
+    failure."""
     torch.set_num_threads(threads)
     group = None
     try:
@@ -75,7 +76,7 @@ def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, 
         model = LlamaModel(loaded, Backend.CPU, options["max_seq_length"], options["dtype"],
                            options["prefill_dtype"], options["decode_dtype"], options["kv_cache_dtype"], shard=shard)
         del loaded
-        steps = StepRunner(model, persistent=False)
+        steps = StepRunner(model, persistent=options["persistent"], num_workers=threads)
         steps.prepare(1)
         conn.send(("ready", _rss_bytes(), group.transport, group.transport_us))
         while True:
@@ -86,6 +87,9 @@ def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, 
                 time.sleep(10 ** 6)
             if msg[0] == "exit":   # tests: a rank that dies
                 os._exit(9)
+            if msg[0] == "greedy":
+                conn.send(("ok", steps.run_greedy(msg[1], msg[2], msg[3]), None))
+                continue
             logits, argmax = steps.run(msg[1], msg[2])
             conn.send(("ok", logits.float().numpy().copy(), argmax.numpy().copy()) if rank == 0 else ("ok", None, None))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the coordinator
@@ -108,6 +112,9 @@ class TensorParallelSteps:
         timeout_s: seconds a collective may wait for a peer before the ranks fail.
         allow_nonfinite: as ``load_model``.
         transport: the allreduce's ('auto', 'gloo', 'shm': ``runtime.distributed.ProcessGroup``).
+        persistent: the ranks decode with the persistent kernel (``LlamaModel.decode_kernel``,
+            its allreduces host steps between task segments) rather than the launch-per-op plan;
+            ``run_greedy`` then runs greedy chunks on every rank.
 
     ``run(token_ids, start_pos)`` returns (logits [1, vocab] float32, argmax [1] int64) on the
     CPU, as ``StepRunner.run``; ``rss_bytes`` each rank's resident memory once ready;
@@ -119,18 +126,18 @@ class TensorParallelSteps:
             ranks disagree on the model or the world size.
     """
 
-    persistent = False
-
     def __init__(self, spec: str, world_size: int, max_seq_length: int, dtype: DType = DType.float32,
                  prefill_dtype: DType | None = None, decode_dtype: DType | None = None,
                  kv_cache_dtype: DType | None = None, threads_per_rank: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, allow_nonfinite: bool = False, transport: str = "auto"):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, allow_nonfinite: bool = False, transport: str = "auto",
+                 persistent: bool = False):
         self.world_size = world_size
+        self.persistent = bool(persistent)
         self.timeout_s = float(timeout_s)
         threads = threads_per_rank or max(1, torch.get_num_threads() // world_size)
         options = dict(max_seq_length=max_seq_length, dtype=dtype, prefill_dtype=prefill_dtype,
                        decode_dtype=decode_dtype, kv_cache_dtype=kv_cache_dtype, timeout_s=self.timeout_s,
-                       allow_nonfinite=allow_nonfinite, transport=transport)
+                       allow_nonfinite=allow_nonfinite, transport=transport, persistent=self.persistent)
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns, self.procs = [], []
@@ -197,22 +204,32 @@ class TensorParallelSteps:
         """Nothing to do: every rank compiled its decode step at start; prefill plans are
         compiled on first use."""
 
-    def run(self, token_ids: list[int], start_pos: int):
-        """One forward step on every rank: (logits [1, vocab] float32, argmax [1] int64)."""
+    def _send(self, msg: tuple) -> None:
         if not self._finalizer.alive:
             raise GenerationError("the tensor-parallel ranks were stopped (close(), or a rank failed)")
-        msg = ("run", list(token_ids), int(start_pos))
         for conn in self.conns:
             try:
                 conn.send(msg)
             except (BrokenPipeError, OSError):
                 pass   # the rank is gone: _gather names it
+
+    def run(self, token_ids: list[int], start_pos: int):
+        """One forward step on every rank: (logits [1, vocab] float32, argmax [1] int64)."""
+        self._send(("run", list(token_ids), int(start_pos)))
         replies = self._gather(range(self.world_size), self.timeout_s + 30.0, f"step at position {start_pos}")
         return torch.from_numpy(replies[0][1]), torch.from_numpy(replies[0][2])
 
     def run_greedy(self, token: int, start_pos: int, n: int) -> list[int]:
-        raise GenerationError("run_greedy needs the persistent decode kernel, which tensor parallelism does not "
-                              "use yet (persistent=False)")
+        """Up to ``n`` greedy steps on every rank's persistent kernel (``StepRunner.run_greedy``):
+        rank 0's new token ids. DistributedError if the ranks' tokens differ; GenerationError
+        without ``persistent``."""
+        if not self.persistent:
+            raise GenerationError("run_greedy needs the persistent decode kernel (persistent=True)")
+        self._send(("greedy", int(token), int(start_pos), int(n)))
+        replies = self._gather(range(self.world_size), n * (self.timeout_s + 30.0), f"greedy steps from {start_pos}")
+        if any(r[1] != replies[0][1] for r in replies):
+            self._fail(f"the ranks' greedy tokens differ from position {start_pos}: {[r[1] for r in replies]}")
+        return replies[0][1]
 
     def send_fault(self, rank: int, kind: str) -> None:
         """Tests: make ``rank`` die ('exit') or stop answering ('hang') at its next message."""

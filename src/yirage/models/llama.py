@@ -109,9 +109,10 @@ class LlamaModel:
     ``shard.rank``'s share of the weights (its q/KV heads and intermediate rows; the rest
     replicated), its KV cache holds only its KV heads (``num_kv_heads`` = ``shard.num_kv_heads``),
     and the graphs sum the o and down projections' partial outputs over the ranks with
-    ``allreduce`` (``runtime.distributed``'s group, joined before the first run). Only the
-    launch-per-op plans (``build_graph``, ``build_batch_graph``) take the allreduce so far:
-    ``decode_kernel`` (the persistent kernel) refuses a shard.
+    ``allreduce`` (``runtime.distributed``'s group, joined before the first run). Both the
+    launch-per-op plans (``build_graph``, ``build_batch_graph``) and ``decode_kernel`` (the
+    persistent kernel: ``allreduce_layer``, a host step between its task segments; rank 0 adds
+    the residual) take the allreduce; Gemma 3's sandwich norms only on the plans.
     """
 
     def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32,
@@ -121,6 +122,7 @@ class LlamaModel:
         self.shard = shard
         self.num_heads = shard.num_heads if shard else cfg.num_heads
         self.num_kv_heads = shard.num_kv_heads if shard else cfg.num_kv_heads
+        self.intermediate_size = shard.ffn[1] - shard.ffn[0] if shard else cfg.intermediate_size
         source = shard_weights(loaded.weights, cfg, shard) if shard else loaded.weights
         self.cfg = cfg
         self.backend = backend
@@ -347,16 +349,17 @@ class LlamaModel:
         ``linear_with_residual_layer`` / ``gelu_mul_linear_with_residual_layer`` (fused with the
         residual add and the next RMSNorm into one row kernel), its embedding scale
         ``embed_layer``'s ``scale``."""
-        cfg = self.cfg
-        if self.shard is not None:
-            raise GenerationError(f"tensor parallelism (rank {self.shard.rank} of {self.shard.world_size}) runs on the "
-                                  "launch-per-op plans: the persistent decode kernel has no allreduce task yet; "
-                                  "use persistent=False")
-        H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        cfg, shard = self.cfg, self.shard
+        if shard is not None and cfg.sandwich_norms:
+            raise GenerationError(f"tensor parallelism (rank {shard.rank} of {shard.world_size}): the persistent "
+                                  "decode kernel cannot split Gemma's post-attention / post-feedforward norms (they "
+                                  "normalise the summed projection); use persistent=False")
+        H, Dh, hq, hkv, eps = cfg.hidden_size, cfg.head_dim, self.num_heads, self.num_kv_heads, cfg.rms_norm_eps
         dt = self.dtype
         k_cache, v_cache = k_cache or self.k_cache, v_cache or self.v_cache
         meta = [torch.zeros(1, dtype=torch.int64), torch.zeros(self.max_seq_length, dtype=torch.int64)]
-        mpk = PersistentKernel(num_workers=num_workers, max_seq_length=self.max_seq_length,
+        mpk = PersistentKernel(world_size=shard.world_size if shard else 1, mpi_rank=shard.rank if shard else 0,
+                               num_workers=num_workers, max_seq_length=self.max_seq_length,
                                eos_token_id=list(cfg.eos_token_ids), meta_tensors=meta, profiler_tensor=profiler_tensor,
                                backend=self.backend.value, adaptive_workers=adaptive_workers)
         attached: dict[str, object] = {}
@@ -380,6 +383,11 @@ class LlamaModel:
             local = (mpk.attach_input(self.local_cos, "rope_cos_local"),
                      mpk.attach_input(self.local_sin, "rope_sin_local"))
         sandwich = cfg.sandwich_norms
+        # tensor parallelism: o and down are row-parallel; rank 0 adds the residual to its partial
+        # sum, the others a zero row, and an allreduce after each gives every rank residual + o
+        zeros = None
+        if shard is not None and shard.rank > 0:
+            zeros = mpk.attach_input(torch.zeros(1, H, dtype=dt.torch_dtype, device=self.device), "zero_residual")
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
             qkv = [act(f"{p}.{x}", n * Dh) for x, n in (("q", hq), ("k", hkv), ("v", hkv))]
@@ -397,9 +405,12 @@ class LlamaModel:
                                 scale=cfg.attention_scale, eps=eps, window=self.layer_window(i))
             h_attn = act(f"{p}.h_attn", H)
             post_attn = W(f"{p}.post_attention_layernorm.weight") if sandwich else None  # Gemma: before the add
-            mpk.linear_with_residual_layer(a, W(f"{p}.self_attn.o_proj.weight"), h, h_attn, post_norm=post_attn,
-                                           eps=eps)
-            gate_up = [act(f"{p}.{x}", cfg.intermediate_size) for x in ("gate", "up")]
+            partial = act(f"{p}.h_attn_partial", H) if shard is not None else h_attn
+            mpk.linear_with_residual_layer(a, W(f"{p}.self_attn.o_proj.weight"), h if zeros is None else zeros, partial,
+                                           post_norm=post_attn, eps=eps)
+            if shard is not None:
+                mpk.allreduce_layer(partial, None, h_attn)
+            gate_up = [act(f"{p}.{x}", self.intermediate_size) for x in ("gate", "up")]
             mlp_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
             mpk.rmsnorm_linear_layer(h_attn, W(f"{p}.{mlp_norm}.weight"),
                                      [W(f"{p}.mlp.gate_proj.weight"), W(f"{p}.mlp.up_proj.weight")], gate_up, eps=eps)
@@ -407,7 +418,11 @@ class LlamaModel:
             mlp = (mpk.gelu_mul_linear_with_residual_layer if cfg.hidden_act == "gelu_pytorch_tanh"
                    else mpk.silu_mul_linear_with_residual_layer)
             post_ff = W(f"{p}.post_feedforward_layernorm.weight") if sandwich else None  # Gemma: before the add
-            mlp(tuple(gate_up), W(f"{p}.mlp.down_proj.weight"), h_attn, h, post_norm=post_ff, eps=eps)
+            partial = act(f"{p}.h_out_partial", H) if shard is not None else h
+            mlp(tuple(gate_up), W(f"{p}.mlp.down_proj.weight"), h_attn if zeros is None else zeros, partial,
+                post_norm=post_ff, eps=eps)
+            if shard is not None:
+                mpk.allreduce_layer(partial, None, h)
         last = act("final_norm", H)
         mpk.rmsnorm_layer(h, W("model.norm.weight"), last, eps=eps)
         head = W("lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight")
