@@ -12,12 +12,17 @@ Prints one JSON object (``-o`` also writes it):
   - ``one_rank_plan``: ``yr.LLM(persistent=False)`` in this process with ``--threads`` threads (the
     launch-per-op plan, which the ranks run too);
   - ``one_rank_persistent``: ``yr.LLM()`` (the CPU default: the persistent kernel);
-  - ``two_ranks``: ``yr.LLM(tensor_parallel_size=2)``'s ranks (transport 'auto': the faster by
-    measurement, ``two_ranks_transport``), ``--threads`` / 2 threads per rank (the step includes
-    sending the token to both ranks and rank 0's logits back); ``two_ranks_gloo``: the same on gloo.
-  ``two_ranks_vs_one_rank_plan`` = one_rank_plan ms / two_ranks ms (speed; target >= 0.8) and
-  ``two_ranks_vs_one_rank_persistent``; ``allreduce_share`` = allreduce ms per step / two_ranks ms.
+  - ``two_ranks``: ``yr.LLM(tensor_parallel_size=2)``'s ranks (the persistent kernel; transport
+    'auto': the faster by measurement, ``two_ranks_transport``), ``--threads`` / 2 threads per
+    rank (the step includes sending the token to both ranks and rank 0's logits back);
+    ``two_ranks_plan``: the same on the launch-per-op plans; ``two_ranks_gloo``: on gloo.
+  ``two_ranks_vs_one_rank_persistent`` = one_rank_persistent ms / two_ranks ms (speed; target
+  >= 0.8) and ``two_ranks_vs_one_rank_plan`` (the plans on both sides); ``allreduce_share`` = allreduce ms per step / two_ranks ms.
   Greedy tokens of every side are checked equal (``tokens_equal``).
+- ``greedy_chunk``: ms per step of one ``run_greedy`` call of ``--steps`` steps (the persistent
+  kernel's decode loop, what ``generate`` runs for greedy decoding; on 2 ranks no step crosses
+  to the caller): ``one_rank`` (``--threads`` threads) and ``two_ranks``, and their ratio
+  ``two_ranks_vs_one_rank`` (target >= 0.8).
 - ``rss_mb``: each rank's resident memory once loaded.
 
     python benchmarks/tensor_parallel.py [--model smollm2-135m-instruct] [--threads 2] [--steps 64]
@@ -91,6 +96,15 @@ def time_decode(steps, prompt_ids: list[int], n: int) -> tuple[float, list[int]]
     return statistics.median(times) * 1e3, tokens
 
 
+def time_greedy(steps, prompt_ids: list[int], n: int) -> tuple[float, list[int]]:
+    """Mean ms per step of one ``run_greedy`` call of ``n`` steps (the persistent kernels' decode
+    loop, as ``generate`` runs greedy decoding)."""
+    _, argmax = steps.run(prompt_ids, 0)
+    t0 = time.perf_counter()
+    got = steps.run_greedy(int(argmax[0]), len(prompt_ids), n)
+    return (time.perf_counter() - t0) / max(1, len(got)) * 1e3, [int(argmax[0]), *got]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -116,19 +130,25 @@ def main() -> None:
     del plan
     persistent = yr.LLM(args.model, max_seq_length=seq)
     decode["one_rank_persistent"], tokens["one_rank_persistent"] = time_decode(persistent.steps, ids, args.steps)
+    greedy = {"one_rank": time_greedy(persistent.steps, ids, args.steps)[0]}
     del persistent
     from yirage.engines.tensor_parallel import TensorParallelSteps
-    for name, transport in (("two_ranks", "auto"), ("two_ranks_gloo", "gloo")):
+    for name, transport, persistent in (("two_ranks", "auto", True), ("two_ranks_plan", "auto", False),
+                                        ("two_ranks_gloo", "gloo", True)):
         tp = TensorParallelSteps(args.model, 2, seq, threads_per_rank=max(1, args.threads // 2),
-                                 transport=transport)
+                                 transport=transport, persistent=persistent)
         decode[name], tokens[name] = time_decode(tp, ids, args.steps)
+        if name == "two_ranks":
+            greedy["two_ranks"], tokens["two_ranks_greedy"] = time_greedy(tp, ids, args.steps)
         out[f"{name}_transport"] = {"chosen": tp.transport, "timed_us": tp.transport_us}
         out["rss_mb"] = {"ranks": [round(b / 2 ** 20, 1) for b in tp.rss_bytes]}
         tp.close()
     out["decode"] = {k: {"ms_per_step_p50": round(v, 3)} for k, v in decode.items()}
     out["decode"]["steps"] = args.steps
-    out["two_ranks_vs_one_rank_plan"] = round(decode["one_rank_plan"] / decode["two_ranks"], 3)
+    out["two_ranks_vs_one_rank_plan"] = round(decode["one_rank_plan"] / decode["two_ranks_plan"], 3)
     out["two_ranks_vs_one_rank_persistent"] = round(decode["one_rank_persistent"] / decode["two_ranks"], 3)
+    out["greedy_chunk"] = {k: {"ms_per_step": round(v, 3)} for k, v in greedy.items()}
+    out["greedy_chunk"]["two_ranks_vs_one_rank"] = round(greedy["one_rank"] / greedy["two_ranks"], 3)
     chosen = out["two_ranks_transport"]["chosen"]
     out["allreduce_share"] = round(out["allreduce"][chosen]["ms_per_decode_step"] / decode["two_ranks"], 3)
     out["tokens_equal"] = all(t == tokens["one_rank_plan"] for t in tokens.values())

@@ -348,8 +348,8 @@ def set_default_backend(backend, unset) -> None:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the decode tasks as a Chrome/Perfetto trace (JSON) to this file.")
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
-              help="Split the model over this many rank processes on this host (CPU, gloo; --workers threads "
-                   "each; the launch-per-op plans: not with --persistent or --trace).")
+              help="Split the model over this many rank processes on this host (CPU; shared memory or gloo "
+                   "between them; --workers threads each; not with --trace).")
 def generate(prompt, model, backend, max_new_tokens, max_seq_length, dtype, allow_nonfinite_weights, prefill_dtype,
              decode_dtype, kv_cache_dtype, temperature, top_k, top_p, seed, system, no_chat, as_json, persistent,
              workers, trace_path, tensor_parallel_size) -> None:

@@ -457,6 +457,23 @@ class PersistentKernel:
         x = self._rows(self._read(input, "allreduce_layer input"))
         return self._write(output, self.kn_graph.allreduce(x), "allreduce_layer")
 
+    def allgather_layer(self, input, output, offset: int, grid_dim=None, block_dim=None):
+        """output [1, N] = every rank's input [1, n_r] placed at its ``offset`` (this rank's),
+        zeros elsewhere, summed over the ranks: the gather of disjoint slices (a vocab-parallel
+        LM head's logits) as a pad and an allreduce. GraphError when input does not fit output at
+        ``offset``."""
+        _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
+        x = self._rows(self._read(input, "allgather_layer input"))
+        if not isinstance(output, _Pending) or len(output.dims) != 2:
+            raise GraphError("allgather_layer: output must be a [1, N] tensor from new_tensor")
+        N, n = output.dims[-1], x.shape[-1]
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or not 0 <= offset <= N - n:
+            raise GraphError(f"allgather_layer: offset {offset!r} must place the input's {n} values inside the "
+                             f"output's {N}")
+        g = self.kn_graph
+        return self._write(output, g.allreduce(g.pad(x, [(0, 0), (int(offset), N - int(offset) - n)])),
+                           "allgather_layer")
+
     def argmax_partial_layer(self, input, output, grid_dim=None, block_dim=None):
         """First half of the greedy sampler: per-chunk maxima of input [1, V]. ``output`` is
         a pair of tensors (values, indices) from ``new_tensor``; the chunk size is the

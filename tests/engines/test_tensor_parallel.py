@@ -164,13 +164,16 @@ def test_world_size_that_cannot_split_the_heads_is_refused():
 
 def test_split_that_cuts_a_quantization_block_is_refused():
     def cfg(heads):
-        return SimpleNamespace(num_heads=heads, num_kv_heads=heads, head_dim=64, intermediate_size=1024)
+        return SimpleNamespace(num_heads=heads, num_kv_heads=heads, head_dim=64, intermediate_size=1024,
+                               vocab_size=1000)
 
     def o_proj(heads):   # q4_k: blocks of 256 values along the input columns
         n = heads * 64
         return {"model.layers.0.self_attn.o_proj.weight":
                 Weight(torch.zeros(n, n // 256 * 144, dtype=torch.uint8), DType.q4_k, (n, n))}
-    assert plan_shard(cfg(8), o_proj(8), 1, 2).q_heads == (4, 8)   # 4 heads = 256 columns: whole blocks
+    shard = plan_shard(cfg(8), o_proj(8), 1, 2)
+    assert shard.q_heads == (4, 8)   # 4 heads = 256 columns: whole blocks
+    assert shard.vocab == (500, 1000)   # 1000 rows: not whole groups of 16, so split by rows
     with pytest.raises(DistributedError, match=r"columns 0\.\.383 .* blocks of 256"):
         plan_shard(cfg(12), o_proj(12), 0, 2)   # 6 heads = 384 columns: 1.5 blocks
 

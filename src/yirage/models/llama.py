@@ -112,7 +112,9 @@ class LlamaModel:
     ``allreduce`` (``runtime.distributed``'s group, joined before the first run). Both the
     launch-per-op plans (``build_graph``, ``build_batch_graph``) and ``decode_kernel`` (the
     persistent kernel: ``allreduce_layer``, a host step between its task segments; rank 0 adds
-    the residual) take the allreduce; Gemma 3's sandwich norms only on the plans.
+    the residual) take the allreduce; Gemma 3's sandwich norms only on the plans. The LM head is
+    vocab-parallel (``lm_head.shard.weight``: rows ``shard.vocab``), its logits gathered into every
+    rank's [R, vocab] (a pad to the rank's offset and an allreduce).
     """
 
     def __init__(self, loaded, backend: Backend, max_seq_length: int, dtype: DType = DType.float32,
@@ -331,8 +333,13 @@ class LlamaModel:
         argmax [R] as the graph's outputs."""
         cfg = self.cfg
         last = g.mul(g.rms_norm(rows, (cfg.hidden_size,), cfg.rms_norm_eps), weight("model.norm.weight"))
-        head = weight("model.embed_tokens.weight") if "lm_head.weight" not in self.weights else weight("lm_head.weight")
-        logits = g.linear(last, head)
+        if self.shard is not None:   # vocab-parallel: this rank's rows, at their offset, summed over the ranks
+            v0, v1 = self.shard.vocab
+            local = g.linear(last, weight("lm_head.shard.weight"))
+            logits = g.allreduce(g.pad(local, [(0, 0), (v0, cfg.vocab_size - v1)]))
+        else:
+            head = "lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight"
+            logits = g.linear(last, weight(head))
         g.mark_output(logits)
         g.mark_output(g.argmax(logits, -1))
 
@@ -425,9 +432,15 @@ class LlamaModel:
                 mpk.allreduce_layer(partial, None, h)
         last = act("final_norm", H)
         mpk.rmsnorm_layer(h, W("model.norm.weight"), last, eps=eps)
-        head = W("lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight")
-        logits = act("logits", cfg.vocab_size, DType.float32 if dt == DType.float32 else dt)
-        mpk.linear_layer(last, head, logits)
+        logits_dtype = DType.float32 if dt == DType.float32 else dt
+        logits = act("logits", cfg.vocab_size, logits_dtype)
+        if shard is not None:   # vocab-parallel: this rank's rows, gathered into every rank's logits
+            local = act("logits_shard", shard.vocab[1] - shard.vocab[0], logits_dtype)
+            mpk.linear_layer(last, W("lm_head.shard.weight"), local)
+            mpk.allgather_layer(local, logits, shard.vocab[0])
+        else:
+            head = W("lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight")
+            mpk.linear_layer(last, head, logits)
         mpk.mark_output(logits)
         partial = (act("argmax_values", 1), act("argmax_indices", 1, DType.int64))
         mpk.argmax_partial_layer(logits, partial)

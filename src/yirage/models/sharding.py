@@ -9,7 +9,11 @@ Each rank of ``world_size`` keeps
 - column-parallel gate/up projections: a contiguous run of the intermediate rows;
 - row-parallel o/down projections: the input columns matching its heads / intermediate rows,
   their biases on rank 0 only (so that the sum over ranks adds them once);
-- everything else (embedding, norms, LM head) replicated.
+- a vocab-parallel LM head: the rows ``vocab`` of ``lm_head.weight`` (or of the tied embedding
+  table) as ``lm_head.shard.weight``, in whole groups of 16 rows where the vocabulary allows
+  (the CPU's row-group layouts); the graphs place each rank's logits at its offset and sum them
+  (an allgather of disjoint slices), so every rank has all the logits;
+- everything else (the embedding table, norms) replicated.
 
 The partial outputs of o and down are summed over the ranks by the graph's ``allreduce``
 (``models/llama.py``). Block-quantized weights (GGUF: 32 or 256 values a block) are cut along
@@ -26,6 +30,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import DistributedError
+from ..ir.ops import ROW_GROUP
 from .loaded_model import ModelConfig, Weight
 
 
@@ -39,6 +44,7 @@ class TensorParallelShard:
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     ffn: tuple[int, int]
+    vocab: tuple[int, int] = (0, 0)
 
     @property
     def num_heads(self) -> int:
@@ -99,7 +105,12 @@ def plan_shard(cfg: ModelConfig, weights: dict[str, Weight], rank: int, world_si
         raise DistributedError(f"tensor_parallel_size {W} cannot split intermediate_size {inter} in down_proj's "
                              f"quantization blocks of {d_block} values ({blocks} blocks)")
     f = _even_split(blocks, W, rank)
-    return TensorParallelShard(rank, W, q, kv, (f[0] * d_block, f[1] * d_block))
+    V = cfg.vocab_size
+    unit = ROW_GROUP if V % ROW_GROUP == 0 and V // ROW_GROUP >= W else 1
+    if V // unit < W:
+        raise DistributedError(f"tensor_parallel_size {W} cannot split a vocabulary of {V} rows")
+    v = _even_split(V // unit, W, rank)
+    return TensorParallelShard(rank, W, q, kv, (f[0] * d_block, f[1] * d_block), (v[0] * unit, v[1] * unit))
 
 
 def _rows(w: Weight, start: int, end: int) -> Weight:
@@ -120,14 +131,19 @@ _LAYER = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)_proj\.(weight|b
 def shard_weights(weights: dict[str, Weight], cfg: ModelConfig, shard: TensorParallelShard) -> dict[str, Weight]:
     """The weights rank ``shard.rank`` keeps: row slices (views of the loader's tensors) of
     q/k/v/gate/up and their biases, column slices (copies) of o/down, o/down biases on rank 0
-    only, every other weight as it is."""
+    only, the LM head's rows ``shard.vocab`` as ``lm_head.shard.weight`` (``lm_head.weight``
+    itself dropped), every other weight as it is."""
     dh = cfg.head_dim
     rows = {"q": (shard.q_heads[0] * dh, shard.q_heads[1] * dh), "k": (shard.kv_heads[0] * dh, shard.kv_heads[1] * dh),
             "gate": shard.ffn, "up": shard.ffn}
     rows["v"] = rows["k"]
     cols = {"o": rows["q"], "down": shard.ffn}
     out: dict[str, Weight] = {}
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    out["lm_head.shard.weight"] = _rows(head, *shard.vocab)
     for name, w in weights.items():
+        if name == "lm_head.weight":
+            continue
         m = _LAYER.fullmatch(name)
         if m is None:
             out[name] = w
