@@ -2,8 +2,10 @@
 
 - the IR's ``allreduce`` op, compiled for the CPU and through the reference interpreter, against
   torch.distributed's own all_reduce, over gloo and over the shared-memory transport;
-- SmolLM2 (9 heads, 3 KV heads: 2 + 1 KV heads on the ranks) split over 2 ranks: greedy tokens over
-  32 steps equal one process's, and the last step's logits within 1e-4;
+- SmolLM2 (9 heads, 3 KV heads: 2 + 1 KV heads on the ranks) split over 2 ranks, on the persistent
+  kernels and on the plans: greedy tokens over 32 steps equal one process's, and the last step's
+  logits within 1e-4; Gemma 3 270M (1 KV head, replicated; Q4_K) the same where installed;
+- PersistentKernel(world_size=2) under torchrun's environment;
 - a world size that cannot split the heads, or a split that would cut a quantization block, is
   refused with the sizes before any process starts;
 - a rank that dies, or hangs, makes the step fail with DistributedError naming it within a
@@ -28,6 +30,7 @@ from yirage.engines.tensor_parallel import TensorParallelSteps, free_port
 from yirage.errors import DistributedError, GraphError
 from yirage.ir.interpret import interpret
 from yirage.models.loaded_model import Weight
+from yirage.models.registry import model_entry
 from yirage.models.sharding import plan_shard
 from yirage.runtime.distributed import ProcessGroup
 
@@ -78,6 +81,15 @@ def test_allreduce_on_one_process_is_the_identity():
     assert torch.equal(g.compile("cpu").plan([x]).run()[0], x)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The one-process side on 1 thread too (as each rank); the caller's setting restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _persistent_rank(rank: int, port: int, results) -> None:
     """A rank launched as torchrun would: PersistentKernel(world_size=2) joins the group itself."""
     import os
@@ -124,8 +136,7 @@ def _greedy(steps, ids: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def one_rank():
-    torch.set_num_threads(1)
+def one_rank(one_thread):
     return yr.LLM(MODEL, persistent=False, max_seq_length=128)
 
 
@@ -147,6 +158,25 @@ def test_smollm2_two_ranks_match_one(one_rank, two_ranks):
     got = two_ranks.generate(PROMPT, max_new_tokens=STEPS, ignore_eos=True)
     assert got.token_ids == one_rank.generate(PROMPT, max_new_tokens=STEPS, ignore_eos=True).token_ids
     assert len(two_ranks.steps.rss_bytes) == 2 and all(r > 0 for r in two_ranks.steps.rss_bytes)
+
+
+@pytest.mark.skipif(not model_entry("gemma3-270m").installed(),
+                    reason="gemma3-270m is not installed: yirage models pull gemma3-270m (make test does)")
+def test_gemma3_two_ranks_match_one():
+    """Gemma 3 270M: 4 heads on 1 KV head (replicated on both ranks), Q4_K blocks of 256 split on
+    their boundaries, sandwich norms (the launch-per-op plans)."""
+    one = yr.LLM("gemma3-270m", persistent=False, max_seq_length=64)
+    ids = one.prompt_ids("The capital of France is", chat=False)
+    want_tokens, want_logits = _greedy(one.steps, ids)
+    del one
+    two = yr.LLM("gemma3-270m", tensor_parallel_size=2, num_workers=1, max_seq_length=64)
+    try:
+        assert not two.persistent
+        got_tokens, got_logits = _greedy(two.steps, ids)
+    finally:
+        two.close()
+    assert got_tokens == want_tokens
+    assert (got_logits - want_logits).abs().max().item() < 1e-4
 
 
 def test_tensor_parallel_refuses_what_it_does_not_run(two_ranks):
