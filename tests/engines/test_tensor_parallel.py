@@ -158,6 +158,10 @@ def test_smollm2_two_ranks_match_one(one_rank, two_ranks):
     got = two_ranks.generate(PROMPT, max_new_tokens=STEPS, ignore_eos=True)
     assert got.token_ids == one_rank.generate(PROMPT, max_new_tokens=STEPS, ignore_eos=True).token_ids
     assert len(two_ranks.steps.rss_bytes) == 2 and all(r > 0 for r in two_ranks.steps.rss_bytes)
+    # each rank keeps its share: the replicated embedding table (30 MB of SmolLM2's 92 MB; its rows
+    # are the LM head's too) plus about half of the layers: 0.69x and 0.63x measured
+    whole = one_rank.model.weight_bytes()
+    assert all(b < 0.75 * whole for b in two_ranks.steps.weight_bytes), (two_ranks.steps.weight_bytes, whole)
 
 
 @pytest.mark.skipif(not model_entry("gemma3-270m").installed(),

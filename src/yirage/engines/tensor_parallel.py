@@ -59,7 +59,7 @@ def _rss_bytes() -> int:
 
 def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, threads: int, conn) -> None:
     """One rank: join the group, check the ranks agree, build its shard and serve steps until
-    told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing), then per step ('ok', logits, argmax)
+    told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing, weight bytes), then per step ('ok', logits, argmax)
     (numpy arrays on rank 0, None elsewhere) or per greedy run ('ok', token ids, None); ('error', message) on any
     failure."""
     torch.set_num_threads(threads)
@@ -78,7 +78,7 @@ def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, 
         del loaded
         steps = StepRunner(model, persistent=options["persistent"], num_workers=threads)
         steps.prepare(1)
-        conn.send(("ready", _rss_bytes(), group.transport, group.transport_us))
+        conn.send(("ready", _rss_bytes(), group.transport, group.transport_us, model.weight_bytes()))
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
@@ -117,7 +117,8 @@ class TensorParallelSteps:
             ``run_greedy`` then runs greedy chunks on every rank.
 
     ``run(token_ids, start_pos)`` returns (logits [1, vocab] float32, argmax [1] int64) on the
-    CPU, as ``StepRunner.run``; ``rss_bytes`` each rank's resident memory once ready;
+    CPU, as ``StepRunner.run``; ``rss_bytes`` each rank's resident memory once ready and
+    ``weight_bytes`` the bytes of its weights (``LlamaModel.weight_bytes``);
     ``transport`` the allreduce the ranks chose (and ``transport_us`` rank 0's timing of both
     under 'auto'); ``close()`` stops the ranks (also when the object is collected).
 
@@ -154,6 +155,7 @@ class TensorParallelSteps:
         ready = self._gather(range(world_size), START_TIMEOUT_S + self.timeout_s, "ready")
         self.rss_bytes = [r[1] for r in ready]
         self.transport, self.transport_us = ready[0][2], ready[0][3]
+        self.weight_bytes = [r[4] for r in ready]
 
     def _gather(self, ranks, timeout_s: float, what: str) -> list:
         """The next reply of each rank in ``ranks``, in rank order; DistributedError (after

@@ -147,11 +147,17 @@ class LlamaModel:
         # kernels' layout
         impl, compute = get_backend_impl(backend), (decode_dtype or dtype).value
         tied = "lm_head.weight" not in self.weights
+        head_view = shard is not None and "lm_head.weight" not in loaded.weights   # a shard of a tied table
         for name, (data, wtype, shape) in self.weights.items():
             table = name == "model.embed_tokens.weight"
-            if wtype.is_quantized and len(shape) == 2 and (tied or not table):
+            if wtype.is_quantized and len(shape) == 2 and (tied or not table) and not (
+                    head_view and name == "lm_head.shard.weight"):
                 data, wtype = impl.linear_weight_layout(data, wtype, compute, embedding=table)
                 self.weights[name] = (data, wtype, shape)
+        if head_view:   # the rows of the table as it is kept (a row-group layout's groups of 16 rows are
+            data, wtype, shape = self.weights["model.embed_tokens.weight"]   # whole: plan_shard's vocab split)
+            v0, v1 = shard.vocab
+            self.weights["lm_head.shard.weight"] = (data[v0:v1], wtype, (v1 - v0, *shape[1:]))
         self.cos, self.sin = self._rope_cos_sin(cfg.inv_freq, cfg.attention_scaling)
         self.local_cos = self.local_sin = None  # Gemma 3's sliding layers: their own RoPE base
         if cfg.local_inv_freq is not None:
@@ -165,6 +171,16 @@ class LlamaModel:
                         for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_cache_dtype.torch_dtype, device=self.device)
                         for _ in range(cfg.num_layers)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model keeps, each byte once (a tied table that is also the LM
+        head, or holds a shard's head rows, counted once), RoPE tables and KV cache excluded."""
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t, _, _ in self.weights.values())
+        total, end = 0, 0
+        for lo, hi in spans:   # the union of the byte ranges
+            total += max(0, hi - max(lo, end))
+            end = max(end, hi)
+        return total
 
     def _rope_cos_sin(self, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [max_seq_length, head_dim // 2] float32 of a RoPE table, on the device."""
