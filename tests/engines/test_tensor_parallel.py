@@ -9,7 +9,7 @@
 - a world size that cannot split the heads, or a split that would cut a quantization block, is
   refused with the sizes before any process starts;
 - a rank that dies, or hangs, makes the step fail with DistributedError naming it within a
-  timeout, never a hang.
+  timeout, never a hang; ranks that disagree on the model refuse at start.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 import yirage as yr
 from yirage.dtypes import DType
-from yirage.engines.tensor_parallel import TensorParallelSteps, free_port
+from yirage.engines.tensor_parallel import TensorParallelSteps, check_agreement, free_port
 from yirage.errors import DistributedError, GraphError
 from yirage.ir.interpret import interpret
 from yirage.models.loaded_model import Weight
@@ -123,6 +123,30 @@ def test_persistent_kernel_world_size_2_under_torchrun_env():
     for p in procs:
         p.join(timeout=30)
     assert got == [(0, 0.0), (1, 0.0)]
+
+
+def _disagreeing_rank(rank: int, port: int, results) -> None:
+    group = ProcessGroup(rank, 2, "127.0.0.1", port, timeout_s=30, transport="gloo").init()
+    try:
+        check_agreement(group, ("/models/a.gguf" if rank == 0 else "/models/b.gguf", 30, 576, 2))
+        results.put((rank, "agreed"))
+    except DistributedError as e:
+        results.put((rank, str(e)))
+    finally:
+        group.shutdown()
+
+
+def test_ranks_that_disagree_on_the_model_refuse_at_start():
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_disagreeing_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    for rank, message in got:
+        assert f"rank {rank}: the ranks disagree on the model" in message and "b.gguf" in message
 
 
 def _greedy(steps, ids: list[int]) -> tuple[list[int], torch.Tensor]:

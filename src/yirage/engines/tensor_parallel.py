@@ -57,6 +57,15 @@ def _rss_bytes() -> int:
     return 0
 
 
+def check_agreement(group: ProcessGroup, identity: tuple) -> None:
+    """Refuse to start unless every rank of ``group`` gives the same ``identity`` (model path,
+    layers, hidden size, world size): DistributedError listing each rank's."""
+    seen = group.all_gather_object(identity)
+    if any(x != identity for x in seen):
+        raise DistributedError(f"rank {group.rank}: the ranks disagree on the model or the world size "
+                               f"(model path, layers, hidden size, world size per rank: {seen})")
+
+
 def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, threads: int, conn) -> None:
     """One rank: join the group, check the ranks agree, build its shard and serve steps until
     told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing, weight bytes), then per step ('ok', logits, argmax)
@@ -67,11 +76,7 @@ def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, 
     try:
         group = ProcessGroup(rank, world_size, "127.0.0.1", port, options["timeout_s"], options["transport"]).init()
         loaded = load_model(spec, progress=False, allow_nonfinite=options["allow_nonfinite"])
-        identity = (str(loaded.path), loaded.config.num_layers, loaded.config.hidden_size, world_size)
-        seen = group.all_gather_object(identity)
-        if any(x != identity for x in seen):
-            raise DistributedError(f"rank {rank}: the ranks disagree on the model or the world size "
-                                   f"(model path, layers, hidden size, world size per rank: {seen})")
+        check_agreement(group, (str(loaded.path), loaded.config.num_layers, loaded.config.hidden_size, world_size))
         shard = plan_shard(loaded.config, loaded.weights, rank, world_size)
         model = LlamaModel(loaded, Backend.CPU, options["max_seq_length"], options["dtype"],
                            options["prefill_dtype"], options["decode_dtype"], options["kv_cache_dtype"], shard=shard)
