@@ -68,9 +68,9 @@ def check_agreement(group: ProcessGroup, identity: tuple) -> None:
 
 def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, threads: int, conn) -> None:
     """One rank: join the group, check the ranks agree, build its shard and serve steps until
-    told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing, weight bytes), then per step ('ok', logits, argmax)
-    (numpy arrays on rank 0, None elsewhere) or per greedy run ('ok', token ids, None); ('error', message) on any
-    failure."""
+    told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing, weight bytes),
+    then per step ('ok', logits, argmax) (numpy arrays on rank 0, None elsewhere) or per greedy
+    run ('ok', token ids, None); ('error', message) on any failure."""
     torch.set_num_threads(threads)
     group = None
     try:
@@ -187,8 +187,10 @@ class TensorParallelSteps:
                     got[r] = msg
                 elif self.procs[r].sentinel in ready:
                     self.procs[r].join(timeout=1.0)   # its exit code
+                    hint = ("; the ranks are spawned processes that import the caller's main module: a script "
+                            "that starts them must do so under `if __name__ == '__main__':`") if what == "ready" else ""
                     self._fail(f"rank {r} (pid {self.procs[r].pid}) exited with code {self.procs[r].exitcode} "
-                               f"({what})")
+                               f"({what}){hint}")
         return [got[r] for r in ranks]
 
     def _dead_ranks_note(self, reporter: int) -> str:
