@@ -22,7 +22,9 @@ starts the ranks); it only joins, uses and leaves the group.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import functools
 import mmap
 import os
 import platform
@@ -30,11 +32,11 @@ import tempfile
 import time
 import uuid
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
+from .toolchain import load_kernel_library
 
 #: seconds a collective (and forming the group) may take before it fails (torch's default is 30 min)
 DEFAULT_TIMEOUT_S = 60.0
@@ -47,9 +49,9 @@ TRANSPORTS = ("auto", "gloo", "shm")
 #: float32 values per rank slot of the shared-memory allreduce (larger tensors go over gloo)
 SHM_CAPACITY = 1 << 16
 
-#: polls of the peers' flags (about 0.5 us each) before the shared-memory allreduce starts
-#: yielding the core at each poll
-_SPINS = 200
+#: polls of the peers' flags before the shared-memory allreduce starts yielding the core at each
+#: poll (kernels/cpu/allreduce.cpp)
+_SPINS = 2000
 
 #: float32 values of the tensor 'auto' times both transports on (a decode step's hidden state is
 #: 576..8192 values), and how many allreduces of it
@@ -89,16 +91,16 @@ class ProcessGroup:
         world_size: the number of ranks (>= 1).
         master_addr, master_port: where rank 0's TCP store listens (every rank gives the same).
         timeout_s: seconds forming the group and each collective may take (positive).
-        transport: 'gloo', 'shm' (shared memory: the ranks on one x86-64 host) or 'auto' (the
-            faster of the two by measurement at ``init`` where shm can run, else gloo).
+        transport: 'gloo', 'shm' (shared memory: the ranks on one x86-64 or aarch64 host) or
+            'auto' (the faster of the two by measurement at ``init`` where shm can run, else gloo).
 
     Use ``init()`` (or ``from_env()``) to join; ``shutdown()`` to leave (idempotent).
 
     Raises:
         DistributedError: a rank outside [0, world_size), a world_size below 1, a port outside
-            [1, 65535], a non-positive timeout, an unknown transport or 'shm' off x86-64; on
-            ``init``, a group already joined in this process or one that could not form within the
-            timeout (naming the address).
+            [1, 65535], a non-positive timeout, an unknown transport or 'shm' on another
+            architecture; on ``init``, a group already joined in this process or one that could not
+            form within the timeout (naming the address).
     """
 
     def __init__(self, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
@@ -106,7 +108,7 @@ class ProcessGroup:
         if transport not in TRANSPORTS:
             raise DistributedError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if transport == "shm" and not _shm_capable():
-            raise DistributedError(f"transport='shm' needs an x86-64 host (its flags rely on x86's store order); "
+            raise DistributedError(f"transport='shm' runs on x86-64 and aarch64 hosts (kernels/cpu/allreduce.cpp); "
                                    f"this one is {platform.machine()}: use 'gloo'")
         self.transport = transport
         self.transport_us: dict[str, float] = {}
@@ -230,10 +232,20 @@ class ProcessGroup:
             self._store = None
 
 
+@functools.lru_cache(maxsize=1)
+def _allreduce_library():
+    """kernels/cpu/allreduce.cpp, built and loaded once (``runtime.toolchain``)."""
+    lib = load_kernel_library("allreduce", symbols=("yr_shm_allreduce_f32",))
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.yr_shm_allreduce_f32.argtypes = (p, p, i, i, i, i, p, i, i, i)
+    lib.yr_shm_allreduce_f32.restype = i
+    return lib
+
+
 def _shm_capable() -> bool:
-    """Whether the shared-memory allreduce can run here: x86-64 (stores seen in program order,
-    which its flags rely on)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
+    """Whether the shared-memory allreduce can run here: the architectures its kernel is built and
+    tested for (x86-64, aarch64)."""
+    return platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
 
 
 class SharedMemoryAllreduce:
@@ -267,9 +279,10 @@ class SharedMemoryAllreduce:
         dist.barrier()
         if self.rank == 0:
             os.unlink(path)
-        self._flags = np.frombuffer(self._mm, dtype=np.int64, count=W * 8)[::8]
-        self._data = torch.frombuffer(self._mm, dtype=torch.float32, offset=flag_bytes,
-                                      count=2 * W * SHM_CAPACITY).view(2, W, SHM_CAPACITY)
+        self._data = torch.frombuffer(self._mm, dtype=torch.uint8)   # keeps the mapping's address
+        self._flags_ptr = self._data.data_ptr()
+        self._data_ptr = self._flags_ptr + flag_bytes
+        self._lib = _allreduce_library()
         self._step = 0
 
     def fits(self, t: torch.Tensor) -> bool:
@@ -277,38 +290,20 @@ class SharedMemoryAllreduce:
         return t.dtype == torch.float32 and t.is_contiguous() and t.numel() <= SHM_CAPACITY and t.device.type == "cpu"
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks in place (rank order: every rank gets the same bits)."""
+        """Sum ``t`` over the ranks in place (rank order: every rank gets the same bits), in one
+        call of kernels/cpu/allreduce.cpp; DistributedError naming the first rank that did not
+        arrive within ``timeout_s``."""
         self._step += 1
-        n, slots = t.numel(), self._data[self._step & 1]
-        slots[self.rank, :n].copy_(t.reshape(-1))
-        self._flags[self.rank] = self._step
-        self._wait(self._step)
-        acc = t.reshape(-1)
-        acc.copy_(slots[0, :n])
-        for r in range(1, self.world_size):
-            acc.add_(slots[r, :n])
+        late = self._lib.yr_shm_allreduce_f32(self._flags_ptr, self._data_ptr, self.rank, self.world_size,
+                                              SHM_CAPACITY, self._step, t.data_ptr(), t.numel(), _SPINS,
+                                              int(self.timeout_s * 1e9))
+        if late:
+            raise DistributedError(f"rank {self.rank} of {self.world_size}: rank(s) [{-late - 1}] did not reach "
+                                   f"shared-memory allreduce #{self._step} within {self.timeout_s:g} s (died or hung)")
         return t
-
-    def _wait(self, step: int) -> None:
-        """Spin until every rank's flag reaches ``step``; DistributedError naming the ranks that
-        did not within ``timeout_s``."""
-        flags, spins, deadline = self._flags, 0, None
-        while flags.min() < step:
-            spins += 1
-            if spins < _SPINS:   # a peer a few microseconds behind: spin
-                continue
-            os.sched_yield()     # longer: give the core away (a peer may be waiting for it)
-            if spins % 256 == 0:
-                now = time.monotonic()
-                deadline = deadline or now + self.timeout_s
-                if now > deadline:
-                    late = [r for r in range(self.world_size) if flags[r] < step]
-                    raise DistributedError(f"rank {self.rank} of {self.world_size}: rank(s) {late} did not reach "
-                                           f"shared-memory allreduce #{step} within {self.timeout_s:g} s "
-                                           "(died or hung)")
 
     def close(self) -> None:
         """Unmap the file (idempotent)."""
-        self._flags = self._data = None
+        self._data = None
         with contextlib.suppress(BufferError, ValueError, AttributeError):
             self._mm.close()

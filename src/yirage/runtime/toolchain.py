@@ -185,6 +185,7 @@ KERNEL_LIBRARIES: dict[str, tuple[str, ...]] = {
     "strided": ("strided.cpp",),
     "indexing": ("indexing.cpp",),
     "conv": ("conv.cpp",),
+    "allreduce": ("allreduce.cpp",),
 }
 
 
