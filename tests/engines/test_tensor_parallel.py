@@ -57,17 +57,25 @@ def _allreduce_rank(rank: int, port: int, transport: str, results) -> None:
         group.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
-def test_allreduce_op_on_two_ranks(transport):
+def _two_ranks(target, *args, check_exit: bool = False) -> list:
+    """Run ``target(rank, port, *args, results)`` in 2 spawned processes on a free port; the
+    results they put, sorted by rank (each within 120 s). ``check_exit``: both must exit 0."""
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, transport, results)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = sorted(results.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-        assert p.exitcode == 0
+        if check_exit:
+            assert p.exitcode == 0
+    return got
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_allreduce_op_on_two_ranks(transport):
+    got = _two_ranks(_allreduce_rank, transport, check_exit=True)
     for rank, compiled_err, reference_err, moved, used in got:
         assert compiled_err == 0.0 and reference_err == 0.0, (rank, compiled_err, reference_err)
         assert moved > 0.1   # the other rank's values were added
@@ -114,14 +122,7 @@ def _persistent_rank(rank: int, port: int, results) -> None:
 
 
 def test_persistent_kernel_world_size_2_under_torchrun_env():
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_persistent_rank, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    got = _two_ranks(_persistent_rank)
     assert got == [(0, 0.0), (1, 0.0)]
 
 
@@ -137,14 +138,7 @@ def _disagreeing_rank(rank: int, port: int, results) -> None:
 
 
 def test_ranks_that_disagree_on_the_model_refuse_at_start():
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_disagreeing_rank, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    got = _two_ranks(_disagreeing_rank)
     for rank, message in got:
         assert f"rank {rank}: the ranks disagree on the model" in message and "b.gguf" in message
 
