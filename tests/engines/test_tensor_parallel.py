@@ -255,3 +255,13 @@ def test_cli_generate_on_two_ranks(one_rank):
     assert json.loads(proc.stdout)["token_ids"] == want
     refused = subprocess.run([*cli, "4", PROMPT], capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "cannot split 9 attention heads with 3 KV heads" in refused.stderr
+
+
+def test_shared_memory_allreduce_kernel_checks_its_sizes():
+    """kernels/cpu/allreduce.cpp never trusts the sizes it is given: a count past the slot, a rank
+    outside the world or an empty world returns 1 before touching any pointer (null ones here)."""
+    from yirage.runtime.distributed import _allreduce_library
+
+    fn = _allreduce_library().yr_shm_allreduce_f32
+    for rank, world, cap, n in [(0, 2, 16, 17), (2, 2, 16, 4), (-1, 2, 16, 4), (0, 0, 16, 4), (0, 2, 16, -1)]:
+        assert fn(None, None, rank, world, cap, 1, None, n, 10, 1000) == 1, (rank, world, cap, n)

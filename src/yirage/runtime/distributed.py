@@ -297,6 +297,9 @@ class SharedMemoryAllreduce:
         late = self._lib.yr_shm_allreduce_f32(self._flags_ptr, self._data_ptr, self.rank, self.world_size,
                                               SHM_CAPACITY, self._step, t.data_ptr(), t.numel(), _SPINS,
                                               int(self.timeout_s * 1e9))
+        if late == 1:
+            raise DistributedError(f"rank {self.rank} of {self.world_size}: the shared-memory allreduce refused its "
+                                   f"sizes ({t.numel()} values, {SHM_CAPACITY} per slot)")
         if late:
             raise DistributedError(f"rank {self.rank} of {self.world_size}: rank(s) [{-late - 1}] did not reach "
                                    f"shared-memory allreduce #{self._step} within {self.timeout_s:g} s (died or hung)")

@@ -9,7 +9,8 @@
 // The wait spins `spins` polls, then yields its core at every poll (a peer may be waiting for
 // it); after `timeout_ns` it gives up and returns -(r + 1) for the first rank r whose flag is
 // behind (died or hung), else 0. The atomics are GCC/Clang builtins: release/acquire order on
-// x86-64 and aarch64 alike. No entry reads an index from memory.
+// x86-64 and aarch64 alike. No entry reads an index from memory, and the sizes passed are
+// checked (1 <= world, 0 <= rank < world, 0 <= n <= cap): else it returns 1 and touches nothing.
 #include "yirage_prelude.h"
 
 #include <sched.h>
@@ -19,6 +20,7 @@
 
 extern "C" int64_t yr_shm_allreduce_f32(int64_t* flags, float* data, int64_t rank, int64_t world, int64_t cap,
                                         int64_t step, float* x, int64_t n, int64_t spins, int64_t timeout_ns) {
+    if (world < 1 || rank < 0 || rank >= world || n < 0 || n > cap || cap < 0 || step < 0) return 1;
     float* slots = data + (step & 1) * world * cap;
     std::memcpy(slots + rank * cap, x, (size_t)n * sizeof(float));
     __atomic_store_n(&flags[8 * rank], step, __ATOMIC_RELEASE);
