@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 
+from yirage.engines.tensor_parallel import free_port
+
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MLP(torch.nn.Module):
@@ -68,7 +63,7 @@ def test_a_dtensor_mlp_compiles_and_equals_eager_on_two_ranks(tmp_path):
     pytest.importorskip("torch.distributed.tensor.parallel")
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.SimpleQueue()
-    torch.multiprocessing.start_processes(_rank, args=(_free_port(), str(tmp_path), results), nprocs=WORLD,
+    torch.multiprocessing.start_processes(_rank, args=(free_port(), str(tmp_path), results), nprocs=WORLD,
                                          start_method="spawn")
     got = sorted(results.get() for _ in range(WORLD))
     assert [r[0] for r in got] == list(range(WORLD))

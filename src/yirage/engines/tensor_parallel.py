@@ -3,8 +3,8 @@
 ``TensorParallelSteps`` starts N rank processes (torch.multiprocessing, spawn) on this host; each
 joins a gloo group on 127.0.0.1 (``runtime.distributed``), loads the model, keeps its shard
 (``models.sharding``: q/k/v and gate/up by output rows, o and down by input columns, the rest
-replicated) and compiles the launch-per-op step plans, whose ``allreduce`` ops sum the o and down
-projections over the ranks. The caller's process is the coordinator: it holds the tokenizer and
+replicated) and compiles its decode steps (the persistent kernel by default, else the
+launch-per-op plans), whose allreduces sum the o and down projections over the ranks. The caller's process is the coordinator: it holds the tokenizer and
 the sampling loop (``engines.generate``), sends each step's token ids and start position to every
 rank, and gets rank 0's logits and argmax back; it has the same ``run`` / ``prepare`` as
 ``models.llama.StepRunner``, so ``LLM.generate`` drives either.
