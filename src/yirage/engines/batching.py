@@ -48,6 +48,10 @@ serve every step: padding rows write the scratch slot.
 Sampling is per sequence with its own ``torch.Generator`` (engines/generate.py ``_Sampling``),
 so a seeded sequence samples what ``LLM.generate`` with that seed samples alone.
 
+The model side (the batch KV cache, the step plans, the one-row kernels) is ``BatchForward``;
+under tensor parallelism each rank holds one and the engine's steps go to every rank
+(``engines.tensor_parallel.RankBatchForward``), the scheduling and sampling staying here.
+
 This module must never build graphs or touch kernels (models/llama.py and the runtime do), and
 it is driven by one thread at a time (``add`` and ``cancel`` may come from any thread).
 """
@@ -197,17 +201,31 @@ class BatchEngine:
                                   f"{llm.max_seq_length}], got {max_batch_tokens}")
         self.llm, self.model = llm, llm.model
         self.max_slots, self.max_batch_tokens = max_slots, max_batch_tokens
-        self.cache = self.model.new_batch_cache(max_slots)   # this engine's own KV cache
-        self.scratch_slot = max_slots
+        if llm.model is None:   # tensor parallelism: every rank runs the steps on its shard
+            self.forward = llm.steps.batch_forward(max_slots, max_batch_tokens)
+        else:                   # this engine's own KV cache, plans and one-row kernels
+            self.forward = BatchForward(llm.model, max_slots, max_batch_tokens, llm.persistent,
+                                        llm.steps.num_workers)
         self._free = list(range(max_slots - 1, -1, -1))   # pop() hands out slot 0 first
         self._slot_tokens: dict[int, list[int]] = {}     # slot -> the tokens its K/V rows hold
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []                # in admission order
         self._lock = threading.Lock()                     # guards _waiting (add from other threads)
-        self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._solo: collections.OrderedDict = collections.OrderedDict()   # slot -> its decode kernel
         self.steps = 0
-        self.solo_steps = 0   # the steps of one row that ran on the persistent decode kernel
+
+    @property
+    def cache(self):
+        """The batch KV cache (``LlamaModel.new_batch_cache``; on the ranks under tensor parallelism)."""
+        return self.forward.cache
+
+    @property
+    def solo_steps(self) -> int:
+        """The steps of one row that ran on the persistent decode kernel."""
+        return self.forward.solo_steps
+
+    @property
+    def _solo(self):
+        return self.forward._solo
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, prompt_ids, sampling: _Sampling | None = None, max_new_tokens: int = 128,
@@ -277,7 +295,7 @@ class BatchEngine:
         rows, samplers = self._schedule()
         if not rows:
             return events
-        logits, argmax = self._forward(rows, len(samplers))
+        logits, argmax = self.forward.run(rows, self._sample_rows)
         for seq in self._running:   # the step's K/V rows are in the cache now
             seq._written = seq.computed
         for i, seq in enumerate(samplers):
@@ -354,62 +372,6 @@ class BatchEngine:
                     samplers.append(seq)
         return rows, samplers
 
-    def _forward(self, rows: list[tuple[int, int, int]], R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the rows (padded to their buckets) through the batch graph: logits [R, vocab]
-        and argmax [R] of the sample rows, copied out of the plan."""
-        T = len(rows)
-        if T == 1 and self.llm.persistent and self.model.decode_dtype is None:
-            return self._forward_solo(rows[0], R)
-        Tb, Rb = _bucket(T, self.max_batch_tokens), _bucket(R, self.max_slots)
-        plan, ids, positions, slots, sample = self._plan(Tb, Rb)
-        pad = Tb - T
-        ids_l = [r[0] for r in rows] + [0] * pad
-        pos_l = [r[1] for r in rows] + list(range(pad))
-        slot_l = [r[2] for r in rows] + [self.scratch_slot] * pad
-        sample_l = self._sample_rows + [0] * (Rb - R)
-        ids.copy_(torch.tensor(ids_l, dtype=torch.int64))
-        positions.copy_(torch.tensor(pos_l, dtype=torch.int64))
-        slots.copy_(torch.tensor(slot_l, dtype=torch.int64))
-        sample.copy_(torch.tensor(sample_l, dtype=torch.int64))
-        logits, argmax = plan.run()
-        return logits[:R].float().cpu(), argmax[:R].cpu()
-
-    def _forward_solo(self, row: tuple[int, int, int], R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row (token, position, slot) on the persistent decode kernel of its slot: logits
-        [R, vocab] and argmax [R] (R is 0 or 1), as ``_forward`` returns them."""
-        token, position, slot = row
-        mpk = self._solo.get(slot)
-        if mpk is None:
-            if len(self._solo) >= MAX_SOLO_KERNELS:
-                self._solo.popitem(last=False)
-            mpk = self._solo[slot] = self.model.decode_kernel(
-                self.llm.steps.num_workers, k_cache=[k[slot] for k in self.cache.k],
-                v_cache=[v[slot] for v in self.cache.v])
-        self._solo.move_to_end(slot)
-        logits, argmax = mpk.run_step(token, position)
-        self.solo_steps += 1
-        return logits[:R].float().cpu(), argmax[:R].cpu()
-
-    def _plan(self, T: int, R: int):
-        """The compiled plan of (T rows, R sample rows) and its index input tensors, built on
-        first use (at most MAX_PLANS kept, least recently used dropped)."""
-        key = (T, R)
-        if key in self._plans:
-            self._plans.move_to_end(key)
-            return self._plans[key]
-        if len(self._plans) >= MAX_PLANS:
-            self._plans.popitem(last=False)
-        g, tensors = self.model.build_batch_graph(T, R, self.cache)
-        dev = self.model.device
-        idx = [torch.zeros(n, dtype=torch.int64, device=dev) for n in (T, T, T, R)]
-        cg = g.compile(self.model.backend.value)
-        if self.llm.persistent and T <= TASK_GRAPH_MAX_ROWS:
-            plan = compiled_task_graph(cg, [*idx, *tensors], get_pool(self.llm.steps.num_workers))
-        else:
-            plan = cg.plan([*idx, *tensors])
-        self._plans[key] = entry = (plan, *idx)
-        return entry
-
     # ---- tokens ---------------------------------------------------------------------------
     def _accept(self, seq: Sequence, tok: int) -> StepEvent:
         """Take ``tok`` as ``seq``'s next token (the rules of ``GenerationStream``): EOS ends it
@@ -445,3 +407,82 @@ class BatchEngine:
             self._slot_tokens[seq.slot] = (seq.prompt_ids + seq.token_ids)[:seq._written]
             self._free.append(seq.slot)
             seq.slot = None
+
+
+class BatchForward:
+    """The model side of a ``BatchEngine``: its batch KV cache (``max_slots`` slots and the
+    scratch slot), the compiled step plans and the one-row decode kernels, and ``run(rows,
+    sample_rows)``, the forward step of the rows the engine scheduled. It holds no scheduling
+    state: under tensor parallelism (``engines.tensor_parallel``) every rank runs one on its
+    shard with the rows the coordinator's engine sends, so their KV caches stay the same.
+
+    Attributes: ``cache``, ``scratch_slot``, ``solo_steps`` (the one-row steps that ran on the
+    persistent decode kernel).
+    """
+
+    def __init__(self, model, max_slots: int, max_batch_tokens: int, persistent: bool,
+                 num_workers: int | None):
+        self.model, self.max_slots, self.max_batch_tokens = model, max_slots, max_batch_tokens
+        self.persistent, self.num_workers = bool(persistent), num_workers
+        self.cache = model.new_batch_cache(max_slots)
+        self.scratch_slot = max_slots
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._solo: collections.OrderedDict = collections.OrderedDict()   # slot -> its decode kernel
+        self.solo_steps = 0
+
+    def run(self, rows: list[tuple[int, int, int]], sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the rows (token id, position, slot; padded to their buckets) through the batch
+        graph: logits [R, vocab] float32 and argmax [R] of the rows ``sample_rows`` (indices into
+        ``rows``), copied out of the plan."""
+        T, R = len(rows), len(sample_rows)
+        if T == 1 and self.persistent and self.model.decode_dtype is None:
+            return self._forward_solo(rows[0], R)
+        Tb, Rb = _bucket(T, self.max_batch_tokens), _bucket(R, self.max_slots)
+        plan, ids, positions, slots, sample = self._plan(Tb, Rb)
+        pad = Tb - T
+        ids_l = [r[0] for r in rows] + [0] * pad
+        pos_l = [r[1] for r in rows] + list(range(pad))
+        slot_l = [r[2] for r in rows] + [self.scratch_slot] * pad
+        sample_l = list(sample_rows) + [0] * (Rb - R)
+        ids.copy_(torch.tensor(ids_l, dtype=torch.int64))
+        positions.copy_(torch.tensor(pos_l, dtype=torch.int64))
+        slots.copy_(torch.tensor(slot_l, dtype=torch.int64))
+        sample.copy_(torch.tensor(sample_l, dtype=torch.int64))
+        logits, argmax = plan.run()
+        return logits[:R].float().cpu(), argmax[:R].cpu()
+
+    def _forward_solo(self, row: tuple[int, int, int], R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row (token, position, slot) on the persistent decode kernel of its slot: logits
+        [R, vocab] and argmax [R] (R is 0 or 1), as ``run`` returns them."""
+        token, position, slot = row
+        mpk = self._solo.get(slot)
+        if mpk is None:
+            if len(self._solo) >= MAX_SOLO_KERNELS:
+                self._solo.popitem(last=False)
+            mpk = self._solo[slot] = self.model.decode_kernel(
+                self.num_workers, k_cache=[k[slot] for k in self.cache.k],
+                v_cache=[v[slot] for v in self.cache.v])
+        self._solo.move_to_end(slot)
+        logits, argmax = mpk.run_step(token, position)
+        self.solo_steps += 1
+        return logits[:R].float().cpu(), argmax[:R].cpu()
+
+    def _plan(self, T: int, R: int):
+        """The compiled plan of (T rows, R sample rows) and its index input tensors, built on
+        first use (at most MAX_PLANS kept, least recently used dropped)."""
+        key = (T, R)
+        if key in self._plans:
+            self._plans.move_to_end(key)
+            return self._plans[key]
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.popitem(last=False)
+        g, tensors = self.model.build_batch_graph(T, R, self.cache)
+        dev = self.model.device
+        idx = [torch.zeros(n, dtype=torch.int64, device=dev) for n in (T, T, T, R)]
+        cg = g.compile(self.model.backend.value)
+        if self.persistent and T <= TASK_GRAPH_MAX_ROWS:
+            plan = compiled_task_graph(cg, [*idx, *tensors], get_pool(self.num_workers))
+        else:
+            plan = cg.plan([*idx, *tensors])
+        self._plans[key] = entry = (plan, *idx)
+        return entry

@@ -385,8 +385,11 @@ class LLM:
             summed by an allreduce; this process tokenizes and samples. CPU backend only; the
             ranks decode with the persistent kernel unless ``persistent=False`` (its allreduces
             run between task segments; Gemma 3 needs ``persistent=False``); no
-            ``profiler_tensor``; one sequence at a time (``generate`` of a list and
-            ``prompt_logprobs`` are refused). ``close()`` stops the ranks.
+            ``profiler_tensor``. ``generate`` of a list of prompts (and ``yirage serve``)
+            batches on the ranks: the continuous-batching engine schedules and samples here and
+            every rank runs each batched step on its shard and its share of the batch KV cache
+            (``engines.tensor_parallel.RankBatchForward``). ``prompt_logprobs`` is refused.
+            ``close()`` stops the ranks.
 
     Raises:
         ModelLoadError: the model cannot be found or parsed.
@@ -728,7 +731,6 @@ class LLM:
         ``max_batch`` slots), made on first use. Callers that drive it hold no lock of the LLM:
         one thread must step it at a time (``generate`` of a batch does, under its own lock)."""
         if self._batch_engine is None:
-            self._single_process("continuous batching (generate of a list of prompts, yirage serve)")
             from .batching import BatchEngine
             tokens = self._max_batch_tokens or min(self.max_seq_length, max(128, self.max_batch))
             self._batch_engine = BatchEngine(self, self.max_batch, tokens)

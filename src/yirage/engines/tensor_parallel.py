@@ -9,6 +9,14 @@ the sampling loop (``engines.generate``), sends each step's token ids and start 
 rank, and gets rank 0's logits and argmax back; it has the same ``run`` / ``prepare`` as
 ``models.llama.StepRunner``, so ``LLM.generate`` drives either.
 
+Continuous batching (``generate`` of a list of prompts, ``yirage serve``): the coordinator's
+``engines.batching.BatchEngine`` schedules and samples; ``batch_forward`` gives it a
+``RankBatchForward`` in place of its ``BatchForward``: every rank keeps a ``BatchForward`` of its
+own (its batch KV cache of its KV heads, plans, one-row decode kernels) and each step's rows
+(token id, position, slot) and sample rows go to every rank, so the ranks' caches get the same
+writes as one process's would; rank 0's logits come back. Nothing else touches the caches (a
+slot's prefix reuse only reads what the steps wrote).
+
 Faults: a rank that exits makes the coordinator stop every rank and raise DistributedError naming
 it (its exit code) as soon as the process is gone; a rank that hangs makes the others' allreduce
 time out (``timeout_s``) and the coordinator raise naming the ranks that did not answer; ranks
@@ -21,8 +29,10 @@ torch.multiprocessing; the ranks' work is models/llama.py's.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
+import threading
 import time
 import weakref
 from multiprocessing.connection import wait
@@ -70,9 +80,12 @@ def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, 
     """One rank: join the group, check the ranks agree, build its shard and serve steps until
     told to stop. Replies on ``conn``: ('ready', rss bytes, transport, its timing, weight bytes),
     then per step ('ok', logits, argmax) (numpy arrays on rank 0, None elsewhere) or per greedy
-    run ('ok', token ids, None); ('error', message) on any failure."""
+    run ('ok', token ids, None), per batch step ('ok', logits, argmax, solo steps) (rank 0's);
+    ('error', message) on any failure."""
+    from .batching import BatchForward
+
     torch.set_num_threads(threads)
-    group = None
+    group, batches = None, {}
     try:
         group = ProcessGroup(rank, world_size, "127.0.0.1", port, options["timeout_s"], options["transport"]).init()
         loaded = load_model(spec, progress=False, allow_nonfinite=options["allow_nonfinite"])
@@ -94,6 +107,20 @@ def _rank_main(rank: int, world_size: int, port: int, spec: str, options: dict, 
                 os._exit(9)
             if msg[0] == "greedy":
                 conn.send(("ok", steps.run_greedy(msg[1], msg[2], msg[3]), None))
+                continue
+            if msg[0] == "batch_free":   # BatchEngines the coordinator dropped (no reply)
+                for key in msg[1]:
+                    batches.pop(key, None)
+                continue
+            if msg[0] == "batch_new":
+                batches[msg[1]] = BatchForward(model, msg[2], msg[3], options["persistent"], threads)
+                conn.send(("ok", None, None))
+                continue
+            if msg[0] == "batch":
+                forward = batches[msg[1]]
+                logits, argmax = forward.run(msg[2], msg[3])
+                conn.send(("ok", logits.numpy().copy(), argmax.numpy().copy(), forward.solo_steps) if rank == 0
+                          else ("ok", None, None, None))
                 continue
             logits, argmax = steps.run(msg[1], msg[2])
             conn.send(("ok", logits.float().numpy().copy(), argmax.numpy().copy()) if rank == 0 else ("ok", None, None))
@@ -122,8 +149,11 @@ class TensorParallelSteps:
             ``run_greedy`` then runs greedy chunks on every rank.
 
     ``run(token_ids, start_pos)`` returns (logits [1, vocab] float32, argmax [1] int64) on the
-    CPU, as ``StepRunner.run``; ``rss_bytes`` each rank's resident memory once ready and
-    ``weight_bytes`` the bytes of its weights (``LlamaModel.weight_bytes``);
+    CPU, as ``StepRunner.run``; ``batch_forward(max_slots, max_batch_tokens)`` a
+    ``RankBatchForward`` for a ``BatchEngine`` (continuous batching on the ranks); calls from
+    several threads (a batch engine's and a single sequence's) take turns; ``rss_bytes`` each
+    rank's resident memory once ready and ``weight_bytes`` the bytes of its weights
+    (``LlamaModel.weight_bytes``);
     ``transport`` the allreduce the ranks chose (and ``transport_us`` rank 0's timing of both
     under 'auto'); ``close()`` stops the ranks (also when the object is collected).
 
@@ -140,6 +170,9 @@ class TensorParallelSteps:
         self.world_size = world_size
         self.persistent = bool(persistent)
         self.timeout_s = float(timeout_s)
+        self._turn = threading.Lock()   # one exchange with the ranks at a time
+        self._batch_keys = itertools.count()
+        self._freed_batches: list[int] = []   # RankBatchForwards collected: freed on the ranks at the next batch call
         threads = threads_per_rank or max(1, torch.get_num_threads() // world_size)
         options = dict(max_seq_length=max_seq_length, dtype=dtype, prefill_dtype=prefill_dtype,
                        decode_dtype=decode_dtype, kv_cache_dtype=kv_cache_dtype, timeout_s=self.timeout_s,
@@ -222,11 +255,31 @@ class TensorParallelSteps:
             except (BrokenPipeError, OSError):
                 pass   # the rank is gone: _gather names it
 
+    def _exchange(self, msg: tuple, timeout_s: float, what: str) -> list:
+        """Send ``msg`` to every rank and gather their replies, one exchange at a time."""
+        with self._turn:
+            if self._freed_batches and msg[0].startswith("batch"):
+                freed, self._freed_batches[:] = list(self._freed_batches), []
+                self._send(("batch_free", freed))
+            self._send(msg)
+            return self._gather(range(self.world_size), timeout_s, what)
+
     def run(self, token_ids: list[int], start_pos: int):
         """One forward step on every rank: (logits [1, vocab] float32, argmax [1] int64)."""
-        self._send(("run", list(token_ids), int(start_pos)))
-        replies = self._gather(range(self.world_size), self.timeout_s + 30.0, f"step at position {start_pos}")
+        replies = self._exchange(("run", list(token_ids), int(start_pos)), self.timeout_s + 30.0,
+                                 f"step at position {start_pos}")
         return torch.from_numpy(replies[0][1]), torch.from_numpy(replies[0][2])
+
+    def batch_forward(self, max_slots: int, max_batch_tokens: int) -> "RankBatchForward":
+        """A ``BatchEngine``'s forward steps on the ranks: each rank makes a ``BatchForward`` of
+        ``max_slots`` slots (its KV heads' batch cache) for the steps of the ``RankBatchForward``
+        returned; freed on the ranks once that is collected."""
+        key = next(self._batch_keys)
+        self._exchange(("batch_new", key, int(max_slots), int(max_batch_tokens)), START_TIMEOUT_S + self.timeout_s,
+                       "a batch KV cache")
+        forward = RankBatchForward(self, key)
+        weakref.finalize(forward, self._freed_batches.append, key)
+        return forward
 
     def run_greedy(self, token: int, start_pos: int, n: int) -> list[int]:
         """Up to ``n`` greedy steps on every rank's persistent kernel (``StepRunner.run_greedy``):
@@ -234,8 +287,8 @@ class TensorParallelSteps:
         without ``persistent``."""
         if not self.persistent:
             raise GenerationError("run_greedy needs the persistent decode kernel (persistent=True)")
-        self._send(("greedy", int(token), int(start_pos), int(n)))
-        replies = self._gather(range(self.world_size), n * (self.timeout_s + 30.0), f"greedy steps from {start_pos}")
+        replies = self._exchange(("greedy", int(token), int(start_pos), int(n)), n * (self.timeout_s + 30.0),
+                                 f"greedy steps from {start_pos}")
         if any(r[1] != replies[0][1] for r in replies):
             self._fail(f"the ranks' greedy tokens differ from position {start_pos}: {[r[1] for r in replies]}")
         return replies[0][1]
@@ -247,6 +300,32 @@ class TensorParallelSteps:
     def close(self) -> None:
         """Stop every rank (idempotent)."""
         self._finalizer()
+
+
+class RankBatchForward:
+    """``engines.batching.BatchForward``'s ``run`` on every rank of a ``TensorParallelSteps``
+    (made by its ``batch_forward``): each step's rows and sample rows go to every rank, whose
+    ``BatchForward`` runs them on its shard; rank 0's logits [R, vocab] float32 and argmax [R]
+    come back. ``solo_steps``: rank 0's one-row steps on its persistent decode kernel. The
+    KV cache lives on the ranks: ``cache`` is a GenerationError."""
+
+    def __init__(self, steps: TensorParallelSteps, key: int):
+        self.steps, self.key = steps, key
+        self.solo_steps = 0
+        self._solo: dict = {}   # the one-row kernels are the ranks'
+
+    @property
+    def cache(self):
+        raise GenerationError(f"the batch KV cache lives on the {self.steps.world_size} tensor-parallel ranks "
+                              "(each holds its KV heads' share)")
+
+    def run(self, rows: list[tuple[int, int, int]], sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [(int(t), int(p), int(s)) for t, p, s in rows]
+        what = f"batch step of {len(rows)} rows"
+        reply = self.steps._exchange(("batch", self.key, rows, [int(i) for i in sample_rows]),
+                                     self.steps.timeout_s + 60.0, what)[0]
+        self.solo_steps = reply[3]
+        return torch.from_numpy(reply[1]), torch.from_numpy(reply[2])
 
 
 def _stop(conns, procs) -> None:
