@@ -599,9 +599,12 @@ def embed(sources, model, backend, int8, dtype, normalize, batch_size, fmt, outp
                    "--replicas; 1 when autoscaled).")
 @click.option("--autoscale", default=None, metavar="MIN:MAX",
               help="Ray Serve autoscaling between MIN and MAX replicas (target: --parallel requests per replica).")
+@click.option("--tensor-parallel-size", type=int, default=1, show_default=True,
+              help="Split the LLM over this many rank processes on this host (CPU; shared memory or gloo between "
+                   "them); continuous batching runs each step on every rank. Not with --replicas/--autoscale.")
 def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_batch_tokens, api_key, api_key_file,
           max_queue, timeout, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template_file, replicas, ray_address,
-          cpus_per_replica, autoscale) -> None:
+          cpus_per_replica, autoscale, tensor_parallel_size) -> None:
     """Serve the LLM (and an embedding model) with an OpenAI-compatible API: /v1/models,
     /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /metrics."""
     try:
@@ -612,7 +615,7 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
         _fail(f"yirage serve needs the serve extra ({e.name} is missing): pip install 'yirage[serve]'")
     try:
         for name, value in (("--parallel", parallel), ("--ctx-size", ctx_size), ("--max-queue", max_queue),
-                            ("--max-body-bytes", max_body_bytes)):
+                            ("--max-body-bytes", max_body_bytes), ("--tensor-parallel-size", tensor_parallel_size)):
             if value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value}")
         if max_batch_tokens is not None and parallel == 1:
@@ -644,13 +647,19 @@ def serve(model, embedding_model, host, port, backend, parallel, ctx_size, max_b
                                   "--autoscale MIN:MAX")
         if replicas is not None and autoscale is not None:
             raise GenerationError("give --replicas N (a fixed count) or --autoscale MIN:MAX, not both")
+        if tensor_parallel_size > 1 and on_ray:
+            raise GenerationError("--tensor-parallel-size splits one engine's model over processes on this host; "
+                                  "Ray replicas each run one process: not with --replicas/--autoscale")
+        if tensor_parallel_size > 1 and llm is None:
+            raise GenerationError("--tensor-parallel-size splits the LLM: give an LLM (-m)")
         for name, value in (("--replicas", replicas), ("--cpus-per-replica", cpus_per_replica)):
             if value is not None and value < 1:
                 raise GenerationError(f"{name} must be a positive integer, got {value}")
         from .serve import ServeOptions, run_server
 
         options = ServeOptions(llm, embedding_model, backend, ctx_size, api_key, max_queue, timeout, parallel,
-                               max_batch_tokens, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template)
+                               max_batch_tokens, kv_cache_dtype, decode_dtype, max_body_bytes, chat_template,
+                               tensor_parallel_size)
         if on_ray:
             from .scale.replicas import parse_autoscale, run_replicas
 

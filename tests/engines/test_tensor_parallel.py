@@ -5,6 +5,9 @@
 - SmolLM2 (9 heads, 3 KV heads: 2 + 1 KV heads on the ranks) split over 2 ranks, on the persistent
   kernels and on the plans: greedy tokens over 32 steps equal one process's, and the last step's
   logits within 1e-4; Gemma 3 270M (1 KV head, replicated; Q4_K) the same where installed;
+- continuous batching on the ranks: generate() of 4 prompts equals one process's batch token for
+  token, and ``yirage serve --tensor-parallel-size 2`` answers greedy chat completions as one
+  process does (prompt_logprobs refused there with a 400);
 - PersistentKernel(world_size=2) under torchrun's environment;
 - a world size that cannot split the heads, or a split that would cut a quantization block, is
   refused with the sizes before any process starts;
@@ -201,9 +204,26 @@ def test_gemma3_two_ranks_match_one():
     assert (got_logits - want_logits).abs().max().item() < 1e-4
 
 
+BATCH = [PROMPT, "Name three colors.", "Count to five.", "Who wrote Hamlet?"]
+
+
+def test_batch_of_prompts_on_two_ranks_matches_one(one_rank, two_ranks):
+    """generate([...]) on the ranks: the coordinator's BatchEngine schedules (prefill chunks, one
+    decode row per sequence, one-row steps at the tail) and every rank runs each step on its shard
+    and its share of the batch KV cache: 16 greedy tokens each equal one process's batch."""
+    want = one_rank.generate(BATCH, max_new_tokens=16, ignore_eos=True)
+    got = two_ranks.generate(BATCH, max_new_tokens=16, ignore_eos=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(len(g.token_ids) == 16 for g in got)
+    # a second batch reuses the ranks' slots (and their cached prefixes) as one process does
+    again = two_ranks.generate(BATCH[:2], max_new_tokens=4, ignore_eos=True)
+    assert [g.token_ids for g in again] == [w.token_ids[:4] for w in want[:2]]
+    assert all(g.cached_tokens > 0 for g in again)
+
+
 def test_tensor_parallel_refuses_what_it_does_not_run(two_ranks):
-    with pytest.raises(yr.GenerationError, match="tensor_parallel_size=2"):
-        two_ranks.generate([PROMPT, PROMPT], max_new_tokens=2)
+    with pytest.raises(yr.GenerationError, match="prompt_logprobs is not available with tensor_parallel_size=2"):
+        two_ranks.prompt_logprobs(PROMPT)
     with pytest.raises(yr.GenerationError, match="profiler_tensor"):
         yr.LLM(MODEL, tensor_parallel_size=2, profiler_tensor=torch.zeros(16, 6, dtype=torch.int64))
 
@@ -265,3 +285,45 @@ def test_shared_memory_allreduce_kernel_checks_its_sizes():
     fn = _allreduce_library().yr_shm_allreduce_f32
     for rank, world, cap, n in [(0, 2, 16, 17), (2, 2, 16, 4), (-1, 2, 16, 4), (0, 0, 16, 4), (0, 2, 16, -1)]:
         assert fn(None, None, rank, world, cap, 1, None, n, 10, 1000) == 1, (rank, world, cap, n)
+
+
+def test_cli_serve_on_two_ranks(one_rank):
+    """``yirage serve --tensor-parallel-size 2`` (continuous batching of 2 sequences on the ranks):
+    two concurrent greedy chat completions through the openai client each equal one process's."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    import concurrent.futures
+    import contextlib
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "yirage.cli", "serve", "--port", str(port), "--parallel", "2",
+                             "--ctx-size", "128", "--tensor-parallel-size", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the server did not become ready"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+        def ask(question):
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                               max_tokens=16, temperature=0)
+            return r.choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ask, BATCH[:2]))
+        want = [one_rank.generate(q, max_new_tokens=16).text for q in BATCH[:2]]
+        assert got == want
+        scored = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1,
+                                                             "echo": True, "logprobs": 1}, timeout=60)
+        assert scored.status_code == 400 and "prompt_logprobs is not available" in scored.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -17,7 +17,8 @@ def load_models(options: ServeOptions):
     from ..engines.generate import LLM
 
     llm = (LLM(options.model, backend=options.backend, max_seq_length=options.ctx_size,
-               kv_cache_dtype=options.kv_cache_dtype, decode_dtype=options.decode_dtype) if options.model else None)
+               kv_cache_dtype=options.kv_cache_dtype, decode_dtype=options.decode_dtype,
+               tensor_parallel_size=options.tensor_parallel_size) if options.model else None)
     emb = EmbeddingModel(options.embedding_model, backend=options.backend) if options.embedding_model else None
     return llm, emb
 

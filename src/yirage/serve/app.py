@@ -45,7 +45,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import logger
-from ..errors import YirageError
+from ..errors import GenerationError, YirageError
 from .engine import BatchingEngine, GenerationJob, LLMEngine, QueueFull
 from .metrics import Metrics
 from ..engines.generate import TokenLogprob
@@ -67,7 +67,8 @@ class ServeOptions:
     ``BatchingEngine``'s default), ``kv_cache_dtype`` (the LLM's: None or 'float16'),
     ``decode_dtype`` (the LLM's: None or 'int8'), ``max_body_bytes`` (a larger request body gets
     413 before it is read whole), ``chat_template`` (a jinja2 chat template, the text of
-    ``--chat-template-file``, used instead of the model's; None: the model's)."""
+    ``--chat-template-file``, used instead of the model's; None: the model's),
+    ``tensor_parallel_size`` (the LLM's: its ranks on this host; 1: this process runs it)."""
 
     model: str | None = None
     embedding_model: str | None = None
@@ -82,6 +83,7 @@ class ServeOptions:
     decode_dtype: str | None = None
     max_body_bytes: int = 32 << 20
     chat_template: str | None = None
+    tensor_parallel_size: int = 1
 
 
 #: JSON nesting deeper than this is refused (400): OpenAI bodies nest a few levels, a tool's
@@ -322,7 +324,10 @@ def create_app(options: ServeOptions, llm=None, embedder=None,
             text = prompt if isinstance(prompt, str) else s.llm.tokenizer.decode(ids, skip_special_tokens=False)
             scored = None
             if req.logprobs is not None:
-                scored = await run_in_threadpool(s.llm.prompt_logprobs, ids, req.logprobs)
+                try:
+                    scored = await run_in_threadpool(s.llm.prompt_logprobs, ids, req.logprobs)
+                except GenerationError as e:   # what this LLM cannot score (tensor_parallel_size > 1)
+                    raise BadRequest(str(e), param="logprobs") from None
                 scored[0] = TokenLogprob(ids[0], None)   # the first token, scored against nothing
             echo = (text, scored)
         return await _respond(s, request, req, ids, req.max_tokens, "text", ignore_eos=req.ignore_eos, echo=echo)
