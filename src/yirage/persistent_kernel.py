@@ -278,19 +278,42 @@ class PersistentKernel:
 
     # ---- layers (MPK names) -------------------------------------------------------------
     def embed_layer(self, input, weight, output, grid_dim=None, block_dim=None, input_source: int = 0,
-                    scale: float | None = None):
+                    scale: float | None = None, vocab_rows=None, vocab_mask=None):
         """output [1, H] = row ``tokens[step]`` of weight [V, H] (float32 or a block-quantized
         type, decoded to float32), times ``scale`` when given (Gemma 3: sqrt(H), in the output's
         dtype). ``input`` is the handle of the attached tokens tensor (or an attached int64 [1]
-        tensor of token ids); ``input_source`` must be 0."""
+        tensor of token ids); ``input_source`` must be 0.
+
+        A vocab-parallel embedding (``world_size > 1``; Megatron's ``VocabParallelEmbedding``):
+        ``weight`` [n, H] holds this rank's n rows of the vocabulary, ``vocab_rows`` (int64
+        [V]: each token's row in ``weight``) and ``vocab_mask`` (float32 [V, 1]: 1 for the tokens
+        this rank holds, 0 for the others) are attached handles; the output is then
+        ``weight[vocab_rows[t]] * vocab_mask[t]``, zeros for a token another rank holds, and the
+        caller sums it over the ranks (``allreduce_layer``). GraphError when only one of the two
+        is given or their shapes or dtypes differ from these."""
         _dims3("grid_dim", grid_dim), _dims3("block_dim", block_dim)
         if input_source != 0:
             raise GraphError("embed_layer: input_source must be 0 (the token at the current step)")
         ids = self._read(input, "embed_layer input")
         if ids.dtype != DType.int64:
             raise GraphError(f"embed_layer: input must be int64 token ids, got {ids.dtype.value}")
-        h = self.kn_graph.embedding(self.kn_graph.reshape(ids, (1,)) if ids.shape != (1,) else ids,
-                                    self._read(weight, "embed_layer weight"))
+        g = self.kn_graph
+        ids = g.reshape(ids, (1,)) if ids.shape != (1,) else ids
+        table = self._read(weight, "embed_layer weight")
+        if (vocab_rows is None) != (vocab_mask is None):
+            raise GraphError("embed_layer: vocab_rows and vocab_mask come together (a vocab-parallel embedding)")
+        if vocab_rows is None:
+            h = g.embedding(ids, table)
+        else:
+            rows = self._read(vocab_rows, "embed_layer vocab_rows")
+            mask = self._read(vocab_mask, "embed_layer vocab_mask")
+            if (rows.dtype != DType.int64 or len(rows.shape) != 1 or mask.dtype != DType.float32
+                    or tuple(mask.shape) != (rows.shape[0], 1)):
+                raise GraphError(f"embed_layer: vocab_rows must be int64 [V] and vocab_mask float32 [V, 1], got "
+                                 f"{rows.dtype.value} {tuple(rows.shape)} and {mask.dtype.value} {tuple(mask.shape)}")
+            h = g.embedding(g.index_select(rows, 0, ids), table)
+            m = g.embedding(ids, mask)
+            h = g.mul(h, m if m.dtype == h.dtype else g.cast(m, h.dtype))
         if scale is not None:
             if isinstance(output, _Pending) and output.dtype != h.dtype and output.dtype.is_float:
                 h = self.kn_graph.cast(h, output.dtype)  # scaled in the output's dtype, as transformers does

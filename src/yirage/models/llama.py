@@ -54,7 +54,7 @@ from ..errors import GenerationError
 from ..ir.ops import INT8_COMPUTE_WEIGHTS, OPS, PLAIN_TYPES
 from ..kernel import KNGraph
 from ..persistent_kernel import PersistentKernel
-from .sharding import TensorParallelShard, shard_weights
+from .sharding import TensorParallelShard, shard_weights, vocab_lookup
 
 #: forward passes of fewer tokens keep float32 GEMMs under ``prefill_dtype='bfloat16'``: their
 #: quantized projections read the blocks in place (GEMV), which a bfloat16 GEMM cannot beat
@@ -107,7 +107,10 @@ class LlamaModel:
 
     With ``shard`` (``models.sharding.plan_shard``: tensor parallelism) the model keeps rank
     ``shard.rank``'s share of the weights (its q/KV heads and intermediate rows; the rest
-    replicated), its KV cache holds only its KV heads (``num_kv_heads`` = ``shard.num_kv_heads``),
+    replicated), its embedding table only the rows ``shard.vocab`` (a vocab-parallel lookup:
+    ``sharding.vocab_lookup``'s tables ``model.embed_tokens.rows`` / ``.mask``, zero rows for the
+    tokens other ranks hold, then an allreduce), its KV cache holds only its KV heads
+    (``num_kv_heads`` = ``shard.num_kv_heads``),
     and the graphs sum the o and down projections' partial outputs over the ranks with
     ``allreduce`` (``runtime.distributed``'s group, joined before the first run). Both the
     launch-per-op plans (``build_graph``, ``build_batch_graph``) and ``decode_kernel`` (the
@@ -154,10 +157,12 @@ class LlamaModel:
                     head_view and name == "lm_head.shard.weight"):
                 data, wtype = impl.linear_weight_layout(data, wtype, compute, embedding=table)
                 self.weights[name] = (data, wtype, shape)
-        if head_view:   # the rows of the table as it is kept (a row-group layout's groups of 16 rows are
-            data, wtype, shape = self.weights["model.embed_tokens.weight"]   # whole: plan_shard's vocab split)
-            v0, v1 = shard.vocab
-            self.weights["lm_head.shard.weight"] = (data[v0:v1], wtype, (v1 - v0, *shape[1:]))
+        if head_view:   # the head's rows are the table's rows as it is kept (one copy)
+            self.weights["lm_head.shard.weight"] = self.weights["model.embed_tokens.weight"]
+        if shard is not None:   # the vocab-parallel embedding's lookup tables (sharding.vocab_lookup)
+            rows, mask = vocab_lookup(shard, cfg.vocab_size)
+            self.weights["model.embed_tokens.rows"] = (rows.to(self.device), DType.int64, tuple(rows.shape))
+            self.weights["model.embed_tokens.mask"] = (mask.to(self.device), DType.float32, tuple(mask.shape))
         self.cos, self.sin = self._rope_cos_sin(cfg.inv_freq, cfg.attention_scaling)
         self.local_cos = self.local_sin = None  # Gemma 3's sliding layers: their own RoPE base
         if cfg.local_inv_freq is not None:
@@ -307,7 +312,13 @@ class LlamaModel:
             return g.linear(x, weight(prefix + ".weight"), bias,
                             compute_dtype="bfloat16" if bf16 and quantized else None)
 
-        h = g.embedding(ids, weight("model.embed_tokens.weight"))
+        if self.shard is None:
+            h = g.embedding(ids, weight("model.embed_tokens.weight"))
+        else:   # vocab-parallel: this rank's rows, zeros for the tokens another rank holds, summed over the ranks
+            h = g.embedding(g.index_select(weight("model.embed_tokens.rows"), 0, ids),
+                            weight("model.embed_tokens.weight"))
+            mask = g.embedding(ids, weight("model.embed_tokens.mask"))
+            h = g.allreduce(g.mul(h, mask if mask.dtype == h.dtype else g.cast(mask, h.dtype)))
         if h.dtype != self.dtype:  # a quantized table decodes to float32
             h = g.cast(h, self.dtype)
         if self.embed_scale is not None:  # Gemma: times sqrt(hidden)
@@ -400,7 +411,13 @@ class LlamaModel:
             return mpk.new_tensor((1, n), dtype, name)
 
         h = act("h.embed", H)
-        mpk.embed_layer(mpk.input_token, W("model.embed_tokens.weight"), h, scale=self.embed_scale)
+        if shard is None:
+            mpk.embed_layer(mpk.input_token, W("model.embed_tokens.weight"), h, scale=self.embed_scale)
+        else:   # vocab-parallel: this rank's rows (zeros for another rank's token), summed over the ranks
+            partial = act("h.embed_partial", H)
+            mpk.embed_layer(mpk.input_token, W("model.embed_tokens.weight"), partial, scale=self.embed_scale,
+                            vocab_rows=W("model.embed_tokens.rows"), vocab_mask=W("model.embed_tokens.mask"))
+            mpk.allreduce_layer(partial, None, h)
         cos, sin = mpk.attach_input(self.cos, "rope_cos"), mpk.attach_input(self.sin, "rope_sin")
         if self.local_cos is not None:  # Gemma 3's sliding layers
             local = (mpk.attach_input(self.local_cos, "rope_cos_local"),

@@ -13,7 +13,12 @@ Each rank of ``world_size`` keeps
   table) as ``lm_head.shard.weight``, in whole groups of 16 rows where the vocabulary allows
   (the CPU's row-group layouts); the graphs place each rank's logits at its offset and sum them
   (an allgather of disjoint slices), so every rank has all the logits;
-- everything else (the embedding table, norms) replicated.
+- a vocab-parallel embedding (Megatron's ``VocabParallelEmbedding``): the same rows ``vocab`` of
+  ``model.embed_tokens.weight`` (for a tied table the very tensor the head reads); a token's row
+  is looked up through ``vocab_lookup``'s tables (its local row, and a mask that is 0 for a token
+  another rank holds), so each rank's embedding is the token's row or zeros, and the graphs sum
+  them over the ranks (an allreduce: x + 0 is exact, so the sum equals one process's row);
+- everything else (norms, biases of q/k/v) replicated.
 
 The partial outputs of o and down are summed over the ranks by the graph's ``allreduce``
 (``models/llama.py``). Block-quantized weights (GGUF: 32 or 256 values a block) are cut along
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+import torch
 
 from ..errors import DistributedError
 from ..ir.ops import ROW_GROUP
@@ -128,21 +135,38 @@ def _cols(w: Weight, start: int, end: int) -> Weight:
 _LAYER = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
 
 
+def vocab_lookup(shard: TensorParallelShard, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables of a vocab-parallel embedding lookup on rank ``shard.rank``: (rows int64
+    [vocab_size]: token t's row in the rank's table, t - ``shard.vocab[0]`` for the tokens it
+    holds and 0 for the others; mask float32 [vocab_size, 1]: 1.0 for the tokens it holds, 0.0
+    for the others). The embedding of ids is ``table[rows[ids]] * mask[ids]``, summed over the
+    ranks; 12 bytes a vocabulary entry (0.6 MB for SmolLM2's 49152)."""
+    v0, v1 = shard.vocab
+    rows = torch.zeros(vocab_size, dtype=torch.int64)
+    rows[v0:v1] = torch.arange(v1 - v0, dtype=torch.int64)
+    mask = torch.zeros(vocab_size, 1, dtype=torch.float32)
+    mask[v0:v1] = 1.0
+    return rows, mask
+
+
 def shard_weights(weights: dict[str, Weight], cfg: ModelConfig, shard: TensorParallelShard) -> dict[str, Weight]:
     """The weights rank ``shard.rank`` keeps: row slices (views of the loader's tensors) of
     q/k/v/gate/up and their biases, column slices (copies) of o/down, o/down biases on rank 0
     only, the LM head's rows ``shard.vocab`` as ``lm_head.shard.weight`` (``lm_head.weight``
-    itself dropped), every other weight as it is."""
+    itself dropped), the embedding table's rows ``shard.vocab`` as ``model.embed_tokens.weight``
+    (a tied table's: the same view as the head's), every other weight as it is."""
     dh = cfg.head_dim
     rows = {"q": (shard.q_heads[0] * dh, shard.q_heads[1] * dh), "k": (shard.kv_heads[0] * dh, shard.kv_heads[1] * dh),
             "gate": shard.ffn, "up": shard.ffn}
     rows["v"] = rows["k"]
     cols = {"o": rows["q"], "down": shard.ffn}
     out: dict[str, Weight] = {}
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    out["lm_head.shard.weight"] = _rows(head, *shard.vocab)
+    table = _rows(weights["model.embed_tokens.weight"], *shard.vocab)
+    out["model.embed_tokens.weight"] = table
+    out["lm_head.shard.weight"] = (_rows(weights["lm_head.weight"], *shard.vocab) if "lm_head.weight" in weights
+                                   else table)
     for name, w in weights.items():
-        if name == "lm_head.weight":
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):
             continue
         m = _LAYER.fullmatch(name)
         if m is None:
