@@ -51,7 +51,8 @@ demo: setup
 
 # make test runs the suite twice: as this CPU is, then as an AVX2-only x86-64 CPU (an AMD Zen 3,
 # an Intel client chip: YIRAGE_ISA=avx2 builds the kernels for x86-64-v3 and caps oneDNN, MKL and
-# torch to AVX2), the second time only the tests whose code the instruction set changes. Where the
+# torch to AVX2), the second time only the tests whose code the instruction set changes. The tensor-parallel
+# tests (tests/engines/test_tensor_parallel.py: the same kernels on 2 ranks, ~40 s) run once. Where the
 # cap cannot apply (not x86-64, or no AVX2) the second pass is skipped with a line saying so.
 TEST_WORKERS ?= 2
 ISA_CAP ?= avx2
@@ -61,7 +62,7 @@ test: setup-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 	@if YIRAGE_ISA=$(ISA_CAP) $(PY) -c "from yirage.runtime.machine import isa_cap; isa_cap()" 2>/dev/null; then \
 		echo "== the tests the instruction set changes, again as an $(ISA_CAP)-only CPU (YIRAGE_ISA=$(ISA_CAP))"; \
-		YIRAGE_ISA=$(ISA_CAP) $(PY) -m pytest -q -n $(TEST_WORKERS) -k "not triton and not aarch64 and not webgpu" $(ISA_TESTS); \
+		YIRAGE_ISA=$(ISA_CAP) $(PY) -m pytest -q -n $(TEST_WORKERS) -k "not triton and not aarch64 and not webgpu and not tensor_parallel" $(ISA_TESTS); \
 	else echo "(YIRAGE_ISA=$(ISA_CAP) cannot cap this CPU: the second pass is skipped)"; fi
 
 # The documentation site (mkdocs.yml, docs/) served at http://127.0.0.1:8000 as you edit it;
