@@ -38,6 +38,8 @@ from yirage.models.registry import model_entry
 from yirage.models.sharding import plan_shard, shard_weights, vocab_lookup
 from yirage.runtime.distributed import ProcessGroup
 
+from serve_process import wait_healthy  # tests/serve_process.py
+
 MODEL = "smollm2-135m-instruct"
 PROMPT = "What is the capital of France?"
 STEPS = 32
@@ -328,7 +330,6 @@ def test_cli_serve_on_two_ranks(one_rank):
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     import concurrent.futures
-    import contextlib
     import httpx
 
     port = free_port()
@@ -337,14 +338,7 @@ def test_cli_serve_on_two_ranks(one_rank):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the server did not become ready"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.2)
+        wait_healthy(proc, base)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
         def ask(question):

@@ -21,6 +21,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from yirage.serve import ServeOptions, create_app  # noqa: E402
 
+from serve_process import wait_healthy  # noqa: E402  (tests/serve_process.py)
+
 LLM_NAME, EMB_NAME = "smollm2-135m-instruct", "all-minilm-l6-v2"
 
 
@@ -582,14 +584,7 @@ def test_the_cli_serves_on_localhost_and_drains_on_sigterm(smollm):
                              "--ctx-size", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the server did not become ready"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.2)
+        wait_healthy(proc, base)
         prompt, n = "The history of the city begins", 96
         body = {"model": LLM_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
                 "ignore_eos": True}
