@@ -220,3 +220,17 @@ def test_configuration_chosen_by_measurement(monkeypatch, M):
     entry = tuning.active_profile().entries[key]
     assert entry["choice"] in Q.candidates(M, N)
     assert thunk.provider == f"webgpu-{entry['choice']} (profile)"
+
+
+def test_block_row_bytes_checks_the_layout():
+    """The quantized linear and embedding kernels index by the row bytes it returns: a row that is
+    not whole blocks, or a tensor whose size disagrees, is refused naming the sizes."""
+    from yirage.backends.webgpu.quant import block_row_bytes
+    from yirage.dtypes import DType
+
+    per, nbytes = DType.q4_0.block                    # 32 values in 18 bytes (gguf-py's layout)
+    assert block_row_bytes(DType.q4_0, 3, 64, torch.zeros(3 * 2 * nbytes, dtype=torch.uint8), "t") == 2 * nbytes
+    with pytest.raises(YirageError, match=f"a multiple of {per} values, got 48"):
+        block_row_bytes(DType.q4_0, 3, 48, torch.zeros(3 * 36, dtype=torch.uint8), "t")
+    with pytest.raises(YirageError, match=r"\[3, 64\] is 108 bytes, got a tensor of 100"):
+        block_row_bytes(DType.q4_0, 3, 64, torch.zeros(100, dtype=torch.uint8), "t")

@@ -34,7 +34,7 @@ from ...errors import YirageError
 from ...runtime import webgpu as wg
 from . import ops as _ops
 from .library import render
-from .quant import QTYPES
+from .quant import QTYPES, block_row_bytes
 
 Thunk = Callable[[], None]
 
@@ -85,13 +85,7 @@ def bind(node, graph, args: list[wg.DeviceTensor], out: wg.DeviceTensor,
     if out.dtype != torch.float32:
         raise YirageError(f"webgpu quantized embedding: float32 output only, got {out.dtype}")
     V, H = (int(v) for v in node.attrs["w_shape"])
-    per, nbytes = qtype.block
-    if H % per:
-        raise YirageError(f"webgpu quantized embedding: a {qtype.value} table needs H a multiple of {per}, got {H}")
-    row_bytes = H // per * nbytes
-    if table.numel() != V * row_bytes:
-        raise YirageError(f"webgpu quantized embedding: a {qtype.value} table [{V}, {H}] is {V * row_bytes} bytes, "
-                          f"got a tensor of {table.numel()}")
+    row_bytes = block_row_bytes(qtype, V, H, table, "webgpu quantized embedding", "table")
     if table.offset + table.numel() >= 2 ** 32:
         raise YirageError("webgpu quantized embedding: the table's bytes pass 2^32")
     T = ids.numel()

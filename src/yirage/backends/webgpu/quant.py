@@ -137,16 +137,23 @@ def _check_buffers(x: wg.DeviceTensor, w: wg.DeviceTensor, bias: wg.DeviceTensor
     return aliased
 
 
+def block_row_bytes(qtype: DType, rows: int, cols: int, t, what: str, name: str = "weight") -> int:
+    """Bytes per row of a GGUF block-quantized [rows, cols] matrix held as its block bytes ``t``
+    (uint8, ``t.numel()`` bytes). YirageError, prefixed by ``what``, when ``cols`` is not a whole
+    number of ``qtype``'s blocks or ``t``'s size disagrees (never trusted: kernels index by it)."""
+    per, nbytes = qtype.block
+    if cols % per:
+        raise YirageError(f"{what}: a {qtype.value} {name} needs its rows a multiple of {per} values, got {cols}")
+    row_bytes = cols // per * nbytes
+    if t.numel() != rows * row_bytes:
+        raise YirageError(f"{what}: a {qtype.value} {name} [{rows}, {cols}] is {rows * row_bytes} bytes, "
+                          f"got a tensor of {t.numel()}")
+    return row_bytes
+
+
 def _layout(qtype: DType, N: int, K: int, w: wg.DeviceTensor) -> tuple[int, int]:
     """(bytes per row of W, units of 32 weights per row); YirageError when w's size disagrees."""
-    per, nbytes = qtype.block
-    if K % per:
-        raise YirageError(f"webgpu quantized linear: a {qtype.value} weight needs K a multiple of {per}, got {K}")
-    row_bytes = K // per * nbytes
-    if w.numel() != N * row_bytes:
-        raise YirageError(f"webgpu quantized linear: a {qtype.value} weight [{N}, {K}] is {N * row_bytes} bytes, "
-                          f"got a tensor of {w.numel()}")
-    return row_bytes, K // 32
+    return block_row_bytes(qtype, N, K, w, "webgpu quantized linear"), K // 32
 
 
 def qgemv(x: wg.DeviceTensor, w: wg.DeviceTensor, bias: wg.DeviceTensor | None, out: wg.DeviceTensor,
